@@ -1,0 +1,45 @@
+#pragma once
+/// @file
+/// The shape of one layer's KV cache: how many tokens, how wide a token is,
+/// how tokens are grouped into storage blocks, and the storage budget.
+
+#include <cstddef>
+#include <iosfwd>
+#include <limits>
+
+namespace ghostlink {
+
+/// Geometry and budget of a `layer_kv_cache`.
+///
+/// Every field must be non-zero; `layer_kv_cache` throws `std::system_error`
+/// with `kv_errc::invalid_config` otherwise (and when the sizes overflow).
+struct kv_cache_config {
+  /// Tokens one sequence may hold; writes at or past it fail with
+  /// `kv_errc::index_out_of_range` and `initialize(n)` clamps `n` to it.
+  std::size_t max_tokens_per_seq = 8192;
+  /// Attention heads per token.
+  std::size_t num_heads = 4;
+  /// Floats per head (the seed's `hidden_dim_per_head`).
+  std::size_t head_dim = 64;
+  /// Tokens per storage block: the unit of allocation and copy-on-write.
+  std::size_t block_tokens = 16;
+  /// Most blocks this cache may hold at once (live epochs included); a write
+  /// that needs one more fails with `kv_errc::capacity_exhausted`.
+  std::size_t max_blocks = std::numeric_limits<std::size_t>::max();
+
+  /// Floats one token's keys (or values) occupy: `num_heads * head_dim`.
+  constexpr std::size_t token_width() const noexcept { return num_heads * head_dim; }
+
+  friend bool operator==(const kv_cache_config&, const kv_cache_config&) = default;
+};
+
+/// Prints every field, e.g. `{max_tokens_per_seq=8192, num_heads=4, ...}`.
+std::ostream& operator<<(std::ostream& os, const kv_cache_config& config);
+
+namespace detail {
+/// Throws `std::system_error(kv_errc::invalid_config)` unless every field is
+/// non-zero and a block's byte size fits in `std::size_t`.
+void validate(const kv_cache_config& config);
+}  // namespace detail
+
+}  // namespace ghostlink

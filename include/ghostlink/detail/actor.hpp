@@ -1,0 +1,78 @@
+#pragma once
+// The actor behind a layer_kv_cache: a mailbox of write requests drained on
+// a strand, and the cell readers pin epochs from.
+//
+// Threads:
+// - submit(), pin(), size(), stats() are safe from any thread at any time.
+// - drain() runs only on strand_; it alone touches *writer_ and publishes
+//   into current_.
+// - A request enqueued is counted in pending_ afterwards; whoever raises
+//   pending_ from zero posts a drain, and a drain that leaves work behind
+//   posts the next, so exactly one drain is queued or running while
+//   requests wait.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include <asio/any_io_executor.hpp>
+#include <asio/strand.hpp>
+
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/epoch_cell.hpp"
+#include "ghostlink/detail/request.hpp"
+#include "ghostlink/stats.hpp"
+
+namespace ghostlink::detail {
+
+class page_writer;
+struct mailbox;
+
+class actor : public std::enable_shared_from_this<actor> {
+ public:
+  using strand_type = asio::strand<asio::any_io_executor>;
+
+  /// Throws `std::system_error(kv_errc::invalid_config)` for a bad config.
+  actor(asio::any_io_executor ex, const kv_cache_config& config);
+  /// Discards requests still in the mailbox (their handlers are destroyed
+  /// unrun); only reached when no drain is queued.
+  ~actor();
+  actor(const actor&) = delete;
+  actor& operator=(const actor&) = delete;
+
+  const kv_cache_config& config() const noexcept { return config_; }
+  const strand_type& strand() const noexcept { return strand_; }
+  /// Where a handler without an associated executor completes: the
+  /// executor the cache was made from, not the strand.
+  const asio::any_io_executor& completion_executor() const noexcept { return executor_; }
+
+  std::size_t size() const noexcept { return published_length_.load(std::memory_order_acquire); }
+  ref_ptr<epoch> pin() const noexcept { return current_.pin(); }
+  kv_cache_stats stats() const noexcept;
+
+  /// Takes ownership of `r`; its handler runs after the epoch that holds its
+  /// result is published. Never runs the handler inline.
+  void submit(request* r) noexcept;
+
+ private:
+  void schedule();
+  void drain();
+
+  const kv_cache_config config_;
+  const asio::any_io_executor executor_;
+  const strand_type strand_;
+  const ref_ptr<block_pool> pool_;
+  const std::unique_ptr<mailbox> mailbox_;
+  const std::unique_ptr<page_writer> writer_;  // strand only
+  epoch_cell current_;
+  std::atomic<std::size_t> published_length_{0};
+  std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
+  std::atomic<std::uint64_t> drains_{0};
+  std::atomic<std::uint64_t> applied_{0};
+  std::atomic<std::uint64_t> failed_{0};
+};
+
+}  // namespace ghostlink::detail

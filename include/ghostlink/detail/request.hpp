@@ -1,0 +1,125 @@
+#pragma once
+// A write request travelling through the actor's mailbox, and how its
+// completion handler is invoked.
+//
+// Lifetime: the initiating function allocates a request with the handler's
+// associated allocator and hands it to the actor (actor::submit). From then
+// on the actor owns it until it calls complete() (the handler is posted to
+// its associated executor and the request freed first, as Asio requires) or
+// discard() (the handler is destroyed unrun, as Asio destroys handlers of a
+// destroyed execution context).
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include <asio/associated_allocator.hpp>
+#include <asio/associated_executor.hpp>
+#include <asio/bind_allocator.hpp>
+#include <asio/executor_work_guard.hpp>
+#include <asio/post.hpp>
+
+#include "ghostlink/types.hpp"
+
+namespace ghostlink::detail {
+
+/// Posts `handler(args...)` to the handler's associated executor (default
+/// `io_ex`), allocating with the handler's associated allocator. Never runs
+/// the handler inline.
+template <class Handler, class IoExecutor, class... Args>
+void post_completion(Handler handler, const IoExecutor& io_ex, Args... args) {
+  auto ex = asio::get_associated_executor(handler, io_ex);
+  auto alloc = asio::get_associated_allocator(handler);
+  asio::post(ex, asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
+               std::move(h)(std::move(a)...);
+             }));
+}
+
+/// What a write request asks of the actor. A single write is a batch of one
+/// (held in `single`), so the actor has one write path.
+class request {
+ public:
+  enum class kind : unsigned char { initialize, write_batch };
+
+  kind op() const noexcept { return op_; }
+  /// For `initialize`: the requested length.
+  std::size_t length() const noexcept { return length_; }
+  /// For `write_batch`: the entries, in order.
+  std::span<const kv_write> entries() const noexcept { return entries_; }
+
+  /// Posts the handler with `ec` and frees the request.
+  void complete(std::error_code ec) { finish_(this, &ec); }
+  /// Destroys the handler unrun and frees the request.
+  void discard() noexcept { finish_(this, nullptr); }
+
+ protected:
+  using finish_fn = void (*)(request*, const std::error_code*);
+
+  request(finish_fn finish, std::size_t length) noexcept
+      : finish_(finish), op_(kind::initialize), length_(length) {}
+  request(finish_fn finish, std::span<const kv_write> entries) noexcept
+      : finish_(finish), op_(kind::write_batch), entries_(entries) {}
+  request(finish_fn finish, const kv_write& single) noexcept
+      : finish_(finish), op_(kind::write_batch), single_(single), entries_(&single_, 1) {}
+  request(const request&) = delete;
+  request& operator=(const request&) = delete;
+  ~request() = default;
+
+ private:
+  finish_fn finish_;
+  kind op_;
+  std::size_t length_ = 0;
+  kv_write single_{};
+  std::span<const kv_write> entries_;
+};
+
+/// A request carrying its completion handler and a work guard on the
+/// handler's executor (so that executor's context does not run out of work
+/// while the request waits in the mailbox).
+template <class Handler, class IoExecutor>
+class request_op final : public request {
+ public:
+  using handler_executor = asio::associated_executor_t<Handler, IoExecutor>;
+  using allocator_type = typename std::allocator_traits<
+      asio::associated_allocator_t<Handler>>::template rebind_alloc<request_op>;
+
+  /// Allocates the request with the handler's associated allocator.
+  template <class Arg>
+  static request* make(Handler&& handler, const IoExecutor& io_ex, const Arg& arg) {
+    allocator_type alloc(asio::get_associated_allocator(handler));
+    request_op* p = std::allocator_traits<allocator_type>::allocate(alloc, 1);
+    try {
+      return ::new (static_cast<void*>(p)) request_op(std::move(handler), io_ex, arg);
+    } catch (...) {
+      std::allocator_traits<allocator_type>::deallocate(alloc, p, 1);
+      throw;
+    }
+  }
+
+ private:
+  template <class Arg>
+  request_op(Handler&& handler, const IoExecutor& io_ex, const Arg& arg)
+      : request(&finish, arg),
+        work_(asio::get_associated_executor(handler, io_ex)),
+        handler_(std::move(handler)) {}
+
+  static void finish(request* base, const std::error_code* ec) {
+    auto* self = static_cast<request_op*>(base);
+    allocator_type alloc(asio::get_associated_allocator(self->handler_));
+    Handler handler(std::move(self->handler_));
+    asio::executor_work_guard<handler_executor> work(std::move(self->work_));
+    self->~request_op();
+    std::allocator_traits<allocator_type>::deallocate(alloc, self, 1);
+    if (ec) post_completion(std::move(handler), work.get_executor(), *ec);
+  }
+
+  asio::executor_work_guard<handler_executor> work_;
+  Handler handler_;
+};
+
+}  // namespace ghostlink::detail

@@ -1,0 +1,100 @@
+#pragma once
+// Paged storage: blocks of `block_tokens` tokens, the page tables that list
+// them and the immutable epochs readers pin.
+//
+// Ownership: an epoch owns its page table, a page table owns its blocks, a
+// block owns its pool. Everything here is reference counted, so the last
+// snapshot to release an epoch frees what only that epoch could reach, on
+// whatever thread it runs.
+//
+// Mutability: a published page table is never changed. A block's slots
+// below the longest length any published epoch has had are never changed
+// either; the actor (actor.cpp) writes them only into a fresh copy.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ghostlink/detail/ref_ptr.hpp"
+
+namespace ghostlink::detail {
+
+/// Counts a cache's blocks and enforces its `max_blocks` budget. Any thread
+/// may free a block (a snapshot's last release), so the counters are atomic.
+class block_pool : public ref_counted<block_pool> {
+ public:
+  block_pool(std::size_t width, std::size_t block_tokens, std::size_t max_blocks) noexcept
+      : width_(width), block_tokens_(block_tokens), max_blocks_(max_blocks) {}
+  static void destroy(block_pool* p) noexcept { delete p; }
+
+  std::size_t width() const noexcept { return width_; }
+  std::size_t block_tokens() const noexcept { return block_tokens_; }
+  /// Floats of keys (and again of values) in one block.
+  std::size_t floats_per_half() const noexcept { return width_ * block_tokens_; }
+  std::size_t blocks_in_use() const noexcept { return in_use_.load(std::memory_order_relaxed); }
+
+  /// Counts one block against the budget; false when the budget is spent.
+  bool reserve() noexcept;
+  void unreserve() noexcept { in_use_.fetch_sub(1, std::memory_order_relaxed); }
+
+ private:
+  const std::size_t width_;
+  const std::size_t block_tokens_;
+  const std::size_t max_blocks_;
+  std::atomic<std::size_t> in_use_{0};
+};
+
+/// Keys then values of `block_tokens` tokens, in one 64-byte aligned
+/// allocation.
+class block : public ref_counted<block> {
+ public:
+  /// Whether a block counts against the pool's budget: every block does but
+  /// a cache's one shared zero block, so `max_blocks` counts data blocks.
+  enum class budget : bool { counted, exempt };
+
+  /// A zero-filled block, or null when the pool's budget or memory is spent.
+  static ref_ptr<block> make(block_pool& pool, std::uint64_t born_epoch, budget b = budget::counted) noexcept;
+  static void destroy(block* b) noexcept;
+
+  float* keys() noexcept { return data(); }
+  float* values() noexcept { return data() + pool_->floats_per_half(); }
+  const float* keys() const noexcept { return const_cast<block*>(this)->keys(); }
+  const float* values() const noexcept { return const_cast<block*>(this)->values(); }
+
+  /// The first epoch that can see this block; set before it is published.
+  std::uint64_t born_epoch() const noexcept { return born_epoch_; }
+
+ private:
+  block(block_pool& pool, std::uint64_t born_epoch, budget b) noexcept;
+  ~block() = default;
+  float* data() noexcept;
+
+  ref_ptr<block_pool> pool_;
+  std::uint64_t born_epoch_;
+  budget budget_;
+};
+
+/// Block `i` holds tokens `[i * block_tokens, (i + 1) * block_tokens)`.
+/// Covers at least the epoch's length; never changed once published.
+struct page_table : ref_counted<page_table> {
+  static void destroy(page_table* t) noexcept { delete t; }
+  std::vector<ref_ptr<block>> blocks;
+};
+
+/// One published state of a cache: what a snapshot pins.
+struct epoch : ref_counted<epoch> {
+  epoch(std::uint64_t number, std::size_t length, ref_ptr<page_table> table, std::size_t width,
+        std::size_t block_tokens) noexcept
+      : number(number), length(length), table(std::move(table)), width(width), block_tokens(block_tokens) {}
+  static void destroy(epoch* e) noexcept { delete e; }
+
+  const std::uint64_t number;
+  const std::size_t length;
+  const ref_ptr<page_table> table;
+  const std::size_t width;
+  const std::size_t block_tokens;
+};
+
+}  // namespace ghostlink::detail

@@ -1,0 +1,11 @@
+#pragma once
+/// @file
+/// ghostlink: the key/value cache of a transformer layer as an actor-based
+/// async component for Asio. Include this header for the whole public API.
+
+#include "ghostlink/config.hpp"
+#include "ghostlink/error.hpp"
+#include "ghostlink/layer_kv_cache.hpp"
+#include "ghostlink/snapshot.hpp"
+#include "ghostlink/stats.hpp"
+#include "ghostlink/types.hpp"

@@ -1,0 +1,90 @@
+#include "ghostlink/detail/actor.hpp"
+
+#include <array>
+
+#include <asio/post.hpp>
+
+#include "ghostlink/error.hpp"
+#include "mailbox.hpp"
+#include "page_writer.hpp"
+
+namespace ghostlink::detail {
+namespace {
+
+// Requests one drain takes before it publishes: large enough to commit a
+// burst of writers as one epoch, small enough to keep a drain short.
+constexpr std::size_t drain_capacity = 128;
+
+ref_ptr<block_pool> make_pool(const kv_cache_config& config) {
+  validate(config);
+  return ref_ptr<block_pool>::adopt(new block_pool(config.token_width(), config.block_tokens, config.max_blocks));
+}
+
+}  // namespace
+
+actor::actor(asio::any_io_executor ex, const kv_cache_config& config)
+    : config_(config),
+      executor_(std::move(ex)),
+      strand_(asio::make_strand(executor_)),
+      pool_(make_pool(config_)),
+      mailbox_(std::make_unique<mailbox>()),
+      writer_(std::make_unique<page_writer>(config_, pool_)),
+      current_(writer_->initial_epoch()) {}
+
+actor::~actor() {
+  request* r = nullptr;
+  while (mailbox_->queue.try_dequeue(r)) r->discard();
+}
+
+void actor::submit(request* r) noexcept {
+  if (!mailbox_->queue.enqueue(r)) {
+    r->complete(kv_errc::capacity_exhausted);  // the mailbox could not grow
+    return;
+  }
+  if (pending_.fetch_add(1, std::memory_order_acq_rel) == 0) schedule();
+}
+
+void actor::schedule() {
+  asio::post(strand_, [self = shared_from_this()] { self->drain(); });
+}
+
+void actor::drain() {
+  std::array<request*, drain_capacity> batch;
+  std::array<std::error_code, drain_capacity> results;
+  const std::size_t n = mailbox_->queue.try_dequeue_bulk(batch.begin(), batch.size());
+
+  std::uint64_t applied = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    results[i] = writer_->apply(*batch[i]);
+    applied += results[i] ? 0 : 1;
+  }
+  if (writer_->has_changes()) {
+    current_.publish(writer_->publish());
+    published_length_.store(writer_->length(), std::memory_order_release);
+  }
+  drains_.fetch_add(1, std::memory_order_relaxed);
+  applied_.fetch_add(applied, std::memory_order_relaxed);
+  failed_.fetch_add(n - applied, std::memory_order_relaxed);
+
+  // Handlers are posted only now, after the epoch holding their results is
+  // published: that is what makes read-your-writes hold.
+  for (std::size_t i = 0; i < n; ++i) batch[i]->complete(results[i]);
+
+  const auto taken = static_cast<std::int64_t>(n);
+  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0) schedule();
+}
+
+kv_cache_stats actor::stats() const noexcept {
+  kv_cache_stats s;
+  ref_ptr<epoch> latest = pin();
+  s.epoch = latest->number;
+  s.size = latest->length;
+  s.drains = drains_.load(std::memory_order_relaxed);
+  s.requests_applied = applied_.load(std::memory_order_relaxed);
+  s.requests_failed = failed_.load(std::memory_order_relaxed);
+  s.blocks_in_use = pool_->blocks_in_use();
+  s.bytes_in_use = s.blocks_in_use * 2 * pool_->floats_per_half() * sizeof(float);
+  return s;
+}
+
+}  // namespace ghostlink::detail

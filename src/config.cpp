@@ -1,0 +1,36 @@
+#include "ghostlink/config.hpp"
+
+#include <limits>
+#include <ostream>
+#include <system_error>
+
+#include "ghostlink/error.hpp"
+
+namespace ghostlink {
+
+std::ostream& operator<<(std::ostream& os, const kv_cache_config& c) {
+  os << "{max_tokens_per_seq=" << c.max_tokens_per_seq << ", num_heads=" << c.num_heads
+     << ", head_dim=" << c.head_dim << ", block_tokens=" << c.block_tokens << ", max_blocks=";
+  if (c.max_blocks == std::numeric_limits<std::size_t>::max())
+    os << "unlimited";
+  else
+    os << c.max_blocks;
+  return os << '}';
+}
+
+namespace detail {
+
+void validate(const kv_cache_config& c) {
+  constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+  const bool zero = c.max_tokens_per_seq == 0 || c.num_heads == 0 || c.head_dim == 0 || c.block_tokens == 0 ||
+                    c.max_blocks == 0;
+  // A block holds 2 * block_tokens * token_width floats; that many bytes,
+  // and a token index times the width, must not overflow.
+  const bool overflow = zero || c.num_heads > max / c.head_dim ||
+                        c.token_width() > max / (2 * sizeof(float)) / c.block_tokens ||
+                        c.token_width() > max / c.max_tokens_per_seq;
+  if (zero || overflow) throw std::system_error(make_error_code(kv_errc::invalid_config));
+}
+
+}  // namespace detail
+}  // namespace ghostlink

@@ -1,0 +1,38 @@
+#include "ghostlink/error.hpp"
+
+#include <string>
+
+namespace ghostlink {
+namespace {
+
+class kv_category_impl final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "ghostlink.kv"; }
+
+  std::string message(int ev) const override {
+    switch (static_cast<kv_errc>(ev)) {
+      case kv_errc::zero_length: return "sequence length must be greater than zero";
+      case kv_errc::length_mismatch: return "keys/values length mismatch";
+      case kv_errc::width_mismatch: return "keys/values must hold token_width() = num_heads * head_dim elements";
+      case kv_errc::index_out_of_range: return "token index out of bounds";
+      case kv_errc::not_initialized: return "cache not initialized: call initialize() first";
+      case kv_errc::invalid_range: return "range begin must be <= end";
+      case kv_errc::range_out_of_bounds: return "range end exceeds the current length";
+      case kv_errc::buffer_too_small: return "output buffer is shorter than the data";
+      case kv_errc::invalid_config: return "invalid kv_cache_config: every field must be non-zero and sizes must fit";
+      case kv_errc::capacity_exhausted: return "no storage left under the configured block budget";
+    }
+    return "unknown ghostlink.kv error " + std::to_string(ev);
+  }
+};
+
+}  // namespace
+
+const std::error_category& kv_category() noexcept {
+  static const kv_category_impl category;
+  return category;
+}
+
+std::error_code make_error_code(kv_errc e) noexcept { return {static_cast<int>(e), kv_category()}; }
+
+}  // namespace ghostlink

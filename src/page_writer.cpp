@@ -1,0 +1,142 @@
+#include "page_writer.hpp"
+
+#include <algorithm>
+#include <new>
+
+#include "ghostlink/error.hpp"
+
+namespace ghostlink::detail {
+
+page_writer::page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool)
+    : config_(config), pool_(std::move(pool)), table_(ref_ptr<page_table>::adopt(new page_table)) {}
+
+ref_ptr<epoch> page_writer::initial_epoch() { return publish(); }
+
+ref_ptr<epoch> page_writer::publish() {
+  auto e = ref_ptr<epoch>::adopt(new epoch(next_epoch_, length_, table_, config_.token_width(), config_.block_tokens));
+  ++next_epoch_;
+  published_high_water_ = std::max(published_high_water_, length_);
+  table_private_ = false;
+  changed_ = false;
+  return e;
+}
+
+std::error_code page_writer::apply(const request& r) {
+  try {
+    if (r.op() == request::kind::initialize) return initialize(r.length());
+    return write(r.entries());
+  } catch (const std::bad_alloc&) {
+    // Only table copies and the undo log allocate with exceptions, before
+    // any token is written; write() undoes its own, initialize() has none.
+    return kv_errc::capacity_exhausted;
+  }
+}
+
+std::error_code page_writer::validate(std::span<const kv_write> entries) const noexcept {
+  const std::size_t width = config_.token_width();
+  for (const kv_write& w : entries) {
+    if (w.keys.size() != w.values.size()) return kv_errc::length_mismatch;
+    if (w.keys.size() != width) return kv_errc::width_mismatch;
+    if (w.index >= config_.max_tokens_per_seq) return kv_errc::index_out_of_range;
+  }
+  if (!entries.empty() && !initialized_) return kv_errc::not_initialized;
+  return {};
+}
+
+std::error_code page_writer::initialize(std::size_t seq_len) {
+  if (seq_len == 0) return kv_errc::zero_length;
+  const std::size_t length = std::min(seq_len, config_.max_tokens_per_seq);
+  if (length > length_) {
+    if (!cover((length + config_.block_tokens - 1) / config_.block_tokens)) return kv_errc::capacity_exhausted;
+    length_ = length;
+    changed_ = true;
+  }
+  if (!initialized_) changed_ = initialized_ = true;
+  return {};
+}
+
+std::error_code page_writer::write(std::span<const kv_write> entries) {
+  if (std::error_code ec = validate(entries)) return ec;
+  if (entries.empty()) return {};
+
+  // Phase 1: make every target block writable. This allocates and copies but
+  // changes no token's value, so undoing it is putting the old blocks back.
+  const std::size_t bt = config_.block_tokens;
+  const std::size_t old_blocks = table_->blocks.size();
+  std::vector<std::pair<std::size_t, ref_ptr<block>>> undo;
+  undo.reserve(entries.size());  // so recording an undo step cannot throw
+  std::size_t end = length_;
+  for (const kv_write& w : entries) end = std::max(end, w.index + 1);
+  bool ok = false;
+  try {
+    ok = cover((end + bt - 1) / bt);
+    for (auto w = entries.begin(); ok && w != entries.end(); ++w) ok = make_writable(w->index / bt, w->index, undo);
+  } catch (const std::bad_alloc&) {
+    ok = false;  // a table copy failed; what phase 1 did so far is undone below
+  }
+  if (!ok) {
+    if (table_->blocks.size() != old_blocks || !undo.empty()) {
+      auto& blocks = editable_blocks();
+      for (auto it = undo.rbegin(); it != undo.rend(); ++it) blocks[it->first] = std::move(it->second);
+      blocks.resize(old_blocks);
+    }
+    return kv_errc::capacity_exhausted;
+  }
+
+  // Phase 2: copy the data in. Cannot fail.
+  const std::size_t width = config_.token_width();
+  for (const kv_write& w : entries) {
+    block& blk = *table_->blocks[w.index / bt];
+    const std::size_t at = (w.index % bt) * width;
+    std::copy(w.keys.begin(), w.keys.end(), blk.keys() + at);
+    std::copy(w.values.begin(), w.values.end(), blk.values() + at);
+  }
+  length_ = end;
+  changed_ = true;
+  return {};
+}
+
+std::vector<ref_ptr<block>>& page_writer::editable_blocks() {
+  if (!table_private_) {
+    auto copy = ref_ptr<page_table>::adopt(new page_table);
+    copy->blocks.reserve(std::max(table_->blocks.size() + 1, (length_ + config_.block_tokens) / config_.block_tokens));
+    copy->blocks = table_->blocks;
+    table_ = std::move(copy);
+    table_private_ = true;
+  }
+  return table_->blocks;
+}
+
+bool page_writer::cover(std::size_t blocks) {
+  if (blocks <= table_->blocks.size()) return true;
+  if (!zero_block()) return false;
+  editable_blocks().resize(blocks, zero_block_);
+  return true;
+}
+
+bool page_writer::make_writable(std::size_t b, std::size_t index,
+                                std::vector<std::pair<std::size_t, ref_ptr<block>>>& undo) {
+  if (writable_in_place(*table_->blocks[b], index)) return true;
+  ref_ptr<block>& slot = editable_blocks()[b];
+  ref_ptr<block> fresh = block::make(*pool_, next_epoch_);
+  if (!fresh) return false;
+  if (slot != zero_block_) {
+    const std::size_t floats = pool_->floats_per_half();
+    std::copy_n(slot->keys(), floats, fresh->keys());
+    std::copy_n(slot->values(), floats, fresh->values());
+  }
+  undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
+  return true;
+}
+
+bool page_writer::writable_in_place(const block& blk, std::size_t index) const noexcept {
+  if (&blk == zero_block_.get()) return false;
+  return blk.born_epoch() == next_epoch_ || index >= published_high_water_;
+}
+
+const ref_ptr<block>& page_writer::zero_block() {
+  if (!zero_block_) zero_block_ = block::make(*pool_, 0, block::budget::exempt);
+  return zero_block_;
+}
+
+}  // namespace ghostlink::detail

@@ -1,0 +1,71 @@
+#pragma once
+// The actor's private storage state and the only code that mutates blocks.
+//
+// Strand only: every member of page_writer is read and written by the
+// actor's drain, on the actor's strand, and nowhere else. Readers never see
+// this object; they see the epochs publish() hands out.
+//
+// Invariants:
+// - table_ covers exactly ceil(length_ / block_tokens) blocks, none null.
+// - A block is writable in place at index i only if it is not the shared
+//   zero block and either it was born in the epoch being built (no
+//   published epoch references it) or i >= published_high_water_ (no
+//   published epoch covers that slot). Anything else is copied first.
+// - table_private_ is true only while table_ has not been published; a
+//   published table is never edited.
+// - apply() changes nothing visible unless it returns success.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/request.hpp"
+#include "ghostlink/detail/storage.hpp"
+
+namespace ghostlink::detail {
+
+class page_writer {
+ public:
+  page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool);
+
+  /// Epoch 0: empty. Published once, when the actor is built.
+  ref_ptr<epoch> initial_epoch();
+  /// Applies one request all-or-nothing to the working state.
+  std::error_code apply(const request& r);
+  /// True when something was applied since the last publish().
+  bool has_changes() const noexcept { return changed_; }
+  /// Freezes the working state into the next epoch.
+  ref_ptr<epoch> publish();
+  std::size_t length() const noexcept { return length_; }
+
+ private:
+  std::error_code validate(std::span<const kv_write> entries) const noexcept;
+  std::error_code initialize(std::size_t seq_len);
+  std::error_code write(std::span<const kv_write> entries);
+
+  /// The working table, copied from the published one on first edit.
+  std::vector<ref_ptr<block>>& editable_blocks();
+  /// Grows the table to `blocks` entries of the zero block.
+  bool cover(std::size_t blocks);
+  /// Makes block `b` writable at token `index`; records what it replaced.
+  bool make_writable(std::size_t b, std::size_t index, std::vector<std::pair<std::size_t, ref_ptr<block>>>& undo);
+  bool writable_in_place(const block& blk, std::size_t index) const noexcept;
+  const ref_ptr<block>& zero_block();
+
+  const kv_cache_config config_;
+  const ref_ptr<block_pool> pool_;
+  ref_ptr<page_table> table_;
+  bool table_private_ = false;
+  ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
+  std::size_t length_ = 0;
+  std::size_t published_high_water_ = 0;
+  std::uint64_t next_epoch_ = 0;
+  bool initialized_ = false;
+  bool changed_ = false;
+};
+
+}  // namespace ghostlink::detail
