@@ -13,9 +13,10 @@ page_writer::page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool
 ref_ptr<epoch> page_writer::initial_epoch() { return publish(); }
 
 ref_ptr<epoch> page_writer::publish() {
-  auto e = ref_ptr<epoch>::adopt(new epoch(next_epoch_, length_, table_, config_.token_width(), config_.block_tokens));
+  auto e = ref_ptr<epoch>::adopt(
+      new epoch(next_epoch_, length_, stored_, table_, zero_block_, config_.token_width(), config_.block_tokens));
   ++next_epoch_;
-  published_high_water_ = std::max(published_high_water_, length_);
+  published_stored_ = std::max(published_stored_, stored_);
   table_private_ = false;
   changed_ = false;
   return e;
@@ -47,7 +48,7 @@ std::error_code page_writer::initialize(std::size_t seq_len) {
   if (seq_len == 0) return kv_errc::zero_length;
   const std::size_t length = std::min(seq_len, config_.max_tokens_per_seq);
   if (length > length_) {
-    if (!cover((length + config_.block_tokens - 1) / config_.block_tokens)) return kv_errc::capacity_exhausted;
+    if (!zero_block()) return kv_errc::capacity_exhausted;
     length_ = length;
     changed_ = true;
   }
@@ -59,31 +60,28 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   if (std::error_code ec = validate(entries)) return ec;
   if (entries.empty()) return {};
 
-  // Phase 1: make every target block writable. This allocates and copies but
-  // changes no token's value, so undoing it is putting the old blocks back.
-  const std::size_t bt = config_.block_tokens;
+  std::size_t stored = stored_;
+  for (const kv_write& w : entries) stored = std::max(stored, w.index + 1);
+
   const std::size_t old_blocks = table_->blocks.size();
-  std::vector<std::pair<std::size_t, ref_ptr<block>>> undo;
-  undo.reserve(entries.size());  // so recording an undo step cannot throw
-  std::size_t end = length_;
-  for (const kv_write& w : entries) end = std::max(end, w.index + 1);
+  undo_log undo;
   bool ok = false;
   try {
-    ok = cover((end + bt - 1) / bt);
-    for (auto w = entries.begin(); ok && w != entries.end(); ++w) ok = make_writable(w->index / bt, w->index, undo);
+    undo.reserve(entries.size());  // so recording an undo step cannot throw
+    ok = prepare(entries, stored, undo);
   } catch (const std::bad_alloc&) {
-    ok = false;  // a table copy failed; what phase 1 did so far is undone below
+    ok = false;  // a table copy failed; what prepare() did so far is undone below
   }
   if (!ok) {
-    if (table_->blocks.size() != old_blocks || !undo.empty()) {
-      auto& blocks = editable_blocks();
-      for (auto it = undo.rbegin(); it != undo.rend(); ++it) blocks[it->first] = std::move(it->second);
-      blocks.resize(old_blocks);
+    if (table_private_) {
+      for (auto it = undo.rbegin(); it != undo.rend(); ++it) table_->blocks[it->first] = std::move(it->second);
+      table_->blocks.resize(old_blocks);
     }
     return kv_errc::capacity_exhausted;
   }
 
   // Phase 2: copy the data in. Cannot fail.
+  const std::size_t bt = config_.block_tokens;
   const std::size_t width = config_.token_width();
   for (const kv_write& w : entries) {
     block& blk = *table_->blocks[w.index / bt];
@@ -91,15 +89,31 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
     std::copy(w.keys.begin(), w.keys.end(), blk.keys() + at);
     std::copy(w.values.begin(), w.values.end(), blk.values() + at);
   }
-  length_ = end;
+  stored_ = stored;
+  length_ = std::max(length_, stored);
   changed_ = true;
   return {};
+}
+
+bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
+  const std::size_t bt = config_.block_tokens;
+  const std::size_t blocks = (stored + bt - 1) / bt;
+  if (blocks > table_->blocks.size()) editable_blocks().resize(blocks);
+  for (const kv_write& w : entries)
+    if (!make_writable(w.index / bt, w.index, undo)) return false;
+  // Blocks of skipped tokens: nothing written there, so they read as zeros.
+  for (std::size_t b = 0; b < blocks; ++b) {
+    if (table_->blocks[b]) continue;
+    if (!zero_block()) return false;
+    table_->blocks[b] = zero_block_;
+  }
+  return true;
 }
 
 std::vector<ref_ptr<block>>& page_writer::editable_blocks() {
   if (!table_private_) {
     auto copy = ref_ptr<page_table>::adopt(new page_table);
-    copy->blocks.reserve(std::max(table_->blocks.size() + 1, (length_ + config_.block_tokens) / config_.block_tokens));
+    copy->blocks.reserve(table_->blocks.size() + 1);  // an append adds at most one block at a time
     copy->blocks = table_->blocks;
     table_ = std::move(copy);
     table_private_ = true;
@@ -107,23 +121,15 @@ std::vector<ref_ptr<block>>& page_writer::editable_blocks() {
   return table_->blocks;
 }
 
-bool page_writer::cover(std::size_t blocks) {
-  if (blocks <= table_->blocks.size()) return true;
-  if (!zero_block()) return false;
-  editable_blocks().resize(blocks, zero_block_);
-  return true;
-}
-
-bool page_writer::make_writable(std::size_t b, std::size_t index,
-                                std::vector<std::pair<std::size_t, ref_ptr<block>>>& undo) {
-  if (writable_in_place(*table_->blocks[b], index)) return true;
-  ref_ptr<block>& slot = editable_blocks()[b];
+bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
+  const ref_ptr<block>& current = table_->blocks[b];
+  if (current && writable_in_place(*current, index)) return true;
   ref_ptr<block> fresh = block::make(*pool_, next_epoch_);
   if (!fresh) return false;
-  if (slot != zero_block_) {
-    const std::size_t floats = pool_->floats_per_half();
-    std::copy_n(slot->keys(), floats, fresh->keys());
-    std::copy_n(slot->values(), floats, fresh->values());
+  ref_ptr<block>& slot = editable_blocks()[b];
+  if (slot && slot != zero_block_) {  // copy-on-write: a published epoch reads this block
+    std::copy_n(slot->keys(), pool_->floats_per_half(), fresh->keys());
+    std::copy_n(slot->values(), pool_->floats_per_half(), fresh->values());
   }
   undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
   return true;
@@ -131,7 +137,7 @@ bool page_writer::make_writable(std::size_t b, std::size_t index,
 
 bool page_writer::writable_in_place(const block& blk, std::size_t index) const noexcept {
   if (&blk == zero_block_.get()) return false;
-  return blk.born_epoch() == next_epoch_ || index >= published_high_water_;
+  return blk.born_epoch() == next_epoch_ || index >= published_stored_;
 }
 
 const ref_ptr<block>& page_writer::zero_block() {

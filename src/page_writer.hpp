@@ -6,11 +6,14 @@
 // this object; they see the epochs publish() hands out.
 //
 // Invariants:
-// - table_ covers exactly ceil(length_ / block_tokens) blocks, none null.
-// - A block is writable in place at index i only if it is not the shared
-//   zero block and either it was born in the epoch being built (no
-//   published epoch references it) or i >= published_high_water_ (no
-//   published epoch covers that slot). Anything else is copied first.
+// - Tokens [0, stored_) live in blocks; [stored_, length_) read as zeros
+//   (see epoch in storage.hpp). stored_ <= length_.
+// - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
+//   blocks of never-written tokens below stored_ are the zero block.
+// - A block is writable in place at index i only if it is not the zero
+//   block and either it was born in the epoch being built (no published
+//   epoch references it) or i >= published_stored_ (no published epoch
+//   reads that slot from any block). Anything else is copied first.
 // - table_private_ is true only while table_ has not been published; a
 //   published table is never edited.
 // - apply() changes nothing visible unless it returns success.
@@ -49,10 +52,12 @@ class page_writer {
 
   /// The working table, copied from the published one on first edit.
   std::vector<ref_ptr<block>>& editable_blocks();
-  /// Grows the table to `blocks` entries of the zero block.
-  bool cover(std::size_t blocks);
+  using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
+  /// Phase 1 of a write: every target block writable, gaps filled with the
+  /// zero block. Changes no token's value; false when out of blocks.
+  bool prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo);
   /// Makes block `b` writable at token `index`; records what it replaced.
-  bool make_writable(std::size_t b, std::size_t index, std::vector<std::pair<std::size_t, ref_ptr<block>>>& undo);
+  bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
   bool writable_in_place(const block& blk, std::size_t index) const noexcept;
   const ref_ptr<block>& zero_block();
 
@@ -62,7 +67,8 @@ class page_writer {
   bool table_private_ = false;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   std::size_t length_ = 0;
-  std::size_t published_high_water_ = 0;
+  std::size_t stored_ = 0;
+  std::size_t published_stored_ = 0;  // the most any published epoch stored
   std::uint64_t next_epoch_ = 0;
   bool initialized_ = false;
   bool changed_ = false;

@@ -2,7 +2,6 @@
 /// @file
 /// `kv_snapshot`: a pinned, immutable view of one published epoch.
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -73,14 +72,13 @@ class kv_snapshot {
   template <class F>
   std::error_code for_each_block(std::size_t begin, std::size_t end, F&& f) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
-    const std::size_t bt = epoch_ ? epoch_->block_tokens : 1;
-    const std::size_t width = epoch_ ? epoch_->width : 0;
     for (std::size_t first = begin; first < end;) {
-      const std::size_t slot = first % bt;
-      const std::size_t count = std::min(end - first, bt - slot);
-      const detail::block& b = *epoch_->table->blocks[first / bt];
-      f(first, count, std::span<const float>(b.keys() + slot * width, count * width),
-        std::span<const float>(b.values() + slot * width, count * width));
+      const detail::epoch& e = *epoch_;
+      const std::size_t count = e.run_from(first, end);
+      const std::size_t at = first % e.block_tokens * e.width;
+      const detail::block& b = e.block_of(first);
+      f(first, count, std::span<const float>(b.keys() + at, count * e.width),
+        std::span<const float>(b.values() + at, count * e.width));
       first += count;
     }
     return {};

@@ -77,22 +77,48 @@ class block : public ref_counted<block> {
 };
 
 /// Block `i` holds tokens `[i * block_tokens, (i + 1) * block_tokens)`.
-/// Covers at least the epoch's length; never changed once published.
+/// Never changed once published.
 struct page_table : ref_counted<page_table> {
   static void destroy(page_table* t) noexcept { delete t; }
   std::vector<ref_ptr<block>> blocks;
 };
 
 /// One published state of a cache: what a snapshot pins.
+///
+/// Tokens `[0, stored)` live in the table's blocks; tokens `[stored, length)`
+/// were made valid by initialize() or skipped by a write and read as zeros
+/// from `zeros`, a block that is never written. Keeping them out of the
+/// table is what lets the actor fill them in place later: no epoch reads
+/// those slots of any block.
 struct epoch : ref_counted<epoch> {
-  epoch(std::uint64_t number, std::size_t length, ref_ptr<page_table> table, std::size_t width,
-        std::size_t block_tokens) noexcept
-      : number(number), length(length), table(std::move(table)), width(width), block_tokens(block_tokens) {}
+  epoch(std::uint64_t number, std::size_t length, std::size_t stored, ref_ptr<page_table> table,
+        ref_ptr<block> zeros, std::size_t width, std::size_t block_tokens) noexcept
+      : number(number),
+        length(length),
+        stored(stored),
+        table(std::move(table)),
+        zeros(std::move(zeros)),
+        width(width),
+        block_tokens(block_tokens) {}
   static void destroy(epoch* e) noexcept { delete e; }
+
+  /// The block holding token `index` (`index < length`); the slot within it
+  /// is `index % block_tokens`.
+  const block& block_of(std::size_t index) const noexcept {
+    return index < stored ? *table->blocks[index / block_tokens] : *zeros;
+  }
+  /// Tokens from `index` on that share `index`'s block (capped at `end`).
+  std::size_t run_from(std::size_t index, std::size_t end) const noexcept {
+    const std::size_t run_end = index < stored && stored < end ? stored : end;
+    const std::size_t in_block = block_tokens - index % block_tokens;
+    return run_end - index < in_block ? run_end - index : in_block;
+  }
 
   const std::uint64_t number;
   const std::size_t length;
+  const std::size_t stored;
   const ref_ptr<page_table> table;
+  const ref_ptr<block> zeros;
   const std::size_t width;
   const std::size_t block_tokens;
 };

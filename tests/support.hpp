@@ -1,0 +1,108 @@
+#pragma once
+// Shared by the tests: Catch2 v2/v3, Asio version differences, and helpers
+// to run a coroutine to completion on a thread pool.
+
+#ifdef GHOSTLINK_CATCH2_V3
+#include <catch2/catch_test_macros.hpp>
+#else
+#include <catch2/catch.hpp>
+#endif
+
+#include <ghostlink/kv_cache.hpp>
+
+#include <asio/co_spawn.hpp>
+#include <asio/thread_pool.hpp>
+#include <asio/use_awaitable.hpp>
+#include <asio/use_future.hpp>
+#include <asio/version.hpp>
+
+#if ASIO_VERSION >= 102400
+#include <asio/as_tuple.hpp>
+#include <asio/deferred.hpp>
+#else
+#include <asio/experimental/as_tuple.hpp>
+#include <asio/experimental/deferred.hpp>
+#endif
+
+#include <cstddef>
+#include <span>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace ghostlink::test {
+
+#if ASIO_VERSION >= 102400
+inline constexpr auto deferred = asio::deferred;
+using asio::as_tuple;
+#else
+inline constexpr auto deferred = asio::experimental::deferred;
+using asio::experimental::as_tuple;
+#endif
+
+/// The seed tests' config: 2 heads * 4 dims = 8 floats per token, 16 tokens.
+inline kv_cache_config small_config() {
+  return {.max_tokens_per_seq = 16, .num_heads = 2, .head_dim = 4, .block_tokens = 4};
+}
+
+/// `width` copies of `x`.
+inline std::vector<float> filled(std::size_t width, float x) { return std::vector<float>(width, x); }
+
+/// A token whose every float is distinct and encodes (index, tag), so any
+/// misplaced or torn float shows up: value = index * 1000 + tag * 100 + lane.
+inline std::vector<float> token_pattern(std::size_t width, std::size_t index, int tag) {
+  std::vector<float> v(width);
+  for (std::size_t lane = 0; lane < width; ++lane)
+    v[lane] = static_cast<float>(index * 1000 + static_cast<std::size_t>(tag) * 100 + lane);
+  return v;
+}
+
+/// Runs `aw` on `ex` and waits for it; rethrows what it throws.
+template <class Executor, class T>
+T run(const Executor& ex, asio::awaitable<T> aw) {
+  return asio::co_spawn(ex, std::move(aw), asio::use_future).get();
+}
+
+/// Waits for an operation started with `asio::use_future` and returns its
+/// error code instead of throwing.
+template <class Initiate>
+std::error_code wait_ec(Initiate&& start) {
+  try {
+    start(asio::use_future).get();
+    return {};
+  } catch (const std::system_error& e) {
+    return e.code();
+  }
+}
+
+/// Blocking calls on a cache, for tests of single-threaded semantics: each
+/// waits for completion and returns the error code (and the value).
+struct blocking {
+  layer_kv_cache& cache;
+
+  std::error_code initialize(std::size_t n) const {
+    return wait_ec([&](auto token) { return cache.async_initialize(n, token); });
+  }
+  std::error_code write(std::size_t i, std::span<const float> k, std::span<const float> v) const {
+    return wait_ec([&](auto token) { return cache.async_write(i, k, v, token); });
+  }
+  std::error_code write_batch(std::span<const kv_write> entries) const {
+    return wait_ec([&](auto token) { return cache.async_write_batch(entries, token); });
+  }
+  std::pair<std::error_code, kv_entry> read_kv(std::size_t i) const {
+    try {
+      return {{}, cache.async_read_kv(i, asio::use_future).get()};
+    } catch (const std::system_error& e) {
+      return {e.code(), {}};
+    }
+  }
+  std::pair<std::error_code, kv_range> read_range(std::size_t b, std::size_t e) const {
+    try {
+      return {{}, cache.async_read_range(b, e, asio::use_future).get()};
+    } catch (const std::system_error& err) {
+      return {err.code(), {}};
+    }
+  }
+};
+
+}  // namespace ghostlink::test
