@@ -15,9 +15,9 @@ template <class Derived>
 class ref_counted {
  public:
   void add_ref(std::uint32_t n = 1) const noexcept { refs_.fetch_add(n, std::memory_order_relaxed); }
-  void release() const noexcept {
+  void release(std::uint32_t n = 1) const noexcept {
     // acq_rel: every use by other owners happens-before the destruction.
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1)
+    if (refs_.fetch_sub(n, std::memory_order_acq_rel) == n)
       Derived::destroy(static_cast<Derived*>(const_cast<ref_counted*>(this)));
   }
   /// True when no one else holds a reference. Only meaningful to an owner

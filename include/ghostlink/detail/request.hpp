@@ -21,7 +21,10 @@
 #include <asio/associated_allocator.hpp>
 #include <asio/associated_executor.hpp>
 #include <asio/bind_allocator.hpp>
+#include <asio/execution/executor.hpp>
+#include <asio/execution/outstanding_work.hpp>
 #include <asio/executor_work_guard.hpp>
+#include <asio/prefer.hpp>
 #include <asio/post.hpp>
 
 #include "ghostlink/types.hpp"
@@ -38,6 +41,28 @@ void post_completion(Handler handler, const IoExecutor& io_ex, Args... args) {
   asio::post(ex, asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
                std::move(h)(std::move(a)...);
              }));
+}
+
+/// Keeps a handler's executor from running out of work while its request
+/// waits: Asio's `outstanding_work.tracked` property on standard executors
+/// (what Asio's own operations use; `executor_work_guard` cannot take a
+/// `strand<any_io_executor>` in Asio 1.22), a work guard on legacy ones.
+template <class Executor>
+auto track_work(const Executor& ex) {
+  if constexpr (asio::execution::is_executor<Executor>::value)
+    return asio::prefer(ex, asio::execution::outstanding_work.tracked);
+  else
+    return asio::executor_work_guard<Executor>(ex);
+}
+
+/// The executor behind what track_work() returned.
+template <class Executor>
+const Executor& executor_of(const asio::executor_work_guard<Executor>& work) {
+  return work.get_executor();
+}
+template <class Executor>
+const Executor& executor_of(const Executor& tracked) {
+  return tracked;
 }
 
 /// What a write request asks of the actor. A single write is a batch of one
@@ -85,6 +110,7 @@ template <class Handler, class IoExecutor>
 class request_op final : public request {
  public:
   using handler_executor = asio::associated_executor_t<Handler, IoExecutor>;
+  using work_type = decltype(track_work(std::declval<const handler_executor&>()));
   using allocator_type = typename std::allocator_traits<
       asio::associated_allocator_t<Handler>>::template rebind_alloc<request_op>;
 
@@ -105,20 +131,20 @@ class request_op final : public request {
   template <class Arg>
   request_op(Handler&& handler, const IoExecutor& io_ex, const Arg& arg)
       : request(&finish, arg),
-        work_(asio::get_associated_executor(handler, io_ex)),
+        work_(track_work(asio::get_associated_executor(handler, io_ex))),
         handler_(std::move(handler)) {}
 
   static void finish(request* base, const std::error_code* ec) {
     auto* self = static_cast<request_op*>(base);
     allocator_type alloc(asio::get_associated_allocator(self->handler_));
     Handler handler(std::move(self->handler_));
-    asio::executor_work_guard<handler_executor> work(std::move(self->work_));
+    work_type work(std::move(self->work_));
     self->~request_op();
     std::allocator_traits<allocator_type>::deallocate(alloc, self, 1);
-    if (ec) post_completion(std::move(handler), work.get_executor(), *ec);
+    if (ec) post_completion(std::move(handler), executor_of(work), *ec);
   }
 
-  asio::executor_work_guard<handler_executor> work_;
+  work_type work_;
   Handler handler_;
 };
 
