@@ -1,6 +1,7 @@
 #include "ghostlink/detail/actor.hpp"
 
 #include <array>
+#include <exception>
 
 #include <asio/post.hpp>
 
@@ -67,11 +68,22 @@ void actor::drain() {
   failed_.fetch_add(n - applied, std::memory_order_relaxed);
 
   // Handlers are posted only now, after the epoch holding their results is
-  // published: that is what makes read-your-writes hold.
-  for (std::size_t i = 0; i < n; ++i) batch[i]->complete(results[i]);
+  // published: that is what makes read-your-writes hold. A post that throws
+  // (an executor that could not allocate) loses that one handler; the rest
+  // of the drain and the mailbox's bookkeeping still happen, then the first
+  // exception propagates out of the executor's run(), as in Asio.
+  std::exception_ptr first_error;
+  for (std::size_t i = 0; i < n; ++i) {
+    try {
+      batch[i]->complete(results[i]);
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  }
 
   const auto taken = static_cast<std::int64_t>(n);
   if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0) schedule();
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 kv_cache_stats actor::stats() const noexcept {

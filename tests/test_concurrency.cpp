@@ -6,13 +6,6 @@
 // never sleeps. State that handlers touch is declared before the thread pool,
 // so the pool joins before that state is destroyed.
 
-// Clang < 17 can keep a thread_local's address across co_await (LLVM issue
-// #63022); Asio's per-thread awaitable-frame cache then hands one frame to two
-// pool threads (heap corruption; TSan reports it). Allocate frames plainly.
-#if defined(__clang__) && __clang_major__ < 17 && !defined(ASIO_DISABLE_AWAITABLE_FRAME_RECYCLING)
-#define ASIO_DISABLE_AWAITABLE_FRAME_RECYCLING 1
-#endif
-
 #include "support.hpp"
 
 #include <cmath>
@@ -151,9 +144,10 @@ asio::awaitable<std::size_t> hold_across_overwrite(layer_kv_cache& cache, kv_sna
 TEST_CASE("a write is in snapshot() and size() on another thread once its handler has run", "[concurrency]") {
   const kv_cache_config config = paged_config(32);
   const std::size_t n = config.max_tokens_per_seq;
+  struct completion { std::error_code ec; std::size_t size; kv_snapshot snap; };  // taken inside the handler
   std::vector<token_data> tokens;
-  std::vector<std::promise<std::error_code>> handled(n);
-  std::vector<std::future<std::error_code>> handled_f;
+  std::vector<std::promise<completion>> handled(n);
+  std::vector<std::future<completion>> handled_f;
   for (std::size_t i = 0; i < n; ++i) {
     tokens.push_back(make_token(config.token_width(), i, 1));
     handled_f.push_back(handled[i].get_future());
@@ -163,24 +157,29 @@ TEST_CASE("a write is in snapshot() and size() on another thread once its handle
   layer_kv_cache cache(pool, config);
   cache.async_initialize(1, asio::use_future).get();
 
+  auto check_includes = [&](const char* who, std::size_t i, std::size_t size, const kv_snapshot& snap) {
+    kv_entry e;
+    if (size <= i) log.add(str(who, ": size() ", size, " after write ", i, " completed"));
+    if (std::error_code ec = snap.read_kv(i, e))
+      log.add(str(who, ": snapshot (epoch ", snap.epoch(), ", size ", snap.size(), ") read_kv(", i, "): ", ec.message()));
+    else if (auto d = diff_token(i, e.keys, e.values, 1); !d.empty())
+      log.add(str(who, ": snapshot after write ", i, ": ", d));
+  };
   // The checker is neither the initiating thread nor a pool thread: it learns
-  // of each completion only through the promise the handler fulfils.
+  // of each completion only through the promise the handler fulfils (which
+  // also carries the handler's own view, taken on a pool thread).
   std::jthread checker([&] {
     for (std::size_t i = 0; i < n; ++i) {
-      const std::error_code ec = handled_f[i].get();
-      const std::size_t size = cache.size();
-      const kv_snapshot snap = cache.snapshot();
-      kv_entry e;
-      if (ec) log.add(str("write ", i, " failed: ", ec.message()));
-      if (size <= i) log.add(str("size() ", size, " after write ", i, " completed"));
-      if (std::error_code rec = snap.read_kv(i, e))
-        log.add(str("snapshot (epoch ", snap.epoch(), ", size ", snap.size(), ") read_kv(", i, "): ", rec.message()));
-      else if (auto d = diff_token(i, e.keys, e.values, 1); !d.empty())
-        log.add(str("snapshot after write ", i, ": ", d));
+      const completion c = handled_f[i].get();
+      if (c.ec) log.add(str("write ", i, " failed: ", c.ec.message()));
+      check_includes("in the handler", i, c.size, c.snap);
+      check_includes("on the checker thread", i, cache.size(), cache.snapshot());
     }
   });
   for (std::size_t i = 0; i < n; ++i)
-    cache.async_write(i, tokens[i].keys, tokens[i].values, [&handled, i](std::error_code ec) { handled[i].set_value(ec); });
+    cache.async_write(i, tokens[i].keys, tokens[i].values, [&cache, &handled, i](std::error_code ec) {
+      handled[i].set_value({ec, cache.size(), cache.snapshot()});
+    });
   checker.join();
   log.require_none();
   CHECK(cache.size() == n);

@@ -62,13 +62,14 @@ class layer_kv_cache {
   executor_type get_executor() const noexcept { return actor_->strand(); }
 
   /// Tokens in the latest published epoch. Lock-free; includes every write
-  /// whose handler has run.
+  /// whose handler has run. Never ahead of a snapshot taken after it: after
+  /// `n = size(); s = snapshot();`, `s.size() >= n`.
   std::size_t size() const noexcept { return actor_->size(); }
   bool empty() const noexcept { return size() == 0; }
 
   /// Pins the latest published epoch. Never blocks and never waits for the
   /// actor; includes every write whose handler has run.
-  kv_snapshot snapshot() const { return kv_snapshot(actor_->pin()); }
+  kv_snapshot snapshot() const noexcept { return kv_snapshot(actor_->pin()); }
 
   /// The cache's counters.
   kv_cache_stats stats() const noexcept { return actor_->stats(); }
