@@ -1,0 +1,73 @@
+#pragma once
+// Shared by the completion tests: inputs for the small config and a cache on
+// a 2-thread pool.
+
+#include "support.hpp"
+
+#include <asio/bind_allocator.hpp>
+#include <asio/bind_executor.hpp>
+#include <asio/io_context.hpp>
+#include <asio/post.hpp>
+#include <asio/strand.hpp>
+#include <asio/this_coro.hpp>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace ghostlink::test::completion {
+
+constexpr int rounds = 20;
+
+std::error_code err(kv_errc e) { return make_error_code(e); }
+
+/// Inputs for the small config (8 floats a token, 16 tokens): tokens 1..3,
+/// a too-short token, a batch of tokens 2..3 and one with an entry past the end.
+struct tokens {
+  tokens() = default;
+  tokens(const tokens&) = delete;  // the batches point into this object
+  std::size_t w = ghostlink::test::small_config().token_width();
+  std::vector<float> k1 = ghostlink::test::token_pattern(w, 1, 1), v1 = ghostlink::test::token_pattern(w, 1, 2);
+  std::vector<float> k2 = ghostlink::test::token_pattern(w, 2, 1), v2 = ghostlink::test::token_pattern(w, 2, 2);
+  std::vector<float> k3 = ghostlink::test::token_pattern(w, 3, 1), v3 = ghostlink::test::token_pattern(w, 3, 2);
+  std::vector<float> too_short = ghostlink::test::filled(w - 1, 9.0f);
+  std::array<kv_write, 2> batch{{{2, k2, v2}, {3, k3, v3}}};
+  std::array<kv_write, 2> bad_batch{{{2, k1, v1}, {16, k1, v1}}};  // 16 == max_tokens_per_seq
+};
+
+std::vector<float> concat(std::initializer_list<const std::vector<float>*> parts) {
+  std::vector<float> out;
+  for (const auto* p : parts) out.insert(out.end(), p->begin(), p->end());
+  return out;
+}
+
+/// A 2-thread pool and a cache on it. Nothing else keeps the pool busy, so
+/// joining it waits for every pending handler.
+struct fixture {
+  asio::thread_pool pool{2};
+  layer_kv_cache cache{pool, ghostlink::test::small_config()};
+  tokens tk;
+  ~fixture() { pool.join(); }
+};
+
+/// The calls every token is tried with: five that succeed, in this order, on
+
+/// The error a future-returning operation finished with.
+template <class T>
+std::error_code code_of(std::future<T> f) {
+  try {
+    f.get();
+  } catch (const std::system_error& e) {
+    return e.code();
+  }
+  return {};
+}
+
+}  // namespace ghostlink::test::completion
