@@ -105,4 +105,19 @@ struct blocking {
   }
 };
 
+/// A cache with small_config() (or `config`) on its own 2-thread pool.
+struct cache_fixture {
+  explicit cache_fixture(kv_cache_config config = small_config()) : cache(pool, config) {}
+  asio::thread_pool pool{2};
+  layer_kv_cache cache;
+  blocking sync{cache};
+  std::size_t width = cache.config().token_width();
+
+  /// Writes token_pattern(width, index, tag) as token `index`'s keys and values.
+  void write_pattern(std::size_t index, int tag) {
+    const auto v = token_pattern(width, index, tag);
+    REQUIRE_FALSE(sync.write(index, v, v));
+  }
+};
+
 }  // namespace ghostlink::test

@@ -32,21 +32,14 @@ observed observe(const layer_kv_cache& cache) {
   return o;
 }
 
-struct fixture {
-  explicit fixture(kv_cache_config config = small_config()) : cache(pool, config) {}
-  asio::thread_pool pool{2};
-  layer_kv_cache cache;
-  blocking sync{cache};
-  std::size_t width = cache.config().token_width();
+struct fixture : ghostlink::test::cache_fixture {
+  using cache_fixture::cache_fixture;
   std::vector<float> good = filled(width, 1.5f);
 
   /// A cache holding 6 distinct tokens.
   void populate() {
     REQUIRE_FALSE(sync.initialize(6));
-    for (std::size_t t = 0; t < 6; ++t) {
-      const auto v = token_pattern(width, t, 1);
-      REQUIRE_FALSE(sync.write(t, v, v));
-    }
+    for (std::size_t t = 0; t < 6; ++t) write_pattern(t, 1);
   }
 };
 

@@ -11,16 +11,7 @@ using ghostlink::test::blocking;
 using ghostlink::test::filled;
 using ghostlink::test::small_config;
 
-namespace {
-
-struct fixture {
-  asio::thread_pool pool{2};
-  layer_kv_cache cache{pool, small_config()};
-  blocking sync{cache};
-  std::size_t width = cache.config().token_width();
-};
-
-}  // namespace
+using fixture = ghostlink::test::cache_fixture;
 
 TEST_CASE("initialize_rejects_zero_len", "[seed]") {
   asio::thread_pool pool{2};

@@ -12,17 +12,8 @@ using ghostlink::test::token_pattern;
 
 namespace {
 
-struct fixture {
-  explicit fixture(kv_cache_config config = small_config()) : cache(pool, config) {}
-  asio::thread_pool pool{2};
-  layer_kv_cache cache;
-  blocking sync{cache};
-  std::size_t width = cache.config().token_width();
-
-  void write_pattern(std::size_t index, int tag) {
-    const auto v = token_pattern(width, index, tag);
-    REQUIRE_FALSE(sync.write(index, v, v));
-  }
+struct fixture : ghostlink::test::cache_fixture {
+  using cache_fixture::cache_fixture;
   std::vector<float> keys_at(std::size_t index) {
     auto [ec, entry] = sync.read_kv(index);
     INFO("read_kv(" << index << "): " << ec.message());
