@@ -3,7 +3,7 @@
 #include <array>
 #include <exception>
 
-#include <asio/post.hpp>
+#include <asio/defer.hpp>
 
 #include "ghostlink/error.hpp"
 #include "mailbox.hpp"
@@ -46,7 +46,9 @@ void actor::submit(request* r) noexcept {
 }
 
 void actor::schedule() {
-  asio::post(strand_, [self = shared_from_this()] { self->drain(); });
+  // defer: on a thread already running the strand's executor (a coroutine
+  // on the same pool), the drain goes to that thread's private queue.
+  asio::defer(strand_, [self = shared_from_this()] { self->drain(); });
 }
 
 void actor::drain() {

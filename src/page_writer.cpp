@@ -6,9 +6,21 @@
 #include "ghostlink/error.hpp"
 
 namespace ghostlink::detail {
+namespace {
+
+constexpr std::size_t initial_table_capacity = 8;
+
+std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {
+  return (tokens + block_tokens - 1) / block_tokens;
+}
+
+}  // namespace
 
 page_writer::page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool)
-    : config_(config), pool_(std::move(pool)), table_(ref_ptr<page_table>::adopt(new page_table)) {}
+    : config_(config),
+      pool_(std::move(pool)),
+      table_(ref_ptr<page_table>::adopt(new page_table(
+          std::min(initial_table_capacity, blocks_for(config.max_tokens_per_seq, config.block_tokens))))) {}
 
 ref_ptr<epoch> page_writer::initial_epoch() { return publish(); }
 
@@ -63,7 +75,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   std::size_t stored = stored_;
   for (const kv_write& w : entries) stored = std::max(stored, w.index + 1);
 
-  const std::size_t old_blocks = table_->blocks.size();
+  const std::size_t old_blocks = blocks_;
   undo_log undo;
   bool ok = false;
   try {
@@ -73,10 +85,11 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
     ok = false;  // a table copy failed; what prepare() did so far is undone below
   }
   if (!ok) {
-    if (table_private_) {
-      for (auto it = undo.rbegin(); it != undo.rend(); ++it) table_->blocks[it->first] = std::move(it->second);
-      table_->blocks.resize(old_blocks);
-    }
+    // Entries being restored or cleared are ones prepare() set, so they
+    // are editable in place: no published epoch reads them.
+    for (auto it = undo.rbegin(); it != undo.rend(); ++it) table_->blocks[it->first] = std::move(it->second);
+    for (std::size_t b = old_blocks; b < blocks_; ++b) table_->blocks[b] = {};
+    blocks_ = old_blocks;
     return kv_errc::capacity_exhausted;
   }
 
@@ -97,8 +110,11 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
 
 bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
   const std::size_t bt = config_.block_tokens;
-  const std::size_t blocks = (stored + bt - 1) / bt;
-  if (blocks > table_->blocks.size()) editable_blocks().resize(blocks);
+  const std::size_t blocks = blocks_for(stored, bt);
+  if (blocks > table_->capacity)
+    copy_table(std::min(std::max(blocks, 2 * table_->capacity), blocks_for(config_.max_tokens_per_seq, bt)));
+  // New entries start null and are past every epoch's reach until published.
+  blocks_ = std::max(blocks_, blocks);
   for (const kv_write& w : entries)
     if (!make_writable(w.index / bt, w.index, undo)) return false;
   // Blocks of skipped tokens: nothing written there, so they read as zeros.
@@ -110,27 +126,30 @@ bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored,
   return true;
 }
 
-std::vector<ref_ptr<block>>& page_writer::editable_blocks() {
-  if (!table_private_) {
-    auto copy = ref_ptr<page_table>::adopt(new page_table);
-    copy->blocks.reserve(table_->blocks.size() + 1);  // an append adds at most one block at a time
-    copy->blocks = table_->blocks;
-    table_ = std::move(copy);
-    table_private_ = true;
-  }
-  return table_->blocks;
+ref_ptr<block>& page_writer::editable_entry(std::size_t b) {
+  if (!table_private_ && b < blocks_for(published_stored_, config_.block_tokens)) copy_table(table_->capacity);
+  return table_->blocks[b];
+}
+
+void page_writer::copy_table(std::size_t capacity) {
+  auto copy = ref_ptr<page_table>::adopt(new page_table(capacity));
+  std::copy_n(table_->blocks.get(), blocks_, copy->blocks.get());
+  table_ = std::move(copy);
+  table_private_ = true;
 }
 
 bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
   const ref_ptr<block>& current = table_->blocks[b];
   if (current && writable_in_place(*current, index)) return true;
-  ref_ptr<block> fresh = block::make(*pool_, next_epoch_);
+  const bool copy = current && current != zero_block_;  // copy-on-write: a published epoch reads it
+  ref_ptr<block> fresh = block::make(*pool_, next_epoch_, block::budget::counted,
+                                     copy ? block::contents::uninitialized : block::contents::zeroed);
   if (!fresh) return false;
-  ref_ptr<block>& slot = editable_blocks()[b];
-  if (slot && slot != zero_block_) {  // copy-on-write: a published epoch reads this block
-    std::copy_n(slot->keys(), pool_->floats_per_half(), fresh->keys());
-    std::copy_n(slot->values(), pool_->floats_per_half(), fresh->values());
+  if (copy) {
+    std::copy_n(current->keys(), pool_->floats_per_half(), fresh->keys());
+    std::copy_n(current->values(), pool_->floats_per_half(), fresh->values());
   }
+  ref_ptr<block>& slot = editable_entry(b);
   undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
   return true;
 }

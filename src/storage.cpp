@@ -25,7 +25,7 @@ block::block(block_pool& pool, std::uint64_t born_epoch, budget b) noexcept
 
 float* block::data() noexcept { return reinterpret_cast<float*>(reinterpret_cast<char*>(this) + header_bytes); }
 
-ref_ptr<block> block::make(block_pool& pool, std::uint64_t born_epoch, budget b) noexcept {
+ref_ptr<block> block::make(block_pool& pool, std::uint64_t born_epoch, budget b, contents c) noexcept {
   static_assert(sizeof(block) <= header_bytes);
   const bool counted = b == budget::counted;
   if (counted && !pool.reserve()) return {};
@@ -36,7 +36,7 @@ ref_ptr<block> block::make(block_pool& pool, std::uint64_t born_epoch, budget b)
     return {};
   }
   auto* blk = ::new (raw) block(pool, born_epoch, b);
-  std::fill_n(blk->data(), floats, 0.0f);
+  if (c == contents::zeroed) std::fill_n(blk->data(), floats, 0.0f);
   return ref_ptr<block>::adopt(blk);
 }
 

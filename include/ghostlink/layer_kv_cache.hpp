@@ -35,7 +35,7 @@ namespace ghostlink {
 /// without a lock and without waiting for the actor.
 ///
 /// Completion: every handler runs on its associated executor, by
-/// `asio::post`, never inside the initiating call. A handler without an
+/// `asio::defer` (a post), never inside the initiating call. A handler without an
 /// associated executor runs on the executor the cache was made from (not on
 /// the strand); a coroutine resumes on its own executor.
 ///

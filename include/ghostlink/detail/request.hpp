@@ -25,22 +25,33 @@
 #include <asio/execution/outstanding_work.hpp>
 #include <asio/executor_work_guard.hpp>
 #include <asio/prefer.hpp>
-#include <asio/post.hpp>
+#include <asio/defer.hpp>
+#include <asio/recycling_allocator.hpp>
 
 #include "ghostlink/types.hpp"
 
 namespace ghostlink::detail {
 
-/// Posts `handler(args...)` to the handler's associated executor (default
-/// `io_ex`), allocating with the handler's associated allocator. Never runs
-/// the handler inline.
+/// The allocator for a handler's intermediate storage: its associated
+/// allocator, else Asio's per-thread recycling allocator (as Asio's own
+/// operations use).
+template <class Handler>
+auto handler_allocator(const Handler& handler) {
+  return asio::get_associated_allocator(handler, asio::recycling_allocator<void>());
+}
+
+/// Queues `handler(args...)` on the handler's associated executor (default
+/// `io_ex`); never runs it inline. `defer`, not `post`: the completion is a
+/// continuation of whatever ran it (a drain or an initiating call), so on a
+/// thread already running that executor it takes the thread's private
+/// queue instead of the shared, locked one.
 template <class Handler, class IoExecutor, class... Args>
 void post_completion(Handler handler, const IoExecutor& io_ex, Args... args) {
   auto ex = asio::get_associated_executor(handler, io_ex);
-  auto alloc = asio::get_associated_allocator(handler);
-  asio::post(ex, asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
-               std::move(h)(std::move(a)...);
-             }));
+  auto alloc = handler_allocator(handler);
+  asio::defer(ex, asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
+                std::move(h)(std::move(a)...);
+              }));
 }
 
 /// Keeps a handler's executor from running out of work while its request
@@ -111,13 +122,13 @@ class request_op final : public request {
  public:
   using handler_executor = asio::associated_executor_t<Handler, IoExecutor>;
   using work_type = decltype(track_work(std::declval<const handler_executor&>()));
-  using allocator_type = typename std::allocator_traits<
-      asio::associated_allocator_t<Handler>>::template rebind_alloc<request_op>;
+  using allocator_type = typename std::allocator_traits<decltype(handler_allocator(
+      std::declval<const Handler&>()))>::template rebind_alloc<request_op>;
 
   /// Allocates the request with the handler's associated allocator.
   template <class Arg>
   static request* make(Handler&& handler, const IoExecutor& io_ex, const Arg& arg) {
-    allocator_type alloc(asio::get_associated_allocator(handler));
+    allocator_type alloc(handler_allocator(handler));
     request_op* p = std::allocator_traits<allocator_type>::allocate(alloc, 1);
     try {
       return ::new (static_cast<void*>(p)) request_op(std::move(handler), io_ex, arg);
@@ -136,7 +147,7 @@ class request_op final : public request {
 
   static void finish(request* base, const std::error_code* ec) {
     auto* self = static_cast<request_op*>(base);
-    allocator_type alloc(asio::get_associated_allocator(self->handler_));
+    allocator_type alloc(handler_allocator(self->handler_));
     Handler handler(std::move(self->handler_));
     work_type work(std::move(self->work_));
     self->~request_op();

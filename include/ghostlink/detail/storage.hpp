@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -54,8 +55,13 @@ class block : public ref_counted<block> {
   /// a cache's one shared zero block, so `max_blocks` counts data blocks.
   enum class budget : bool { counted, exempt };
 
-  /// A zero-filled block, or null when the pool's budget or memory is spent.
-  static ref_ptr<block> make(block_pool& pool, std::uint64_t born_epoch, budget b = budget::counted) noexcept;
+  /// Whether a new block's payload is zeroed (a copy-on-write target is not:
+  /// it is overwritten whole at once).
+  enum class contents : bool { zeroed, uninitialized };
+
+  /// A new block, or null when the pool's budget or memory is spent.
+  static ref_ptr<block> make(block_pool& pool, std::uint64_t born_epoch, budget b = budget::counted,
+                             contents c = contents::zeroed) noexcept;
   static void destroy(block* b) noexcept;
 
   float* keys() noexcept { return data(); }
@@ -77,10 +83,17 @@ class block : public ref_counted<block> {
 };
 
 /// Block `i` holds tokens `[i * block_tokens, (i + 1) * block_tokens)`.
-/// Never changed once published.
+///
+/// A fixed-capacity array, shared by consecutive epochs: an epoch reads only
+/// the entries its `stored` length covers, so the actor may append entries
+/// past every published epoch's reach in place, and copies the table only
+/// to grow it or to replace an entry a published epoch can read.
 struct page_table : ref_counted<page_table> {
+  explicit page_table(std::size_t capacity) : capacity(capacity), blocks(new ref_ptr<block>[capacity]) {}
   static void destroy(page_table* t) noexcept { delete t; }
-  std::vector<ref_ptr<block>> blocks;
+
+  const std::size_t capacity;
+  const std::unique_ptr<ref_ptr<block>[]> blocks;
 };
 
 /// One published state of a cache: what a snapshot pins.

@@ -1,0 +1,89 @@
+#pragma once
+// The seed's design in C++ (seed/kv_cache.rs): one pre-allocated contiguous
+// buffer per layer for keys and one for values, guarded by one lock. Reads
+// copy out under the lock (shared for std::shared_mutex), writes take it
+// exclusively. `rwlock` and `mutex` baselines differ only in the lock.
+
+#include <algorithm>
+#include <cstddef>
+#include <mutex>
+#include <shared_mutex>
+#include <span>
+#include <vector>
+
+#include <ghostlink/config.hpp>
+#include <ghostlink/error.hpp>
+#include <ghostlink/types.hpp>
+
+namespace ghostlink::bench {
+
+template <class Mutex>
+class locked_cache {
+ public:
+  explicit locked_cache(const kv_cache_config& config) : config_(config) {}
+
+  std::error_code initialize(std::size_t seq_len) {
+    if (seq_len == 0) return kv_errc::zero_length;
+    std::unique_lock lock(mutex_);
+    if (keys_.empty()) {
+      keys_.assign(config_.max_tokens_per_seq * config_.token_width(), 0.0f);
+      values_.assign(keys_.size(), 0.0f);
+    }
+    len_ = std::max(len_, std::min(seq_len, config_.max_tokens_per_seq));
+    return {};
+  }
+
+  std::error_code write(std::size_t index, std::span<const float> keys, std::span<const float> values) {
+    const kv_write one[] = {{index, keys, values}};
+    return write_batch(one);
+  }
+
+  std::error_code write_batch(std::span<const kv_write> entries) {
+    const std::size_t width = config_.token_width();
+    for (const kv_write& w : entries) {
+      if (w.keys.size() != w.values.size()) return kv_errc::length_mismatch;
+      if (w.keys.size() != width) return kv_errc::width_mismatch;
+      if (w.index >= config_.max_tokens_per_seq) return kv_errc::index_out_of_range;
+    }
+    if (entries.empty()) return {};
+    std::unique_lock lock(mutex_);
+    if (keys_.empty()) return kv_errc::not_initialized;
+    for (const kv_write& w : entries) {
+      std::copy(w.keys.begin(), w.keys.end(), keys_.begin() + std::ptrdiff_t(w.index * width));
+      std::copy(w.values.begin(), w.values.end(), values_.begin() + std::ptrdiff_t(w.index * width));
+      len_ = std::max(len_, w.index + 1);
+    }
+    return {};
+  }
+
+  /// Copies [begin, end) out under the (shared) lock, as the seed's read_range.
+  std::error_code read_range(std::size_t begin, std::size_t end, kv_range& out) const {
+    if (begin > end) return kv_errc::invalid_range;
+    const std::size_t width = config_.token_width();
+    read_lock lock(mutex_);
+    if (end > len_) return kv_errc::range_out_of_bounds;
+    out.begin = begin;
+    out.end = end;
+    out.keys.assign(keys_.begin() + std::ptrdiff_t(begin * width), keys_.begin() + std::ptrdiff_t(end * width));
+    out.values.assign(values_.begin() + std::ptrdiff_t(begin * width), values_.begin() + std::ptrdiff_t(end * width));
+    return {};
+  }
+
+  std::size_t size() const {
+    read_lock lock(mutex_);
+    return len_;
+  }
+
+ private:
+  using read_lock = std::conditional_t<std::is_same_v<Mutex, std::shared_mutex>, std::shared_lock<Mutex>,
+                                       std::unique_lock<Mutex>>;
+  const kv_cache_config config_;
+  mutable Mutex mutex_;
+  std::vector<float> keys_, values_;
+  std::size_t len_ = 0;
+};
+
+using rwlock_cache = locked_cache<std::shared_mutex>;
+using mutex_cache = locked_cache<std::mutex>;
+
+}  // namespace ghostlink::bench

@@ -1,0 +1,82 @@
+#pragma once
+// The benchmark's frame: options, timing, percentiles, medians over runs,
+// and the side-by-side report (table and JSON).
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ghostlink/config.hpp>
+
+namespace ghostlink::bench {
+
+struct options {
+  bool quick = false;        // tiny sizes and one run: CI keeps the benchmark from rotting
+  std::size_t runs = 5;      // each figure is the median of this many runs
+  double seconds = 0.25;     // length of one timed phase
+  std::size_t tokens = 8192, heads = 4, head_dim = 64, block_tokens = 16;
+  std::size_t read_tokens = 1024;  // read_under_write, attention_read
+  std::size_t layers = 32, sequences = 16, steps = 64;  // decode_step
+  std::size_t coroutines = 64, threads = 2;             // write_concurrent, decode_step
+  std::string only;          // run just this scenario
+  std::string json;          // also write the results here
+
+  kv_cache_config config() const {
+    return {.max_tokens_per_seq = tokens, .num_heads = heads, .head_dim = head_dim, .block_tokens = block_tokens};
+  }
+};
+
+/// Parses the command line; prints usage and exits on --help or a bad flag.
+options parse_options(int argc, char** argv);
+
+using clock_type = std::chrono::steady_clock;
+inline double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+/// Latencies in nanoseconds; p(0.5), p(0.99).
+struct latencies {
+  std::vector<double> ns;
+  void add(clock_type::time_point t0) {
+    ns.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count());
+  }
+  double p(double q);
+};
+
+/// One figure per implementation, e.g. {"ghostlink": 1.2e6, "rwlock": 3e5}.
+using figures = std::map<std::string, double>;
+
+/// A metric of a scenario: its figures, and whether more is better (for
+/// the ratio's direction).
+struct metric {
+  std::string scenario, name, unit;
+  bool higher_is_better = true;
+  figures values;
+};
+
+/// Collects metrics; each run of a scenario adds its figures, and the
+/// report keeps the median of every figure over the runs.
+class report {
+ public:
+  /// Runs `measure` opts.runs times; `measure` adds figures by name.
+  void run(const std::string& scenario, const options& opts,
+           const std::function<void(std::map<std::string, metric>&)>& measure);
+  void add_note(const std::string& scenario, const std::string& note) { notes_[scenario].push_back(note); }
+  void print() const;
+  void write_json(const std::string& path, const options& opts) const;
+
+ private:
+  std::vector<metric> metrics_;
+  std::map<std::string, std::vector<std::string>> notes_;
+};
+
+/// The implementations, in the order they appear in the table.
+inline const std::vector<std::string>& implementations() {
+  static const std::vector<std::string> names{"ghostlink", "rwlock", "mutex", "strand_only"};
+  return names;
+}
+
+}  // namespace ghostlink::bench

@@ -1,0 +1,30 @@
+// ghostlink-bench: every scenario, ghostlink and its baselines in one
+// process on the same data; prints one table, and JSON with --json.
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "harness.hpp"
+#include "scenarios.hpp"
+
+int main(int argc, char** argv) {
+  using namespace ghostlink::bench;
+  const options opts = parse_options(argc, argv);
+  const std::map<std::string, void (*)(const options&, report&)> scenarios{
+      {"read_under_write", read_under_write}, {"attention_read", attention_read},
+      {"write_single", write_single},         {"write_concurrent", write_concurrent},
+      {"decode_step", decode_step},           {"memory", memory}};
+  if (!opts.only.empty() && !scenarios.count(opts.only)) {
+    std::fprintf(stderr, "unknown scenario %s\n", opts.only.c_str());
+    return 2;
+  }
+  report out;
+  for (const char* name :
+       {"read_under_write", "attention_read", "write_single", "write_concurrent", "decode_step", "memory"})
+    if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
+  std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",
+              opts.tokens, opts.heads, opts.head_dim, opts.block_tokens, opts.runs, opts.quick ? ", --quick" : "");
+  out.print();
+  if (!opts.json.empty()) out.write_json(opts.json, opts);
+  return 0;
+}

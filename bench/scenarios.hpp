@@ -1,0 +1,16 @@
+#pragma once
+// One function per scenario; each runs ghostlink and the baselines on the
+// same data and adds their figures to the report.
+
+#include "harness.hpp"
+
+namespace ghostlink::bench {
+
+void read_under_write(const options& opts, report& out);
+void attention_read(const options& opts, report& out);
+void write_single(const options& opts, report& out);
+void write_concurrent(const options& opts, report& out);
+void decode_step(const options& opts, report& out);
+void memory(const options& opts, report& out);
+
+}  // namespace ghostlink::bench

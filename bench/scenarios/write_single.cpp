@@ -1,0 +1,101 @@
+// write_single: one writer, sequential writes of one token each: ghostlink
+// and strand_only through co_await on a one-thread io_context, the locked
+// baselines by direct call. Every implementation appends tokens 0..N-1 and
+// starts over: ghostlink and strand_only with a fresh cache per lap (a new
+// sequence), the locked baselines overwriting their one buffer in place.
+#include <ghostlink/kv_cache.hpp>
+
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_awaitable.hpp>
+
+#include <optional>
+
+#include "../baselines/locked_cache.hpp"
+#include "../baselines/strand_cache.hpp"
+#include "../scenarios.hpp"
+#include "../workload.hpp"
+
+namespace ghostlink::bench {
+namespace {
+
+struct outcome {
+  double ops_per_s = 0;
+  latencies lat;
+};
+
+template <class Cache>
+asio::awaitable<void> write_laps(asio::io_context& io, const options& o, outcome& out) {
+  const kv_cache_config config = o.config();
+  const token t(config.token_width(), 1);
+  std::optional<Cache> cache;
+  const auto t0 = clock_type::now();
+  std::size_t i = 0;
+  for (; seconds_since(t0) < o.seconds; ++i) {
+    if (i % o.tokens == 0) {
+      cache.emplace(io.get_executor(), config);
+      co_await cache->async_initialize(1, asio::use_awaitable);
+    }
+    const auto s = clock_type::now();
+    co_await cache->async_write(i % o.tokens, t.keys, t.values, asio::use_awaitable);
+    out.lat.add(s);
+  }
+  out.ops_per_s = double(i) / seconds_since(t0);
+}
+
+template <class Cache>
+outcome through_actor(const options& o) {
+  outcome out;
+  asio::io_context io;
+  asio::co_spawn(io, write_laps<Cache>(io, o, out), asio::detached);
+  io.run();
+  return out;
+}
+
+template <class Cache>
+outcome direct(const options& o) {
+  outcome out;
+  const token t(o.config().token_width(), 1);
+  Cache cache(o.config());
+  cache.initialize(1);
+  const auto t0 = clock_type::now();
+  std::size_t i = 0;
+  for (; seconds_since(t0) < o.seconds; ++i) {
+    const auto s = clock_type::now();
+    cache.write(i % o.tokens, t.keys, t.values);
+    out.lat.add(s);
+  }
+  out.ops_per_s = double(i) / seconds_since(t0);
+  return out;
+}
+
+}  // namespace
+
+void write_single(const options& o, report& out) {
+  out.run("write_single", o, [&](std::map<std::string, metric>& m) {
+    metric& ops = m["1 ops"];
+    ops.name = "sequential writes";
+    ops.unit = "ops/s";
+    metric& p50 = m["2 p50"];
+    p50.name = "write latency p50";
+    p50.unit = "ns";
+    p50.higher_is_better = false;
+    metric& p99 = m["3 p99"];
+    p99 = p50;
+    p99.name = "write latency p99";
+    auto record = [&](const std::string& impl, outcome r) {
+      ops.values[impl] = r.ops_per_s;
+      p50.values[impl] = r.lat.p(0.5);
+      p99.values[impl] = r.lat.p(0.99);
+    };
+    record("ghostlink", through_actor<layer_kv_cache>(o));
+    record("rwlock", direct<rwlock_cache>(o));
+    record("mutex", direct<mutex_cache>(o));
+    record("strand_only", through_actor<strand_cache>(o));
+  });
+  out.add_note("write_single", "ghostlink and strand_only: co_await on a one-thread io_context (a full round "
+                               "trip through the actor per write); rwlock and mutex: direct calls");
+}
+
+}  // namespace ghostlink::bench
