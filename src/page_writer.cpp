@@ -2,31 +2,37 @@
 
 #include <algorithm>
 #include <new>
+#include <stdexcept>
 
 #include "ghostlink/error.hpp"
 
 namespace ghostlink::detail {
 namespace {
 
-constexpr std::size_t initial_table_capacity = 8;
-
+/// ceil(tokens / block_tokens), without overflow for any tokens.
 std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {
-  return (tokens + block_tokens - 1) / block_tokens;
+  return tokens / block_tokens + (tokens % block_tokens != 0);
 }
 
 }  // namespace
 
 page_writer::page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool)
-    : config_(config),
-      pool_(std::move(pool)),
-      table_(ref_ptr<page_table>::adopt(new page_table(
-          std::min(initial_table_capacity, blocks_for(config.max_tokens_per_seq, config.block_tokens))))) {}
+    : config_(config), pool_(std::move(pool)), table_(ref_ptr<page_table>::adopt(new page_table)) {}
+
+page_writer::~page_writer() { ::operator delete(spare_epoch_, sizeof(epoch)); }
 
 ref_ptr<epoch> page_writer::initial_epoch() { return publish(); }
 
+void page_writer::reserve_epoch() {
+  if (!spare_epoch_) spare_epoch_ = ::operator new(sizeof(epoch));
+}
+
 ref_ptr<epoch> page_writer::publish() {
-  auto e = ref_ptr<epoch>::adopt(
-      new epoch(next_epoch_, length_, stored_, table_, zero_block_, config_.token_width(), config_.block_tokens));
+  // epoch::destroy deletes with a plain delete-expression, which matches
+  // memory from ::operator new(sizeof(epoch)).
+  void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : ::operator new(sizeof(epoch));
+  auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, length_, stored_, table_, zero_block_,
+                                                      config_.token_width(), config_.block_tokens));
   ++next_epoch_;
   published_stored_ = std::max(published_stored_, stored_);
   table_private_ = false;
@@ -42,6 +48,8 @@ std::error_code page_writer::apply(const request& r) {
     // Only table copies and the undo log allocate with exceptions, before
     // any token is written; write() undoes its own, initialize() has none.
     return kv_errc::capacity_exhausted;
+  } catch (const std::length_error&) {
+    return kv_errc::capacity_exhausted;  // a table longer than a vector can be
   }
 }
 
@@ -75,7 +83,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   std::size_t stored = stored_;
   for (const kv_write& w : entries) stored = std::max(stored, w.index + 1);
 
-  const std::size_t old_blocks = blocks_;
+  const std::size_t old_blocks = table_->blocks.size();
   undo_log undo;
   bool ok = false;
   try {
@@ -83,13 +91,14 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
     ok = prepare(entries, stored, undo);
   } catch (const std::bad_alloc&) {
     ok = false;  // a table copy failed; what prepare() did so far is undone below
+  } catch (const std::length_error&) {
+    ok = false;
   }
   if (!ok) {
-    // Entries being restored or cleared are ones prepare() set, so they
-    // are editable in place: no published epoch reads them.
-    for (auto it = undo.rbegin(); it != undo.rend(); ++it) table_->blocks[it->first] = std::move(it->second);
-    for (std::size_t b = old_blocks; b < blocks_; ++b) table_->blocks[b] = {};
-    blocks_ = old_blocks;
+    if (table_private_) {
+      for (auto it = undo.rbegin(); it != undo.rend(); ++it) table_->blocks[it->first] = std::move(it->second);
+      table_->blocks.resize(old_blocks);
+    }
     return kv_errc::capacity_exhausted;
   }
 
@@ -111,10 +120,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
 bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
   const std::size_t bt = config_.block_tokens;
   const std::size_t blocks = blocks_for(stored, bt);
-  if (blocks > table_->capacity)
-    copy_table(std::min(std::max(blocks, 2 * table_->capacity), blocks_for(config_.max_tokens_per_seq, bt)));
-  // New entries start null and are past every epoch's reach until published.
-  blocks_ = std::max(blocks_, blocks);
+  if (blocks > table_->blocks.size()) editable_blocks().resize(blocks);
   for (const kv_write& w : entries)
     if (!make_writable(w.index / bt, w.index, undo)) return false;
   // Blocks of skipped tokens: nothing written there, so they read as zeros.
@@ -126,16 +132,15 @@ bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored,
   return true;
 }
 
-ref_ptr<block>& page_writer::editable_entry(std::size_t b) {
-  if (!table_private_ && b < blocks_for(published_stored_, config_.block_tokens)) copy_table(table_->capacity);
-  return table_->blocks[b];
-}
-
-void page_writer::copy_table(std::size_t capacity) {
-  auto copy = ref_ptr<page_table>::adopt(new page_table(capacity));
-  std::copy_n(table_->blocks.get(), blocks_, copy->blocks.get());
-  table_ = std::move(copy);
-  table_private_ = true;
+std::vector<ref_ptr<block>>& page_writer::editable_blocks() {
+  if (!table_private_) {
+    auto copy = ref_ptr<page_table>::adopt(new page_table);
+    copy->blocks.reserve(table_->blocks.size() + 1);  // an append adds at most one block at a time
+    copy->blocks = table_->blocks;
+    table_ = std::move(copy);
+    table_private_ = true;
+  }
+  return table_->blocks;
 }
 
 bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
@@ -149,7 +154,7 @@ bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo
     std::copy_n(current->keys(), pool_->floats_per_half(), fresh->keys());
     std::copy_n(current->values(), pool_->floats_per_half(), fresh->values());
   }
-  ref_ptr<block>& slot = editable_entry(b);
+  ref_ptr<block>& slot = editable_blocks()[b];
   undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
   return true;
 }

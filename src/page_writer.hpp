@@ -8,17 +8,14 @@
 // Invariants:
 // - Tokens [0, stored_) live in blocks; [stored_, length_) read as zeros
 //   (see epoch in storage.hpp). stored_ <= length_.
-// - table_'s first blocks_ == ceil(stored_ / block_tokens) entries are set
-//   (blocks of never-written tokens below stored_ are the zero block); the
-//   rest are null.
-// - An entry of table_ may be set in place only if table_private_ or the
-//   entry is past every published epoch's reach (>= ceil(published_stored_ /
-//   block_tokens)); otherwise the table is copied first.
+// - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
+//   blocks of never-written tokens below stored_ are the zero block.
 // - A block is writable in place at index i only if it is not the zero
 //   block and either it was born in the epoch being built (no published
 //   epoch references it) or i >= published_stored_ (no published epoch
 //   reads that slot from any block). Anything else is copied first.
-// - table_private_ is true only while table_ has not been published.
+// - table_private_ is true only while table_ has not been published; a
+//   published table is never edited.
 // - apply() changes nothing visible unless it returns success.
 
 #include <cstddef>
@@ -37,6 +34,9 @@ namespace ghostlink::detail {
 class page_writer {
  public:
   page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool);
+  ~page_writer();
+  page_writer(const page_writer&) = delete;
+  page_writer& operator=(const page_writer&) = delete;
 
   /// Epoch 0: empty. Published once, when the actor is built.
   ref_ptr<epoch> initial_epoch();
@@ -44,7 +44,11 @@ class page_writer {
   std::error_code apply(const request& r);
   /// True when something was applied since the last publish().
   bool has_changes() const noexcept { return changed_; }
-  /// Freezes the working state into the next epoch.
+  /// Sets aside the memory of the next epoch, so that publish() cannot fail
+  /// once requests are applied. Throws std::bad_alloc.
+  void reserve_epoch();
+  /// Freezes the working state into the next epoch (in the memory
+  /// reserve_epoch() set aside, if any).
   ref_ptr<epoch> publish();
   std::size_t length() const noexcept { return length_; }
 
@@ -53,12 +57,8 @@ class page_writer {
   std::error_code initialize(std::size_t seq_len);
   std::error_code write(std::span<const kv_write> entries);
 
-  /// Entry `b` of the working table, ready to be set: the table is copied
-  /// first if a published epoch can read that entry or it lies past the
-  /// table's capacity.
-  ref_ptr<block>& editable_entry(std::size_t b);
-  /// Copies the table into a private one with room for `capacity` entries.
-  void copy_table(std::size_t capacity);
+  /// The working table, copied from the published one on first edit.
+  std::vector<ref_ptr<block>>& editable_blocks();
   using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
   /// Phase 1 of a write: every target block writable, gaps filled with the
   /// zero block. Changes no token's value; false when out of blocks.
@@ -71,13 +71,13 @@ class page_writer {
   const kv_cache_config config_;
   const ref_ptr<block_pool> pool_;
   ref_ptr<page_table> table_;
-  std::size_t blocks_ = 0;  // entries of table_ in use
   bool table_private_ = false;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   std::size_t length_ = 0;
   std::size_t stored_ = 0;
   std::size_t published_stored_ = 0;  // the most any published epoch stored
   std::uint64_t next_epoch_ = 0;
+  void* spare_epoch_ = nullptr;  // raw memory for the next epoch
   bool initialized_ = false;
   bool changed_ = false;
 };

@@ -15,8 +15,8 @@ namespace {
 /// that holds a freed or recycled epoch sees a wrong number (and ASan sees
 /// the use after free).
 ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
-  auto table = ref_ptr<page_table>::adopt(new page_table(1));
-  table->blocks[0] = block::make(pool, number);
+  auto table = ref_ptr<page_table>::adopt(new page_table);
+  table->blocks.push_back(block::make(pool, number));
   REQUIRE(table->blocks[0]);
   table->blocks[0]->keys()[0] = static_cast<float>(number);
   return ref_ptr<epoch>::adopt(new epoch(number, 1, 1, std::move(table), {}, 1, 1));

@@ -207,6 +207,39 @@ TEST_CASE("blocks pinned by a snapshot count against the budget until it is rele
   CHECK(f.cache.stats().blocks_in_use == 2);
 }
 
+TEST_CASE("a batch that runs out of blocks after copying one leaves no block behind", "[errors]") {
+  auto config = small_config();
+  config.block_tokens = 1;
+  config.max_blocks = 3;
+  fixture f(config);
+  REQUIRE_FALSE(f.sync.initialize(1));
+  f.write_pattern(0, 1);  // one block, published
+  const auto v = filled(f.width, 3.0f);
+  // New block for 2, a copy of block 0, then a fourth block: over budget.
+  const kv_write batch[] = {{2, v, v}, {0, v, v}, {3, v, v}};
+  check_rejected(f, kv_errc::capacity_exhausted, [&] { return f.sync.write_batch(batch); });
+  CHECK(f.cache.stats().blocks_in_use == 1);
+  const kv_write fits[] = {{2, v, v}, {0, v, v}};
+  CHECK_FALSE(f.sync.write_batch(fits));
+}
+
+TEST_CASE("configs whose block or table sizes overflow are rejected or fail cleanly", "[errors]") {
+  asio::thread_pool pool{2};
+  kv_cache_config huge_block{.max_tokens_per_seq = 1, .num_heads = 1, .head_dim = (std::size_t{1} << 61) - 1,
+                             .block_tokens = 1};
+  CHECK_THROWS_AS(layer_kv_cache(pool, huge_block), std::system_error);
+
+  // Valid, but a write near the end needs a table too long to allocate.
+  kv_cache_config endless{.max_tokens_per_seq = SIZE_MAX, .num_heads = 1, .head_dim = 1, .block_tokens = 16};
+  layer_kv_cache cache(pool, endless);
+  ghostlink::test::blocking sync{cache};
+  REQUIRE_FALSE(sync.initialize(1));
+  const std::vector<float> one{1.0f};
+  CHECK(sync.write(SIZE_MAX - 1, one, one) == kv_errc::capacity_exhausted);
+  CHECK(cache.size() == 1);
+  CHECK_FALSE(sync.write(0, one, one));
+}
+
 TEST_CASE("error codes compare, convert and describe themselves", "[errors]") {
   const std::error_code ec = kv_errc::range_out_of_bounds;
   CHECK(ec.category() == kv_category());

@@ -8,8 +8,10 @@
 //   into current_.
 // - A request enqueued is counted in pending_ afterwards; whoever raises
 //   pending_ from zero posts a drain, and a drain that leaves work behind
-//   posts the next, so exactly one drain is queued or running while
-//   requests wait.
+//   defers the next, so one drain is queued or running while requests
+//   wait. pending_ may dip below zero for an instant (a drain took a request
+//   whose submitter has not counted it yet); that submitter then sees a
+//   negative count and leaves the scheduling to the next one.
 
 #include <atomic>
 #include <cstddef>
@@ -40,6 +42,10 @@ class actor : public std::enable_shared_from_this<actor> {
   /// Discards requests still in the mailbox (their handlers are destroyed
   /// unrun); only reached when no drain is queued.
   ~actor();
+  /// Destroys every request in the mailbox with its handler unrun. Called
+  /// when the execution context destroys a queued drain unrun: the handlers
+  /// may hold handles to this cache, a cycle only this breaks.
+  void discard_mailbox() noexcept;
   actor(const actor&) = delete;
   actor& operator=(const actor&) = delete;
 
@@ -54,12 +60,18 @@ class actor : public std::enable_shared_from_this<actor> {
   kv_cache_stats stats() const noexcept;
 
   /// Takes ownership of `r`; its handler runs after the epoch that holds its
-  /// result is published. Never runs the handler inline.
+  /// result is published. Never runs the handler inline. Terminates if Asio
+  /// cannot allocate to schedule the drain (the request is then already in
+  /// the mailbox and could be neither withdrawn nor run).
   void submit(request* r) noexcept;
 
  private:
-  void schedule();
+  friend class drain_op;
+  void schedule(queueing how);
   void drain();
+  /// Applies `n` requests into `results`; if the next epoch cannot be
+  /// reserved, applies none and fails each with capacity_exhausted.
+  void apply(request* const* batch, std::error_code* results, std::size_t n);
 
   const kv_cache_config config_;
   const asio::any_io_executor executor_;

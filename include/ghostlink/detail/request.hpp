@@ -26,6 +26,7 @@
 #include <asio/executor_work_guard.hpp>
 #include <asio/prefer.hpp>
 #include <asio/defer.hpp>
+#include <asio/post.hpp>
 #include <asio/recycling_allocator.hpp>
 
 #include "ghostlink/types.hpp"
@@ -40,18 +41,26 @@ auto handler_allocator(const Handler& handler) {
   return asio::get_associated_allocator(handler, asio::recycling_allocator<void>());
 }
 
+/// How a completion is queued: `post` from an initiating call; `defer` from
+/// a drain, whose completions are its continuations, so that on a thread
+/// already running the handler's executor they take that thread's private
+/// queue (run right after the drain) instead of the shared, locked one. Never
+/// `defer` from an initiating call: the caller may then block this thread.
+enum class queueing : bool { post, defer };
+
 /// Queues `handler(args...)` on the handler's associated executor (default
-/// `io_ex`); never runs it inline. `defer`, not `post`: the completion is a
-/// continuation of whatever ran it (a drain or an initiating call), so on a
-/// thread already running that executor it takes the thread's private
-/// queue instead of the shared, locked one.
+/// `io_ex`); never runs it inline.
 template <class Handler, class IoExecutor, class... Args>
-void post_completion(Handler handler, const IoExecutor& io_ex, Args... args) {
+void post_completion(queueing how, Handler handler, const IoExecutor& io_ex, Args... args) {
   auto ex = asio::get_associated_executor(handler, io_ex);
   auto alloc = handler_allocator(handler);
-  asio::defer(ex, asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
-                std::move(h)(std::move(a)...);
-              }));
+  auto call = asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
+    std::move(h)(std::move(a)...);
+  });
+  if (how == queueing::defer)
+    asio::defer(ex, std::move(call));
+  else
+    asio::post(ex, std::move(call));
 }
 
 /// Keeps a handler's executor from running out of work while its request
@@ -88,13 +97,13 @@ class request {
   /// For `write_batch`: the entries, in order.
   std::span<const kv_write> entries() const noexcept { return entries_; }
 
-  /// Posts the handler with `ec` and frees the request.
-  void complete(std::error_code ec) { finish_(this, &ec); }
+  /// Queues the handler with `ec` and frees the request.
+  void complete(std::error_code ec, queueing how) { finish_(this, &ec, how); }
   /// Destroys the handler unrun and frees the request.
-  void discard() noexcept { finish_(this, nullptr); }
+  void discard() noexcept { finish_(this, nullptr, queueing::post); }
 
  protected:
-  using finish_fn = void (*)(request*, const std::error_code*);
+  using finish_fn = void (*)(request*, const std::error_code*, queueing);
 
   request(finish_fn finish, std::size_t length) noexcept
       : finish_(finish), op_(kind::initialize), length_(length) {}
@@ -145,14 +154,14 @@ class request_op final : public request {
         work_(track_work(asio::get_associated_executor(handler, io_ex))),
         handler_(std::move(handler)) {}
 
-  static void finish(request* base, const std::error_code* ec) {
+  static void finish(request* base, const std::error_code* ec, queueing how) {
     auto* self = static_cast<request_op*>(base);
     allocator_type alloc(handler_allocator(self->handler_));
     Handler handler(std::move(self->handler_));
     work_type work(std::move(self->work_));
     self->~request_op();
     std::allocator_traits<allocator_type>::deallocate(alloc, self, 1);
-    if (ec) post_completion(std::move(handler), executor_of(work), *ec);
+    if (ec) post_completion(how, std::move(handler), executor_of(work), *ec);
   }
 
   work_type work_;

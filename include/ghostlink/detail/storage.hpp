@@ -83,17 +83,11 @@ class block : public ref_counted<block> {
 };
 
 /// Block `i` holds tokens `[i * block_tokens, (i + 1) * block_tokens)`.
-///
-/// A fixed-capacity array, shared by consecutive epochs: an epoch reads only
-/// the entries its `stored` length covers, so the actor may append entries
-/// past every published epoch's reach in place, and copies the table only
-/// to grow it or to replace an entry a published epoch can read.
+/// Never changed once published, so a block lives exactly as long as some
+/// epoch that can read it.
 struct page_table : ref_counted<page_table> {
-  explicit page_table(std::size_t capacity) : capacity(capacity), blocks(new ref_ptr<block>[capacity]) {}
   static void destroy(page_table* t) noexcept { delete t; }
-
-  const std::size_t capacity;
-  const std::unique_ptr<ref_ptr<block>[]> blocks;
+  std::vector<ref_ptr<block>> blocks;
 };
 
 /// One published state of a cache: what a snapshot pins.

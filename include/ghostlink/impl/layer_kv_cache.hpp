@@ -32,7 +32,7 @@ struct initiate_read {
   void operator()(Handler&& handler, std::size_t index) const {
     kv_entry entry;
     std::error_code ec = kv_snapshot(target->pin()).read_kv(index, entry);
-    post_completion(std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
+    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
                     ec, std::move(entry));
   }
 
@@ -40,7 +40,7 @@ struct initiate_read {
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
     std::error_code ec = kv_snapshot(target->pin()).read_range(begin, end, range);
-    post_completion(std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
+    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
                     ec, std::move(range));
   }
 };
