@@ -23,6 +23,7 @@ void usage(int code) {
       "  --coroutines N --threads N                           write_concurrent/decode_step (default 64, 2)\n"
       "  --only SCENARIO     one of read_under_write attention_read write_single write_concurrent\n"
       "                      decode_step memory\n"
+      "  --impl A,B          only these of ghostlink rwlock mutex strand_only (default: all)\n"
       "  --json FILE         also write every figure as JSON\n");
   std::exit(code);
 }
@@ -55,6 +56,8 @@ options parse_options(int argc, char** argv) {
       if (o.seconds <= 0) usage(2);
     } else if (flag == "--only") {
       o.only = value;
+    } else if (flag == "--impl") {
+      o.impls = value;
     } else if (flag == "--json") {
       o.json = value;
     } else {

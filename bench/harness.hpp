@@ -22,7 +22,13 @@ struct options {
   std::size_t layers = 32, sequences = 16, steps = 64;  // decode_step
   std::size_t coroutines = 64, threads = 2;             // write_concurrent, decode_step
   std::string only;          // run just this scenario
+  std::string impls;         // comma-separated implementations to run (default: all)
   std::string json;          // also write the results here
+
+  /// Whether `impl` is to run (--impl).
+  bool wants(const std::string& impl) const {
+    return impls.empty() || ("," + impls + ",").find("," + impl + ",") != std::string::npos;
+  }
 
   kv_cache_config config() const {
     return {.max_tokens_per_seq = tokens, .num_heads = heads, .head_dim = head_dim, .block_tokens = block_tokens};

@@ -107,10 +107,18 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   const std::size_t width = config_.token_width();
   for (const kv_write& w : entries) {
     block& blk = *table_->blocks[w.index / bt];
-    const std::size_t at = (w.index % bt) * width;
-    std::copy(w.keys.begin(), w.keys.end(), blk.keys() + at);
-    std::copy(w.values.begin(), w.values.end(), blk.values() + at);
+    const std::size_t slot = w.index % bt;
+    materialize(blk, slot);
+    std::copy(w.keys.begin(), w.keys.end(), blk.keys() + slot * width);
+    std::copy(w.values.begin(), w.values.end(), blk.values() + slot * width);
+    blk.set_materialized(std::max(blk.materialized(), slot + 1));
   }
+  // Every slot below the new stored length must read as its token: zero
+  // what was skipped in the blocks this write touched and in the old last
+  // block. Those slots are past every published epoch's reach.
+  auto complete = [&](std::size_t b) { materialize(*table_->blocks[b], std::min(bt, stored - b * bt)); };
+  if (stored_ > 0) complete((stored_ - 1) / bt);
+  for (const kv_write& w : entries) complete(w.index / bt);
   stored_ = stored;
   length_ = std::max(length_, stored);
   changed_ = true;
@@ -146,13 +154,13 @@ std::vector<ref_ptr<block>>& page_writer::editable_blocks() {
 bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
   const ref_ptr<block>& current = table_->blocks[b];
   if (current && writable_in_place(*current, index)) return true;
-  const bool copy = current && current != zero_block_;  // copy-on-write: a published epoch reads it
-  ref_ptr<block> fresh = block::make(*pool_, next_epoch_, block::budget::counted,
-                                     copy ? block::contents::uninitialized : block::contents::zeroed);
+  ref_ptr<block> fresh = block::make(*pool_, next_epoch_);
   if (!fresh) return false;
-  if (copy) {
-    std::copy_n(current->keys(), pool_->floats_per_half(), fresh->keys());
-    std::copy_n(current->values(), pool_->floats_per_half(), fresh->values());
+  if (current && current != zero_block_) {  // copy-on-write: a published epoch reads it
+    const std::size_t floats = current->materialized() * config_.token_width();
+    std::copy_n(current->keys(), floats, fresh->keys());
+    std::copy_n(current->values(), floats, fresh->values());
+    fresh->set_materialized(current->materialized());
   }
   ref_ptr<block>& slot = editable_blocks()[b];
   undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
@@ -165,8 +173,16 @@ bool page_writer::writable_in_place(const block& blk, std::size_t index) const n
 }
 
 const ref_ptr<block>& page_writer::zero_block() {
-  if (!zero_block_) zero_block_ = block::make(*pool_, 0, block::budget::exempt);
+  if (!zero_block_) zero_block_ = block::make(*pool_, 0, block::budget::exempt, block::contents::zeroed);
   return zero_block_;
+}
+
+void page_writer::materialize(block& blk, std::size_t slots) noexcept {
+  if (slots <= blk.materialized()) return;
+  const std::size_t width = config_.token_width();
+  std::fill(blk.keys() + blk.materialized() * width, blk.keys() + slots * width, 0.0f);
+  std::fill(blk.values() + blk.materialized() * width, blk.values() + slots * width, 0.0f);
+  blk.set_materialized(slots);
 }
 
 }  // namespace ghostlink::detail

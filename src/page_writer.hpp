@@ -10,6 +10,9 @@
 //   (see epoch in storage.hpp). stored_ <= length_.
 // - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
 //   blocks of never-written tokens below stored_ are the zero block.
+// - Every slot below stored_ is materialized in its block (see
+//   block::materialized): new blocks are not zeroed up front, the writer
+//   zero-fills skipped slots as stored_ passes them.
 // - A block is writable in place at index i only if it is not the zero
 //   block and either it was born in the epoch being built (no published
 //   epoch references it) or i >= published_stored_ (no published epoch
@@ -67,6 +70,8 @@ class page_writer {
   bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
   bool writable_in_place(const block& blk, std::size_t index) const noexcept;
   const ref_ptr<block>& zero_block();
+  /// Zero-fills `blk`'s slots from its materialized count up to `slots`.
+  void materialize(block& blk, std::size_t slots) noexcept;
 
   const kv_cache_config config_;
   const ref_ptr<block_pool> pool_;

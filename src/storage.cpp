@@ -36,7 +36,10 @@ ref_ptr<block> block::make(block_pool& pool, std::uint64_t born_epoch, budget b,
     return {};
   }
   auto* blk = ::new (raw) block(pool, born_epoch, b);
-  if (c == contents::zeroed) std::fill_n(blk->data(), floats, 0.0f);
+  if (c == contents::zeroed) {
+    std::fill_n(blk->data(), floats, 0.0f);
+    blk->materialized_ = pool.block_tokens();
+  }
   return ref_ptr<block>::adopt(blk);
 }
 

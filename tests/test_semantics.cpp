@@ -70,6 +70,36 @@ TEST_CASE("a write past the size grows it to index + 1 and skipped tokens read a
   CHECK(f.keys_at(9) == token_pattern(f.width, 9, 3));
 }
 
+TEST_CASE("tokens skipped inside a partly written block read as zeros once the size passes them", "[write]") {
+  fixture f;  // block_tokens = 4; meson test's MALLOC_PERTURB_ fills fresh memory with garbage
+  REQUIRE_FALSE(f.sync.initialize(1));
+  f.write_pattern(1, 1);  // block 0: token 0 skipped, tokens 2, 3 not yet valid
+  f.write_pattern(9, 1);  // block 2; tokens 2..8 become valid
+  for (std::size_t t : {0u, 2u, 3u, 4u, 7u, 8u}) {
+    INFO("token " << t);
+    CHECK(f.keys_at(t) == filled(f.width, 0.0f));
+  }
+  CHECK(f.keys_at(1) == token_pattern(f.width, 1, 1));
+}
+
+TEST_CASE("a copied block keeps its written tokens and reads zeros for the ones skipped after", "[write]") {
+  fixture f;
+  REQUIRE_FALSE(f.sync.initialize(1));
+  f.write_pattern(0, 1);
+  f.write_pattern(1, 1);
+  const kv_snapshot pinned = f.cache.snapshot();
+  f.write_pattern(0, 2);  // copy-on-write of block 0
+  f.write_pattern(3, 2);  // token 2 skipped inside the copy
+  CHECK(f.keys_at(0) == token_pattern(f.width, 0, 2));
+  CHECK(f.keys_at(1) == token_pattern(f.width, 1, 1));
+  CHECK(f.keys_at(2) == filled(f.width, 0.0f));
+  CHECK(f.keys_at(3) == token_pattern(f.width, 3, 2));
+  kv_entry old;
+  REQUIRE_FALSE(pinned.read_kv(0, old));
+  CHECK(old.keys == token_pattern(f.width, 0, 1));
+  CHECK(pinned.size() == 2);
+}
+
 TEST_CASE("a write below the size leaves the size alone", "[write]") {
   fixture f;
   REQUIRE_FALSE(f.sync.initialize(12));

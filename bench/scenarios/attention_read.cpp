@@ -1,4 +1,104 @@
+// attention_read: per decode step, read tokens [0, R) and compute that
+// step's attention (q . k for every token, softmax, weighted sum of v).
+// ghostlink feeds the kernel straight from its blocks (for_each_block);
+// the baselines copy the range out first, as their read does.
+#include <ghostlink/kv_cache.hpp>
+
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_future.hpp>
+
+#include <thread>
+
+#include "../baselines/locked_cache.hpp"
+#include "../baselines/strand_cache.hpp"
 #include "../scenarios.hpp"
+#include "../workload.hpp"
+
 namespace ghostlink::bench {
-void attention_read(const options&, report&) {}
+namespace {
+
+/// Steps per second of `step`, run for o.seconds.
+template <class Step>
+double steps_per_second(const options& o, Step step) {
+  const auto t0 = clock_type::now();
+  std::size_t n = 0;
+  for (; seconds_since(t0) < o.seconds; ++n) step();
+  return double(n) / seconds_since(t0);
 }
+
+/// Fills `write` (a callable taking (index, token)) with R tokens.
+template <class Write>
+void fill(const options& o, Write write) {
+  for (std::size_t i = 0; i < o.read_tokens; ++i) write(i, token(o.config().token_width(), i));
+}
+
+}  // namespace
+
+void attention_read(const options& o, report& out) {
+  out.run("attention_read", o, [&](std::map<std::string, metric>& m) {
+    metric& rate = m["steps"];
+    rate.name = "attention steps";
+    rate.unit = "steps/s";
+
+    if (o.wants("ghostlink")) {
+      asio::io_context io;
+      layer_kv_cache cache(io, o.config());
+      cache.async_initialize(1, [](std::error_code) {});
+      std::vector<token> data;
+      std::vector<kv_write> batch;
+      fill(o, [&](std::size_t, token t) { data.push_back(std::move(t)); });
+      for (std::size_t i = 0; i < data.size(); ++i) batch.push_back({i, data[i].keys, data[i].values});
+      cache.async_write_batch(batch, [](std::error_code) {});
+      io.run();
+      rate.values["ghostlink"] = steps_per_second(o, [&] {
+        attention a(o.heads, o.head_dim);
+        cache.snapshot().for_each_block(0, o.read_tokens, [&](std::size_t, std::size_t n, auto k, auto v) {
+          a.add(n, k, v);
+        });
+        keep(a.checksum());
+      });
+    }
+    auto locked = [&](auto& cache) {
+      cache.initialize(1);
+      fill(o, [&](std::size_t i, const token& t) { cache.write(i, t.keys, t.values); });
+      kv_range r;
+      return steps_per_second(o, [&] {
+        attention a(o.heads, o.head_dim);
+        cache.read_range(0, o.read_tokens, r);
+        a.add(o.read_tokens, r.keys, r.values);
+        keep(a.checksum());
+      });
+    };
+    if (o.wants("rwlock")) {
+      rwlock_cache c(o.config());
+      rate.values["rwlock"] = locked(c);
+    }
+    if (o.wants("mutex")) {
+      mutex_cache c(o.config());
+      rate.values["mutex"] = locked(c);
+    }
+    if (o.wants("strand_only")) {
+      asio::io_context io;
+      auto work = asio::make_work_guard(io);
+      std::thread runner([&] { io.run(); });
+      strand_cache cache(io.get_executor(), o.config());
+      cache.async_initialize(1, asio::use_future).get();
+      std::vector<token> data;
+      fill(o, [&](std::size_t, token t) { data.push_back(std::move(t)); });
+      for (std::size_t i = 0; i < data.size(); ++i)
+        cache.async_write(i, data[i].keys, data[i].values, asio::use_future).get();
+      kv_range r;
+      rate.values["strand_only"] = steps_per_second(o, [&] {
+        attention a(o.heads, o.head_dim);
+        cache.async_read_range(0, o.read_tokens, r, asio::use_future).get();
+        a.add(o.read_tokens, r.keys, r.values);
+        keep(a.checksum());
+      });
+      work.reset();
+      runner.join();
+    }
+  });
+}
+
+}  // namespace ghostlink::bench

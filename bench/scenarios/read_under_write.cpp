@@ -154,9 +154,9 @@ void read_under_write(const options& o, report& out) {
       r_p99.values[impl] = r.both.reads.p(0.99) / 1e3;
       r_rate.values[impl] = r.both.reads_per_s;
     };
-    record("ghostlink", run_ghostlink(o));
-    record("rwlock", run_locked<rwlock_cache>(o));
-    record("mutex", run_locked<mutex_cache>(o));
+    if (o.wants("ghostlink")) record("ghostlink", run_ghostlink(o));
+    if (o.wants("rwlock")) record("rwlock", run_locked<rwlock_cache>(o));
+    if (o.wants("mutex")) record("mutex", run_locked<mutex_cache>(o));
   });
   out.add_note("read_under_write",
                "writer overwrites published tokens (ghostlink copies a block per write); strand_only "

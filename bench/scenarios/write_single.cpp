@@ -89,10 +89,10 @@ void write_single(const options& o, report& out) {
       p50.values[impl] = r.lat.p(0.5);
       p99.values[impl] = r.lat.p(0.99);
     };
-    record("ghostlink", through_actor<layer_kv_cache>(o));
-    record("rwlock", direct<rwlock_cache>(o));
-    record("mutex", direct<mutex_cache>(o));
-    record("strand_only", through_actor<strand_cache>(o));
+    if (o.wants("ghostlink")) record("ghostlink", through_actor<layer_kv_cache>(o));
+    if (o.wants("rwlock")) record("rwlock", direct<rwlock_cache>(o));
+    if (o.wants("mutex")) record("mutex", direct<mutex_cache>(o));
+    if (o.wants("strand_only")) record("strand_only", through_actor<strand_cache>(o));
   });
   out.add_note("write_single", "ghostlink and strand_only: co_await on a one-thread io_context (a full round "
                                "trip through the actor per write); rwlock and mutex: direct calls");

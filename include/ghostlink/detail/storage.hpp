@@ -55,13 +55,13 @@ class block : public ref_counted<block> {
   /// a cache's one shared zero block, so `max_blocks` counts data blocks.
   enum class budget : bool { counted, exempt };
 
-  /// Whether a new block's payload is zeroed (a copy-on-write target is not:
-  /// it is overwritten whole at once).
-  enum class contents : bool { zeroed, uninitialized };
+  /// Whether a new block's payload is all zeros (and counted as
+  /// materialized) or left for the writer to fill token by token.
+  enum class contents : bool { zeroed, unwritten };
 
   /// A new block, or null when the pool's budget or memory is spent.
   static ref_ptr<block> make(block_pool& pool, std::uint64_t born_epoch, budget b = budget::counted,
-                             contents c = contents::zeroed) noexcept;
+                             contents c = contents::unwritten) noexcept;
   static void destroy(block* b) noexcept;
 
   float* keys() noexcept { return data(); }
@@ -72,6 +72,12 @@ class block : public ref_counted<block> {
   /// The first epoch that can see this block; set before it is published.
   std::uint64_t born_epoch() const noexcept { return born_epoch_; }
 
+  /// Slots [0, materialized()) hold their tokens' values (written, or zeros
+  /// where skipped); later slots hold garbage no epoch reads. The actor's
+  /// alone: read and written on the strand only.
+  std::size_t materialized() const noexcept { return materialized_; }
+  void set_materialized(std::size_t slots) noexcept { materialized_ = slots; }
+
  private:
   block(block_pool& pool, std::uint64_t born_epoch, budget b) noexcept;
   ~block() = default;
@@ -80,6 +86,7 @@ class block : public ref_counted<block> {
   ref_ptr<block_pool> pool_;
   std::uint64_t born_epoch_;
   budget budget_;
+  std::size_t materialized_ = 0;
 };
 
 /// Block `i` holds tokens `[i * block_tokens, (i + 1) * block_tokens)`.
