@@ -21,6 +21,7 @@ void usage(int code) {
       "  --read-tokens N     tokens read per step in read_under_write/attention_read (default 1024)\n"
       "  --layers N --sequences N --steps N                   decode_step shape (default 32 x 16, 64)\n"
       "  --coroutines N --threads N                           write_concurrent/decode_step (default 64, 2)\n"
+      "  --batch N           tokens per batched request in write_concurrent (default 32)\n"
       "  --only SCENARIO     one of read_under_write attention_read write_single write_concurrent\n"
       "                      decode_step memory\n"
       "  --impl A,B          only these of ghostlink rwlock mutex strand_only (default: all)\n"
@@ -36,7 +37,7 @@ options parse_options(int argc, char** argv) {
       {"--runs", &o.runs},         {"--tokens", &o.tokens},         {"--heads", &o.heads},
       {"--head-dim", &o.head_dim}, {"--block-tokens", &o.block_tokens}, {"--read-tokens", &o.read_tokens},
       {"--layers", &o.layers},     {"--sequences", &o.sequences},   {"--steps", &o.steps},
-      {"--coroutines", &o.coroutines}, {"--threads", &o.threads}};
+      {"--coroutines", &o.coroutines}, {"--threads", &o.threads}, {"--batch", &o.batch}};
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];

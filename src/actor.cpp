@@ -4,6 +4,7 @@
 #include <exception>
 
 #include <asio/defer.hpp>
+#include <asio/dispatch.hpp>
 #include <asio/post.hpp>
 
 #include "ghostlink/error.hpp"
@@ -64,14 +65,14 @@ void actor::submit(request* r) noexcept {
     r->complete(kv_errc::capacity_exhausted, queueing::post);  // the mailbox could not grow
     return;
   }
-  if (pending_.fetch_add(1, std::memory_order_acq_rel) == 0) schedule(queueing::post);
+  if (pending_.fetch_add(1, std::memory_order_acq_rel) == 0) schedule(drain_from::initiating_call);
 }
 
-void actor::schedule(queueing how) {
-  if (how == queueing::defer)
-    asio::defer(strand_, drain_op(shared_from_this()));
+void actor::schedule(drain_from origin) {
+  if (origin == drain_from::drain)
+    asio::defer(strand_, drain_op(shared_from_this()));  // runs right after this drain, same thread
   else
-    asio::post(strand_, drain_op(shared_from_this()));
+    asio::dispatch(strand_, drain_op(shared_from_this()));
 }
 
 void actor::apply(request* const* batch, std::error_code* results, std::size_t n) {
@@ -115,7 +116,7 @@ void actor::drain() {
   }
 
   const auto taken = static_cast<std::int64_t>(n);
-  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0) schedule(queueing::defer);
+  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0) schedule(drain_from::drain);
   if (first_error) std::rethrow_exception(first_error);
 }
 

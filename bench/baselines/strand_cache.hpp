@@ -34,6 +34,10 @@ class strand_cache {
     return run(std::forward<Token>(token), [=](auto& s) { return s.write(index, k, v); });
   }
   template <class Token>
+  auto async_write_batch(std::span<const kv_write> entries, Token&& token) {
+    return run(std::forward<Token>(token), [=](auto& s) { return s.write_batch(entries); });
+  }
+  template <class Token>
   auto async_read_range(std::size_t begin, std::size_t end, kv_range& out, Token&& token) {
     return run(std::forward<Token>(token), [=, &out](auto& s) { return s.read_range(begin, end, out); });
   }

@@ -7,9 +7,9 @@
 // - drain() runs only on strand_; it alone touches *writer_ and publishes
 //   into current_.
 // - A request enqueued is counted in pending_ afterwards; whoever raises
-//   pending_ from zero posts a drain, and a drain that leaves work behind
-//   defers the next, so one drain is queued or running while requests
-//   wait. pending_ may dip below zero for an instant (a drain took a request
+//   pending_ from zero schedules a drain, and a drain that leaves work
+//   behind defers the next, so one drain is queued or running while
+//   requests wait. pending_ may dip below zero for an instant (a drain took a request
 //   whose submitter has not counted it yet); that submitter then sees a
 //   negative count and leaves the scheduling to the next one.
 
@@ -67,7 +67,12 @@ class actor : public std::enable_shared_from_this<actor> {
 
  private:
   friend class drain_op;
-  void schedule(queueing how);
+  /// Queues a drain on the strand. From an initiating call: dispatched, so
+  /// a caller already on the strand's executor with the strand idle runs
+  /// the drain at once, on the strand, without a thread hop (its handler is
+  /// still only queued). From a drain: deferred, to run right after it.
+  enum class drain_from : bool { initiating_call, drain };
+  void schedule(drain_from origin);
   void drain();
   /// Applies `n` requests into `results`; if the next epoch cannot be
   /// reserved, applies none and fails each with capacity_exhausted.
