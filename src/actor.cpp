@@ -60,19 +60,21 @@ void actor::discard_mailbox() noexcept {
   while (mailbox_->queue.try_dequeue(r)) r->discard();
 }
 
-void actor::submit(request* r) noexcept {
+void actor::submit(request* r, urgency u) noexcept {
   if (!mailbox_->queue.enqueue(r)) {
     r->complete(kv_errc::capacity_exhausted, queueing::post);  // the mailbox could not grow
     return;
   }
-  if (pending_.fetch_add(1, std::memory_order_acq_rel) == 0) schedule(drain_from::initiating_call);
+  if (pending_.fetch_add(1, std::memory_order_acq_rel) == 0)
+    schedule(u == urgency::now ? drain_from::urgent_call : drain_from::call);
 }
 
 void actor::schedule(drain_from origin) {
-  if (origin == drain_from::drain)
-    asio::defer(strand_, drain_op(shared_from_this()));  // runs right after this drain, same thread
-  else
-    asio::dispatch(strand_, drain_op(shared_from_this()));
+  switch (origin) {
+    case drain_from::urgent_call: return asio::dispatch(strand_, drain_op(shared_from_this()));
+    case drain_from::call: return asio::post(strand_, drain_op(shared_from_this()));
+    case drain_from::drain: return asio::defer(strand_, drain_op(shared_from_this()));  // right after this one
+  }
 }
 
 void actor::apply(request* const* batch, std::error_code* results, std::size_t n) {

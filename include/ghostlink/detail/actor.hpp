@@ -59,19 +59,24 @@ class actor : public std::enable_shared_from_this<actor> {
   ref_ptr<epoch> pin() const noexcept { return current_.pin(); }
   kv_cache_stats stats() const noexcept;
 
+  /// How soon a request's drain should start when it finds the actor idle.
+  /// `now`: dispatched to the strand, so a caller already on the strand's
+  /// executor runs the drain at once, on the strand, without a thread hop
+  /// (its handler is still only queued). `batch`: posted, so requests that
+  /// arrive meanwhile are applied and published together.
+  enum class urgency : bool { now, batch };
+
   /// Takes ownership of `r`; its handler runs after the epoch that holds its
   /// result is published. Never runs the handler inline. Terminates if Asio
   /// cannot allocate to schedule the drain (the request is then already in
   /// the mailbox and could be neither withdrawn nor run).
-  void submit(request* r) noexcept;
+  void submit(request* r, urgency u) noexcept;
 
  private:
   friend class drain_op;
-  /// Queues a drain on the strand. From an initiating call: dispatched, so
-  /// a caller already on the strand's executor with the strand idle runs
-  /// the drain at once, on the strand, without a thread hop (its handler is
-  /// still only queued). From a drain: deferred, to run right after it.
-  enum class drain_from : bool { initiating_call, drain };
+  /// Queues a drain on the strand: dispatched or posted from an initiating
+  /// call (see urgency), deferred from a drain to run right after it.
+  enum class drain_from : unsigned char { urgent_call, call, drain };
   void schedule(drain_from origin);
   void drain();
   /// Applies `n` requests into `results`; if the next epoch cannot be

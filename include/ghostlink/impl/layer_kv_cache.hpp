@@ -5,11 +5,29 @@
 #include <type_traits>
 #include <utility>
 
+#include "ghostlink/detail/asio_config.hpp"
+
+#if defined(ASIO_HAS_CO_AWAIT)
+#include <asio/use_awaitable.hpp>
+#endif
+
 #include "ghostlink/detail/actor.hpp"
 #include "ghostlink/detail/request.hpp"
 
 namespace ghostlink {
 namespace detail {
+
+/// True for the handler of a `co_await` through `asio::use_awaitable`: the
+/// coroutine suspends right after the initiating call and can have no other
+/// write of its own in flight, so its drain is best started at once (see
+/// actor::submit). Any other handler may belong to a caller that keeps many
+/// writes in flight, whose drains should batch them.
+template <class Handler>
+struct resumes_coroutine : std::false_type {};
+#if defined(ASIO_HAS_CO_AWAIT)
+template <class Executor, class... Ts>
+struct resumes_coroutine<asio::detail::awaitable_handler<Executor, Ts...>> : std::true_type {};
+#endif
 
 /// Starts a write request: wraps the handler in a request and mails it to
 /// the actor. Owns the actor so a deferred operation may start later.
@@ -20,7 +38,8 @@ struct initiate_request {
   void operator()(Handler&& handler, const Arg& arg) const {
     using op = request_op<std::decay_t<Handler>, asio::any_io_executor>;
     std::decay_t<Handler> h(std::forward<Handler>(handler));
-    target->submit(op::make(std::move(h), target->completion_executor(), arg));
+    target->submit(op::make(std::move(h), target->completion_executor(), arg),
+                   resumes_coroutine<std::decay_t<Handler>>::value ? actor::urgency::now : actor::urgency::batch);
   }
 };
 
