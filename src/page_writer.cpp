@@ -83,7 +83,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   std::size_t stored = stored_;
   for (const kv_write& w : entries) stored = std::max(stored, w.index + 1);
 
-  const std::size_t old_blocks = table_->blocks.size();
+  const std::size_t old_blocks = table_->blocks;
   undo_log undo;
   bool ok = false;
   try {
@@ -95,10 +95,10 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
     ok = false;
   }
   if (!ok) {
-    if (table_private_) {
-      for (auto it = undo.rbegin(); it != undo.rend(); ++it) table_->blocks[it->first] = std::move(it->second);
-      table_->blocks.resize(old_blocks);
-    }
+    // Put back what make_writable() replaced (entries it set are in private
+    // chunks); entries past old_blocks may stay null or the zero block.
+    for (auto it = undo.rbegin(); it != undo.rend(); ++it) editable_entry(it->first) = std::move(it->second);
+    if (table_->blocks != old_blocks) resize_table(old_blocks);
     return kv_errc::capacity_exhausted;
   }
 
@@ -106,7 +106,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   const std::size_t bt = config_.block_tokens;
   const std::size_t width = config_.token_width();
   for (const kv_write& w : entries) {
-    block& blk = *table_->blocks[w.index / bt];
+    block& blk = *table_->entry(w.index / bt);
     const std::size_t slot = w.index % bt;
     materialize(blk, slot);
     std::copy(w.keys.begin(), w.keys.end(), blk.keys() + slot * width);
@@ -116,7 +116,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   // Every slot below the new stored length must read as its token: zero
   // what was skipped in the blocks this write touched and in the old last
   // block. Those slots are past every published epoch's reach.
-  auto complete = [&](std::size_t b) { materialize(*table_->blocks[b], std::min(bt, stored - b * bt)); };
+  auto complete = [&](std::size_t b) { materialize(*table_->entry(b), std::min(bt, stored - b * bt)); };
   if (stored_ > 0) complete((stored_ - 1) / bt);
   for (const kv_write& w : entries) complete(w.index / bt);
   stored_ = stored;
@@ -127,32 +127,63 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
 
 bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
   const std::size_t bt = config_.block_tokens;
+  const std::size_t old_blocks = table_->blocks;
   const std::size_t blocks = blocks_for(stored, bt);
-  if (blocks > table_->blocks.size()) editable_blocks().resize(blocks);
+  if (blocks > old_blocks && !resize_table(blocks)) return false;
   for (const kv_write& w : entries)
     if (!make_writable(w.index / bt, w.index, undo)) return false;
-  // Blocks of skipped tokens: nothing written there, so they read as zeros.
-  for (std::size_t b = 0; b < blocks; ++b) {
-    if (table_->blocks[b]) continue;
+  // New entries not written in the old last chunk (whole new chunks start
+  // as zero chunks): nothing was written there, so they read as zeros.
+  const std::size_t old_chunk_end = std::min(blocks, (old_blocks + page_chunk::size - 1) / page_chunk::size *
+                                                         page_chunk::size);
+  for (std::size_t b = old_blocks; b < old_chunk_end; ++b) {
+    if (table_->entry(b)) continue;
     if (!zero_block()) return false;
-    table_->blocks[b] = zero_block_;
+    editable_entry(b) = zero_block_;
   }
   return true;
 }
 
-std::vector<ref_ptr<block>>& page_writer::editable_blocks() {
-  if (!table_private_) {
-    auto copy = ref_ptr<page_table>::adopt(new page_table);
-    copy->blocks.reserve(table_->blocks.size() + 1);  // an append adds at most one block at a time
-    copy->blocks = table_->blocks;
-    table_ = std::move(copy);
-    table_private_ = true;
+void page_writer::own_table() {
+  if (table_private_) return;
+  auto copy = ref_ptr<page_table>::adopt(new page_table);
+  copy->chunks.reserve(table_->chunks.size() + 1);  // an append adds at most one chunk at a time
+  copy->chunks = table_->chunks;
+  copy->blocks = table_->blocks;
+  table_ = std::move(copy);
+  table_private_ = true;
+}
+
+bool page_writer::resize_table(std::size_t blocks) {
+  const std::size_t chunks = blocks / page_chunk::size + (blocks % page_chunk::size != 0);
+  if (chunks > table_->chunks.size() && !zero_chunk()) return false;
+  own_table();
+  table_->chunks.resize(chunks, zero_chunk_);  // throws std::bad_alloc before changing anything
+  table_->blocks = blocks;
+  return true;
+}
+
+const ref_ptr<page_chunk>& page_writer::zero_chunk() {
+  if (!zero_chunk_ && zero_block()) {
+    zero_chunk_ = ref_ptr<page_chunk>::adopt(new page_chunk(0));  // born 0: never edited in place
+    zero_chunk_->blocks.fill(zero_block_);
   }
-  return table_->blocks;
+  return zero_chunk_;
+}
+
+ref_ptr<block>& page_writer::editable_entry(std::size_t b) {
+  own_table();
+  ref_ptr<page_chunk>& chunk = table_->chunks[b / page_chunk::size];
+  if (chunk->born_epoch != next_epoch_) {
+    auto copy = ref_ptr<page_chunk>::adopt(new page_chunk(next_epoch_));
+    copy->blocks = chunk->blocks;
+    chunk = std::move(copy);
+  }
+  return chunk->blocks[b % page_chunk::size];
 }
 
 bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
-  const ref_ptr<block>& current = table_->blocks[b];
+  const ref_ptr<block>& current = table_->entry(b);
   if (current && writable_in_place(*current, index)) return true;
   ref_ptr<block> fresh = block::make(*pool_, next_epoch_);
   if (!fresh) return false;
@@ -162,7 +193,7 @@ bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo
     std::copy_n(current->values(), floats, fresh->values());
     fresh->set_materialized(current->materialized());
   }
-  ref_ptr<block>& slot = editable_blocks()[b];
+  ref_ptr<block>& slot = editable_entry(b);
   undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
   return true;
 }

@@ -9,7 +9,8 @@
 // - Tokens [0, stored_) live in blocks; [stored_, length_) read as zeros
 //   (see epoch in storage.hpp). stored_ <= length_.
 // - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
-//   blocks of never-written tokens below stored_ are the zero block.
+//   blocks of never-written tokens below stored_ are the zero block;
+//   entries past them are null or the zero block.
 // - Every slot below stored_ is materialized in its block (see
 //   block::materialized): new blocks are not zeroed up front, the writer
 //   zero-fills skipped slots as stored_ passes them.
@@ -18,7 +19,8 @@
 //   epoch references it) or i >= published_stored_ (no published epoch
 //   reads that slot from any block). Anything else is copied first.
 // - table_private_ is true only while table_ has not been published; a
-//   published table is never edited.
+//   published table is never edited, nor is a chunk born before
+//   next_epoch_ (it may be shared with a published table).
 // - apply() changes nothing visible unless it returns success.
 
 #include <cstddef>
@@ -60,8 +62,17 @@ class page_writer {
   std::error_code initialize(std::size_t seq_len);
   std::error_code write(std::span<const kv_write> entries);
 
-  /// The working table, copied from the published one on first edit.
-  std::vector<ref_ptr<block>>& editable_blocks();
+  /// Entry `b` of the working table, ready to be set: the table and the
+  /// entry's chunk are copied first if a published epoch can see them.
+  ref_ptr<block>& editable_entry(std::size_t b);
+  /// Sets the working table's entry count; whole new chunks are the zero
+  /// chunk. False when the zero block cannot be had; throws std::bad_alloc
+  /// (changing nothing) when the list of chunks cannot grow.
+  bool resize_table(std::size_t blocks);
+  /// A chunk whose every entry is the zero block; never edited in place.
+  const ref_ptr<page_chunk>& zero_chunk();
+  /// Makes the working table private (a copy of its list of chunks).
+  void own_table();
   using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
   /// Phase 1 of a write: every target block writable, gaps filled with the
   /// zero block. Changes no token's value; false when out of blocks.
@@ -78,6 +89,7 @@ class page_writer {
   ref_ptr<page_table> table_;
   bool table_private_ = false;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
+  ref_ptr<page_chunk> zero_chunk_;
   std::size_t length_ = 0;
   std::size_t stored_ = 0;
   std::size_t published_stored_ = 0;  // the most any published epoch stored

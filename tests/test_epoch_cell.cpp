@@ -15,10 +15,13 @@ namespace {
 /// that holds a freed or recycled epoch sees a wrong number (and ASan sees
 /// the use after free).
 ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
+  auto chunk = ref_ptr<page_chunk>::adopt(new page_chunk(number));
+  chunk->blocks[0] = block::make(pool, number);
+  REQUIRE(chunk->blocks[0]);
+  chunk->blocks[0]->keys()[0] = static_cast<float>(number);
   auto table = ref_ptr<page_table>::adopt(new page_table);
-  table->blocks.push_back(block::make(pool, number));
-  REQUIRE(table->blocks[0]);
-  table->blocks[0]->keys()[0] = static_cast<float>(number);
+  table->chunks.push_back(std::move(chunk));
+  table->blocks = 1;
   return ref_ptr<epoch>::adopt(new epoch(number, 1, 1, std::move(table), {}, 1, 1));
 }
 
@@ -42,7 +45,7 @@ TEST_CASE("a pinned epoch stays intact while newer ones are published and freed"
         while (!done.load(std::memory_order_acquire)) {
           ref_ptr<epoch> e = cell.pin();
           ++pins[r];
-          if (e->table->blocks[0]->keys()[0] != static_cast<float>(e->number)) ++torn[r];
+          if (e->table->entry(0)->keys()[0] != static_cast<float>(e->number)) ++torn[r];
           if (e->number < last) ++backwards[r];
           last = e->number;
         }

@@ -223,6 +223,29 @@ TEST_CASE("a batch that runs out of blocks after copying one leaves no block beh
   CHECK_FALSE(f.sync.write_batch(fits));
 }
 
+TEST_CASE("a batch failing after growing the table by whole chunks leaves it as it was", "[errors]") {
+  auto config = small_config();
+  config.max_tokens_per_seq = 200;
+  config.block_tokens = 1;  // 200 entries: seven chunks of the page table
+  config.max_blocks = 3;
+  fixture f(config);
+  REQUIRE_FALSE(f.sync.initialize(1));
+  f.write_pattern(0, 1);
+  const auto v = filled(f.width, 4.0f);
+  // A block in a new chunk, a copy of block 0, then a fourth block: over budget.
+  const kv_write batch[] = {{150, v, v}, {0, v, v}, {199, v, v}};
+  check_rejected(f, kv_errc::capacity_exhausted, [&] { return f.sync.write_batch(batch); });
+  CHECK(f.cache.stats().blocks_in_use == 1);
+  const kv_write fits[] = {{150, v, v}, {0, v, v}};
+  REQUIRE_FALSE(f.sync.write_batch(fits));
+  CHECK(f.cache.size() == 151);
+  auto [ec, range] = f.sync.read_range(99, 151);
+  REQUIRE_FALSE(ec);
+  CHECK(std::vector<float>(range.keys.begin(), range.keys.begin() + std::ptrdiff_t(f.width)) ==
+        filled(f.width, 0.0f));
+  CHECK(std::vector<float>(range.keys.end() - std::ptrdiff_t(f.width), range.keys.end()) == v);
+}
+
 TEST_CASE("configs whose block or table sizes overflow are rejected or fail cleanly", "[errors]") {
   asio::thread_pool pool{2};
   kv_cache_config huge_block{.max_tokens_per_seq = 1, .num_heads = 1, .head_dim = (std::size_t{1} << 61) - 1,

@@ -2,6 +2,7 @@
 // read_kv, read_range, for_each_block, paging, copies and printing.
 #include "support.hpp"
 
+#include <algorithm>
 #include <numeric>
 
 using namespace ghostlink;
@@ -253,6 +254,36 @@ TEST_CASE("a block larger than the whole sequence works", "[paging]") {
   auto [ec, range] = f.sync.read_range(0, 5);
   REQUIRE_FALSE(ec);
   CHECK(std::vector<float>(range.keys.end() - ptrdiff_t(f.width), range.keys.end()) == token_pattern(f.width, 4, 6));
+}
+
+TEST_CASE("page tables spanning many chunks keep every token and every older snapshot", "[paging]") {
+  auto config = small_config();
+  config.max_tokens_per_seq = 300;
+  config.block_tokens = 1;  // one block per token: 300 entries, ten chunks of the page table
+  fixture f(config);
+  REQUIRE_FALSE(f.sync.initialize(1));
+  std::vector<std::pair<kv_snapshot, std::vector<std::size_t>>> history;  // snapshot, tokens written so far
+  std::vector<std::size_t> written;
+  for (std::size_t t : {0u, 5u, 70u, 64u, 150u, 299u, 31u, 32u}) {
+    f.write_pattern(t, 1);
+    written.push_back(t);
+    history.emplace_back(f.cache.snapshot(), written);
+  }
+  for (std::size_t t : {5u, 70u, 299u}) f.write_pattern(t, 2);  // copies in three chunks
+  CHECK(f.cache.stats().blocks_in_use == history.size() + 3);     // the copies, while old snapshots pin the rest
+  for (auto& [snap, tokens] : history) {
+    INFO("snapshot of epoch " << snap.epoch());
+    for (std::size_t t = 0; t < snap.size(); ++t) {
+      kv_entry e;
+      REQUIRE_FALSE(snap.read_kv(t, e));
+      const bool was_written = std::find(tokens.begin(), tokens.end(), t) != tokens.end();
+      CHECK(e.keys == (was_written ? token_pattern(f.width, t, 1) : filled(f.width, 0.0f)));
+    }
+  }
+  history.clear();
+  CHECK(f.cache.stats().blocks_in_use == written.size());
+  for (std::size_t t : {5u, 70u, 299u}) CHECK(f.keys_at(t) == token_pattern(f.width, t, 2));
+  CHECK(f.keys_at(100) == filled(f.width, 0.0f));
 }
 
 TEST_CASE("one token costs one block, not the whole sequence", "[paging]") {

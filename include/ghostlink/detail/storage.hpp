@@ -11,6 +11,7 @@
 // below the longest length any published epoch has had are never changed
 // either; the actor (actor.cpp) writes them only into a fresh copy.
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -89,12 +90,30 @@ class block : public ref_counted<block> {
   std::size_t materialized_ = 0;
 };
 
+/// Up to `size` consecutive entries of a page table. Never changed once
+/// published; tables share unchanged chunks.
+struct page_chunk : ref_counted<page_chunk> {
+  static constexpr std::size_t size = 32;
+  explicit page_chunk(std::uint64_t born_epoch) noexcept : born_epoch(born_epoch) {}
+  static void destroy(page_chunk* c) noexcept { delete c; }
+
+  const std::uint64_t born_epoch;  // the first epoch that can see it
+  std::array<ref_ptr<block>, size> blocks;
+};
+
 /// Block `i` holds tokens `[i * block_tokens, (i + 1) * block_tokens)`.
 /// Never changed once published, so a block lives exactly as long as some
-/// epoch that can read it.
+/// epoch that can read it. Two levels, so that a new table copies the list
+/// of chunks and the one chunk it changes, not every block reference.
 struct page_table : ref_counted<page_table> {
   static void destroy(page_table* t) noexcept { delete t; }
-  std::vector<ref_ptr<block>> blocks;
+
+  const ref_ptr<block>& entry(std::size_t b) const noexcept {
+    return chunks[b / page_chunk::size]->blocks[b % page_chunk::size];
+  }
+
+  std::vector<ref_ptr<page_chunk>> chunks;
+  std::size_t blocks = 0;  // entries in use; later ones are null
 };
 
 /// One published state of a cache: what a snapshot pins.
@@ -119,7 +138,7 @@ struct epoch : ref_counted<epoch> {
   /// The block holding token `index` (`index < length`); the slot within it
   /// is `index % block_tokens`.
   const block& block_of(std::size_t index) const noexcept {
-    return index < stored ? *table->blocks[index / block_tokens] : *zeros;
+    return index < stored ? *table->entry(index / block_tokens) : *zeros;
   }
   /// Tokens from `index` on that share `index`'s block (capped at `end`).
   std::size_t run_from(std::size_t index, std::size_t end) const noexcept {
