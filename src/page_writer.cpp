@@ -9,6 +9,12 @@
 namespace ghostlink::detail {
 namespace {
 
+/// The most chunks a page table may list: 2^31 blocks, 512 MiB of chunk
+/// pointers. A write that would need more (a huge max_tokens_per_seq and an
+/// index near it) fails with capacity_exhausted instead of asking the
+/// allocator for an absurd table.
+constexpr std::size_t max_table_chunks = std::size_t{1} << 26;
+
 /// ceil(tokens / block_tokens), without overflow for any tokens.
 std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {
   return tokens / block_tokens + (tokens % block_tokens != 0);
@@ -156,6 +162,7 @@ void page_writer::own_table() {
 
 bool page_writer::resize_table(std::size_t blocks) {
   const std::size_t chunks = blocks / page_chunk::size + (blocks % page_chunk::size != 0);
+  if (chunks > max_table_chunks) return false;
   if (chunks > table_->chunks.size() && !zero_chunk()) return false;
   own_table();
   table_->chunks.resize(chunks, zero_chunk_);  // throws std::bad_alloc before changing anything
