@@ -44,15 +44,26 @@ class attention {
         const float* q = query_.data() + h * dim_;
         const float* k = keys.data() + t * width + h * dim_;
         const float* v = values.data() + t * width + h * dim_;
-        float dot = 0;
-        for (std::size_t i = 0; i < dim_; ++i) dot += q[i] * k[i];
-        const float logit = dot * scale, m = std::max(max_[h], logit);
+        const float logit = dot(q, k) * scale, m = std::max(max_[h], logit);
         const float old_scale = std::exp(max_[h] - m), w = std::exp(logit - m);
         float* o = out_.data() + h * dim_;
         for (std::size_t i = 0; i < dim_; ++i) o[i] = o[i] * old_scale + w * v[i];
         sum_[h] = sum_[h] * old_scale + w;
         max_[h] = m;
       }
+  }
+
+  /// q . k over one head, with eight independent partial sums so the
+  /// compiler can vectorise it without reassociating floating point.
+  float dot(const float* q, const float* k) const {
+    float part[8] = {};
+    std::size_t i = 0;
+    for (; i + 8 <= dim_; i += 8)
+      for (std::size_t j = 0; j < 8; ++j) part[j] += q[i + j] * k[i + j];
+    float sum = 0;
+    for (; i < dim_; ++i) sum += q[i] * k[i];
+    for (float p : part) sum += p;
+    return sum;
   }
 
   /// A value that depends on every output, so no work is optimised away.
