@@ -25,7 +25,7 @@ std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {
 page_writer::page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool)
     : config_(config), pool_(std::move(pool)), table_(ref_ptr<page_table>::adopt(new page_table)) {}
 
-page_writer::~page_writer() { ::operator delete(spare_epoch_, sizeof(epoch)); }
+page_writer::~page_writer() { ::operator delete(spare_epoch_); }
 
 ref_ptr<epoch> page_writer::initial_epoch() { return publish(); }
 
