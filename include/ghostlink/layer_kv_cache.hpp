@@ -34,10 +34,17 @@ namespace ghostlink {
 /// one mailbox drain as one new immutable epoch. Reads pin the latest epoch
 /// without a lock and without waiting for the actor.
 ///
-/// Completion: every handler runs on its associated executor, by
-/// `asio::defer` (a post), never inside the initiating call. A handler without an
-/// associated executor runs on the executor the cache was made from (not on
-/// the strand); a coroutine resumes on its own executor.
+/// Completion: every handler runs on its associated executor, queued (by
+/// `asio::post` or `asio::defer`), never inside the initiating call. A
+/// handler without an associated executor runs on the executor the cache was
+/// made from (not on the strand); a coroutine resumes on its own executor.
+///
+/// Scheduling: a write `co_await`ed with `asio::use_awaitable` dispatches the
+/// actor's drain, so when the coroutine already runs on the cache's executor
+/// and the strand is idle the write is applied and published on the strand
+/// inside the initiating call, without a thread hop (the coroutine still
+/// resumes only through its executor's queue). Writes with any other token
+/// post the drain, so requests arriving together commit as one epoch.
 ///
 /// Thread safety: every member function may be called from any thread.
 class layer_kv_cache {
