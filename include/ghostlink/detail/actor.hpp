@@ -9,9 +9,11 @@
 // - A request enqueued is counted in pending_ afterwards; whoever raises
 //   pending_ from zero schedules a drain, and a drain that leaves work
 //   behind defers the next, so one drain is queued or running while
-//   requests wait. pending_ may dip below zero for an instant (a drain took a request
-//   whose submitter has not counted it yet); that submitter then sees a
-//   negative count and leaves the scheduling to the next one.
+//   requests wait. pending_ may dip below zero for an instant: a drain took
+//   a request whose submitter has not counted it yet. A submitter that
+//   finds the count negative schedules nothing; the late submitter's own
+//   count then brings pending_ up from zero and schedules the drain that
+//   takes whatever was enqueued meanwhile.
 
 #include <atomic>
 #include <cstddef>
