@@ -65,16 +65,11 @@ void actor::submit(request* r, urgency u) noexcept {
     r->complete(kv_errc::capacity_exhausted, queueing::post);  // the mailbox could not grow
     return;
   }
-  if (pending_.fetch_add(1, std::memory_order_acq_rel) == 0)
-    schedule(u == urgency::now ? drain_from::urgent_call : drain_from::call);
-}
-
-void actor::schedule(drain_from origin) {
-  switch (origin) {
-    case drain_from::urgent_call: return asio::dispatch(strand_, drain_op(shared_from_this()));
-    case drain_from::call: return asio::post(strand_, drain_op(shared_from_this()));
-    case drain_from::drain: return asio::defer(strand_, drain_op(shared_from_this()));  // right after this one
-  }
+  if (pending_.fetch_add(1, std::memory_order_acq_rel) != 0) return;  // a drain is queued or running
+  if (u == urgency::now)
+    asio::dispatch(strand_, drain_op(shared_from_this()));
+  else
+    asio::post(strand_, drain_op(shared_from_this()));
 }
 
 void actor::apply(request* const* batch, std::error_code* results, std::size_t n) {
@@ -118,7 +113,8 @@ void actor::drain() {
   }
 
   const auto taken = static_cast<std::int64_t>(n);
-  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0) schedule(drain_from::drain);
+  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0)
+    asio::defer(strand_, drain_op(shared_from_this()));  // runs right after this drain
   if (first_error) std::rethrow_exception(first_error);
 }
 

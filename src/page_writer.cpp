@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <new>
-#include <stdexcept>
 
 #include "ghostlink/error.hpp"
 
@@ -15,15 +14,13 @@ namespace {
 /// allocator for an absurd table.
 constexpr std::size_t max_table_chunks = std::size_t{1} << 26;
 
-/// ceil(tokens / block_tokens), without overflow for any tokens.
-std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {
-  return tokens / block_tokens + (tokens % block_tokens != 0);
-}
+/// ceil(n / d), without overflow for any n.
+std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0); }
 
 }  // namespace
 
 page_writer::page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool)
-    : config_(config), pool_(std::move(pool)), table_(ref_ptr<page_table>::adopt(new page_table)) {}
+    : config_(config), pool_(std::move(pool)), table_(ref_ptr<page_table>::adopt(new page_table(0))) {}  // built for epoch 0
 
 page_writer::~page_writer() { ::operator delete(spare_epoch_); }
 
@@ -41,22 +38,13 @@ ref_ptr<epoch> page_writer::publish() {
                                                       config_.token_width(), config_.block_tokens));
   ++next_epoch_;
   published_stored_ = std::max(published_stored_, stored_);
-  table_private_ = false;
   changed_ = false;
   return e;
 }
 
 std::error_code page_writer::apply(const request& r) {
-  try {
-    if (r.op() == request::kind::initialize) return initialize(r.length());
-    return write(r.entries());
-  } catch (const std::bad_alloc&) {
-    // Only table copies and the undo log allocate with exceptions, before
-    // any token is written; write() undoes its own, initialize() has none.
-    return kv_errc::capacity_exhausted;
-  } catch (const std::length_error&) {
-    return kv_errc::capacity_exhausted;  // a table longer than a vector can be
-  }
+  if (r.op() == request::kind::initialize) return initialize(r.length());
+  return write(r.entries());
 }
 
 std::error_code page_writer::validate(std::span<const kv_write> entries) const noexcept {
@@ -96,9 +84,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
     undo.reserve(entries.size());  // so recording an undo step cannot throw
     ok = prepare(entries, stored, undo);
   } catch (const std::bad_alloc&) {
-    ok = false;  // a table copy failed; what prepare() did so far is undone below
-  } catch (const std::length_error&) {
-    ok = false;
+    ok = false;  // a table or chunk copy failed; what prepare() did so far is undone below
   }
   if (!ok) {
     // Put back what make_writable() replaced (entries it set are in private
@@ -134,14 +120,13 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
 bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
   const std::size_t bt = config_.block_tokens;
   const std::size_t old_blocks = table_->blocks;
-  const std::size_t blocks = blocks_for(stored, bt);
+  const std::size_t blocks = ceil_div(stored, bt);
   if (blocks > old_blocks && !resize_table(blocks)) return false;
   for (const kv_write& w : entries)
     if (!make_writable(w.index / bt, w.index, undo)) return false;
   // New entries not written in the old last chunk (whole new chunks start
   // as zero chunks): nothing was written there, so they read as zeros.
-  const std::size_t old_chunk_end = std::min(blocks, (old_blocks + page_chunk::size - 1) / page_chunk::size *
-                                                         page_chunk::size);
+  const std::size_t old_chunk_end = std::min(blocks, ceil_div(old_blocks, page_chunk::size) * page_chunk::size);
   for (std::size_t b = old_blocks; b < old_chunk_end; ++b) {
     if (table_->entry(b)) continue;
     if (!zero_block()) return false;
@@ -151,17 +136,16 @@ bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored,
 }
 
 void page_writer::own_table() {
-  if (table_private_) return;
-  auto copy = ref_ptr<page_table>::adopt(new page_table);
+  if (table_->born_epoch == next_epoch_) return;
+  auto copy = ref_ptr<page_table>::adopt(new page_table(next_epoch_));
   copy->chunks.reserve(table_->chunks.size() + 1);  // an append adds at most one chunk at a time
   copy->chunks = table_->chunks;
   copy->blocks = table_->blocks;
   table_ = std::move(copy);
-  table_private_ = true;
 }
 
 bool page_writer::resize_table(std::size_t blocks) {
-  const std::size_t chunks = blocks / page_chunk::size + (blocks % page_chunk::size != 0);
+  const std::size_t chunks = ceil_div(blocks, page_chunk::size);
   if (chunks > max_table_chunks) return false;
   if (chunks > table_->chunks.size() && !zero_chunk()) return false;
   own_table();

@@ -18,9 +18,9 @@
 //   block and either it was born in the epoch being built (no published
 //   epoch references it) or i >= published_stored_ (no published epoch
 //   reads that slot from any block). Anything else is copied first.
-// - table_private_ is true only while table_ has not been published; a
-//   published table is never edited, nor is a chunk born before
-//   next_epoch_ (it may be shared with a published table).
+// - A table, chunk or block born before next_epoch_ may be read by a
+//   published epoch: a table or chunk is then never edited (it is copied
+//   first), a block only as the in-place rule above allows.
 // - apply() changes nothing visible unless it returns success.
 
 #include <cstddef>
@@ -66,12 +66,14 @@ class page_writer {
   /// entry's chunk are copied first if a published epoch can see them.
   ref_ptr<block>& editable_entry(std::size_t b);
   /// Sets the working table's entry count; whole new chunks are the zero
-  /// chunk. False when the zero block cannot be had; throws std::bad_alloc
-  /// (changing nothing) when the list of chunks cannot grow.
+  /// chunk. False when the zero block cannot be had or the table would pass
+  /// its bound; throws std::bad_alloc (changing nothing) when the list of
+  /// chunks cannot grow.
   bool resize_table(std::size_t blocks);
   /// A chunk whose every entry is the zero block; never edited in place.
   const ref_ptr<page_chunk>& zero_chunk();
-  /// Makes the working table private (a copy of its list of chunks).
+  /// Makes the working table one no published epoch reads (a copy of its
+  /// list of chunks, unless it was born in the epoch being built).
   void own_table();
   using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
   /// Phase 1 of a write: every target block writable, gaps filled with the
@@ -87,7 +89,6 @@ class page_writer {
   const kv_cache_config config_;
   const ref_ptr<block_pool> pool_;
   ref_ptr<page_table> table_;
-  bool table_private_ = false;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   ref_ptr<page_chunk> zero_chunk_;
   std::size_t length_ = 0;

@@ -19,7 +19,7 @@ ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
   chunk->blocks[0] = block::make(pool, number);
   REQUIRE(chunk->blocks[0]);
   chunk->blocks[0]->keys()[0] = static_cast<float>(number);
-  auto table = ref_ptr<page_table>::adopt(new page_table);
+  auto table = ref_ptr<page_table>::adopt(new page_table(number));
   table->chunks.push_back(std::move(chunk));
   table->blocks = 1;
   return ref_ptr<epoch>::adopt(new epoch(number, 1, 1, std::move(table), {}, 1, 1));

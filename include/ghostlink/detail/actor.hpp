@@ -76,10 +76,6 @@ class actor : public std::enable_shared_from_this<actor> {
 
  private:
   friend class drain_op;
-  /// Queues a drain on the strand: dispatched or posted from an initiating
-  /// call (see urgency), deferred from a drain to run right after it.
-  enum class drain_from : unsigned char { urgent_call, call, drain };
-  void schedule(drain_from origin);
   void drain();
   /// Applies `n` requests into `results`; if the next epoch cannot be
   /// reserved, applies none and fails each with capacity_exhausted.

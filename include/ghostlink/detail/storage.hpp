@@ -106,14 +106,16 @@ struct page_chunk : ref_counted<page_chunk> {
 /// epoch that can read it. Two levels, so that a new table copies the list
 /// of chunks and the one chunk it changes, not every block reference.
 struct page_table : ref_counted<page_table> {
+  explicit page_table(std::uint64_t born_epoch) noexcept : born_epoch(born_epoch) {}
   static void destroy(page_table* t) noexcept { delete t; }
 
   const ref_ptr<block>& entry(std::size_t b) const noexcept {
     return chunks[b / page_chunk::size]->blocks[b % page_chunk::size];
   }
 
+  const std::uint64_t born_epoch;  // the first epoch that can see it
   std::vector<ref_ptr<page_chunk>> chunks;
-  std::size_t blocks = 0;  // entries in use; later ones are null
+  std::size_t blocks = 0;  // entries in use; later ones are null or the zero block
 };
 
 /// One published state of a cache: what a snapshot pins.
