@@ -44,6 +44,16 @@ inline double seconds_since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
+/// Calls `op(i)` for i = 0, 1, ... until `seconds` have passed; returns
+/// calls per second.
+template <class Op>
+double ops_per_second(double seconds, Op op) {
+  const auto t0 = clock_type::now();
+  std::size_t i = 0;
+  for (; seconds_since(t0) < seconds; ++i) op(i);
+  return double(i) / seconds_since(t0);
+}
+
 /// Latencies in nanoseconds; p(0.5), p(0.99).
 struct latencies {
   std::vector<double> ns;

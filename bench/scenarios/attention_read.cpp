@@ -18,15 +18,6 @@
 namespace ghostlink::bench {
 namespace {
 
-/// Steps per second of `step`, run for o.seconds.
-template <class Step>
-double steps_per_second(const options& o, Step step) {
-  const auto t0 = clock_type::now();
-  std::size_t n = 0;
-  for (; seconds_since(t0) < o.seconds; ++n) step();
-  return double(n) / seconds_since(t0);
-}
-
 /// Fills `write` (a callable taking (index, token)) with R tokens.
 template <class Write>
 void fill(const options& o, Write write) {
@@ -51,7 +42,7 @@ void attention_read(const options& o, report& out) {
       for (std::size_t i = 0; i < data.size(); ++i) batch.push_back({i, data[i].keys, data[i].values});
       cache.async_write_batch(batch, [](std::error_code) {});
       io.run();
-      rate.values["ghostlink"] = steps_per_second(o, [&] {
+      rate.values["ghostlink"] = ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
         cache.snapshot().for_each_block(0, o.read_tokens, [&](std::size_t, std::size_t n, auto k, auto v) {
           a.add(n, k, v);
@@ -63,7 +54,7 @@ void attention_read(const options& o, report& out) {
       cache.initialize(1);
       fill(o, [&](std::size_t i, const token& t) { cache.write(i, t.keys, t.values); });
       kv_range r;
-      return steps_per_second(o, [&] {
+      return ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
         cache.read_range(0, o.read_tokens, r);
         a.add(o.read_tokens, r.keys, r.values);
@@ -89,7 +80,7 @@ void attention_read(const options& o, report& out) {
       for (std::size_t i = 0; i < data.size(); ++i)
         cache.async_write(i, data[i].keys, data[i].values, asio::use_future).get();
       kv_range r;
-      rate.values["strand_only"] = steps_per_second(o, [&] {
+      rate.values["strand_only"] = ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
         cache.async_read_range(0, o.read_tokens, r, asio::use_future).get();
         a.add(o.read_tokens, r.keys, r.values);

@@ -37,14 +37,11 @@ std::size_t write_index(const options& o, std::size_t i) {
 
 template <class Read>
 void reader_loop(const options& o, phase_result& r, Read read) {
-  const auto t0 = clock_type::now();
-  std::size_t n = 0;
-  for (; seconds_since(t0) < o.seconds; ++n) {
+  r.reads_per_s = ops_per_second(o.seconds, [&](std::size_t) {
     const auto s = clock_type::now();
     read();
     r.reads.add(s);
-  }
-  r.reads_per_s = double(n) / seconds_since(t0);
+  });
 }
 
 /// Runs the reader and/or writer for one phase; `writer` runs on its own
@@ -119,13 +116,10 @@ scenario_result run_locked(const options& o) {
   kv_range out;
   auto read = [&] { cache.read_range(0, o.read_tokens, out); };
   auto writer = [&] {
-    const auto t0 = clock_type::now();
-    std::size_t i = 0;
-    for (; seconds_since(t0) < o.seconds; ++i) {
+    return ops_per_second(o.seconds, [&](std::size_t i) {
       const token& t = data[write_index(o, i)];
       cache.write(write_index(o, i), t.keys, t.values);
-    }
-    return double(i) / seconds_since(t0);
+    });
   };
   return three_phases(o, read, writer);
 }

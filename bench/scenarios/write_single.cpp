@@ -59,14 +59,11 @@ outcome direct(const options& o) {
   const token t(o.config().token_width(), 1);
   Cache cache(o.config());
   cache.initialize(1);
-  const auto t0 = clock_type::now();
-  std::size_t i = 0;
-  for (; seconds_since(t0) < o.seconds; ++i) {
+  out.ops_per_s = ops_per_second(o.seconds, [&](std::size_t i) {
     const auto s = clock_type::now();
     cache.write(i % o.tokens, t.keys, t.values);
     out.lat.add(s);
-  }
-  out.ops_per_s = double(i) / seconds_since(t0);
+  });
   return out;
 }
 
