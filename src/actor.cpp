@@ -18,9 +18,16 @@ namespace {
 // burst of writers as one epoch, small enough to keep a drain short.
 constexpr std::size_t drain_capacity = 128;
 
-ref_ptr<block_pool> make_pool(const kv_cache_config& config) {
-  validate(config);
-  return ref_ptr<block_pool>::adopt(new block_pool(config.token_width(), config.block_tokens, config.max_blocks));
+[[noreturn]] void throw_invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
+
+/// The pool a new cache takes blocks from: `pool`, checked against
+/// `config`, or a private one.
+ref_ptr<block_pool> pool_for(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool) {
+  validate(config, codec.size);
+  const std::size_t payload = 2 * config.block_tokens * config.token_width() * codec.size;
+  if (!pool) return ref_ptr<block_pool>::adopt(new block_pool(payload, config.max_blocks));
+  if (pool->payload_bytes() != payload || config.max_blocks != kv_cache_config{}.max_blocks) throw_invalid_config();
+  return pool;
 }
 
 }  // namespace
@@ -44,13 +51,19 @@ class drain_op {
   std::shared_ptr<actor> actor_;
 };
 
-actor::actor(asio::any_io_executor ex, const kv_cache_config& config)
-    : config_(config),
+std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
+                                   ref_ptr<block_pool> pool, bool initialized) {
+  auto writer = std::make_unique<page_writer>(config, codec, pool_for(config, codec, std::move(pool)), initialized);
+  return std::make_shared<actor>(std::move(ex), std::move(writer));
+}
+
+actor::actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer)
+    : config_(writer->config()),
       executor_(std::move(ex)),
       strand_(asio::make_strand(executor_)),
-      pool_(make_pool(config_)),
       mailbox_(std::make_unique<mailbox>()),
-      writer_(std::make_unique<page_writer>(config_, pool_)),
+      writer_(std::move(writer)),
+      pool_(writer_->pool()),
       current_(writer_->initial_epoch()) {}
 
 actor::~actor() { discard_mailbox(); }
@@ -79,7 +92,17 @@ void actor::apply(request* const* batch, std::error_code* results, std::size_t n
     for (std::size_t i = 0; i < n; ++i) results[i] = kv_errc::capacity_exhausted;
     return;
   }
-  for (std::size_t i = 0; i < n; ++i) results[i] = writer_->apply(*batch[i]);
+  for (std::size_t i = 0; i < n; ++i)
+    results[i] = batch[i]->op() == request::kind::fork ? fork(*batch[i]) : writer_->apply(*batch[i]);
+}
+
+std::error_code actor::fork(request& r) noexcept {
+  try {
+    r.set_forked(std::make_shared<actor>(executor_, writer_->fork()));
+    return {};
+  } catch (const std::bad_alloc&) {
+    return kv_errc::capacity_exhausted;
+  }
 }
 
 void actor::drain() {
@@ -127,7 +150,7 @@ kv_cache_stats actor::stats() const noexcept {
   s.requests_applied = applied_.load(std::memory_order_relaxed);
   s.requests_failed = failed_.load(std::memory_order_relaxed);
   s.blocks_in_use = pool_->blocks_in_use();
-  s.bytes_in_use = s.blocks_in_use * 2 * pool_->floats_per_half() * sizeof(float);
+  s.bytes_in_use = s.blocks_in_use * pool_->payload_bytes();
   return s;
 }
 

@@ -20,16 +20,16 @@ std::ostream& operator<<(std::ostream& os, const kv_cache_config& c) {
 
 namespace detail {
 
-void validate(const kv_cache_config& c) {
+void validate(const kv_cache_config& c, std::size_t element_size) {
   constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
   const bool zero = c.max_tokens_per_seq == 0 || c.num_heads == 0 || c.head_dim == 0 || c.block_tokens == 0 ||
                     c.max_blocks == 0;
-  // A block holds 2 * block_tokens * token_width floats after a small
+  // A block holds 2 * block_tokens * token_width elements after a small
   // header; that many bytes, and a token index times the width, must not
   // overflow.
   constexpr std::size_t header_reserve = 4096;
   const bool overflow = zero || c.num_heads > max / c.head_dim ||
-                        c.token_width() > (max - header_reserve) / (2 * sizeof(float)) / c.block_tokens ||
+                        c.token_width() > (max - header_reserve) / (2 * element_size) / c.block_tokens ||
                         c.token_width() > max / c.max_tokens_per_seq;
   if (zero || overflow) throw std::system_error(make_error_code(kv_errc::invalid_config));
 }

@@ -4,14 +4,7 @@
 // order, which is what gives "requests initiated from one thread apply in
 // the order they were initiated".
 
-#if __has_include(<concurrentqueue/moodycamel/concurrentqueue.h>)
-#include <concurrentqueue/moodycamel/concurrentqueue.h>
-#elif __has_include(<concurrentqueue/concurrentqueue.h>)
-#include <concurrentqueue/concurrentqueue.h>
-#else
-#include <concurrentqueue.h>
-#endif
-
+#include "concurrent_queue.hpp"
 #include "ghostlink/detail/request.hpp"
 
 namespace ghostlink::detail {

@@ -1,6 +1,7 @@
 #include "page_writer.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <new>
 
 #include "ghostlink/error.hpp"
@@ -19,32 +20,82 @@ std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0)
 
 }  // namespace
 
-page_writer::page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool)
-    : config_(config), pool_(std::move(pool)), table_(ref_ptr<page_table>::adopt(new page_table(0))) {}  // built for epoch 0
+page_writer::page_writer(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool,
+                         bool initialized)
+    : config_(config),
+      codec_(codec),
+      pool_(std::move(pool)),
+      owner_(block_pool::new_owner_id()),
+      table_(ref_ptr<page_table>::adopt(new page_table(0))),  // built for epoch 0
+      initialized_(initialized) {}
+
+page_writer::page_writer(const page_writer& parent, std::uint64_t next_epoch)
+    : config_(parent.config_),
+      codec_(parent.codec_),
+      pool_(parent.pool_),
+      owner_(block_pool::new_owner_id()),
+      table_(ref_ptr<page_table>::adopt(new page_table(next_epoch))),
+      zero_block_(parent.zero_block_),
+      length_(parent.length_),
+      stored_(parent.stored_),
+      next_epoch_(next_epoch),
+      initialized_(parent.initialized_),
+      changed_(true) {
+  // Chunks belong to one cache: copy each (sharing its blocks), so neither
+  // side ever edits a chunk the other reads.
+  const page_table& from = *parent.table_;
+  table_->chunks.reserve(from.chunks.size());
+  for (const ref_ptr<page_chunk>& chunk : from.chunks) {
+    if (chunk == parent.zero_chunk_ && zero_chunk()) {
+      table_->chunks.push_back(zero_chunk_);
+      continue;
+    }
+    auto copy = ref_ptr<page_chunk>::adopt(new page_chunk(next_epoch));
+    copy->blocks = chunk->blocks;
+    table_->chunks.push_back(std::move(copy));
+  }
+  table_->blocks = from.blocks;
+}
 
 page_writer::~page_writer() { ::operator delete(spare_epoch_); }
 
 ref_ptr<epoch> page_writer::initial_epoch() { return publish(); }
+
+std::unique_ptr<page_writer> page_writer::fork() {
+  auto child = std::unique_ptr<page_writer>(new page_writer(*this, next_epoch_));
+  seal();  // the child now reads every slot this writer holds
+  return child;
+}
 
 void page_writer::reserve_epoch() {
   if (!spare_epoch_) spare_epoch_ = ::operator new(sizeof(epoch));
 }
 
 ref_ptr<epoch> page_writer::publish() {
+  seal();
   // epoch::destroy deletes with a plain delete-expression, which matches
   // memory from ::operator new(sizeof(epoch)).
   void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : ::operator new(sizeof(epoch));
   auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, length_, stored_, table_, zero_block_,
                                                       config_.token_width(), config_.block_tokens));
   ++next_epoch_;
-  published_stored_ = std::max(published_stored_, stored_);
   changed_ = false;
   return e;
 }
 
+void page_writer::seal() noexcept {
+  for (block* blk : touched_) blk->set_readable(std::max(blk->readable(), blk->materialized()));
+  touched_.clear();
+}
+
 std::error_code page_writer::apply(const request& r) {
-  if (r.op() == request::kind::initialize) return initialize(r.length());
-  return write(r.entries());
+  switch (r.op()) {
+    case request::kind::initialize: return initialize(r.length());
+    case request::kind::truncate: return truncate(r.length());
+    case request::kind::write_batch: return write(r.entries());
+    case request::kind::fork: break;  // the actor's (it makes a new actor)
+  }
+  return {};
 }
 
 std::error_code page_writer::validate(std::span<const kv_write> entries) const noexcept {
@@ -70,6 +121,39 @@ std::error_code page_writer::initialize(std::size_t seq_len) {
   return {};
 }
 
+std::error_code page_writer::truncate(std::size_t length) {
+  if (length >= length_) return {};
+  const std::size_t bt = config_.block_tokens;
+  const std::size_t stored = std::min(stored_, length);
+  const std::size_t blocks = ceil_div(stored, bt);
+  if (blocks < table_->blocks) {
+    // Drop the entries past the new end of the last kept chunk; whole
+    // chunks past it go with the list's tail. Copy what a published epoch
+    // reads first, so a failed copy changes nothing.
+    const std::size_t chunk_end = std::min(table_->blocks, ceil_div(blocks, page_chunk::size) * page_chunk::size);
+    try {
+      if (blocks < chunk_end) editable_entry(blocks);
+      else own_table();
+    } catch (const std::bad_alloc&) {
+      return kv_errc::capacity_exhausted;
+    }
+    seal();  // touched blocks may be dropped below; none is touched again before the next seal
+    for (std::size_t b = blocks; b < chunk_end; ++b) editable_entry(b) = {};
+    table_->chunks.resize(ceil_div(blocks, page_chunk::size));
+    table_->blocks = blocks;
+  }
+  // The new last block's slots past `stored` no longer hold this cache's
+  // tokens: make skipped slots there read as zeros if written again.
+  if (stored % bt != 0) {
+    block& last = *table_->entry(blocks - 1);
+    if (last.owner() == owner_) last.set_materialized(std::min(last.materialized(), stored % bt));
+  }
+  stored_ = stored;
+  length_ = length;
+  changed_ = true;
+  return {};
+}
+
 std::error_code page_writer::write(std::span<const kv_write> entries) {
   if (std::error_code ec = validate(entries)) return ec;
   if (entries.empty()) return {};
@@ -78,10 +162,14 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   for (const kv_write& w : entries) stored = std::max(stored, w.index + 1);
 
   const std::size_t old_blocks = table_->blocks;
+  const std::size_t old_touched = touched_.size();
   undo_log undo;
   bool ok = false;
   try {
-    undo.reserve(entries.size());  // so recording an undo step cannot throw
+    // So that recording an undo step or a touched block cannot throw.
+    undo.reserve(entries.size() + 1);
+    const std::size_t touches = touched_.size() + entries.size() + 1;
+    if (touched_.capacity() < touches) touched_.reserve(std::max(touches, 2 * touched_.capacity()));
     ok = prepare(entries, stored, undo);
   } catch (const std::bad_alloc&) {
     ok = false;  // a table or chunk copy failed; what prepare() did so far is undone below
@@ -89,27 +177,34 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   if (!ok) {
     // Put back what make_writable() replaced (entries it set are in private
     // chunks); entries past old_blocks may stay null or the zero block.
+    touched_.resize(old_touched);
     for (auto it = undo.rbegin(); it != undo.rend(); ++it) editable_entry(it->first) = std::move(it->second);
     if (table_->blocks != old_blocks) resize_table(old_blocks);
     return kv_errc::capacity_exhausted;
   }
+  // Blocks replaced by copies leave the table (and may be freed with the
+  // undo log): forget them.
+  for (const auto& replaced : undo) std::erase(touched_, replaced.second.get());
 
   // Phase 2: copy the data in. Cannot fail.
   const std::size_t bt = config_.block_tokens;
-  const std::size_t width = config_.token_width();
+  const std::size_t token = token_bytes();
   for (const kv_write& w : entries) {
     block& blk = *table_->entry(w.index / bt);
     const std::size_t slot = w.index % bt;
     materialize(blk, slot);
-    std::copy(w.keys.begin(), w.keys.end(), blk.keys() + slot * width);
-    std::copy(w.values.begin(), w.values.end(), blk.values() + slot * width);
+    codec_.store(w.keys, blk.keys() + slot * token);
+    codec_.store(w.values, blk.values() + slot * token);
     blk.set_materialized(std::max(blk.materialized(), slot + 1));
   }
   // Every slot below the new stored length must read as its token: zero
   // what was skipped in the blocks this write touched and in the old last
-  // block. Those slots are past every published epoch's reach.
-  auto complete = [&](std::size_t b) { materialize(*table_->entry(b), std::min(bt, stored - b * bt)); };
-  if (stored_ > 0) complete((stored_ - 1) / bt);
+  // block (prepare() made both writable; the zero block is all zeros).
+  auto complete = [&](std::size_t b) {
+    block& blk = *table_->entry(b);
+    if (&blk != zero_block_.get()) materialize(blk, std::min(bt, stored - b * bt));
+  };
+  if (stored > stored_ && stored_ % bt != 0) complete((stored_ - 1) / bt);
   for (const kv_write& w : entries) complete(w.index / bt);
   stored_ = stored;
   length_ = std::max(length_, stored);
@@ -122,6 +217,11 @@ bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored,
   const std::size_t old_blocks = table_->blocks;
   const std::size_t blocks = ceil_div(stored, bt);
   if (blocks > old_blocks && !resize_table(blocks)) return false;
+  // The old last block gets zeros past stored_ if the write goes beyond it.
+  if (stored > stored_ && stored_ % bt != 0) {
+    const std::size_t last = (stored_ - 1) / bt;
+    if (table_->entry(last) != zero_block_ && !make_writable(last, stored_, undo)) return false;
+  }
   for (const kv_write& w : entries)
     if (!make_writable(w.index / bt, w.index, undo)) return false;
   // New entries not written in the old last chunk (whole new chunks start
@@ -165,7 +265,7 @@ const ref_ptr<page_chunk>& page_writer::zero_chunk() {
 ref_ptr<block>& page_writer::editable_entry(std::size_t b) {
   own_table();
   ref_ptr<page_chunk>& chunk = table_->chunks[b / page_chunk::size];
-  if (chunk->born_epoch != next_epoch_) {
+  if (chunk->born_epoch != next_epoch_ || chunk == zero_chunk_) {
     auto copy = ref_ptr<page_chunk>::adopt(new page_chunk(next_epoch_));
     copy->blocks = chunk->blocks;
     chunk = std::move(copy);
@@ -175,35 +275,42 @@ ref_ptr<block>& page_writer::editable_entry(std::size_t b) {
 
 bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
   const ref_ptr<block>& current = table_->entry(b);
-  if (current && writable_in_place(*current, index)) return true;
-  ref_ptr<block> fresh = block::make(*pool_, next_epoch_);
-  if (!fresh) return false;
-  if (current && current != zero_block_) {  // copy-on-write: a published epoch reads it
-    const std::size_t floats = current->materialized() * config_.token_width();
-    std::copy_n(current->keys(), floats, fresh->keys());
-    std::copy_n(current->values(), floats, fresh->values());
-    fresh->set_materialized(current->materialized());
+  if (current && writable_in_place(*current, index % config_.block_tokens)) {
+    touched_.push_back(current.get());
+    return true;
   }
+  ref_ptr<block> fresh = block::make(*pool_, owner_);
+  if (!fresh) return false;
+  // Copy-on-write: the tokens this cache holds in the block (another
+  // owner's counters are not ours to read).
+  const std::size_t first = b * config_.block_tokens;
+  const std::size_t held = first < stored_ ? std::min(config_.block_tokens, stored_ - first) : 0;
+  if (current && current != zero_block_ && held > 0) {
+    std::memcpy(fresh->keys(), current->keys(), held * token_bytes());
+    std::memcpy(fresh->values(), current->values(), held * token_bytes());
+    pool_->count_cow_copy();
+  }
+  fresh->set_materialized(current == zero_block_ ? 0 : held);
+  touched_.push_back(fresh.get());
   ref_ptr<block>& slot = editable_entry(b);
   undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
   return true;
 }
 
-bool page_writer::writable_in_place(const block& blk, std::size_t index) const noexcept {
-  if (&blk == zero_block_.get()) return false;
-  return blk.born_epoch() == next_epoch_ || index >= published_stored_;
+bool page_writer::writable_in_place(const block& blk, std::size_t slot) const noexcept {
+  return blk.owner() == owner_ && slot >= blk.readable();
 }
 
 const ref_ptr<block>& page_writer::zero_block() {
-  if (!zero_block_) zero_block_ = block::make(*pool_, 0, block::budget::exempt, block::contents::zeroed);
+  if (!zero_block_) zero_block_ = block::make_zeros(*pool_, config_.block_tokens);
   return zero_block_;
 }
 
 void page_writer::materialize(block& blk, std::size_t slots) noexcept {
   if (slots <= blk.materialized()) return;
-  const std::size_t width = config_.token_width();
-  std::fill(blk.keys() + blk.materialized() * width, blk.keys() + slots * width, 0.0f);
-  std::fill(blk.values() + blk.materialized() * width, blk.values() + slots * width, 0.0f);
+  const std::size_t from = blk.materialized() * token_bytes(), to = slots * token_bytes();
+  std::memset(blk.keys() + from, 0, to - from);
+  std::memset(blk.values() + from, 0, to - from);
   blk.set_materialized(slots);
 }
 

@@ -11,20 +11,25 @@
 // - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
 //   blocks of never-written tokens below stored_ are the zero block;
 //   entries past them are null or the zero block.
-// - Every slot below stored_ is materialized in its block (see
-//   block::materialized): new blocks are not zeroed up front, the writer
-//   zero-fills skipped slots as stored_ passes them.
-// - A block is writable in place at index i only if it is not the zero
-//   block and either it was born in the epoch being built (no published
-//   epoch references it) or i >= published_stored_ (no published epoch
-//   reads that slot from any block). Anything else is copied first.
-// - A table, chunk or block born before next_epoch_ may be read by a
-//   published epoch: a table or chunk is then never edited (it is copied
-//   first), a block only as the in-place rule above allows.
+// - In a block this writer owns, every slot below stored_ is materialized
+//   (see block::materialized): new blocks are not zeroed up front, the
+//   writer zero-fills skipped slots as stored_ passes them. Blocks owned by
+//   another cache (shared by a fork) are never written and their owner's
+//   counters never read here: a copy takes the slots below stored_.
+// - A block is writable in place at slot s only if this writer owns it and
+//   s >= its readable(): no published epoch of any cache reads the slot.
+//   Anything else is copied first (copy-on-write).
+// - readable() only grows, and covers every slot a published epoch or a
+//   fork can read: seal() raises it for every block touched since the last
+//   seal, before an epoch is published or a fork shares the blocks.
+// - A table or chunk born before next_epoch_ may be read by a published
+//   epoch and is never edited (it is copied first). Tables and chunks are
+//   never shared between caches; a fork copies them.
 // - apply() changes nothing visible unless it returns success.
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <system_error>
 #include <utility>
@@ -33,20 +38,28 @@
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/request.hpp"
 #include "ghostlink/detail/storage.hpp"
+#include "ghostlink/element.hpp"
 
 namespace ghostlink::detail {
 
 class page_writer {
  public:
-  page_writer(const kv_cache_config& config, ref_ptr<block_pool> pool);
+  /// An empty cache; `initialized` makes it accept writes without an
+  /// initialize() first (a sequence's layers).
+  page_writer(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool, bool initialized);
   ~page_writer();
   page_writer(const page_writer&) = delete;
   page_writer& operator=(const page_writer&) = delete;
 
-  /// Epoch 0: empty. Published once, when the actor is built.
+  /// The first epoch, published when the actor is built: empty, or a
+  /// fork's copy of its parent.
   ref_ptr<epoch> initial_epoch();
-  /// Applies one request all-or-nothing to the working state.
+  /// Applies one initialize, write or truncate all-or-nothing to the
+  /// working state.
   std::error_code apply(const request& r);
+  /// A writer whose state is this one's working state, sharing every block
+  /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.
+  std::unique_ptr<page_writer> fork();
   /// True when something was applied since the last publish().
   bool has_changes() const noexcept { return changed_; }
   /// Sets aside the memory of the next epoch, so that publish() cannot fail
@@ -56,11 +69,17 @@ class page_writer {
   /// reserve_epoch() set aside, if any).
   ref_ptr<epoch> publish();
   std::size_t length() const noexcept { return length_; }
+  const kv_cache_config& config() const noexcept { return config_; }
+  element_codec codec() const noexcept { return codec_; }
+  const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
 
  private:
+  page_writer(const page_writer& parent, std::uint64_t next_epoch);
+
   std::error_code validate(std::span<const kv_write> entries) const noexcept;
   std::error_code initialize(std::size_t seq_len);
   std::error_code write(std::span<const kv_write> entries);
+  std::error_code truncate(std::size_t length);
 
   /// Entry `b` of the working table, ready to be set: the table and the
   /// entry's chunk are copied first if a published epoch can see them.
@@ -76,24 +95,32 @@ class page_writer {
   /// list of chunks, unless it was born in the epoch being built).
   void own_table();
   using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
-  /// Phase 1 of a write: every target block writable, gaps filled with the
-  /// zero block. Changes no token's value; false when out of blocks.
+  /// Phase 1 of a write: every block it will touch writable, gaps filled
+  /// with the zero block. Changes no token's value; false when out of blocks.
   bool prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo);
   /// Makes block `b` writable at token `index`; records what it replaced.
   bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
-  bool writable_in_place(const block& blk, std::size_t index) const noexcept;
+  bool writable_in_place(const block& blk, std::size_t slot) const noexcept;
   const ref_ptr<block>& zero_block();
   /// Zero-fills `blk`'s slots from its materialized count up to `slots`.
   void materialize(block& blk, std::size_t slots) noexcept;
+  /// Bytes of one token's keys (or values) in a block.
+  std::size_t token_bytes() const noexcept { return config_.token_width() * codec_.size; }
+  /// Raises readable() of every block touched since the last seal to what
+  /// it holds, so no later in-place write reaches a slot an epoch or a fork
+  /// may read.
+  void seal() noexcept;
 
   const kv_cache_config config_;
+  const element_codec codec_;
   const ref_ptr<block_pool> pool_;
+  const std::uint64_t owner_;  // this writer's blocks carry it
   ref_ptr<page_table> table_;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   ref_ptr<page_chunk> zero_chunk_;
+  std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
   std::size_t length_ = 0;
   std::size_t stored_ = 0;
-  std::size_t published_stored_ = 0;  // the most any published epoch stored
   std::uint64_t next_epoch_ = 0;
   void* spare_epoch_ = nullptr;  // raw memory for the next epoch
   bool initialized_ = false;

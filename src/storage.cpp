@@ -1,53 +1,144 @@
 #include "ghostlink/detail/storage.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <new>
+
+#include "concurrent_queue.hpp"
 
 namespace ghostlink::detail {
 namespace {
 
 constexpr std::size_t block_alignment = 64;
-// Payload starts on its own cache line after the header.
-constexpr std::size_t header_bytes = (sizeof(void*) * 4 + block_alignment - 1) / block_alignment * block_alignment;
+// The payload starts on its own cache line after the header.
+constexpr std::size_t header_bytes = 64;
+
+std::atomic<std::uint64_t> next_owner{1};
+std::atomic<std::size_t> live_pools{0};
+std::atomic<std::size_t> unbalanced_pools{0};
 
 }  // namespace
+
+/// Freed blocks' memory, ready for reuse. Lock-free from any thread: a
+/// snapshot released on a reader thread returns its blocks here.
+struct free_list {
+  moodycamel::ConcurrentQueue<void*> queue;
+};
+
+block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks)
+    : payload_bytes_(payload_bytes), max_blocks_(max_blocks), free_(std::make_unique<free_list>()) {
+  live_pools.fetch_add(1, std::memory_order_relaxed);
+}
+
+block_pool::~block_pool() {
+  trim();
+  if (blocks_in_use() != 0) unbalanced_pools.fetch_add(1, std::memory_order_relaxed);
+  live_pools.fetch_sub(1, std::memory_order_relaxed);
+}
 
 bool block_pool::reserve() noexcept {
   std::size_t n = in_use_.load(std::memory_order_relaxed);
   do {
     if (n >= max_blocks_) return false;
   } while (!in_use_.compare_exchange_weak(n, n + 1, std::memory_order_relaxed));
+  std::size_t peak = peak_.load(std::memory_order_relaxed);
+  while (peak < n + 1 && !peak_.compare_exchange_weak(peak, n + 1, std::memory_order_relaxed)) {
+  }
   return true;
 }
 
-block::block(block_pool& pool, std::uint64_t born_epoch, budget b) noexcept
-    : pool_(ref_ptr<block_pool>::share(&pool)), born_epoch_(born_epoch), budget_(b) {}
+void* block_pool::take_memory() noexcept {
+  void* memory = nullptr;
+  if (free_->queue.try_dequeue(memory)) {
+    free_count_.fetch_sub(1, std::memory_order_relaxed);
+    return memory;
+  }
+  memory = ::operator new(header_bytes + payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
+  if (memory) allocated_.fetch_add(1, std::memory_order_relaxed);
+  return memory;
+}
 
-float* block::data() noexcept { return reinterpret_cast<float*>(reinterpret_cast<char*>(this) + header_bytes); }
+void block_pool::give_memory(void* memory) noexcept {
+  bool queued = false;
+  try {
+    queued = free_->queue.enqueue(memory);
+  } catch (...) {  // the queue could not grow: give the block back to the system instead
+  }
+  if (queued) {
+    free_count_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    ::operator delete(memory, std::align_val_t{block_alignment});
+    allocated_.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
 
-ref_ptr<block> block::make(block_pool& pool, std::uint64_t born_epoch, budget b, contents c) noexcept {
+void block_pool::trim() noexcept {
+  void* memory = nullptr;
+  while (free_->queue.try_dequeue(memory)) {
+    free_count_.fetch_sub(1, std::memory_order_relaxed);
+    allocated_.fetch_sub(1, std::memory_order_relaxed);
+    ::operator delete(memory, std::align_val_t{block_alignment});
+  }
+}
+
+std::size_t block_pool::blocks_shared() const noexcept {
+  // Crossings are counted as they happen on different threads, so a reading
+  // taken mid-crossing may be one short; never report below zero.
+  const std::int64_t n = shared_.load(std::memory_order_relaxed);
+  return n > 0 ? static_cast<std::size_t>(n) : 0;
+}
+
+std::uint64_t block_pool::new_owner_id() noexcept { return next_owner.fetch_add(1, std::memory_order_relaxed); }
+std::size_t block_pool::pools_alive() noexcept { return live_pools.load(std::memory_order_relaxed); }
+std::size_t block_pool::pools_destroyed_unbalanced() noexcept {
+  return unbalanced_pools.load(std::memory_order_relaxed);
+}
+
+block::block(block_pool& pool, std::uint64_t owner, budget b) noexcept
+    : budget_(b), pool_(ref_ptr<block_pool>::share(&pool)), owner_(owner) {}
+
+std::byte* block::payload() noexcept { return reinterpret_cast<std::byte*>(this) + header_bytes; }
+
+ref_ptr<block> block::make(block_pool& pool, std::uint64_t owner, budget b) noexcept {
   static_assert(sizeof(block) <= header_bytes);
   const bool counted = b == budget::counted;
   if (counted && !pool.reserve()) return {};
-  const std::size_t floats = 2 * pool.floats_per_half();
-  void* raw = ::operator new(header_bytes + floats * sizeof(float), std::align_val_t{block_alignment}, std::nothrow);
-  if (!raw) {
+  void* memory = pool.take_memory();
+  if (!memory) {
     if (counted) pool.unreserve();
     return {};
   }
-  auto* blk = ::new (raw) block(pool, born_epoch, b);
-  if (c == contents::zeroed) {
-    std::fill_n(blk->data(), floats, 0.0f);
-    blk->materialized_ = pool.block_tokens();
-  }
-  return ref_ptr<block>::adopt(blk);
+  return ref_ptr<block>::adopt(::new (memory) block(pool, owner, b));
 }
 
-void block::destroy(block* b) noexcept {
-  ref_ptr<block_pool> pool = std::move(b->pool_);
-  const bool counted = b->budget_ == budget::counted;
-  b->~block();
-  ::operator delete(static_cast<void*>(b), std::align_val_t{block_alignment});
+ref_ptr<block> block::make_zeros(block_pool& pool, std::size_t block_tokens) noexcept {
+  ref_ptr<block> zeros = make(pool, 0, budget::exempt);
+  if (zeros) {
+    std::memset(zeros->payload(), 0, pool.payload_bytes());
+    zeros->materialized_ = zeros->readable_ = block_tokens;
+  }
+  return zeros;
+}
+
+void block::add_ref() const noexcept {
+  if (refs_.fetch_add(1, std::memory_order_relaxed) == 1 && budget_ == budget::counted) pool_->count_shared(1);
+}
+
+void block::release() const noexcept {
+  // acq_rel: every use by other owners happens-before the destruction.
+  const std::uint32_t before = refs_.fetch_sub(1, std::memory_order_acq_rel);
+  if (before == 1)
+    destroy();
+  else if (before == 2 && budget_ == budget::counted)
+    pool_->count_shared(-1);
+}
+
+void block::destroy() const noexcept {
+  auto* self = const_cast<block*>(this);
+  ref_ptr<block_pool> pool = std::move(self->pool_);
+  const bool counted = budget_ == budget::counted;
+  self->~block();
+  pool->give_memory(self);
   if (counted) pool->unreserve();
 }
 

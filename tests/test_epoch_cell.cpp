@@ -11,14 +11,16 @@ using namespace ghostlink::detail;
 
 namespace {
 
-/// An epoch whose one block carries its number in keys()[0], so a reader
+/// An epoch whose one block carries its number in its first key, so a reader
 /// that holds a freed or recycled epoch sees a wrong number (and ASan sees
 /// the use after free).
+float& first_key(block& b) { return *reinterpret_cast<float*>(b.keys()); }
+
 ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
   auto chunk = ref_ptr<page_chunk>::adopt(new page_chunk(number));
   chunk->blocks[0] = block::make(pool, number);
   REQUIRE(chunk->blocks[0]);
-  chunk->blocks[0]->keys()[0] = static_cast<float>(number);
+  first_key(*chunk->blocks[0]) = static_cast<float>(number);
   auto table = ref_ptr<page_table>::adopt(new page_table(number));
   table->chunks.push_back(std::move(chunk));
   table->blocks = 1;
@@ -28,7 +30,7 @@ ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
 }  // namespace
 
 TEST_CASE("a pinned epoch stays intact while newer ones are published and freed", "[epoch_cell]") {
-  auto pool = ref_ptr<block_pool>::adopt(new block_pool(1, 1, SIZE_MAX));
+  auto pool = ref_ptr<block_pool>::adopt(new block_pool(2 * sizeof(float), SIZE_MAX));
   constexpr std::uint64_t publications = 20000;
   constexpr int readers = 2;
   std::vector<std::uint64_t> torn(readers, 0), backwards(readers, 0), pins(readers, 0);
@@ -45,7 +47,7 @@ TEST_CASE("a pinned epoch stays intact while newer ones are published and freed"
         while (!done.load(std::memory_order_acquire)) {
           ref_ptr<epoch> e = cell.pin();
           ++pins[r];
-          if (e->table->entry(0)->keys()[0] != static_cast<float>(e->number)) ++torn[r];
+          if (first_key(*e->table->entry(0)) != static_cast<float>(e->number)) ++torn[r];
           if (e->number < last) ++backwards[r];
           last = e->number;
         }
@@ -66,7 +68,7 @@ TEST_CASE("a pinned epoch stays intact while newer ones are published and freed"
 }
 
 TEST_CASE("a pin taken on one thread is released on another", "[epoch_cell]") {
-  auto pool = ref_ptr<block_pool>::adopt(new block_pool(1, 1, SIZE_MAX));
+  auto pool = ref_ptr<block_pool>::adopt(new block_pool(2 * sizeof(float), SIZE_MAX));
   epoch_cell cell(numbered_epoch(*pool, 7));
   ref_ptr<epoch> pinned = cell.pin();
   cell.publish(numbered_epoch(*pool, 8));

@@ -2,7 +2,6 @@
 // changed (same epoch, same size, same floats).
 #include "support.hpp"
 
-#include <optional>
 #include <set>
 #include <string>
 
@@ -192,16 +191,16 @@ TEST_CASE("blocks pinned by a snapshot count against the budget until it is rele
   config.max_blocks = 3;
   fixture f(config);
   f.populate();  // two blocks
-  std::optional<kv_snapshot> pinned = f.cache.snapshot();
+  kv_snapshot pinned = f.cache.snapshot();
   // An overwrite of a published token copies its block: the third block.
   CHECK_FALSE(f.sync.write(1, f.good, f.good));
   CHECK(f.cache.stats().blocks_in_use == 3);
   // The next copy would be a fourth while the snapshot pins the original.
   check_rejected(f, kv_errc::capacity_exhausted, [&] { return f.sync.write(5, f.good, f.good); });
   kv_entry old;
-  REQUIRE_FALSE(pinned->read_kv(1, old));
+  REQUIRE_FALSE(pinned.read_kv(1, old));
   CHECK(old.keys == token_pattern(f.width, 1, 1));
-  pinned.reset();
+  pinned = {};  // releases the pin
   CHECK(f.cache.stats().blocks_in_use == 2);
   CHECK_FALSE(f.sync.write(5, f.good, f.good));
   CHECK(f.cache.stats().blocks_in_use == 2);

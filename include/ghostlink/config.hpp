@@ -38,8 +38,8 @@ std::ostream& operator<<(std::ostream& os, const kv_cache_config& config);
 
 namespace detail {
 /// Throws `std::system_error(kv_errc::invalid_config)` unless every field is
-/// non-zero and a block's byte size fits in `std::size_t`.
-void validate(const kv_cache_config& config);
+/// non-zero and a block of `element_size`-byte elements fits in `std::size_t`.
+void validate(const kv_cache_config& config, std::size_t element_size = sizeof(float));
 }  // namespace detail
 
 }  // namespace ghostlink

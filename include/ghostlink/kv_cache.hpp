@@ -5,6 +5,8 @@
 
 #include "ghostlink/config.hpp"
 #include "ghostlink/error.hpp"
+#include "ghostlink/block_pool.hpp"
+#include "ghostlink/element.hpp"
 #include "ghostlink/layer_kv_cache.hpp"
 #include "ghostlink/snapshot.hpp"
 #include "ghostlink/stats.hpp"

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// `layer_kv_cache`: one transformer layer's key/value cache, written through
-/// an actor on an Asio strand and read through lock-free snapshots.
+/// `basic_layer_kv_cache<T>` (`layer_kv_cache` for float storage): one
+/// transformer layer's key/value cache, written through an actor on an Asio
+/// strand and read through lock-free snapshots.
 
 #include <cstddef>
 #include <iosfwd>
@@ -17,8 +18,10 @@
 #include <asio/execution_context.hpp>
 #include <asio/strand.hpp>
 
+#include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/actor.hpp"
+#include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/snapshot.hpp"
 #include "ghostlink/stats.hpp"
@@ -46,24 +49,67 @@ namespace ghostlink {
 /// resumes only through its executor's queue). Writes with any other token
 /// post the drain, so requests arriving together commit as one epoch.
 ///
+/// Storage: blocks of `block_tokens` tokens from a `kv_block_pool`, shared
+/// with the cache's forks until either side writes into one. `T` is the
+/// stored element type (`float`, `half` or `bfloat16`); writes take floats
+/// and convert them, `for_each_block` hands out `T`s.
+///
 /// Thread safety: every member function may be called from any thread.
-class layer_kv_cache {
+template <storage_element T>
+class basic_layer_kv_cache {
  public:
   using executor_type = asio::strand<asio::any_io_executor>;
+  /// The stored element type.
+  using value_type = T;
+  using snapshot_type = basic_kv_snapshot<T>;
 
-  /// A cache whose actor runs on a new strand of `ex`.
+  /// A cache whose actor runs on a new strand of `ex`, with a private pool
+  /// whose budget is `config.max_blocks`.
   /// @throws std::system_error with `kv_errc::invalid_config` for a config
   ///         with a zero field or sizes that overflow.
-  explicit layer_kv_cache(asio::any_io_executor ex, kv_cache_config config = {});
+  explicit basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config = {})
+      : actor_(detail::actor::make(std::move(ex), config, detail::codec_of<T>, {}, false)) {}
+
+  /// A cache taking its blocks from `pool`, under the pool's budget.
+  /// @throws std::system_error with `kv_errc::invalid_config` for a bad
+  ///         config, a pool whose `block_bytes()` is not
+  ///         `kv_block_pool::block_bytes_for<T>(config)`, or a config that sets
+  ///         `max_blocks` (the pool holds the budget).
+  basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config, const kv_block_pool& pool)
+      : actor_(detail::actor::make(std::move(ex), config, detail::codec_of<T>,
+                                   detail::ref_ptr<detail::block_pool>::share(&pool.state()), false)) {}
 
   /// A cache whose actor runs on a new strand of `ctx.get_executor()`
-  /// (an `io_context`, a `thread_pool`, ...).
+  /// (an `io_context`, a `thread_pool`, ...), with a private pool.
   template <class ExecutionContext>
     requires std::is_convertible_v<ExecutionContext&, asio::execution_context&>
-  explicit layer_kv_cache(ExecutionContext& ctx, kv_cache_config config = {})
-      : layer_kv_cache(asio::any_io_executor(ctx.get_executor()), config) {}
+  explicit basic_layer_kv_cache(ExecutionContext& ctx, kv_cache_config config = {})
+      : basic_layer_kv_cache(asio::any_io_executor(ctx.get_executor()), config) {}
+
+  /// As above, with blocks from `pool`.
+  template <class ExecutionContext>
+    requires std::is_convertible_v<ExecutionContext&, asio::execution_context&>
+  basic_layer_kv_cache(ExecutionContext& ctx, kv_cache_config config, const kv_block_pool& pool)
+      : basic_layer_kv_cache(asio::any_io_executor(ctx.get_executor()), config, pool) {}
+
+  /// An empty handle, as a failed `async_fork` hands out: only `valid()`,
+  /// assignment and destruction may be used on it.
+  basic_layer_kv_cache() noexcept = default;
+  /// Adopts an actor (what `async_fork` and `basic_sequence_kv_cache` use).
+  basic_layer_kv_cache(detail::adopt_actor_t, std::shared_ptr<detail::actor> a) noexcept : actor_(std::move(a)) {}
+
+  /// False for an empty handle (default-constructed, moved-from, or the
+  /// result of a failed fork).
+  bool valid() const noexcept { return actor_ != nullptr; }
+  explicit operator bool() const noexcept { return valid(); }
+  /// True when both handles share one cache.
+  friend bool operator==(const basic_layer_kv_cache& a, const basic_layer_kv_cache& b) noexcept {
+    return a.actor_ == b.actor_;
+  }
 
   const kv_cache_config& config() const noexcept { return actor_->config(); }
+  /// The pool the cache takes its blocks from.
+  kv_block_pool pool() const noexcept { return kv_block_pool(detail::ref_ptr<detail::block_pool>::share(&actor_->pool())); }
   /// The actor's strand. Bind a handler to it only to serialise it with the
   /// actor; it is not where handlers run by default.
   executor_type get_executor() const noexcept { return actor_->strand(); }
@@ -76,7 +122,7 @@ class layer_kv_cache {
 
   /// Pins the latest published epoch. Never blocks and never waits for the
   /// actor; includes every write whose handler has run.
-  kv_snapshot snapshot() const noexcept { return kv_snapshot(actor_->pin()); }
+  snapshot_type snapshot() const noexcept { return snapshot_type(actor_->pin()); }
 
   /// The cache's counters.
   kv_cache_stats stats() const noexcept { return actor_->stats(); }
@@ -113,6 +159,33 @@ class layer_kv_cache {
   template <class CompletionToken>
   auto async_write_batch(std::span<const kv_write> entries, CompletionToken&& token);
 
+  /// Drops tokens `[n, size())` (a speculative-decoding rollback): size
+  /// becomes `min(size(), n)`. Snapshots taken before keep seeing the old
+  /// data; blocks no epoch needs any more return to the pool. `n >= size()`
+  /// changes nothing. Tokens written again later read as written, tokens
+  /// skipped read as zeros.
+  ///
+  /// Completion signature: `void(std::error_code)`, after the result is
+  /// published. Errors: `capacity_exhausted` if memory for a page table
+  /// cannot be had (nothing is dropped then).
+  template <class CompletionToken>
+  auto async_truncate(std::size_t n, CompletionToken&& token);
+
+  /// A new cache holding what this one holds once every request initiated
+  /// before it is applied, sharing every block with it copy-on-write (prefix
+  /// sharing for parallel sampling and beam search). The two then diverge
+  /// independently: a shared block is copied only when one side writes into
+  /// it. Costs O(blocks) reference counting and no copy of token data; the
+  /// new cache has the same executor, config and pool, its own strand, and
+  /// epochs numbered on from this cache's.
+  ///
+  /// Completion signature: `void(std::error_code, basic_layer_kv_cache<T>)`,
+  /// after the fork point is published; on error the handle is empty.
+  /// Errors: `capacity_exhausted` if memory for the new page table cannot
+  /// be had.
+  template <class CompletionToken>
+  auto async_fork(CompletionToken&& token);
+
   /// Reads token `index` from the latest published epoch (not through the
   /// actor). Completion signature: `void(std::error_code, kv_entry)`;
   /// `index_out_of_range` if `index >= size()`.
@@ -126,11 +199,16 @@ class layer_kv_cache {
   auto async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token);
 
   /// Prints the config and the length, never the buffers.
-  friend std::ostream& operator<<(std::ostream& os, const layer_kv_cache& cache);
+  friend std::ostream& operator<<(std::ostream& os, const basic_layer_kv_cache& cache) {
+    return detail::print_cache(os, *cache.actor_);
+  }
 
  private:
   std::shared_ptr<detail::actor> actor_;
 };
+
+/// A layer cache storing floats: the contract's `layer_kv_cache`.
+using layer_kv_cache = basic_layer_kv_cache<float>;
 
 }  // namespace ghostlink
 

@@ -1,21 +1,25 @@
 #pragma once
 /// @file
-/// `kv_snapshot`: a pinned, immutable view of one published epoch.
+/// `basic_kv_snapshot<T>` (`kv_snapshot` for float caches): a pinned,
+/// immutable view of one published epoch.
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <system_error>
 #include <type_traits>
+#include <utility>
 
 #include "ghostlink/detail/ref_ptr.hpp"
 #include "ghostlink/detail/storage.hpp"
+#include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/types.hpp"
 
 namespace ghostlink {
 
-/// A move-only handle that pins one published epoch of a `layer_kv_cache`.
+/// A move-only handle that pins one published epoch of a
+/// `basic_layer_kv_cache<T>`.
 ///
 /// What it shows never changes, whatever is written later: its size, its
 /// epoch number and every token it covers. It may be held across `co_await`,
@@ -23,49 +27,89 @@ namespace ghostlink {
 /// of an epoch frees the blocks only that epoch could reach. All member
 /// functions are safe to call from many threads at once.
 ///
+/// Reads into `float` spans convert from the stored type `T` exactly;
+/// `for_each_block` hands out the stored `T`s themselves.
+///
 /// A default-constructed or moved-from snapshot is empty: size 0, epoch 0.
-class kv_snapshot {
+template <storage_element T>
+class basic_kv_snapshot {
  public:
-  kv_snapshot() noexcept = default;
-  /// Pins `e` (used by `layer_kv_cache::snapshot()`).
-  explicit kv_snapshot(detail::ref_ptr<detail::epoch> e) noexcept : epoch_(std::move(e)) {}
-  kv_snapshot(kv_snapshot&&) noexcept = default;
-  kv_snapshot& operator=(kv_snapshot&&) noexcept = default;
-  kv_snapshot(const kv_snapshot&) = delete;
-  kv_snapshot& operator=(const kv_snapshot&) = delete;
+  /// The stored element type.
+  using value_type = T;
+
+  basic_kv_snapshot() noexcept = default;
+  /// Pins `e` (used by `basic_layer_kv_cache<T>::snapshot()`).
+  explicit basic_kv_snapshot(detail::ref_ptr<detail::epoch> e) noexcept
+      : epoch_(std::move(e)), size_(epoch_ ? epoch_->length : 0) {}
+  basic_kv_snapshot(basic_kv_snapshot&&) noexcept = default;
+  basic_kv_snapshot& operator=(basic_kv_snapshot&&) noexcept = default;
+  basic_kv_snapshot(const basic_kv_snapshot&) = delete;
+  basic_kv_snapshot& operator=(const basic_kv_snapshot&) = delete;
 
   /// The epoch number: strictly increasing with each publication of a cache.
   std::uint64_t epoch() const noexcept { return epoch_ ? epoch_->number : 0; }
   /// Tokens this snapshot covers.
-  std::size_t size() const noexcept { return epoch_ ? epoch_->length : 0; }
+  std::size_t size() const noexcept { return epoch_ ? size_ : 0; }
   bool empty() const noexcept { return size() == 0; }
+
+  /// This snapshot (moved) narrowed to its first `min(n, size())` tokens:
+  /// same epoch, reads past the new size fail as past any snapshot's end.
+  basic_kv_snapshot prefix(std::size_t n) && noexcept {
+    basic_kv_snapshot s(std::move(*this));
+    if (n < s.size()) s.size_ = n;
+    return s;
+  }
 
   /// Copies token `index`'s keys and values into the first `token_width()`
   /// floats of each output span.
   /// @return `index_out_of_range` if `index >= size()`, `buffer_too_small`
   ///         if an output span is shorter than a token; nothing is written
   ///         on error.
-  std::error_code read_kv(std::size_t index, std::span<float> keys_out,
-                          std::span<float> values_out) const;
+  std::error_code read_kv(std::size_t index, std::span<float> keys_out, std::span<float> values_out) const {
+    if (index >= size()) return kv_errc::index_out_of_range;
+    return read_range(index, index + 1, keys_out, values_out);
+  }
 
   /// Copies tokens `[begin, end)` token-major into the output spans.
   /// @return `invalid_range` if `begin > end`, `range_out_of_bounds` if
   ///         `end > size()`, `buffer_too_small` if an output span holds fewer
   ///         than `(end - begin) * token_width()` floats.
   std::error_code read_range(std::size_t begin, std::size_t end, std::span<float> keys_out,
-                             std::span<float> values_out) const;
+                             std::span<float> values_out) const {
+    if (std::error_code ec = check_range(begin, end)) return ec;
+    const std::size_t width = token_width();
+    const std::size_t floats = (end - begin) * width;
+    if (keys_out.size() < floats || values_out.size() < floats) return kv_errc::buffer_too_small;
+    return for_each_block(begin, end, [&](std::size_t first, std::size_t, auto keys, auto values) {
+      const std::size_t at = (first - begin) * width;
+      convert<float, T>(keys, keys_out.data() + at);
+      convert<float, T>(values, values_out.data() + at);
+    });
+  }
 
   /// As `read_kv` above, into a `kv_entry` sized to one token (left empty on
   /// error).
-  std::error_code read_kv(std::size_t index, kv_entry& out) const;
+  std::error_code read_kv(std::size_t index, kv_entry& out) const {
+    out = {};
+    if (index >= size()) return kv_errc::index_out_of_range;
+    out.keys.resize(token_width());
+    out.values.resize(token_width());
+    return read_kv(index, out.keys, out.values);
+  }
 
   /// As `read_range` above, into a `kv_range` sized to the range (its
   /// `begin`/`end` set, its vectors left empty on error).
-  std::error_code read_range(std::size_t begin, std::size_t end, kv_range& out) const;
+  std::error_code read_range(std::size_t begin, std::size_t end, kv_range& out) const {
+    out = {begin, end, {}, {}};
+    if (std::error_code ec = check_range(begin, end)) return ec;
+    out.keys.resize((end - begin) * token_width());
+    out.values.resize(out.keys.size());
+    return read_range(begin, end, out.keys, out.values);
+  }
 
   /// Zero-copy read: calls `f(first_index, count, keys, values)` once per
   /// stored run of consecutive tokens in `[begin, end)`, in order; the spans
-  /// (`std::span<const float>`, `count * token_width()` floats each) point
+  /// (`std::span<const T>`, `count * token_width()` elements each) point
   /// into the cache's blocks and stay valid while this snapshot lives.
   /// @return `invalid_range` or `range_out_of_bounds` as `read_range`; `f`
   ///         is not called on error.
@@ -77,8 +121,8 @@ class kv_snapshot {
       const std::size_t count = e.run_from(first, end);
       const std::size_t at = first % e.block_tokens * e.width;
       const detail::block& b = e.block_of(first);
-      f(first, count, std::span<const float>(b.keys() + at, count * e.width),
-        std::span<const float>(b.values() + at, count * e.width));
+      f(first, count, std::span<const T>(reinterpret_cast<const T*>(b.keys()) + at, count * e.width),
+        std::span<const T>(reinterpret_cast<const T*>(b.values()) + at, count * e.width));
       first += count;
     }
     return {};
@@ -95,6 +139,10 @@ class kv_snapshot {
   }
 
   detail::ref_ptr<detail::epoch> epoch_;
+  std::size_t size_ = 0;  // tokens shown (the epoch's, or a prefix of them); 0 when epoch_ is null
 };
+
+/// The snapshot of a `layer_kv_cache` (float storage).
+using kv_snapshot = basic_kv_snapshot<float>;
 
 }  // namespace ghostlink

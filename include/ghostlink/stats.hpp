@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// Counters a `layer_kv_cache` keeps about itself.
+/// Counters a `layer_kv_cache` and a `kv_block_pool` keep about themselves.
 
 #include <cstddef>
 #include <cstdint>
@@ -16,8 +16,31 @@ struct kv_cache_stats {
   std::uint64_t drains = 0;            ///< Mailbox drains the actor has run.
   std::uint64_t requests_applied = 0;  ///< Write requests that succeeded.
   std::uint64_t requests_failed = 0;   ///< Write requests that failed.
-  std::size_t blocks_in_use = 0;       ///< Blocks alive (published, pinned or being written).
-  std::size_t bytes_in_use = 0;        ///< Payload bytes of those blocks.
+  /// Blocks alive in the cache's pool (published, pinned or being written),
+  /// counted against its budget; with a pool shared by several caches, the
+  /// whole pool's count.
+  std::size_t blocks_in_use = 0;
+  std::size_t bytes_in_use = 0;  ///< Payload bytes of those blocks.
+};
+
+/// A point-in-time reading of a pool's counters (`kv_block_pool::stats()`),
+/// each read separately with relaxed ordering: exact when every cache of the
+/// pool is idle.
+struct kv_pool_stats {
+  std::size_t block_bytes = 0;         ///< Payload bytes of one block (keys and values).
+  std::size_t max_blocks = 0;          ///< The budget, in blocks.
+  std::size_t blocks_in_use = 0;       ///< Blocks some cache, epoch or snapshot holds.
+  std::size_t blocks_free = 0;         ///< Freed blocks kept for reuse (see `kv_block_pool::trim`).
+  std::size_t peak_blocks_in_use = 0;  ///< The most blocks in use at once so far.
+  /// Blocks referenced from more than one place: shared by forks, or by two
+  /// epochs of one cache while a snapshot pins the older.
+  std::size_t blocks_shared = 0;
+  std::uint64_t cow_copies = 0;  ///< Blocks copied because a write hit a shared one.
+  /// Blocks' memory obtained from the system and not yet returned (in use,
+  /// free, and each cache's one block of zeros, which the budget exempts).
+  std::uint64_t blocks_allocated = 0;
+
+  std::size_t bytes_in_use() const noexcept { return blocks_in_use * block_bytes; }
 };
 
 }  // namespace ghostlink

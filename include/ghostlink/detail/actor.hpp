@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 
 #include "ghostlink/detail/asio_config.hpp"
@@ -27,6 +28,7 @@
 
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/epoch_cell.hpp"
+#include "ghostlink/element.hpp"
 #include "ghostlink/detail/request.hpp"
 #include "ghostlink/stats.hpp"
 
@@ -35,12 +37,27 @@ namespace ghostlink::detail {
 class page_writer;
 struct mailbox;
 
+/// Tag: a cache handle adopts an existing actor.
+struct adopt_actor_t {
+  explicit adopt_actor_t() = default;
+};
+inline constexpr adopt_actor_t adopt_actor{};
+
 class actor : public std::enable_shared_from_this<actor> {
  public:
   using strand_type = asio::strand<asio::any_io_executor>;
 
-  /// Throws `std::system_error(kv_errc::invalid_config)` for a bad config.
-  actor(asio::any_io_executor ex, const kv_cache_config& config);
+  /// A new, empty cache storing elements as `codec` says, with blocks from
+  /// `pool` (a private pool with `config.max_blocks` as budget if null);
+  /// `initialized` makes it accept writes before any initialize.
+  /// @throws std::system_error(kv_errc::invalid_config) for a bad config,
+  ///         a pool whose blocks do not fit it, or a pool given together
+  ///         with a `max_blocks` (the pool has the budget then).
+  static std::shared_ptr<actor> make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
+                                     ref_ptr<block_pool> pool, bool initialized);
+
+  /// Use make(); public for std::make_shared. Publishes `writer`'s initial epoch.
+  actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer);
   /// Discards requests still in the mailbox (their handlers are destroyed
   /// unrun); only reached when no drain is queued.
   ~actor();
@@ -52,6 +69,7 @@ class actor : public std::enable_shared_from_this<actor> {
   actor& operator=(const actor&) = delete;
 
   const kv_cache_config& config() const noexcept { return config_; }
+  block_pool& pool() const noexcept { return *pool_; }
   const strand_type& strand() const noexcept { return strand_; }
   /// Where a handler without an associated executor completes: the
   /// executor the cache was made from, not the strand.
@@ -80,13 +98,16 @@ class actor : public std::enable_shared_from_this<actor> {
   /// Applies `n` requests into `results`; if the next epoch cannot be
   /// reserved, applies none and fails each with capacity_exhausted.
   void apply(request* const* batch, std::error_code* results, std::size_t n);
+  /// A fork: a new actor on a new strand of the same executor, whose first
+  /// epoch is the working state, sharing its blocks.
+  std::error_code fork(request& r) noexcept;
 
   const kv_cache_config config_;
   const asio::any_io_executor executor_;
   const strand_type strand_;
-  const ref_ptr<block_pool> pool_;
   const std::unique_ptr<mailbox> mailbox_;
   const std::unique_ptr<page_writer> writer_;  // strand only
+  const ref_ptr<block_pool> pool_;
   epoch_cell current_;
   std::atomic<std::size_t> published_length_{0};
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
@@ -94,5 +115,8 @@ class actor : public std::enable_shared_from_this<actor> {
   std::atomic<std::uint64_t> applied_{0};
   std::atomic<std::uint64_t> failed_{0};
 };
+
+/// Prints `layer_kv_cache{config=..., size=...}`.
+std::ostream& print_cache(std::ostream& os, const actor& a);
 
 }  // namespace ghostlink::detail

@@ -85,19 +85,34 @@ const Executor& executor_of(const Executor& tracked) {
   return tracked;
 }
 
-/// What a write request asks of the actor. A single write is a batch of one
-/// (held in `single`), so the actor has one write path.
+class actor;
+
+/// The argument of an initialize request.
+struct initialize_args {
+  std::size_t length;
+};
+/// The argument of a truncate request.
+struct truncate_args {
+  std::size_t length;
+};
+/// The argument of a fork request.
+struct fork_args {};
+
+/// What a request asks of the actor. A single write is a batch of one (held
+/// in `single`), so the actor has one write path.
 class request {
  public:
-  enum class kind : unsigned char { initialize, write_batch };
+  enum class kind : unsigned char { initialize, write_batch, truncate, fork };
 
   kind op() const noexcept { return op_; }
-  /// For `initialize`: the requested length.
+  /// For `initialize` and `truncate`: the requested length.
   std::size_t length() const noexcept { return length_; }
   /// For `write_batch`: the entries, in order.
   std::span<const kv_write> entries() const noexcept { return entries_; }
+  /// For `fork`: the new cache's actor, handed to the handler.
+  void set_forked(std::shared_ptr<actor> child) noexcept { forked_ = std::move(child); }
 
-  /// Queues the handler with `ec` and frees the request.
+  /// Queues the handler with `ec` (and a fork's result) and frees the request.
   void complete(std::error_code ec, queueing how) { finish_(this, &ec, how); }
   /// Destroys the handler unrun and frees the request.
   void discard() noexcept { finish_(this, nullptr, queueing::post); }
@@ -105,8 +120,9 @@ class request {
  protected:
   using finish_fn = void (*)(request*, const std::error_code*, queueing);
 
-  request(finish_fn finish, std::size_t length) noexcept
-      : finish_(finish), op_(kind::initialize), length_(length) {}
+  request(finish_fn finish, initialize_args a) noexcept : finish_(finish), op_(kind::initialize), length_(a.length) {}
+  request(finish_fn finish, truncate_args a) noexcept : finish_(finish), op_(kind::truncate), length_(a.length) {}
+  request(finish_fn finish, fork_args) noexcept : finish_(finish), op_(kind::fork) {}
   request(finish_fn finish, std::span<const kv_write> entries) noexcept
       : finish_(finish), op_(kind::write_batch), entries_(entries) {}
   request(finish_fn finish, const kv_write& single) noexcept
@@ -115,18 +131,22 @@ class request {
   request& operator=(const request&) = delete;
   ~request() = default;
 
+  std::shared_ptr<actor> take_forked() noexcept { return std::move(forked_); }
+
  private:
   finish_fn finish_;
   kind op_;
   std::size_t length_ = 0;
   kv_write single_{};
   std::span<const kv_write> entries_;
+  std::shared_ptr<actor> forked_;
 };
 
 /// A request carrying its completion handler and a work guard on the
 /// handler's executor (so that executor's context does not run out of work
-/// while the request waits in the mailbox).
-template <class Handler, class IoExecutor>
+/// while the request waits in the mailbox). `MakeResult`, if not void,
+/// turns a fork's actor into the handler's second argument.
+template <class Handler, class IoExecutor, class MakeResult = void>
 class request_op final : public request {
  public:
   using handler_executor = asio::associated_executor_t<Handler, IoExecutor>;
@@ -159,9 +179,14 @@ class request_op final : public request {
     allocator_type alloc(handler_allocator(self->handler_));
     Handler handler(std::move(self->handler_));
     work_type work(std::move(self->work_));
+    std::shared_ptr<actor> forked = self->take_forked();
     self->~request_op();
     std::allocator_traits<allocator_type>::deallocate(alloc, self, 1);
-    if (ec) post_completion(how, std::move(handler), executor_of(work), *ec);
+    if (!ec) return;
+    if constexpr (std::is_void_v<MakeResult>)
+      post_completion(how, std::move(handler), executor_of(work), *ec);
+    else
+      post_completion(how, std::move(handler), executor_of(work), *ec, MakeResult{}(std::move(forked)));
   }
 
   work_type work_;

@@ -1,103 +1,146 @@
 #pragma once
-// Paged storage: blocks of `block_tokens` tokens, the page tables that list
-// them and the immutable epochs readers pin.
+// Paged storage: the pool blocks come from, blocks of `block_tokens` tokens,
+// the page tables that list them and the immutable epochs readers pin.
 //
-// Ownership: an epoch owns its page table, a page table owns its blocks, a
-// block owns its pool. Everything here is reference counted, so the last
-// snapshot to release an epoch frees what only that epoch could reach, on
-// whatever thread it runs.
+// Ownership: an epoch owns its page table, a page table its chunks, a chunk
+// its blocks, a block its pool. Everything here is reference counted, so the
+// last snapshot to release an epoch frees what only that epoch could reach,
+// on whatever thread it runs; a freed block's memory goes back to its pool.
 //
-// Mutability: a published page table is never changed. A block's slots
-// below the longest length any published epoch has had are never changed
-// either; the actor (actor.cpp) writes them only into a fresh copy.
+// Sharing: page tables and chunks belong to one cache. Blocks may be shared
+// by several caches (a fork shares all of its parent's); only the cache that
+// made a block (its owner) ever writes into it, and only into slots no
+// published epoch of any cache reads (see page_writer.hpp).
 
 #include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <span>
 #include <vector>
 
 #include "ghostlink/detail/ref_ptr.hpp"
 
 namespace ghostlink::detail {
 
-/// Counts a cache's blocks and enforces its `max_blocks` budget. Any thread
-/// may free a block (a snapshot's last release), so the counters are atomic.
+struct free_list;
+
+/// Hands out fixed-size blocks of memory under a budget, recycling freed
+/// ones through a lock-free free list. Shared by every cache made with it;
+/// every member is safe from any thread.
 class block_pool : public ref_counted<block_pool> {
  public:
-  block_pool(std::size_t width, std::size_t block_tokens, std::size_t max_blocks) noexcept
-      : width_(width), block_tokens_(block_tokens), max_blocks_(max_blocks) {}
+  /// Blocks of `payload_bytes` (keys then values); at most `max_blocks`
+  /// counted blocks at once.
+  block_pool(std::size_t payload_bytes, std::size_t max_blocks);
+  ~block_pool();
   static void destroy(block_pool* p) noexcept { delete p; }
 
-  std::size_t width() const noexcept { return width_; }
-  std::size_t block_tokens() const noexcept { return block_tokens_; }
-  /// Floats of keys (and again of values) in one block.
-  std::size_t floats_per_half() const noexcept { return width_ * block_tokens_; }
-  std::size_t blocks_in_use() const noexcept { return in_use_.load(std::memory_order_relaxed); }
+  std::size_t payload_bytes() const noexcept { return payload_bytes_; }
+  std::size_t max_blocks() const noexcept { return max_blocks_; }
 
   /// Counts one block against the budget; false when the budget is spent.
   bool reserve() noexcept;
   void unreserve() noexcept { in_use_.fetch_sub(1, std::memory_order_relaxed); }
+  /// Memory for one block (header and payload): recycled if any is free,
+  /// else new; null when the system has none.
+  void* take_memory() noexcept;
+  /// Returns a block's memory to the free list.
+  void give_memory(void* memory) noexcept;
+  /// Frees every block on the free list.
+  void trim() noexcept;
+
+  // Counters (relaxed: exact when the pool is idle).
+  std::size_t blocks_in_use() const noexcept { return in_use_.load(std::memory_order_relaxed); }
+  std::size_t peak_blocks_in_use() const noexcept { return peak_.load(std::memory_order_relaxed); }
+  std::size_t blocks_free() const noexcept { return free_count_.load(std::memory_order_relaxed); }
+  std::size_t blocks_shared() const noexcept;
+  std::uint64_t cow_copies() const noexcept { return cow_copies_.load(std::memory_order_relaxed); }
+  std::uint64_t blocks_allocated() const noexcept { return allocated_.load(std::memory_order_relaxed); }
+  void count_cow_copy() noexcept { cow_copies_.fetch_add(1, std::memory_order_relaxed); }
+  void count_shared(std::int64_t delta) noexcept { shared_.fetch_add(delta, std::memory_order_relaxed); }
+
+  /// A new id for a cache that will own blocks (never 0, never reused).
+  static std::uint64_t new_owner_id() noexcept;
+  /// Pools alive in this process, and pools destroyed while still counting
+  /// blocks in use (an accounting error). Every block holds its pool, so no
+  /// live pool once every cache and snapshot is gone means no block leaked;
+  /// the tests check both after each test case.
+  static std::size_t pools_alive() noexcept;
+  static std::size_t pools_destroyed_unbalanced() noexcept;
 
  private:
-  const std::size_t width_;
-  const std::size_t block_tokens_;
+  const std::size_t payload_bytes_;
   const std::size_t max_blocks_;
+  const std::unique_ptr<free_list> free_;
   std::atomic<std::size_t> in_use_{0};
+  std::atomic<std::size_t> peak_{0};
+  std::atomic<std::size_t> free_count_{0};
+  std::atomic<std::int64_t> shared_{0};
+  std::atomic<std::uint64_t> cow_copies_{0};
+  std::atomic<std::uint64_t> allocated_{0};
 };
 
 /// Keys then values of `block_tokens` tokens, in one 64-byte aligned
-/// allocation.
-class block : public ref_counted<block> {
+/// allocation from a block_pool.
+class block {
  public:
   /// Whether a block counts against the pool's budget: every block does but
-  /// a cache's one shared zero block, so `max_blocks` counts data blocks.
+  /// a cache's shared zero block, so budgets count data blocks.
   enum class budget : bool { counted, exempt };
 
-  /// Whether a new block's payload is all zeros (and counted as
-  /// materialized) or left for the writer to fill token by token.
-  enum class contents : bool { zeroed, unwritten };
+  /// A new block owned by `owner`, its payload garbage (nothing
+  /// materialized), or null when the pool's budget or memory is spent.
+  static ref_ptr<block> make(block_pool& pool, std::uint64_t owner, budget b = budget::counted) noexcept;
+  /// A block of zeros owned by no cache, outside the budget.
+  static ref_ptr<block> make_zeros(block_pool& pool, std::size_t block_tokens) noexcept;
 
-  /// A new block, or null when the pool's budget or memory is spent.
-  static ref_ptr<block> make(block_pool& pool, std::uint64_t born_epoch, budget b = budget::counted,
-                             contents c = contents::unwritten) noexcept;
-  static void destroy(block* b) noexcept;
+  // Reference counting (used by ref_ptr). The pool counts blocks crossing
+  // between one reference and more: that is its `blocks_shared`.
+  void add_ref() const noexcept;
+  void release() const noexcept;
 
-  float* keys() noexcept { return data(); }
-  float* values() noexcept { return data() + pool_->floats_per_half(); }
-  const float* keys() const noexcept { return const_cast<block*>(this)->keys(); }
-  const float* values() const noexcept { return const_cast<block*>(this)->values(); }
+  std::byte* keys() noexcept { return payload(); }
+  std::byte* values() noexcept { return payload() + pool_->payload_bytes() / 2; }
+  const std::byte* keys() const noexcept { return const_cast<block*>(this)->keys(); }
+  const std::byte* values() const noexcept { return const_cast<block*>(this)->values(); }
 
-  /// The first epoch that can see this block; set before it is published.
-  std::uint64_t born_epoch() const noexcept { return born_epoch_; }
+  block_pool& pool() const noexcept { return *pool_; }
+  /// The cache that made this block and alone may write into it; 0 for the
+  /// zero block, which no one writes.
+  std::uint64_t owner() const noexcept { return owner_; }
 
-  /// Slots [0, materialized()) hold their tokens' values (written, or zeros
-  /// where skipped); later slots hold garbage no epoch reads. The actor's
-  /// alone: read and written on the strand only.
+  /// The owner's alone, on its strand: slots [0, materialized()) hold the
+  /// owner's current tokens (written, or zeros where skipped).
   std::size_t materialized() const noexcept { return materialized_; }
   void set_materialized(std::size_t slots) noexcept { materialized_ = slots; }
+  /// The owner's alone, on its strand: no published epoch of any cache
+  /// reads slots at or past readable(), so the owner may write them in place.
+  std::size_t readable() const noexcept { return readable_; }
+  void set_readable(std::size_t slots) noexcept { readable_ = slots; }
 
  private:
-  block(block_pool& pool, std::uint64_t born_epoch, budget b) noexcept;
+  block(block_pool& pool, std::uint64_t owner, budget b) noexcept;
   ~block() = default;
-  float* data() noexcept;
+  std::byte* payload() noexcept;
+  void destroy() const noexcept;
 
+  mutable std::atomic<std::uint32_t> refs_{1};
+  const budget budget_;
   ref_ptr<block_pool> pool_;
-  std::uint64_t born_epoch_;
-  budget budget_;
+  const std::uint64_t owner_;
   std::size_t materialized_ = 0;
+  std::size_t readable_ = 0;
 };
 
 /// Up to `size` consecutive entries of a page table. Never changed once
-/// published; tables share unchanged chunks.
+/// published; tables of one cache share unchanged chunks.
 struct page_chunk : ref_counted<page_chunk> {
   static constexpr std::size_t size = 32;
   explicit page_chunk(std::uint64_t born_epoch) noexcept : born_epoch(born_epoch) {}
   static void destroy(page_chunk* c) noexcept { delete c; }
 
-  const std::uint64_t born_epoch;  // the first epoch that can see it
+  const std::uint64_t born_epoch;  // the first epoch of its cache that can see it
   std::array<ref_ptr<block>, size> blocks;
 };
 
@@ -113,7 +156,7 @@ struct page_table : ref_counted<page_table> {
     return chunks[b / page_chunk::size]->blocks[b % page_chunk::size];
   }
 
-  const std::uint64_t born_epoch;  // the first epoch that can see it
+  const std::uint64_t born_epoch;  // the first epoch of its cache that can see it
   std::vector<ref_ptr<page_chunk>> chunks;
   std::size_t blocks = 0;  // entries in use; later ones are null or the zero block
 };

@@ -29,28 +29,39 @@ template <class Executor, class... Ts>
 struct resumes_coroutine<asio::detail::awaitable_handler<Executor, Ts...>> : std::true_type {};
 #endif
 
-/// Starts a write request: wraps the handler in a request and mails it to
-/// the actor. Owns the actor so a deferred operation may start later.
-struct initiate_request {
+/// Turns a fork's actor into a cache handle of type `Cache`.
+template <class Cache>
+struct adopt_as {
+  Cache operator()(std::shared_ptr<actor> a) const noexcept { return a ? Cache(adopt_actor, std::move(a)) : Cache(); }
+};
+
+/// Starts a request: wraps the handler in a request and mails it to the
+/// actor. Owns the actor so a deferred operation may start later.
+/// `MakeResult` (if not void) makes the handler's second argument.
+template <class MakeResult = void>
+struct initiate_request_with {
   std::shared_ptr<actor> target;
 
   template <class Handler, class Arg>
   void operator()(Handler&& handler, const Arg& arg) const {
-    using op = request_op<std::decay_t<Handler>, asio::any_io_executor>;
+    using op = request_op<std::decay_t<Handler>, asio::any_io_executor, MakeResult>;
     std::decay_t<Handler> h(std::forward<Handler>(handler));
     target->submit(op::make(std::move(h), target->completion_executor(), arg),
                    resumes_coroutine<std::decay_t<Handler>>::value ? actor::urgency::now : actor::urgency::batch);
   }
 };
 
+using initiate_request = initiate_request_with<>;
+
 /// Starts a read: pins the latest epoch, copies out, posts the result.
+template <class Snapshot>
 struct initiate_read {
   std::shared_ptr<actor> target;
 
   template <class Handler>
   void operator()(Handler&& handler, std::size_t index) const {
     kv_entry entry;
-    std::error_code ec = kv_snapshot(target->pin()).read_kv(index, entry);
+    std::error_code ec = Snapshot(target->pin()).read_kv(index, entry);
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
                     ec, std::move(entry));
   }
@@ -58,7 +69,7 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
-    std::error_code ec = kv_snapshot(target->pin()).read_range(begin, end, range);
+    std::error_code ec = Snapshot(target->pin()).read_range(begin, end, range);
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
                     ec, std::move(range));
   }
@@ -66,35 +77,54 @@ struct initiate_read {
 
 }  // namespace detail
 
+template <storage_element T>
 template <class CompletionToken>
-auto layer_kv_cache::async_initialize(std::size_t seq_len, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionToken&& token) {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
-                                                                      seq_len);
+                                                                      detail::initialize_args{seq_len});
 }
 
+template <storage_element T>
 template <class CompletionToken>
-auto layer_kv_cache::async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
-                                 CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys,
+                                          std::span<const float> values, CompletionToken&& token) {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
                                                                       kv_write{index, keys, values});
 }
 
+template <storage_element T>
 template <class CompletionToken>
-auto layer_kv_cache::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
                                                                       entries);
 }
 
+template <storage_element T>
 template <class CompletionToken>
-auto layer_kv_cache::async_read_kv(std::size_t index, CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code, kv_entry)>(detail::initiate_read{actor_},
-                                                                                token, index);
+auto basic_layer_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
+                                                                      detail::truncate_args{n});
 }
 
+template <storage_element T>
 template <class CompletionToken>
-auto layer_kv_cache::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code, kv_range)>(detail::initiate_read{actor_},
-                                                                                token, begin, end);
+auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code, basic_layer_kv_cache)>(
+      detail::initiate_request_with<detail::adopt_as<basic_layer_kv_cache>>{actor_}, token, detail::fork_args{});
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code, kv_entry)>(
+      detail::initiate_read<snapshot_type>{actor_}, token, index);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code, kv_range)>(
+      detail::initiate_read<snapshot_type>{actor_}, token, begin, end);
 }
 
 }  // namespace ghostlink

@@ -1,0 +1,78 @@
+#pragma once
+/// @file
+/// `kv_block_pool`: the storage blocks of many caches under one budget.
+
+#include <cstddef>
+#include <limits>
+
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/ref_ptr.hpp"
+#include "ghostlink/detail/storage.hpp"
+#include "ghostlink/element.hpp"
+#include "ghostlink/stats.hpp"
+
+namespace ghostlink {
+
+/// The budget of a `kv_block_pool`; the smaller of the two limits applies.
+struct kv_pool_limits {
+  std::size_t max_blocks = std::numeric_limits<std::size_t>::max();  ///< Blocks in use at once.
+  std::size_t max_bytes = std::numeric_limits<std::size_t>::max();   ///< Payload bytes in use at once.
+};
+
+/// A thread-safe allocator of fixed-size storage blocks, shared by every
+/// cache made with it (the layers of a model, the sequences of a server), with
+/// one budget for all of them.
+///
+/// A handle: copies share one pool. A cache takes a block when a write needs
+/// one (a new block of tokens, or a copy of a block shared with a fork or
+/// pinned by a snapshot); when the budget is spent that write fails with
+/// `kv_errc::capacity_exhausted` and stores nothing. Blocks come back when no
+/// epoch needs them any more (a truncate, the last snapshot of an old epoch
+/// released, a cache destroyed) and go to a lock-free free list for reuse,
+/// not to the system; `trim()` returns the free ones to the system.
+///
+/// Cost: taking or returning a block is a few atomic operations on the
+/// free list and the counters. The pool lives until its last block is freed,
+/// even if every handle is gone. All members are safe from any thread.
+class kv_block_pool {
+ public:
+  /// A pool of blocks of `block_bytes` payload bytes each.
+  /// @throws std::system_error with `kv_errc::invalid_config` if
+  ///         `block_bytes` is zero or odd (a block holds keys and values) or
+  ///         the limits allow no block at all.
+  explicit kv_block_pool(std::size_t block_bytes, kv_pool_limits limits = {});
+  /// A handle on an existing pool (what `basic_layer_kv_cache::pool()` returns).
+  explicit kv_block_pool(detail::ref_ptr<detail::block_pool> state) noexcept : state_(std::move(state)) {}
+
+  /// A pool whose blocks fit caches of `config` storing `T`.
+  /// @throws std::system_error with `kv_errc::invalid_config` for a bad
+  ///         `config` (see `kv_cache_config`) or limits that allow no block.
+  template <storage_element T = float>
+  static kv_block_pool for_caches(const kv_cache_config& config, kv_pool_limits limits = {}) {
+    return kv_block_pool(block_bytes_for<T>(config), limits);
+  }
+
+  /// Payload bytes of one block of a cache of `config` storing `T`:
+  /// `2 * block_tokens * token_width() * sizeof(T)`.
+  /// @throws std::system_error with `kv_errc::invalid_config` for a bad config.
+  template <storage_element T = float>
+  static std::size_t block_bytes_for(const kv_cache_config& config) {
+    detail::validate(config, sizeof(T));
+    return 2 * config.block_tokens * config.token_width() * sizeof(T);
+  }
+
+  std::size_t block_bytes() const noexcept { return state_->payload_bytes(); }
+  kv_pool_stats stats() const noexcept;
+  /// Returns every free block's memory to the system.
+  void trim() noexcept { state_->trim(); }
+
+  friend bool operator==(const kv_block_pool& a, const kv_block_pool& b) noexcept { return a.state_ == b.state_; }
+
+  /// The pool's shared state (for the caches built on it).
+  detail::block_pool& state() const noexcept { return *state_; }
+
+ private:
+  detail::ref_ptr<detail::block_pool> state_;
+};
+
+}  // namespace ghostlink
