@@ -64,7 +64,8 @@ actor::actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer)
       mailbox_(std::make_unique<mailbox>()),
       writer_(std::move(writer)),
       pool_(writer_->pool()),
-      current_(writer_->initial_epoch()) {}
+      current_(writer_->initial_epoch()),
+      published_length_(writer_->length()) {}
 
 actor::~actor() { discard_mailbox(); }
 

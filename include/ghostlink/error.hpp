@@ -18,6 +18,8 @@ enum class kv_errc {
   buffer_too_small,     ///< an output span shorter than the data.
   invalid_config,       ///< a zero field in `kv_cache_config`.
   capacity_exhausted,   ///< no storage left under the configured budget.
+  layer_mismatch,       ///< a sequence append given keys or values for a number of layers other than `num_layers()`.
+  operation_in_progress,  ///< a sequence append, truncate or fork started while another is in progress.
 };
 
 /// The category of `kv_errc`; its name is `"ghostlink.kv"`.

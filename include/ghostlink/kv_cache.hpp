@@ -8,6 +8,7 @@
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/layer_kv_cache.hpp"
+#include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/snapshot.hpp"
 #include "ghostlink/stats.hpp"
 #include "ghostlink/types.hpp"

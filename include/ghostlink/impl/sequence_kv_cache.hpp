@@ -1,0 +1,274 @@
+#pragma once
+// Template implementations of basic_sequence_kv_cache: each operation runs
+// one request on every layer (a fan-out) and completes when the last layer
+// has.
+
+#include <atomic>
+#include <memory>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <asio/async_result.hpp>
+
+#include "ghostlink/detail/request.hpp"
+#include "ghostlink/error.hpp"
+
+namespace ghostlink {
+namespace detail {
+
+/// What the handles of one sequence share.
+///
+/// `busy` admits one append, truncate or fork at a time: whoever sets it
+/// owns `length` until it clears it (release), and the next owner's setting
+/// (acquire) sees what it stored.
+template <storage_element T>
+struct sequence_state {
+  asio::any_io_executor executor;
+  std::vector<basic_layer_kv_cache<T>> layers;
+  std::atomic<std::size_t> length{0};
+  std::atomic<bool> busy{false};
+
+  sequence_state(asio::any_io_executor ex, std::vector<basic_layer_kv_cache<T>> layers, std::size_t length)
+      : executor(std::move(ex)), layers(std::move(layers)), length(length) {}
+
+  /// A sequence handle on new state (the result of a fork).
+  static basic_sequence_kv_cache<T> make_child(asio::any_io_executor ex, std::vector<basic_layer_kv_cache<T>> layers,
+                                               std::size_t length) {
+    return basic_sequence_kv_cache<T>(std::make_shared<sequence_state>(std::move(ex), std::move(layers), length));
+  }
+
+  /// `config` with the default (unbounded) `max_blocks`: layers on a pool
+  /// leave the budget to it.
+  static kv_cache_config without_budget(kv_cache_config config) noexcept {
+    config.max_blocks = kv_cache_config{}.max_blocks;
+    return config;
+  }
+
+  bool try_begin() noexcept { return !busy.exchange(true, std::memory_order_acquire); }
+  void end() noexcept { busy.store(false, std::memory_order_release); }
+  const kv_cache_config& config() const noexcept { return layers.front().config(); }
+};
+
+/// A handler waiting for a composed operation, with a hold on its
+/// executor's work; completes once, always through post (never inline).
+template <class Handler>
+class pending_handler {
+ public:
+  pending_handler(Handler handler, const asio::any_io_executor& io_ex)
+      : work_(track_work(asio::get_associated_executor(handler, io_ex))), handler_(std::move(handler)) {}
+
+  template <class... Args>
+  void complete(Args... args) && {
+    post_completion(queueing::post, std::move(handler_), executor_of(work_), std::move(args)...);
+  }
+
+ private:
+  using executor = asio::associated_executor_t<Handler, asio::any_io_executor>;
+  decltype(track_work(std::declval<const executor&>())) work_;
+  Handler handler_;
+};
+
+/// Collects one completion per layer; the last one to arrive runs `finish`
+/// with every layer's error code and result. The countdown's acq_rel makes
+/// every layer's stores visible to `finish`.
+template <class Result, class Finish>
+class layer_fan_out : public std::enable_shared_from_this<layer_fan_out<Result, Finish>> {
+ public:
+  layer_fan_out(std::size_t layers, Finish finish)
+      : errors_(layers), results_(layers), remaining_(layers), finish_(std::move(finish)) {}
+
+  /// The completion handler for layer `i`.
+  auto slot(std::size_t i) {
+    return [self = this->shared_from_this(), i](std::error_code ec, auto... result) {
+      self->errors_[i] = ec;
+      if constexpr (sizeof...(result) > 0) self->results_[i] = (std::move(result), ...);
+      if (self->remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1)
+        std::move(self->finish_)(self->errors_, self->results_);
+    };
+  }
+
+ private:
+  std::vector<std::error_code> errors_;
+  std::vector<Result> results_;
+  std::atomic<std::size_t> remaining_;
+  Finish finish_;
+};
+
+template <class Result, class Finish>
+auto make_fan_out(std::size_t layers, Finish finish) {
+  return std::make_shared<layer_fan_out<Result, Finish>>(layers, std::move(finish));
+}
+
+inline std::error_code first_error(const std::vector<std::error_code>& errors) noexcept {
+  for (const std::error_code& ec : errors)
+    if (ec) return ec;
+  return {};
+}
+
+inline std::error_code check_append(std::size_t layers, std::size_t width,
+                                    std::span<const std::span<const float>> keys,
+                                    std::span<const std::span<const float>> values) noexcept {
+  if (keys.size() != layers || values.size() != layers) return kv_errc::layer_mismatch;
+  for (std::size_t i = 0; i < layers; ++i) {
+    if (keys[i].size() != values[i].size()) return kv_errc::length_mismatch;
+    if (keys[i].size() != width) return kv_errc::width_mismatch;
+  }
+  return {};
+}
+
+/// Drops token `index` again from the layers that took it (`errors[i]`
+/// clear), then completes `done` with `ec`.
+template <storage_element T, class Handler>
+void undo_append(std::shared_ptr<sequence_state<T>> state, std::size_t index, const std::vector<std::error_code>& errors,
+                 pending_handler<Handler> done, std::error_code ec) {
+  std::vector<std::size_t> took;
+  for (std::size_t i = 0; i < errors.size(); ++i)
+    if (!errors[i]) took.push_back(i);
+  if (took.empty()) {
+    state->end();
+    return std::move(done).complete(ec);
+  }
+  auto fan = make_fan_out<std::monostate>(
+      took.size(), [state, done = std::move(done), ec](const auto&, const auto&) mutable {
+        state->end();
+        std::move(done).complete(ec);
+      });
+  for (std::size_t k = 0; k < took.size(); ++k) state->layers[took[k]].async_truncate(index, fan->slot(k));
+}
+
+template <storage_element T, class Handler>
+void start_append(std::shared_ptr<sequence_state<T>> state, Handler handler,
+                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values) {
+  pending_handler<Handler> done(std::move(handler), state->executor);
+  if (std::error_code ec = check_append(state->layers.size(), state->config().token_width(), keys, values))
+    return std::move(done).complete(ec);
+  if (!state->try_begin()) return std::move(done).complete(std::error_code(kv_errc::operation_in_progress));
+  const std::size_t index = state->length.load(std::memory_order_relaxed);
+  if (index >= state->config().max_tokens_per_seq) {
+    state->end();
+    return std::move(done).complete(std::error_code(kv_errc::index_out_of_range));
+  }
+  auto fan = make_fan_out<std::monostate>(
+      state->layers.size(), [state, index, done = std::move(done)](const auto& errors, const auto&) mutable {
+        if (std::error_code ec = first_error(errors)) return undo_append(state, index, errors, std::move(done), ec);
+        state->length.store(index + 1, std::memory_order_relaxed);
+        state->end();
+        std::move(done).complete(std::error_code());
+      });
+  for (std::size_t i = 0; i < state->layers.size(); ++i)
+    state->layers[i].async_write(index, keys[i], values[i], fan->slot(i));
+}
+
+template <storage_element T, class Handler>
+void start_truncate(std::shared_ptr<sequence_state<T>> state, Handler handler, std::size_t n) {
+  pending_handler<Handler> done(std::move(handler), state->executor);
+  if (!state->try_begin()) return std::move(done).complete(std::error_code(kv_errc::operation_in_progress));
+  if (n >= state->length.load(std::memory_order_relaxed)) {
+    state->end();
+    return std::move(done).complete(std::error_code());
+  }
+  auto fan = make_fan_out<std::monostate>(
+      state->layers.size(), [state, n, done = std::move(done)](const auto& errors, const auto&) mutable {
+        const std::error_code ec = first_error(errors);
+        if (!ec) state->length.store(n, std::memory_order_relaxed);
+        state->end();
+        std::move(done).complete(ec);
+      });
+  for (std::size_t i = 0; i < state->layers.size(); ++i) state->layers[i].async_truncate(n, fan->slot(i));
+}
+
+template <storage_element T, class Handler>
+void start_fork(std::shared_ptr<sequence_state<T>> state, Handler handler) {
+  using sequence = basic_sequence_kv_cache<T>;
+  pending_handler<Handler> done(std::move(handler), state->executor);
+  if (!state->try_begin())
+    return std::move(done).complete(std::error_code(kv_errc::operation_in_progress), sequence());
+  const std::size_t length = state->length.load(std::memory_order_relaxed);
+  auto fan = make_fan_out<basic_layer_kv_cache<T>>(
+      state->layers.size(), [state, length, done = std::move(done)](const auto& errors, auto& children) mutable {
+        state->end();
+        if (std::error_code ec = first_error(errors)) return std::move(done).complete(ec, sequence());
+        std::move(done).complete(std::error_code(),
+                                 sequence_state<T>::make_child(state->executor, std::move(children), length));
+      });
+  for (std::size_t i = 0; i < state->layers.size(); ++i) state->layers[i].async_fork(fan->slot(i));
+}
+
+}  // namespace detail
+
+template <storage_element T>
+basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers,
+                                                    kv_cache_config config, const kv_block_pool& pool) {
+  if (num_layers == 0) throw std::system_error(make_error_code(kv_errc::invalid_config));
+  std::vector<layer_type> layers;
+  layers.reserve(num_layers);
+  for (std::size_t i = 0; i < num_layers; ++i)
+    layers.emplace_back(detail::adopt_actor,
+                        detail::actor::make(ex, config, detail::codec_of<T>,
+                                            detail::ref_ptr<detail::block_pool>::share(&pool.state()), true));
+  state_ = std::make_shared<detail::sequence_state<T>>(std::move(ex), std::move(layers), 0);
+}
+
+template <storage_element T>
+basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers,
+                                                    kv_cache_config config)
+    : basic_sequence_kv_cache(std::move(ex), num_layers, detail::sequence_state<T>::without_budget(config),
+                              kv_block_pool::for_caches<T>(config, {.max_blocks = config.max_blocks})) {}
+
+template <storage_element T>
+std::size_t basic_sequence_kv_cache<T>::num_layers() const noexcept {
+  return state_->layers.size();
+}
+
+template <storage_element T>
+auto basic_sequence_kv_cache<T>::get_executor() const noexcept -> executor_type {
+  return state_->executor;
+}
+
+template <storage_element T>
+std::size_t basic_sequence_kv_cache<T>::size() const noexcept {
+  return state_->length.load(std::memory_order_acquire);
+}
+
+template <storage_element T>
+auto basic_sequence_kv_cache<T>::layer(std::size_t i) const noexcept -> const layer_type& {
+  return state_->layers[i];
+}
+
+template <storage_element T>
+auto basic_sequence_kv_cache<T>::snapshot() const -> snapshot_type {
+  std::vector<basic_kv_snapshot<T>> layers;
+  layers.reserve(state_->layers.size());
+  for (const layer_type& l : state_->layers) layers.push_back(l.snapshot());
+  return snapshot_type(std::move(layers));
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_append(std::span<const std::span<const float>> keys_per_layer,
+                                              std::span<const std::span<const float>> values_per_layer,
+                                              CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+      [state = state_](auto handler, auto keys, auto values) {
+        detail::start_append(state, std::move(handler), keys, values);
+      },
+      token, keys_per_layer, values_per_layer);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+      [state = state_](auto handler, std::size_t n) { detail::start_truncate(state, std::move(handler), n); }, token,
+      n);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_fork(CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code, basic_sequence_kv_cache)>(
+      [state = state_](auto handler) { detail::start_fork(state, std::move(handler)); }, token);
+}
+
+}  // namespace ghostlink

@@ -1,0 +1,170 @@
+#pragma once
+/// @file
+/// `basic_sequence_kv_cache<T>` (`sequence_kv_cache` for float storage): one
+/// sequence's key/value cache across every layer of a model.
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <system_error>
+#include <type_traits>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include <asio/any_io_executor.hpp>
+#include <asio/execution_context.hpp>
+
+#include "ghostlink/block_pool.hpp"
+#include "ghostlink/config.hpp"
+#include "ghostlink/element.hpp"
+#include "ghostlink/layer_kv_cache.hpp"
+#include "ghostlink/snapshot.hpp"
+
+namespace ghostlink {
+
+/// Per-layer snapshots of one sequence, all of one length.
+///
+/// Each layer's snapshot is narrowed to `size()`: the tokens every layer
+/// held when they were pinned. Move-only; safe to read from many threads.
+template <storage_element T>
+class basic_sequence_snapshot {
+ public:
+  basic_sequence_snapshot() = default;
+  /// Narrows `layers` to the shortest of them.
+  explicit basic_sequence_snapshot(std::vector<basic_kv_snapshot<T>> layers) noexcept : layers_(std::move(layers)) {
+    for (const auto& l : layers_) size_ = std::min(size_ == npos ? l.size() : size_, l.size());
+    if (size_ == npos) size_ = 0;
+    for (auto& l : layers_) l = std::move(l).prefix(size_);
+  }
+
+  /// Tokens every layer's snapshot shows.
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  std::size_t num_layers() const noexcept { return layers_.size(); }
+  /// Layer `i`'s snapshot (`i < num_layers()`), narrowed to `size()`.
+  const basic_kv_snapshot<T>& layer(std::size_t i) const noexcept { return layers_[i]; }
+
+ private:
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  std::vector<basic_kv_snapshot<T>> layers_;
+  std::size_t size_ = npos;
+};
+
+namespace detail {
+template <storage_element T>
+struct sequence_state;
+}  // namespace detail
+
+/// One sequence's key/value cache across `num_layers` layers of a model:
+/// one `basic_layer_kv_cache<T>` per layer (one actor each, so the layers of
+/// a step are applied in parallel on a multi-threaded executor), all taking
+/// blocks from one `kv_block_pool`.
+///
+/// A handle: copies share one sequence. Appends, truncates and forks of one
+/// sequence run one at a time, as writes to one Asio stream do: start the
+/// next when the previous has completed (a decode loop does). One started
+/// while another is in progress fails with `kv_errc::operation_in_progress`
+/// and changes nothing. Snapshots, `size()` and reads may be used from any
+/// thread at any time.
+///
+/// Layers accept writes from the start (no initialize is needed). Writing
+/// to a layer directly (through `layer(i)`) bypasses the sequence's
+/// bookkeeping; a snapshot then still shows only what every layer holds.
+template <storage_element T>
+class basic_sequence_kv_cache {
+ public:
+  using executor_type = asio::any_io_executor;
+  using value_type = T;
+  using layer_type = basic_layer_kv_cache<T>;
+  using snapshot_type = basic_sequence_snapshot<T>;
+
+  /// `num_layers` empty layers of `config` whose actors run on strands of
+  /// `ex`, taking blocks from `pool` under its budget.
+  /// @throws std::system_error with `kv_errc::invalid_config` if
+  ///         `num_layers` is 0 or as `basic_layer_kv_cache`'s constructor.
+  basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers, kv_cache_config config,
+                          const kv_block_pool& pool);
+
+  /// As above, with a pool of its own whose budget is `config.max_blocks`
+  /// for all layers together.
+  basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers, kv_cache_config config = {});
+
+  /// As above, on `ctx.get_executor()`.
+  template <class ExecutionContext, class... Pool>
+    requires std::is_convertible_v<ExecutionContext&, asio::execution_context&>
+  basic_sequence_kv_cache(ExecutionContext& ctx, std::size_t num_layers, kv_cache_config config = {},
+                          const Pool&... pool)
+      : basic_sequence_kv_cache(asio::any_io_executor(ctx.get_executor()), num_layers, config, pool...) {}
+
+  /// An empty handle, as a failed `async_fork` hands out: only `valid()`,
+  /// assignment and destruction may be used on it.
+  basic_sequence_kv_cache() noexcept = default;
+  bool valid() const noexcept { return state_ != nullptr; }
+  explicit operator bool() const noexcept { return valid(); }
+
+  std::size_t num_layers() const noexcept;
+  const kv_cache_config& config() const noexcept { return layer(0).config(); }
+  kv_block_pool pool() const noexcept { return layer(0).pool(); }
+  /// The executor the layers' strands were made from; where handlers
+  /// without an associated executor run.
+  executor_type get_executor() const noexcept;
+  /// Tokens the sequence holds: those of its last completed append or
+  /// truncate (or fork).
+  std::size_t size() const noexcept;
+  bool empty() const noexcept { return size() == 0; }
+  /// Layer `i`'s cache (`i < num_layers()`), for reads.
+  const layer_type& layer(std::size_t i) const noexcept;
+
+  /// Pins every layer's latest epoch, narrowed to the tokens all of them
+  /// hold. Never blocks; during an append it shows the sequence before it.
+  snapshot_type snapshot() const;
+
+  /// Appends one token to every layer, at index `size()`: layer `i` gets
+  /// `keys_per_layer[i]` and `values_per_layer[i]` (`token_width()` floats
+  /// each). All or nothing: if any layer fails, the layers that took the
+  /// token drop it again before completion.
+  ///
+  /// The spans (outer and inner) must stay valid until completion.
+  /// Completion signature: `void(std::error_code)`, once every layer has
+  /// published the token. Errors: `layer_mismatch`, `length_mismatch`,
+  /// `width_mismatch` (checked first, for every layer), `index_out_of_range`
+  /// (`size() == max_tokens_per_seq`), `operation_in_progress`,
+  /// `capacity_exhausted`.
+  template <class CompletionToken>
+  auto async_append(std::span<const std::span<const float>> keys_per_layer,
+                    std::span<const std::span<const float>> values_per_layer, CompletionToken&& token);
+
+  /// Drops tokens `[n, size())` from every layer (speculative-decoding
+  /// rollback); `n >= size()` changes nothing. Snapshots taken before keep
+  /// their data. Completion signature: `void(std::error_code)`. Errors:
+  /// `operation_in_progress`; `capacity_exhausted` if a layer could not get
+  /// memory for its page table (layers may then differ: `size()` stays, and
+  /// snapshots show the shortest layer, until a truncate succeeds).
+  template <class CompletionToken>
+  auto async_truncate(std::size_t n, CompletionToken&& token);
+
+  /// A new sequence sharing every block of every layer copy-on-write with
+  /// this one (see `basic_layer_kv_cache::async_fork`), with the same pool.
+  /// Completion signature: `void(std::error_code, basic_sequence_kv_cache)`;
+  /// on error the handle is empty and nothing is forked. Errors:
+  /// `operation_in_progress`, `capacity_exhausted`.
+  template <class CompletionToken>
+  auto async_fork(CompletionToken&& token);
+
+ private:
+  explicit basic_sequence_kv_cache(std::shared_ptr<detail::sequence_state<T>> state) noexcept
+      : state_(std::move(state)) {}
+  template <storage_element>
+  friend struct detail::sequence_state;
+
+  std::shared_ptr<detail::sequence_state<T>> state_;
+};
+
+/// A whole-model sequence cache storing floats.
+using sequence_kv_cache = basic_sequence_kv_cache<float>;
+
+}  // namespace ghostlink
+
+#include "ghostlink/impl/sequence_kv_cache.hpp"
