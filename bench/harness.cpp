@@ -23,7 +23,7 @@ void usage(int code) {
       "  --coroutines N --threads N                           write_concurrent/decode_step (default 64, 2)\n"
       "  --batch N           tokens per batched request in write_concurrent (default 32)\n"
       "  --only SCENARIO     one of read_under_write attention_read write_single write_concurrent\n"
-      "                      decode_step memory\n"
+      "                      decode_step memory fork memory_waste storage_16bit\n"
       "  --impl A,B          only these of ghostlink rwlock mutex strand_only (default: all)\n"
       "  --json FILE         also write every figure as JSON\n");
   std::exit(code);

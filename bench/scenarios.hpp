@@ -12,5 +12,8 @@ void write_single(const options& opts, report& out);
 void write_concurrent(const options& opts, report& out);
 void decode_step(const options& opts, report& out);
 void memory(const options& opts, report& out);
+void fork(const options& opts, report& out);
+void memory_waste(const options& opts, report& out);
+void storage_16bit(const options& opts, report& out);
 
 }  // namespace ghostlink::bench

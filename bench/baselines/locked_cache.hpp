@@ -21,6 +21,8 @@ template <class Mutex>
 class locked_cache {
  public:
   explicit locked_cache(const kv_cache_config& config) : config_(config) {}
+  locked_cache(locked_cache&& o) noexcept
+      : config_(o.config_), keys_(std::move(o.keys_)), values_(std::move(o.values_)), len_(o.len_) {}
 
   std::error_code initialize(std::size_t seq_len) {
     if (seq_len == 0) return kv_errc::zero_length;
@@ -67,6 +69,18 @@ class locked_cache {
     out.keys.assign(keys_.begin() + std::ptrdiff_t(begin * width), keys_.begin() + std::ptrdiff_t(end * width));
     out.values.assign(values_.begin() + std::ptrdiff_t(begin * width), values_.begin() + std::ptrdiff_t(end * width));
     return {};
+  }
+
+  /// A new cache holding copies of this one's valid tokens: what forking a
+  /// sequence costs in this design.
+  locked_cache copy() const {
+    locked_cache c(config_);
+    read_lock lock(mutex_);
+    const auto valid = std::ptrdiff_t(len_ * config_.token_width());
+    c.keys_.assign(keys_.begin(), keys_.begin() + valid);
+    c.values_.assign(values_.begin(), values_.begin() + valid);
+    c.len_ = len_;
+    return c;
   }
 
   std::size_t size() const {

@@ -110,12 +110,23 @@ struct bfloat16 {
 template <class T>
 concept storage_element = std::same_as<T, float> || std::same_as<T, half> || std::same_as<T, bfloat16>;
 
-/// Converts `src` into `dst` (`dst.size() >= src.size()`), element by
-/// element: rounding to nearest-even into a 16-bit type, exactly into float.
+namespace detail {
+/// Exact bulk widening (vectorised where the processor allows; element.cpp).
+void widen(const half* src, std::size_t n, float* dst) noexcept;
+void widen(const bfloat16* src, std::size_t n, float* dst) noexcept;
+/// Whether this x86-64 processor (and OS) offers AVX2, FMA and F16C.
+bool has_avx2_fma_f16c() noexcept;
+}  // namespace detail
+
+/// Converts `src` into `dst` (which must hold `src.size()` elements), element
+/// by element: rounding to nearest-even into a 16-bit type, exactly into
+/// float. 16-bit to float is vectorised on processors with F16C / AVX2.
 template <storage_element To, storage_element From>
 void convert(std::span<const From> src, To* dst) noexcept {
   if constexpr (std::is_same_v<To, From>) {
     if (!src.empty()) std::memcpy(dst, src.data(), src.size_bytes());
+  } else if constexpr (std::is_same_v<To, float>) {
+    detail::widen(src.data(), src.size(), dst);
   } else {
     for (std::size_t i = 0; i < src.size(); ++i) dst[i] = To(static_cast<float>(src[i]));
   }
