@@ -1,4 +1,407 @@
-// Placeholder replaced by the real tests of this area.
-#include "support.hpp"
+// kv_block_pool: one budget for many caches, its limits and counters, the
+// free list, and blocks pinned by snapshots and forks.
+#include "pool_support.hpp"
 
-TEST_CASE("placeholder", "[placeholder]") { CHECK(ghostlink::half(1.0f).bits == 0x3c00); }
+#include <functional>
+
+using namespace ghostlink;
+using namespace ghostlink::test::pool;
+using ghostlink::test::as_tuple;
+using ghostlink::test::blocking;
+using ghostlink::test::small_config;
+
+namespace {
+
+/// The error a construction throws as std::system_error; {} if none.
+std::error_code thrown_by(const std::function<void()>& make) {
+  try {
+    make();
+    return {};
+  } catch (const std::system_error& e) {
+    return e.code();
+  }
+}
+
+// Each cache keeps one block of zeros outside the budget; it is counted in
+// blocks_allocated (and returns to the free list with its cache).
+constexpr std::size_t zero_blocks_per_cache = 1;
+
+}  // namespace
+
+TEST_CASE("block_bytes_for is the keys and values of one block, and for_caches makes an idle pool of that size",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t per_block = 2 * config.block_tokens * config.token_width();
+  CHECK(kv_block_pool::block_bytes_for<float>(config) == per_block * sizeof(float));
+  CHECK(kv_block_pool::block_bytes_for<half>(config) == per_block * sizeof(half));
+  CHECK(kv_block_pool::block_bytes_for<bfloat16>(config) == per_block * sizeof(bfloat16));
+
+  const kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = 5});
+  const kv_pool_stats s = pool.stats();
+  CHECK(pool.block_bytes() == kv_block_pool::block_bytes_for<float>(config));
+  CHECK(s.block_bytes == pool.block_bytes());
+  CHECK(s.max_blocks == 5);
+  CHECK(s.blocks_in_use == 0);
+  CHECK(s.blocks_free == 0);
+  CHECK(s.peak_blocks_in_use == 0);
+  CHECK(s.blocks_shared == 0);
+  CHECK(s.cow_copies == 0);
+  CHECK(s.blocks_allocated == 0);
+  CHECK(s.bytes_in_use() == 0);
+}
+
+TEST_CASE("a pool with zero or odd block bytes, or limits that allow no block, throws invalid_config",
+          "[block_pool]") {
+  const std::size_t bytes = kv_block_pool::block_bytes_for(small_config());
+  CHECK(thrown_by([] { kv_block_pool p(0); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([] { kv_block_pool p(3); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([&] { kv_block_pool p(bytes, {.max_blocks = 0}); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([&] { kv_block_pool p(bytes, {.max_bytes = bytes - 1}); }) == kv_errc::invalid_config);
+  kv_cache_config bad = small_config();
+  bad.head_dim = 0;
+  CHECK(thrown_by([&] { (void)kv_block_pool::for_caches(bad); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([&] { (void)kv_block_pool::block_bytes_for(bad); }) == kv_errc::invalid_config);
+  // The smallest budget that holds a block is accepted.
+  CHECK(thrown_by([&] { kv_block_pool p(bytes, {.max_bytes = bytes}); }) == std::error_code{});
+}
+
+TEST_CASE("a cache rejects a pool of another block size, or a config that also sets max_blocks, with invalid_config",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const kv_block_pool floats = kv_block_pool::for_caches(config);
+  const kv_block_pool halves = kv_block_pool::for_caches<half>(config);
+  asio::thread_pool io(2);
+  kv_cache_config wider_blocks = config;
+  wider_blocks.block_tokens *= 2;
+  kv_cache_config with_budget = config;
+  with_budget.max_blocks = 4;
+  kv_cache_config zero_heads = config;
+  zero_heads.num_heads = 0;
+  CHECK(thrown_by([&] { layer_kv_cache c(io, config, halves); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([&] { basic_layer_kv_cache<half> c(io, config, floats); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([&] { layer_kv_cache c(io, wider_blocks, floats); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([&] { layer_kv_cache c(io, with_budget, floats); }) == kv_errc::invalid_config);
+  CHECK(thrown_by([&] { layer_kv_cache c(io, zero_heads, floats); }) == kv_errc::invalid_config);
+
+  // The matching element types are accepted and report their pool.
+  layer_kv_cache f(io, config, floats);
+  basic_layer_kv_cache<half> h(io.get_executor(), config, halves);
+  CHECK(f.pool() == floats);
+  CHECK(h.pool() == halves);
+  CHECK_FALSE(f.pool() == halves);
+  // A cache with a private pool gets one sized for it, with config.max_blocks as budget.
+  layer_kv_cache own(io, with_budget);
+  CHECK_FALSE(own.pool() == floats);
+  CHECK(own.pool().block_bytes() == floats.block_bytes());
+  CHECK(own.pool().stats().max_blocks == with_budget.max_blocks);
+}
+
+TEST_CASE("max_bytes caps the budget at the whole blocks it holds, and the smaller limit applies", "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bytes = kv_block_pool::block_bytes_for(config);
+  const std::size_t budget = 3;
+  CHECK(kv_block_pool(bytes, {.max_bytes = budget * bytes + bytes / 2}).stats().max_blocks == budget);
+  CHECK(kv_block_pool(bytes, {.max_blocks = budget, .max_bytes = 10 * bytes}).stats().max_blocks == budget);
+  CHECK(kv_block_pool(bytes, {.max_blocks = 10, .max_bytes = budget * bytes}).stats().max_blocks == budget);
+
+  const kv_block_pool pool = kv_block_pool::for_caches(config, {.max_bytes = budget * bytes + bytes - 1});
+  asio::thread_pool io(2);
+  tracked c{layer_kv_cache(io, config, pool), {}};
+  c.initialize(1);
+  const std::size_t fits = budget * config.block_tokens;
+  c.write(0, fits, 1);
+  CHECK(c.cache.stats().bytes_in_use == budget * bytes);
+  CHECK(pool.stats().bytes_in_use() == budget * bytes);
+  CHECK(write(c.cache, fits, fits + 1, 2) == kv_errc::capacity_exhausted);
+  CHECK(c.diff() == "");
+  CHECK(pool.stats().blocks_in_use == budget);
+}
+
+TEST_CASE("a batch needing more blocks than remain fails whole with capacity_exhausted, then fits after a truncate",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens, budget = 3;
+  const kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
+  asio::thread_pool io(2);
+  tracked c{layer_kv_cache(io, config, pool), {}};
+  c.initialize(1);
+  c.write(0, 2 * bt, 1);  // two full blocks
+  REQUIRE(pool.stats().blocks_in_use == 2);
+
+  // Tokens [2bt, 3bt] need two more blocks; one remains. The first of them
+  // is taken before the second fails: it must be given back.
+  const std::size_t end = 3 * bt + 1;
+  const observed before = observe(c.cache);
+  CHECK(write(c.cache, 2 * bt, end, 2) == kv_errc::capacity_exhausted);
+  CHECK(observe(c.cache) == before);
+  CHECK(c.diff() == "");
+  CHECK(pool.stats().blocks_in_use == 2);
+
+  // Dropping the second block frees it; the same batch then fits, the
+  // tokens between the truncation point and the batch reading as zeros.
+  c.truncate(bt);
+  CHECK(pool.stats().blocks_in_use == 1);
+  REQUIRE(write(c.cache, 2 * bt, end, 2) == std::error_code{});
+  c.expected.write(2 * bt, end, 2);
+  CHECK(c.diff() == "");
+  CHECK(pool.stats().blocks_in_use == budget);
+  CHECK(pool.stats().peak_blocks_in_use == budget);
+}
+
+TEST_CASE("two caches on one pool draw on one budget: blocks one holds the other cannot take", "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens, budget = 4;
+  const kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
+  asio::thread_pool io(2);
+  tracked a{layer_kv_cache(io, config, pool), {}};
+  tracked b{layer_kv_cache(io, config, pool), {}};
+  a.initialize(1);
+  a.write(0, 3 * bt, 1);
+  // Initialize takes no block from the budget (zeros are exempt).
+  b.initialize(config.max_tokens_per_seq);
+  CHECK(pool.stats().blocks_in_use == 3);
+
+  const observed b_before = observe(b.cache);
+  CHECK(write(b.cache, 0, 2 * bt, 2) == kv_errc::capacity_exhausted);
+  CHECK(observe(b.cache) == b_before);
+  b.write(0, bt, 2);  // the last block of the budget
+  CHECK(pool.stats().blocks_in_use == budget);
+  // Each cache reports the whole pool's count.
+  CHECK(a.cache.stats().blocks_in_use == budget);
+  CHECK(b.cache.stats().blocks_in_use == budget);
+  CHECK(write(a.cache, 3 * bt, 3 * bt + 1, 1) == kv_errc::capacity_exhausted);
+
+  // What a gives back, b can take.
+  a.truncate(bt);
+  CHECK(pool.stats().blocks_in_use == budget - 2);
+  b.write(bt, 3 * bt, 3);
+  CHECK(pool.stats().blocks_in_use == budget);
+  CHECK(pool.stats().peak_blocks_in_use == budget);
+  CHECK(a.diff() == "");
+  CHECK(b.diff() == "");
+}
+
+TEST_CASE("stats count blocks in use, free and allocated; freed blocks are reused and trim releases the free ones",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens;
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  asio::thread_pool io(2);
+  tracked c{layer_kv_cache(io, config, pool), {}};
+  c.initialize(1);
+  std::size_t peak = 0, allocated = zero_blocks_per_cache;
+  // After each step: in use is what the model holds (no step below copies a
+  // block), freed blocks wait on the free list, and memory is only allocated
+  // when the free list cannot supply it.
+  auto check = [&](const char* step) {
+    const kv_pool_stats s = pool.stats();
+    const std::size_t in_use = blocks_for(c.expected.stored, bt);
+    peak = std::max(peak, in_use);
+    allocated = std::max(allocated, in_use + zero_blocks_per_cache);
+    INFO(step << ": in use " << s.blocks_in_use << ", free " << s.blocks_free << ", peak " << s.peak_blocks_in_use
+              << ", allocated " << s.blocks_allocated << "; expected in use " << in_use << ", peak " << peak
+              << ", allocated " << allocated);
+    CHECK(s.blocks_in_use == in_use);
+    CHECK(s.peak_blocks_in_use == peak);
+    CHECK(s.blocks_allocated == allocated);
+    CHECK(s.blocks_free == allocated - in_use - zero_blocks_per_cache);
+    CHECK(c.cache.stats().bytes_in_use == in_use * pool.block_bytes());
+    CHECK(c.diff() == "");
+  };
+  check("initialized");
+  c.write(0, 3 * bt, 1);
+  check("three blocks written");
+  c.truncate(0);
+  check("truncated to 0");
+  c.write(0, 2 * bt, 2);
+  check("two blocks written again, from the free list");
+
+  pool.trim();
+  allocated = blocks_for(c.expected.stored, bt) + zero_blocks_per_cache;
+  check("trimmed");
+  c.write(2 * bt, 4 * bt, 3);
+  check("two more blocks, newly allocated");
+}
+
+TEST_CASE("blocks referenced by a fork or by a pinned older epoch count as shared until one side lets go",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens, blocks = 3;
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  asio::thread_pool io(2);
+  tracked c{layer_kv_cache(io, config, pool), {}};
+  c.initialize(1);
+  c.write(0, blocks * bt, 1);
+  CHECK(pool.stats().blocks_shared == 0);
+  {
+    // A pinned epoch and the new one share every block but the one rewritten.
+    kv_snapshot pinned = c.cache.snapshot();
+    c.write(0, 2);
+    INFO("in use " << pool.stats().blocks_in_use << ", shared " << pool.stats().blocks_shared);
+    CHECK(pool.stats().blocks_shared == blocks - 1);
+    CHECK(pool.stats().blocks_in_use == blocks + 1);
+  }
+  CHECK(pool.stats().blocks_shared == 0);
+  CHECK(pool.stats().blocks_in_use == blocks);
+  {
+    tracked child = c.fork();
+    CHECK(pool.stats().blocks_shared == blocks);
+    CHECK(pool.stats().blocks_in_use == blocks);
+    CHECK(child.diff() == "");
+  }
+  CHECK(pool.stats().blocks_shared == 0);
+  CHECK(pool.stats().blocks_in_use == blocks);
+}
+
+TEST_CASE("a snapshot pins its blocks after a truncate and after its cache is gone, until it is released",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens, blocks = 3;
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  {
+    asio::thread_pool io(2);
+    tracked c{layer_kv_cache(io, config, pool), {}};
+    c.initialize(1);
+    c.write(0, blocks * bt, 1);
+    const model written = c.expected;
+    kv_snapshot snap = c.cache.snapshot();
+    c.truncate(0);
+    CHECK(c.cache.size() == 0);
+    CHECK(pool.stats().blocks_in_use == blocks);
+    CHECK(diff(snap, written) == "");
+    c.cache = layer_kv_cache{};
+    CHECK(pool.stats().blocks_in_use == blocks);
+    CHECK(diff(snap, written) == "");
+    snap = kv_snapshot{};
+    CHECK(pool.stats().blocks_in_use == 0);
+  }
+  // The cache's zero block too is back once its executor has wound down
+  // (a drain may still hold the cache for a moment after its last handler ran).
+  CHECK(pool.stats().blocks_in_use == 0);
+  CHECK(pool.stats().blocks_free == pool.stats().blocks_allocated);
+}
+
+TEST_CASE("blocks_in_use returns to zero once every cache, fork and snapshot is gone while the pool handle lives",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens;
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  {
+    asio::thread_pool io(2);
+    tracked a{layer_kv_cache(io, config, pool), {}};
+    tracked b{layer_kv_cache(io, config, pool), {}};
+    a.initialize(1);
+    b.initialize(config.max_tokens_per_seq);
+    a.write(0, 2 * bt + 1, 1);
+    b.write(bt, 2 * bt, 2);
+    tracked child = a.fork();
+    child.write(1, 3);
+    kv_snapshot pin_a = a.cache.snapshot(), pin_child = child.cache.snapshot();
+    a.truncate(1);
+    a.write(3 * bt, 4);
+    CHECK(pool.stats().blocks_in_use > 0);
+    CHECK(a.diff() == "");
+    CHECK(b.diff() == "");
+    CHECK(child.diff() == "");
+  }
+  const kv_pool_stats s = pool.stats();
+  INFO("in use " << s.blocks_in_use << ", shared " << s.blocks_shared << ", free " << s.blocks_free << ", allocated "
+                 << s.blocks_allocated);
+  CHECK(s.blocks_in_use == 0);
+  CHECK(s.blocks_shared == 0);
+  CHECK(s.blocks_free == s.blocks_allocated);
+  CHECK(s.peak_blocks_in_use > 0);
+  pool.trim();
+  CHECK(pool.stats().blocks_allocated == 0);
+  CHECK(pool.stats().blocks_free == 0);
+}
+
+TEST_CASE("with the pool full a write into a block shared with a fork fails and changes neither side",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens, budget = 2;
+  const kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
+  asio::thread_pool io(2);
+  tracked parent{layer_kv_cache(io, config, pool), {}};
+  parent.initialize(1);
+  parent.write(0, budget * bt, 1);
+  tracked child = parent.fork();  // takes no block
+  CHECK(pool.stats().blocks_in_use == budget);
+
+  const observed parent_before = observe(parent.cache), child_before = observe(child.cache);
+  CHECK(write(child.cache, 1, 2, 2) == kv_errc::capacity_exhausted);
+  CHECK(write(parent.cache, 1, 2, 2) == kv_errc::capacity_exhausted);
+  CHECK(observe(parent.cache) == parent_before);
+  CHECK(observe(child.cache) == child_before);
+
+  // The parent dropping a block the child still holds frees nothing.
+  parent.truncate(bt);
+  CHECK(pool.stats().blocks_in_use == budget);
+  child.truncate(bt);
+  CHECK(pool.stats().blocks_in_use == budget - 1);
+  child.write(1, 2);  // copies block 0: the last block of the budget
+  CHECK(pool.stats().blocks_in_use == budget);
+  CHECK(parent.diff() == "");
+  CHECK(child.diff() == "");
+}
+
+TEST_CASE("caches on two threads competing for one budget never exceed it and keep exactly their successful writes",
+          "[block_pool][concurrency]") {
+  const kv_cache_config config = small_config();
+  const std::size_t bt = config.block_tokens, max = config.max_tokens_per_seq;
+  const std::size_t budget = blocks_for(max, bt) + 2;  // less than two full caches need
+  constexpr int rounds = 60;
+  const kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
+  struct outcome {
+    model expected;
+    int ok = 0, exhausted = 0, other = 0;
+  };
+  asio::thread_pool io(2);
+  layer_kv_cache caches[2] = {layer_kv_cache(io, config, pool), layer_kv_cache(io, config, pool)};
+  for (auto& c : caches) REQUIRE_FALSE(blocking{c}.initialize(1));
+
+  // Each round writes a prefix of a length that cycles through 1..max, then
+  // truncates to a shorter one; the model follows only what succeeded.
+  auto worker = [&](std::size_t id) -> asio::awaitable<outcome> {
+    outcome out;
+    out.expected.initialize(1);
+    layer_kv_cache& cache = caches[id];
+    const std::size_t w = config.token_width();
+    for (int round = 1; round <= rounds; ++round) {
+      const std::size_t len = (static_cast<std::size_t>(round) * 5 + id * 3) % max + 1;
+      const int tag = round + static_cast<int>(id) * rounds;
+      const batch_data batch(w, 0, len, tag);
+      auto [ec] = co_await cache.async_write_batch(batch.entries, as_tuple(asio::use_awaitable));
+      if (!ec) {
+        ++out.ok;
+        out.expected.write(0, len, tag);
+      } else {
+        ++(ec == kv_errc::capacity_exhausted ? out.exhausted : out.other);
+      }
+      const std::size_t keep = static_cast<std::size_t>(round) % (len + 1);
+      auto [tec] = co_await cache.async_truncate(keep, as_tuple(asio::use_awaitable));
+      if (!tec) out.expected.truncate(keep);
+      else ++out.other;
+    }
+    co_return out;
+  };
+  auto f0 = asio::co_spawn(io, worker(0), asio::use_future);
+  auto f1 = asio::co_spawn(io, worker(1), asio::use_future);
+  f0.wait();
+  f1.wait();
+  const outcome results[2] = {f0.get(), f1.get()};
+
+  std::size_t in_use = 0;
+  for (std::size_t id = 0; id < 2; ++id) {
+    INFO("cache " << id << ": " << results[id].ok << " batches stored, " << results[id].exhausted
+                  << " exhausted, " << results[id].other << " other errors");
+    CHECK(results[id].other == 0);
+    CHECK(results[id].ok > 0);
+    CHECK(diff(caches[id], results[id].expected) == "");
+    in_use += blocks_for(results[id].expected.stored, bt);
+  }
+  const kv_pool_stats s = pool.stats();
+  INFO("peak " << s.peak_blocks_in_use << ", budget " << budget);
+  CHECK(s.peak_blocks_in_use <= budget);
+  CHECK(s.blocks_in_use == in_use);
+}

@@ -1,0 +1,218 @@
+#pragma once
+// Shared by the block pool, fork and truncate tests: blocking truncate and
+// fork, and a model of what a cache should hold to check every token against.
+//
+// Tokens are written as concurrency::make_token(width, index, tag): keys
+// token_pattern(width, index, tag), values their negation; tag 0 means
+// zeros (a token made valid by initialize or skipped by a write).
+
+#include "concurrency_support.hpp"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ghostlink::test::pool {
+
+using concurrency::diff_token;
+using concurrency::for_each_token;
+using concurrency::make_token;
+using concurrency::mismatch_log;
+using concurrency::str;
+using concurrency::token_data;
+
+/// What a cache should hold: per token, the tag it was last written with;
+/// and `stored`, one past the last token written and not truncated since
+/// (tokens past it were only made valid by initialize, and need no block).
+struct model {
+  std::vector<int> tags;
+  std::size_t stored = 0;
+
+  std::size_t size() const { return tags.size(); }
+  void initialize(std::size_t n) {
+    if (n > tags.size()) tags.resize(n, 0);
+  }
+  void write(std::size_t index, int tag) {
+    if (index >= tags.size()) tags.resize(index + 1, 0);
+    tags[index] = tag;
+    stored = std::max(stored, index + 1);
+  }
+  void write(std::size_t begin, std::size_t end, int tag) {
+    for (std::size_t i = begin; i < end; ++i) write(i, tag);
+  }
+  void truncate(std::size_t n) {
+    if (n < tags.size()) tags.resize(n);
+    stored = std::min(stored, n);
+  }
+};
+
+/// Blocks of `block_tokens` needed to hold `tokens` written tokens.
+inline std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {
+  return (tokens + block_tokens - 1) / block_tokens;
+}
+
+/// "" when `snap` holds exactly what `m` says (its size, and every token
+/// through for_each_block and read_range), otherwise the first difference.
+inline std::string diff(const kv_snapshot& snap, const model& m) {
+  if (snap.size() != m.size()) return str("size ", snap.size(), ", model says ", m.size());
+  const std::size_t n = snap.size(), w = snap.token_width();
+  std::string first;
+  const std::error_code ec = for_each_token(snap, 0, n, [&](std::size_t i, auto keys, auto values) {
+    if (first.empty()) first = diff_token(i, keys, values, m.tags[i]);
+  });
+  if (ec) return "for_each_block: " + ec.message();
+  if (!first.empty()) return "for_each_block: " + first;
+  kv_range r;
+  if (std::error_code rec = snap.read_range(0, n, r)) return "read_range: " + rec.message();
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto keys = std::span<const float>(r.keys).subspan(i * w, w);
+    const auto values = std::span<const float>(r.values).subspan(i * w, w);
+    if (std::string d = diff_token(i, keys, values, m.tags[i]); !d.empty()) return "read_range: " + d;
+  }
+  return {};
+}
+
+inline std::string diff(const layer_kv_cache& cache, const model& m) { return diff(cache.snapshot(), m); }
+
+inline std::error_code truncate(layer_kv_cache& cache, std::size_t n) {
+  return wait_ec([&](auto token) { return cache.async_truncate(n, token); });
+}
+
+/// The error and the new cache (empty on error).
+inline std::pair<std::error_code, layer_kv_cache> fork(layer_kv_cache& cache) {
+  try {
+    return {{}, cache.async_fork(asio::use_future).get()};
+  } catch (const std::system_error& e) {
+    return {e.code(), {}};
+  }
+}
+
+/// Tokens [begin, end) written with `tag`, as the entries of a batch. The
+/// entries point into `tokens`: move it, never copy it.
+struct batch_data {
+  std::vector<token_data> tokens;
+  std::vector<kv_write> entries;
+
+  batch_data(std::size_t width, std::size_t begin, std::size_t end, int tag) {
+    for (std::size_t i = begin; i < end; ++i) tokens.push_back(make_token(width, i, tag));
+    for (std::size_t i = begin; i < end; ++i) entries.push_back({i, tokens[i - begin].keys, tokens[i - begin].values});
+  }
+  batch_data(batch_data&&) = default;
+  batch_data(const batch_data&) = delete;
+};
+
+/// Writes tokens [begin, end) with `tag` as one batch; returns its error.
+inline std::error_code write(layer_kv_cache& cache, std::size_t begin, std::size_t end, int tag) {
+  const batch_data batch(cache.config().token_width(), begin, end, tag);
+  return blocking{cache}.write_batch(batch.entries);
+}
+
+/// A cache together with what it should hold; every operation must succeed
+/// and updates the model.
+struct tracked {
+  layer_kv_cache cache;
+  model expected;
+
+  void initialize(std::size_t n) {
+    INFO("initialize(" << n << ")");
+    REQUIRE_FALSE(blocking{cache}.initialize(n));
+    expected.initialize(std::min(n, cache.config().max_tokens_per_seq));
+  }
+  void write(std::size_t begin, std::size_t end, int tag) {
+    INFO("write [" << begin << ", " << end << ") tag " << tag);
+    REQUIRE(pool::write(cache, begin, end, tag) == std::error_code{});
+    expected.write(begin, end, tag);
+  }
+  void write(std::size_t index, int tag) { write(index, index + 1, tag); }
+  void truncate(std::size_t n) {
+    INFO("truncate(" << n << ")");
+    REQUIRE(pool::truncate(cache, n) == std::error_code{});
+    expected.truncate(n);
+  }
+  tracked fork() {
+    auto [ec, child] = pool::fork(cache);
+    INFO("fork: " << ec.message());
+    REQUIRE_FALSE(ec);
+    REQUIRE(child.valid());
+    return {std::move(child), expected};
+  }
+  std::string diff() const { return pool::diff(cache, expected); }
+};
+
+
+/// Everything a reader can observe of a cache, to compare before and after
+/// a failed operation.
+struct observed {
+  std::uint64_t epoch = 0;
+  std::size_t size = 0;
+  std::vector<float> keys, values;
+  bool operator==(const observed&) const = default;
+};
+
+inline observed observe(const layer_kv_cache& cache) {
+  const kv_snapshot snap = cache.snapshot();
+  observed o{snap.epoch(), snap.size(), {}, {}};
+  kv_range all;
+  REQUIRE_FALSE(snap.read_range(0, snap.size(), all));
+  o.keys = std::move(all.keys);
+  o.values = std::move(all.values);
+  return o;
+}
+
+/// A cache with `config` on `pool`, initialized and holding tokens [0, n)
+/// written with tag 1.
+inline tracked make_written(asio::thread_pool& io, const kv_block_pool& pool, std::size_t n,
+                            const kv_cache_config& config = small_config()) {
+  tracked t{layer_kv_cache(io, config, pool), {}};
+  t.initialize(1);
+  if (n > 0) t.write(0, n, 1);
+  return t;
+}
+
+/// A snapshot and what it must show for as long as it lives.
+struct pinned {
+  kv_snapshot snap;
+  model expected;
+  std::string what;
+};
+
+inline void pin(std::vector<pinned>& pins, const tracked& t, const std::string& what) {
+  pins.push_back({t.cache.snapshot(), t.expected, what});
+}
+
+inline void check_pins(const std::vector<pinned>& pins) {
+  for (const pinned& p : pins) {
+    INFO("snapshot taken " << p.what << " (epoch " << p.snap.epoch() << ")");
+    CHECK(diff(p.snap, p.expected) == "");
+  }
+}
+
+/// A cache made by a fork in a concurrent test, what it must hold, and its
+/// snapshot at the fork point with what that must keep showing.
+struct branch {
+  std::string name;
+  layer_kv_cache cache;
+  model expected;
+  kv_snapshot at_fork;
+  model at_fork_expected;
+};
+
+/// A branch for `cache`, just forked at a point where it holds `at_fork`
+/// (nothing else writes it yet, so its snapshot is the fork point).
+inline branch adopt(std::string name, layer_kv_cache cache, const model& at_fork) {
+  branch b{std::move(name), std::move(cache), at_fork, {}, at_fork};
+  b.at_fork = b.cache.snapshot();
+  return b;
+}
+
+/// Writes token `index` of `b` with `tag` and follows it in the model; an
+/// error goes to `log` (no Catch assertions off the test's thread).
+inline asio::awaitable<void> put(branch& b, std::size_t index, int tag, mismatch_log& log) {
+  const token_data t = make_token(b.cache.config().token_width(), index, tag);
+  auto [ec] = co_await b.cache.async_write(index, t.keys, t.values, as_tuple(asio::use_awaitable));
+  if (ec) log.add(str(b.name, ": write ", index, ": ", ec.message()));
+  else b.expected.write(index, tag);
+}
+
+}  // namespace ghostlink::test::pool
