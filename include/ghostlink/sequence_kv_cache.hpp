@@ -31,25 +31,26 @@ namespace ghostlink {
 template <storage_element T>
 class basic_sequence_snapshot {
  public:
+  /// An empty snapshot: no layers, size 0 (as a moved-from one).
   basic_sequence_snapshot() = default;
   /// Narrows `layers` to the shortest of them.
   explicit basic_sequence_snapshot(std::vector<basic_kv_snapshot<T>> layers) noexcept : layers_(std::move(layers)) {
-    for (const auto& l : layers_) size_ = std::min(size_ == npos ? l.size() : size_, l.size());
-    if (size_ == npos) size_ = 0;
+    if (layers_.empty()) return;
+    size_ = layers_.front().size();
+    for (const auto& l : layers_) size_ = std::min(size_, l.size());
     for (auto& l : layers_) l = std::move(l).prefix(size_);
   }
 
   /// Tokens every layer's snapshot shows.
-  std::size_t size() const noexcept { return size_; }
-  bool empty() const noexcept { return size_ == 0; }
+  std::size_t size() const noexcept { return layers_.empty() ? 0 : size_; }
+  bool empty() const noexcept { return size() == 0; }
   std::size_t num_layers() const noexcept { return layers_.size(); }
   /// Layer `i`'s snapshot (`i < num_layers()`), narrowed to `size()`.
   const basic_kv_snapshot<T>& layer(std::size_t i) const noexcept { return layers_[i]; }
 
  private:
-  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
   std::vector<basic_kv_snapshot<T>> layers_;
-  std::size_t size_ = npos;
+  std::size_t size_ = 0;  // meaningful while layers_ is not empty
 };
 
 namespace detail {
@@ -118,7 +119,9 @@ class basic_sequence_kv_cache {
   const layer_type& layer(std::size_t i) const noexcept;
 
   /// Pins every layer's latest epoch, narrowed to the tokens all of them
-  /// hold. Never blocks; during an append it shows the sequence before it.
+  /// hold: every token it shows is from one append. Lock-free (never
+  /// blocks or waits for an actor; pins again only if a truncate completed
+  /// meanwhile); during an append it shows the sequence before it.
   snapshot_type snapshot() const;
 
   /// Appends one token to every layer, at index `size()`: layer `i` gets

@@ -4,6 +4,7 @@
 // has.
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <utility>
 #include <variant>
@@ -22,12 +23,21 @@ namespace detail {
 /// `busy` admits one append, truncate or fork at a time: whoever sets it
 /// owns `length` until it clears it (release), and the next owner's setting
 /// (acquire) sees what it stored.
+///
+/// `drops` counts completed removals of tokens (a truncate, or the undo of
+/// a failed append), each bumped after every layer has published it and
+/// before the next operation can start. A snapshot pins the layers one by
+/// one; taking the shortest is enough while tokens are only added (every
+/// layer's first `min` tokens are the same tokens), but a removal followed
+/// by a new append at the same index between two pins would mix an old and
+/// a new token. snapshot() therefore pins again if `drops` changed.
 template <storage_element T>
 struct sequence_state {
   asio::any_io_executor executor;
   std::vector<basic_layer_kv_cache<T>> layers;
   std::atomic<std::size_t> length{0};
   std::atomic<bool> busy{false};
+  std::atomic<std::uint64_t> drops{0};
 
   sequence_state(asio::any_io_executor ex, std::vector<basic_layer_kv_cache<T>> layers, std::size_t length)
       : executor(std::move(ex)), layers(std::move(layers)), length(length) {}
@@ -46,6 +56,9 @@ struct sequence_state {
   }
 
   bool try_begin() noexcept { return !busy.exchange(true, std::memory_order_acquire); }
+  /// Records a completed removal (see `drops`); release: a snapshot that
+  /// pins an epoch published after it sees the count.
+  void dropped() noexcept { drops.fetch_add(1, std::memory_order_release); }
   void end() noexcept { busy.store(false, std::memory_order_release); }
   const kv_cache_config& config() const noexcept { return layers.front().config(); }
 };
@@ -131,6 +144,7 @@ void undo_append(std::shared_ptr<sequence_state<T>> state, std::size_t index, co
   }
   auto fan = make_fan_out<std::monostate>(
       took.size(), [state, done = std::move(done), ec](const auto&, const auto&) mutable {
+        state->dropped();
         state->end();
         std::move(done).complete(ec);
       });
@@ -152,7 +166,7 @@ void start_append(std::shared_ptr<sequence_state<T>> state, Handler handler,
   auto fan = make_fan_out<std::monostate>(
       state->layers.size(), [state, index, done = std::move(done)](const auto& errors, const auto&) mutable {
         if (std::error_code ec = first_error(errors)) return undo_append(state, index, errors, std::move(done), ec);
-        state->length.store(index + 1, std::memory_order_relaxed);
+        state->length.store(index + 1, std::memory_order_release);
         state->end();
         std::move(done).complete(std::error_code());
       });
@@ -171,7 +185,8 @@ void start_truncate(std::shared_ptr<sequence_state<T>> state, Handler handler, s
   auto fan = make_fan_out<std::monostate>(
       state->layers.size(), [state, n, done = std::move(done)](const auto& errors, const auto&) mutable {
         const std::error_code ec = first_error(errors);
-        if (!ec) state->length.store(n, std::memory_order_relaxed);
+        if (!ec) state->length.store(n, std::memory_order_release);
+        state->dropped();  // some layers may have dropped tokens even on error
         state->end();
         std::move(done).complete(ec);
       });
@@ -240,7 +255,15 @@ template <storage_element T>
 auto basic_sequence_kv_cache<T>::snapshot() const -> snapshot_type {
   std::vector<basic_kv_snapshot<T>> layers;
   layers.reserve(state_->layers.size());
-  for (const layer_type& l : state_->layers) layers.push_back(l.snapshot());
+  // Lock-free: a retry means a removal completed meanwhile (see
+  // sequence_state::drops).
+  for (std::uint64_t drops = state_->drops.load(std::memory_order_acquire);;) {
+    for (const layer_type& l : state_->layers) layers.push_back(l.snapshot());
+    const std::uint64_t now = state_->drops.load(std::memory_order_acquire);
+    if (now == drops) break;
+    drops = now;
+    layers.clear();
+  }
   return snapshot_type(std::move(layers));
 }
 
