@@ -31,6 +31,9 @@ struct kv_pool_limits {
 /// released, a cache destroyed) and go to a lock-free free list for reuse,
 /// not to the system; `trim()` returns the free ones to the system.
 ///
+/// A destroyed cache's blocks come back once its actor has finished its last
+/// drain, which may be just after the last write's handler has run.
+///
 /// Cost: taking or returning a block is a few atomic operations on the
 /// free list and the counters. The pool lives until its last block is freed,
 /// even if every handle is gone. All members are safe from any thread.
