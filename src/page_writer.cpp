@@ -276,7 +276,7 @@ ref_ptr<block>& page_writer::editable_entry(std::size_t b) {
 bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
   const ref_ptr<block>& current = table_->entry(b);
   if (current && writable_in_place(*current, index % config_.block_tokens)) {
-    touched_.push_back(current.get());
+    if (touched_.empty() || touched_.back() != current.get()) touched_.push_back(current.get());
     return true;
   }
   ref_ptr<block> fresh = block::make(*pool_, owner_);

@@ -125,12 +125,18 @@ void block::add_ref() const noexcept {
 }
 
 void block::release() const noexcept {
-  // acq_rel: every use by other owners happens-before the destruction.
-  const std::uint32_t before = refs_.fetch_sub(1, std::memory_order_acq_rel);
-  if (before == 1)
-    destroy();
-  else if (before == 2 && budget_ == budget::counted)
-    pool_->count_shared(-1);
+  // The pool's shared count is settled while this reference is still held:
+  // once the count drops, another thread may free the block and its pool.
+  const bool counted = budget_ == budget::counted;
+  std::uint32_t before = refs_.load(std::memory_order_relaxed);
+  for (;;) {
+    const bool crossing = counted && before == 2;
+    if (crossing) pool_->count_shared(-1);
+    // acq_rel: every use by other owners happens-before the destruction.
+    if (refs_.compare_exchange_weak(before, before - 1, std::memory_order_acq_rel, std::memory_order_relaxed)) break;
+    if (crossing) pool_->count_shared(1);
+  }
+  if (before == 1) destroy();
 }
 
 void block::destroy() const noexcept {

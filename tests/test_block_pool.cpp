@@ -2,13 +2,18 @@
 // free list, and blocks pinned by snapshots and forks.
 #include "pool_support.hpp"
 
+#include <asio/io_context.hpp>
+
 #include <functional>
+#include <latch>
+#include <thread>
 
 using namespace ghostlink;
 using namespace ghostlink::test::pool;
 using ghostlink::test::as_tuple;
 using ghostlink::test::blocking;
 using ghostlink::test::small_config;
+using ghostlink::test::token_pattern;
 
 namespace {
 
@@ -404,4 +409,48 @@ TEST_CASE("caches on two threads competing for one budget never exceed it and ke
   INFO("peak " << s.peak_blocks_in_use << ", budget " << budget);
   CHECK(s.peak_blocks_in_use <= budget);
   CHECK(s.blocks_in_use == in_use);
+}
+
+TEST_CASE("blocks shared by a fork are freed exactly once when both sides let go on two threads at once",
+          "[block_pool][concurrency]") {
+  // Regression: block::release once read its pool after giving up its
+  // reference, racing the other side's destruction of the block (TSan and
+  // ASan saw it). Each round ends with both sides' last pins released at the
+  // same instant from two threads.
+  const kv_cache_config config = small_config();  // 4 tokens per block
+  const std::size_t width = config.token_width();
+  const auto token = token_pattern(width, 1, 1);
+  for (int round = 0; round < 200; ++round) {
+    INFO("round " << round);
+    const auto pool = kv_block_pool::for_caches(config);
+    kv_snapshot parent_pin, child_pin;
+    {
+      asio::io_context io;
+      layer_kv_cache parent(io, config, pool), child;
+      parent.async_initialize(1, [](std::error_code) {});
+      for (std::size_t i = 0; i < 6; ++i) parent.async_write(i, token, token, [](std::error_code) {});
+      parent.async_fork([&](std::error_code ec, layer_kv_cache c) {
+        REQUIRE_FALSE(ec);
+        child = std::move(c);
+      });
+      io.run();
+      parent_pin = parent.snapshot();
+      child_pin = child.snapshot();
+    }
+    REQUIRE(pool.stats().blocks_in_use == 2);
+    REQUIRE(pool.stats().blocks_shared == 2);
+    std::latch go(2);
+    std::thread a([&] {
+      go.arrive_and_wait();
+      parent_pin = {};
+    });
+    std::thread b([&] {
+      go.arrive_and_wait();
+      child_pin = {};
+    });
+    a.join();
+    b.join();
+    CHECK(pool.stats().blocks_in_use == 0);
+    CHECK(pool.stats().blocks_shared == 0);
+  }
 }

@@ -23,8 +23,10 @@ struct kv_cache_config {
   std::size_t head_dim = 64;
   /// Tokens per storage block: the unit of allocation and copy-on-write.
   std::size_t block_tokens = 16;
-  /// Most blocks this cache may hold at once (live epochs included); a write
-  /// that needs one more fails with `kv_errc::capacity_exhausted`.
+  /// Most blocks this cache may hold at once (live epochs included), for a
+  /// cache with a private pool (shared with its forks); a write that needs
+  /// one more fails with `kv_errc::capacity_exhausted`. A cache made on a
+  /// `kv_block_pool` leaves the budget to the pool and must not set it.
   std::size_t max_blocks = std::numeric_limits<std::size_t>::max();
 
   /// Floats one token's keys (or values) occupy: `num_heads * head_dim`.

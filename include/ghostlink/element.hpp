@@ -4,9 +4,11 @@
 /// `ghostlink::half` (IEEE 754 binary16) and `ghostlink::bfloat16`.
 ///
 /// Writes always take `float`s; a 16-bit cache converts them with
-/// round-to-nearest-even, exactly as a hardware conversion does (NaN stays
-/// NaN, overflow becomes infinity, tiny values become subnormals or zero).
-/// Converting back to `float` is exact.
+/// round-to-nearest-even, as IEEE 754 (and F16C) rounds: overflow becomes
+/// infinity, tiny values subnormals or zero, and NaN a quiet NaN (for
+/// `half`, the canonical 0x7e00 with the input's sign). Converting back to
+/// `float` is exact (a signalling NaN, which a cache never stores, may come
+/// back quiet).
 
 #include <bit>
 #include <concepts>

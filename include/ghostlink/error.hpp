@@ -6,7 +6,9 @@
 
 namespace ghostlink {
 
-/// Why a cache operation failed. Every value leaves the stored data unchanged.
+/// Why a cache operation failed. A failed operation leaves the stored data
+/// unchanged (the one documented exception: a sequence truncate that only
+/// some layers could apply).
 enum class kv_errc {
   zero_length = 1,      ///< `initialize(0)`.
   length_mismatch,      ///< `keys.size() != values.size()`.

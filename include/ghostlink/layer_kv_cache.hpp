@@ -115,8 +115,9 @@ class basic_layer_kv_cache {
   executor_type get_executor() const noexcept { return actor_->strand(); }
 
   /// Tokens in the latest published epoch. Lock-free; includes every write
-  /// whose handler has run. Never ahead of a snapshot taken after it: after
-  /// `n = size(); s = snapshot();`, `s.size() >= n`.
+  /// whose handler has run. Unless a truncate completes in between, never
+  /// ahead of a snapshot taken after it: after `n = size(); s = snapshot();`,
+  /// `s.size() >= n`.
   std::size_t size() const noexcept { return actor_->size(); }
   bool empty() const noexcept { return size() == 0; }
 

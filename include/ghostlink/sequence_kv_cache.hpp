@@ -106,7 +106,8 @@ class basic_sequence_kv_cache {
   explicit operator bool() const noexcept { return valid(); }
 
   std::size_t num_layers() const noexcept;
-  const kv_cache_config& config() const noexcept { return layer(0).config(); }
+  /// The config the sequence was made with (for every layer).
+  const kv_cache_config& config() const noexcept;
   kv_block_pool pool() const noexcept { return layer(0).pool(); }
   /// The executor the layers' strands were made from; where handlers
   /// without an associated executor run.
@@ -119,9 +120,11 @@ class basic_sequence_kv_cache {
   const layer_type& layer(std::size_t i) const noexcept;
 
   /// Pins every layer's latest epoch, narrowed to the tokens all of them
-  /// hold: every token it shows is from one append. Lock-free (never
-  /// blocks or waits for an actor; pins again only if a truncate completed
-  /// meanwhile); during an append it shows the sequence before it.
+  /// hold: every token it shows is from one append, and an append shows
+  /// once every layer has published it (possibly just before its handler
+  /// runs and `size()` grows). Lock-free: never blocks or waits for an
+  /// actor; pins again only if a truncate or a failed append's undo
+  /// completed meanwhile.
   snapshot_type snapshot() const;
 
   /// Appends one token to every layer, at index `size()`: layer `i` gets
@@ -142,9 +145,10 @@ class basic_sequence_kv_cache {
   /// Drops tokens `[n, size())` from every layer (speculative-decoding
   /// rollback); `n >= size()` changes nothing. Snapshots taken before keep
   /// their data. Completion signature: `void(std::error_code)`. Errors:
-  /// `operation_in_progress`; `capacity_exhausted` if a layer could not get
-  /// memory for its page table (layers may then differ: `size()` stays, and
-  /// snapshots show the shortest layer, until a truncate succeeds).
+  /// `operation_in_progress`; `capacity_exhausted` if no layer could get
+  /// memory for its page table (nothing changed then). If only some could,
+  /// the truncate succeeds: the others keep their extra tokens hidden
+  /// (snapshots show the shortest layer) until appends overwrite them.
   template <class CompletionToken>
   auto async_truncate(std::size_t n, CompletionToken&& token);
 

@@ -3,8 +3,11 @@
 // one request on every layer (a fan-out) and completes when the last layer
 // has.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <new>
+#include <type_traits>
 #include <memory>
 #include <utility>
 #include <variant>
@@ -34,18 +37,35 @@ namespace detail {
 template <storage_element T>
 struct sequence_state {
   asio::any_io_executor executor;
+  kv_cache_config config;  // as the user gave it (the layers' may leave the budget to the pool)
   std::vector<basic_layer_kv_cache<T>> layers;
   std::atomic<std::size_t> length{0};
   std::atomic<bool> busy{false};
   std::atomic<std::uint64_t> drops{0};
 
-  sequence_state(asio::any_io_executor ex, std::vector<basic_layer_kv_cache<T>> layers, std::size_t length)
-      : executor(std::move(ex)), layers(std::move(layers)), length(length) {}
+  sequence_state(asio::any_io_executor ex, const kv_cache_config& config, std::vector<basic_layer_kv_cache<T>> layers,
+                 std::size_t length)
+      : executor(std::move(ex)), config(config), layers(std::move(layers)), length(length) {}
 
   /// A sequence handle on new state (the result of a fork).
-  static basic_sequence_kv_cache<T> make_child(asio::any_io_executor ex, std::vector<basic_layer_kv_cache<T>> layers,
-                                               std::size_t length) {
-    return basic_sequence_kv_cache<T>(std::make_shared<sequence_state>(std::move(ex), std::move(layers), length));
+  static basic_sequence_kv_cache<T> make_child(asio::any_io_executor ex, const kv_cache_config& config,
+                                               std::vector<basic_layer_kv_cache<T>> layers, std::size_t length) {
+    return basic_sequence_kv_cache<T>(
+        std::make_shared<sequence_state>(std::move(ex), config, std::move(layers), length));
+  }
+
+  /// `num_layers` empty layers of `layer_config` on `pool`, accepting writes
+  /// without an initialize; `config` is what the user asked for.
+  static std::shared_ptr<sequence_state> make(asio::any_io_executor ex, std::size_t num_layers,
+                                              const kv_cache_config& config, const kv_cache_config& layer_config,
+                                              const kv_block_pool& pool) {
+    if (num_layers == 0) throw std::system_error(make_error_code(kv_errc::invalid_config));
+    std::vector<basic_layer_kv_cache<T>> layers;
+    layers.reserve(num_layers);
+    for (std::size_t i = 0; i < num_layers; ++i)
+      layers.emplace_back(adopt_actor,
+                          actor::make(ex, layer_config, codec_of<T>, ref_ptr<block_pool>::share(&pool.state()), true));
+    return std::make_shared<sequence_state>(std::move(ex), config, std::move(layers), 0);
   }
 
   /// `config` with the default (unbounded) `max_blocks`: layers on a pool
@@ -60,7 +80,6 @@ struct sequence_state {
   /// pins an epoch published after it sees the count.
   void dropped() noexcept { drops.fetch_add(1, std::memory_order_release); }
   void end() noexcept { busy.store(false, std::memory_order_release); }
-  const kv_cache_config& config() const noexcept { return layers.front().config(); }
 };
 
 /// A handler waiting for a composed operation, with a hold on its
@@ -88,7 +107,8 @@ class pending_handler {
 template <class Result, class Finish>
 class layer_fan_out : public std::enable_shared_from_this<layer_fan_out<Result, Finish>> {
  public:
-  layer_fan_out(std::size_t layers, Finish finish)
+  /// `finish` is moved from last, so if allocating fails it is left intact.
+  layer_fan_out(std::size_t layers, Finish&& finish)
       : errors_(layers), results_(layers), remaining_(layers), finish_(std::move(finish)) {}
 
   /// The completion handler for layer `i`.
@@ -108,8 +128,11 @@ class layer_fan_out : public std::enable_shared_from_this<layer_fan_out<Result, 
   Finish finish_;
 };
 
+/// A fan-out over `layers` layers; `finish` (an rvalue) is left intact if
+/// this throws.
 template <class Result, class Finish>
-auto make_fan_out(std::size_t layers, Finish finish) {
+auto make_fan_out(std::size_t layers, Finish&& finish) {
+  static_assert(!std::is_lvalue_reference_v<Finish>);
   return std::make_shared<layer_fan_out<Result, Finish>>(layers, std::move(finish));
 }
 
@@ -130,48 +153,77 @@ inline std::error_code check_append(std::size_t layers, std::size_t width,
   return {};
 }
 
+/// Starts `start(i, handler)` on every layer, `handler` being the fan-out's
+/// slot `i`. If starting one throws (no memory for its request), it and the
+/// layers not yet started complete with capacity_exhausted, so the fan-out
+/// still finishes exactly once.
+template <class Fan, class Start>
+void start_layers(const std::shared_ptr<Fan>& fan, std::size_t layers, Start start) noexcept {
+  std::size_t i = 0;
+  try {
+    for (; i < layers; ++i) start(i, fan->slot(i));
+  } catch (...) {
+    for (; i < layers; ++i) fan->slot(i)(std::error_code(kv_errc::capacity_exhausted));
+  }
+}
+
+/// Makes a fan-out for an operation that has set `busy`; clears it again if
+/// that throws (the exception then leaves the initiating call).
+template <class Result, class T, class Finish>
+auto begun_fan_out(sequence_state<T>& state, Finish&& finish) {
+  try {
+    return make_fan_out<Result>(state.layers.size(), std::move(finish));
+  } catch (...) {
+    state.end();
+    throw;
+  }
+}
+
 /// Drops token `index` again from the layers that took it (`errors[i]`
-/// clear), then completes `done` with `ec`.
+/// clear), then completes `done` with `ec`. Without memory to do so the
+/// token stays where it was stored, hidden (other layers lack it) until the
+/// next append overwrites it.
 template <storage_element T, class Handler>
 void undo_append(std::shared_ptr<sequence_state<T>> state, std::size_t index, const std::vector<std::error_code>& errors,
                  pending_handler<Handler> done, std::error_code ec) {
-  std::vector<std::size_t> took;
-  for (std::size_t i = 0; i < errors.size(); ++i)
-    if (!errors[i]) took.push_back(i);
-  if (took.empty()) {
+  auto finish = [state, ec, done = std::move(done)](const auto&, const auto&) mutable {
+    state->dropped();
     state->end();
-    return std::move(done).complete(ec);
+    std::move(done).complete(ec);
+  };
+  try {
+    auto fan = make_fan_out<std::monostate>(errors.size(), std::move(finish));
+    start_layers(fan, errors.size(), [&](std::size_t i, auto slot) {
+      if (errors[i]) return slot(std::error_code());  // never took it
+      state->layers[i].async_truncate(index, std::move(slot));
+    });
+  } catch (const std::bad_alloc&) {
+    finish(std::vector<std::error_code>(), std::vector<std::monostate>());  // left intact by make_fan_out
   }
-  auto fan = make_fan_out<std::monostate>(
-      took.size(), [state, done = std::move(done), ec](const auto&, const auto&) mutable {
-        state->dropped();
-        state->end();
-        std::move(done).complete(ec);
-      });
-  for (std::size_t k = 0; k < took.size(); ++k) state->layers[took[k]].async_truncate(index, fan->slot(k));
 }
 
 template <storage_element T, class Handler>
 void start_append(std::shared_ptr<sequence_state<T>> state, Handler handler,
                   std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values) {
   pending_handler<Handler> done(std::move(handler), state->executor);
-  if (std::error_code ec = check_append(state->layers.size(), state->config().token_width(), keys, values))
+  if (std::error_code ec = check_append(state->layers.size(), state->config.token_width(), keys, values))
     return std::move(done).complete(ec);
   if (!state->try_begin()) return std::move(done).complete(std::error_code(kv_errc::operation_in_progress));
   const std::size_t index = state->length.load(std::memory_order_relaxed);
-  if (index >= state->config().max_tokens_per_seq) {
+  if (index >= state->config.max_tokens_per_seq) {
     state->end();
     return std::move(done).complete(std::error_code(kv_errc::index_out_of_range));
   }
-  auto fan = make_fan_out<std::monostate>(
-      state->layers.size(), [state, index, done = std::move(done)](const auto& errors, const auto&) mutable {
+  auto fan = begun_fan_out<std::monostate>(
+      *state, [state, index, done = std::move(done)](const auto& errors, const auto&) mutable {
         if (std::error_code ec = first_error(errors)) return undo_append(state, index, errors, std::move(done), ec);
         state->length.store(index + 1, std::memory_order_release);
         state->end();
         std::move(done).complete(std::error_code());
       });
-  for (std::size_t i = 0; i < state->layers.size(); ++i)
-    state->layers[i].async_write(index, keys[i], values[i], fan->slot(i));
+  start_layers(fan, state->layers.size(), [&](std::size_t i, auto slot) {
+    state->layers[i].async_write(index, keys[i], values[i], std::move(slot));
+  });
 }
 
 template <storage_element T, class Handler>
@@ -182,15 +234,21 @@ void start_truncate(std::shared_ptr<sequence_state<T>> state, Handler handler, s
     state->end();
     return std::move(done).complete(std::error_code());
   }
-  auto fan = make_fan_out<std::monostate>(
-      state->layers.size(), [state, n, done = std::move(done)](const auto& errors, const auto&) mutable {
-        const std::error_code ec = first_error(errors);
-        if (!ec) state->length.store(n, std::memory_order_release);
-        state->dropped();  // some layers may have dropped tokens even on error
-        state->end();
-        std::move(done).complete(ec);
-      });
-  for (std::size_t i = 0; i < state->layers.size(); ++i) state->layers[i].async_truncate(n, fan->slot(i));
+  auto fan = begun_fan_out<std::monostate>(*state, [state, n, done = std::move(done)](const auto& errors,
+                                                                                      const auto&) mutable {
+    // One layer truncated is enough for the sequence to be: a layer that
+    // could not keeps its extra tokens hidden (snapshots show the shortest
+    // layer) until appends overwrite them.
+    const bool any = std::any_of(errors.begin(), errors.end(), [](std::error_code ec) { return !ec; });
+    if (any) {
+      state->length.store(n, std::memory_order_release);
+      state->dropped();
+    }
+    state->end();
+    std::move(done).complete(any ? std::error_code() : first_error(errors));
+  });
+  start_layers(fan, state->layers.size(),
+               [&](std::size_t i, auto slot) { state->layers[i].async_truncate(n, std::move(slot)); });
 }
 
 template <storage_element T, class Handler>
@@ -200,36 +258,42 @@ void start_fork(std::shared_ptr<sequence_state<T>> state, Handler handler) {
   if (!state->try_begin())
     return std::move(done).complete(std::error_code(kv_errc::operation_in_progress), sequence());
   const std::size_t length = state->length.load(std::memory_order_relaxed);
-  auto fan = make_fan_out<basic_layer_kv_cache<T>>(
-      state->layers.size(), [state, length, done = std::move(done)](const auto& errors, auto& children) mutable {
+  auto fan = begun_fan_out<basic_layer_kv_cache<T>>(
+      *state, [state, length, done = std::move(done)](const auto& errors, auto& children) mutable {
         state->end();
-        if (std::error_code ec = first_error(errors)) return std::move(done).complete(ec, sequence());
-        std::move(done).complete(std::error_code(),
-                                 sequence_state<T>::make_child(state->executor, std::move(children), length));
+        std::error_code ec = first_error(errors);
+        sequence child;
+        if (!ec) {
+          try {
+            child = sequence_state<T>::make_child(state->executor, state->config, std::move(children), length);
+          } catch (const std::bad_alloc&) {
+            ec = kv_errc::capacity_exhausted;
+          }
+        }
+        std::move(done).complete(ec, std::move(child));
       });
-  for (std::size_t i = 0; i < state->layers.size(); ++i) state->layers[i].async_fork(fan->slot(i));
+  start_layers(fan, state->layers.size(),
+               [&](std::size_t i, auto slot) { state->layers[i].async_fork(std::move(slot)); });
 }
 
 }  // namespace detail
 
 template <storage_element T>
 basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers,
-                                                    kv_cache_config config, const kv_block_pool& pool) {
-  if (num_layers == 0) throw std::system_error(make_error_code(kv_errc::invalid_config));
-  std::vector<layer_type> layers;
-  layers.reserve(num_layers);
-  for (std::size_t i = 0; i < num_layers; ++i)
-    layers.emplace_back(detail::adopt_actor,
-                        detail::actor::make(ex, config, detail::codec_of<T>,
-                                            detail::ref_ptr<detail::block_pool>::share(&pool.state()), true));
-  state_ = std::make_shared<detail::sequence_state<T>>(std::move(ex), std::move(layers), 0);
-}
+                                                    kv_cache_config config, const kv_block_pool& pool)
+    : state_(detail::sequence_state<T>::make(std::move(ex), num_layers, config, config, pool)) {}
 
 template <storage_element T>
 basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers,
                                                     kv_cache_config config)
-    : basic_sequence_kv_cache(std::move(ex), num_layers, detail::sequence_state<T>::without_budget(config),
-                              kv_block_pool::for_caches<T>(config, {.max_blocks = config.max_blocks})) {}
+    : state_(detail::sequence_state<T>::make(std::move(ex), num_layers, config,
+                                             detail::sequence_state<T>::without_budget(config),
+                                             kv_block_pool::for_caches<T>(config, {.max_blocks = config.max_blocks}))) {}
+
+template <storage_element T>
+const kv_cache_config& basic_sequence_kv_cache<T>::config() const noexcept {
+  return state_->config;
+}
 
 template <storage_element T>
 std::size_t basic_sequence_kv_cache<T>::num_layers() const noexcept {
