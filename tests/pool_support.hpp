@@ -15,6 +15,9 @@
 
 namespace ghostlink::test::pool {
 
+using test::observe;
+using test::observed;
+
 using concurrency::diff_token;
 using concurrency::for_each_token;
 using concurrency::make_token;
@@ -139,26 +142,6 @@ struct tracked {
   }
   std::string diff() const { return pool::diff(cache, expected); }
 };
-
-
-/// Everything a reader can observe of a cache, to compare before and after
-/// a failed operation.
-struct observed {
-  std::uint64_t epoch = 0;
-  std::size_t size = 0;
-  std::vector<float> keys, values;
-  bool operator==(const observed&) const = default;
-};
-
-inline observed observe(const layer_kv_cache& cache) {
-  const kv_snapshot snap = cache.snapshot();
-  observed o{snap.epoch(), snap.size(), {}, {}};
-  kv_range all;
-  REQUIRE_FALSE(snap.read_range(0, snap.size(), all));
-  o.keys = std::move(all.keys);
-  o.values = std::move(all.values);
-  return o;
-}
 
 /// A cache with `config` on `pool`, initialized and holding tokens [0, n)
 /// written with tag 1.

@@ -25,6 +25,7 @@
 #endif
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <system_error>
 #include <utility>
@@ -55,6 +56,25 @@ inline std::vector<float> token_pattern(std::size_t width, std::size_t index, in
   for (std::size_t lane = 0; lane < width; ++lane)
     v[lane] = static_cast<float>(index * 1000 + static_cast<std::size_t>(tag) * 100 + lane);
   return v;
+}
+
+/// Everything a reader can observe of a cache (epoch, size, every token),
+/// to compare before and after a failed operation.
+struct observed {
+  std::uint64_t epoch = 0;
+  std::size_t size = 0;
+  std::vector<float> keys, values;
+  bool operator==(const observed&) const = default;
+};
+
+inline observed observe(const layer_kv_cache& cache) {
+  const kv_snapshot snap = cache.snapshot();
+  observed o{snap.epoch(), snap.size(), {}, {}};
+  kv_range all;
+  REQUIRE_FALSE(snap.read_range(0, snap.size(), all));
+  o.keys = std::move(all.keys);
+  o.values = std::move(all.values);
+  return o;
 }
 
 /// Runs `aw` on `ex` and waits for it; rethrows what it throws.

@@ -9,27 +9,11 @@ using namespace ghostlink;
 using ghostlink::test::blocking;
 using ghostlink::test::filled;
 using ghostlink::test::small_config;
+using ghostlink::test::observe;
+using ghostlink::test::observed;
 using ghostlink::test::token_pattern;
 
 namespace {
-
-/// Everything a reader can observe of a cache.
-struct observed {
-  std::uint64_t epoch = 0;
-  std::size_t size = 0;
-  std::vector<float> keys, values;
-  bool operator==(const observed&) const = default;
-};
-
-observed observe(const layer_kv_cache& cache) {
-  const kv_snapshot snap = cache.snapshot();
-  observed o{snap.epoch(), snap.size(), {}, {}};
-  kv_range all;
-  REQUIRE_FALSE(snap.read_range(0, snap.size(), all));
-  o.keys = std::move(all.keys);
-  o.values = std::move(all.values);
-  return o;
-}
 
 struct fixture : ghostlink::test::cache_fixture {
   using cache_fixture::cache_fixture;
