@@ -4,6 +4,7 @@
 #include <exception>
 
 #include <asio/defer.hpp>
+#include <asio/error.hpp>
 #include <asio/dispatch.hpp>
 #include <asio/post.hpp>
 
@@ -93,8 +94,13 @@ void actor::apply(request* const* batch, std::error_code* results, std::size_t n
     for (std::size_t i = 0; i < n; ++i) results[i] = kv_errc::capacity_exhausted;
     return;
   }
-  for (std::size_t i = 0; i < n; ++i)
-    results[i] = batch[i]->op() == request::kind::fork ? fork(*batch[i]) : writer_->apply(*batch[i]);
+  for (std::size_t i = 0; i < n; ++i) {
+    request& r = *batch[i];
+    if (!r.claim())
+      results[i] = asio::error::operation_aborted;
+    else
+      results[i] = r.op() == request::kind::fork ? fork(r) : writer_->apply(r);
+  }
 }
 
 std::error_code actor::fork(request& r) noexcept {
@@ -116,11 +122,15 @@ void actor::drain() {
     current_.publish(writer_->publish());
     published_length_.store(writer_->length(), std::memory_order_release);
   }
-  std::uint64_t applied = 0;
-  for (std::size_t i = 0; i < n; ++i) applied += results[i] ? 0 : 1;
+  std::uint64_t applied = 0, cancelled = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    applied += results[i] ? 0 : 1;
+    cancelled += results[i] == asio::error::operation_aborted ? 1 : 0;
+  }
   drains_.fetch_add(1, std::memory_order_relaxed);
   applied_.fetch_add(applied, std::memory_order_relaxed);
-  failed_.fetch_add(n - applied, std::memory_order_relaxed);
+  failed_.fetch_add(n - applied - cancelled, std::memory_order_relaxed);
+  cancelled_.fetch_add(cancelled, std::memory_order_relaxed);
 
   // Handlers are queued only now, after the epoch holding their results is
   // published: that is what makes read-your-writes hold. A completion that
@@ -150,6 +160,7 @@ kv_cache_stats actor::stats() const noexcept {
   s.drains = drains_.load(std::memory_order_relaxed);
   s.requests_applied = applied_.load(std::memory_order_relaxed);
   s.requests_failed = failed_.load(std::memory_order_relaxed);
+  s.requests_cancelled = cancelled_.load(std::memory_order_relaxed);
   s.blocks_in_use = pool_->blocks_in_use();
   s.bytes_in_use = s.blocks_in_use * pool_->payload_bytes();
   return s;

@@ -15,7 +15,8 @@ struct kv_cache_stats {
   std::size_t size = 0;                ///< Tokens in the latest epoch.
   std::uint64_t drains = 0;            ///< Mailbox drains the actor has run.
   std::uint64_t requests_applied = 0;  ///< Write requests that succeeded.
-  std::uint64_t requests_failed = 0;   ///< Write requests that failed.
+  std::uint64_t requests_failed = 0;   ///< Write requests that failed (cancelled ones aside).
+  std::uint64_t requests_cancelled = 0;  ///< Write requests cancelled before the actor applied them.
   /// Blocks alive in the cache's pool (published, pinned or being written),
   /// counted against its budget; with a pool shared by several caches, the
   /// whole pool's count.

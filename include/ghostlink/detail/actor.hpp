@@ -114,6 +114,7 @@ class actor : public std::enable_shared_from_this<actor> {
   std::atomic<std::uint64_t> drains_{0};
   std::atomic<std::uint64_t> applied_{0};
   std::atomic<std::uint64_t> failed_{0};
+  std::atomic<std::uint64_t> cancelled_{0};
 };
 
 /// Prints `layer_kv_cache{config=..., size=...}`.

@@ -9,6 +9,7 @@
 // discard() (the handler is destroyed unrun, as Asio destroys handlers of a
 // destroyed execution context).
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <span>
@@ -19,7 +20,9 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include <asio/associated_allocator.hpp>
+#include <asio/associated_cancellation_slot.hpp>
 #include <asio/associated_executor.hpp>
+#include <asio/cancellation_type.hpp>
 #include <asio/bind_allocator.hpp>
 #include <asio/execution/executor.hpp>
 #include <asio/execution/outstanding_work.hpp>
@@ -29,6 +32,7 @@
 #include <asio/post.hpp>
 #include <asio/recycling_allocator.hpp>
 
+#include "ghostlink/detail/ref_ptr.hpp"
 #include "ghostlink/types.hpp"
 
 namespace ghostlink::detail {
@@ -49,12 +53,15 @@ auto handler_allocator(const Handler& handler) {
 enum class queueing : bool { post, defer };
 
 /// Queues `handler(args...)` on the handler's associated executor (default
-/// `io_ex`); never runs it inline.
+/// `io_ex`); never runs it inline. Just before the call, on that executor
+/// (where Asio's conventions have cancellation emitted), the handler's
+/// cancellation slot is cleared: the operation is over.
 template <class Handler, class IoExecutor, class... Args>
 void post_completion(queueing how, Handler handler, const IoExecutor& io_ex, Args... args) {
   auto ex = asio::get_associated_executor(handler, io_ex);
   auto alloc = handler_allocator(handler);
   auto call = asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
+    if (auto slot = asio::get_associated_cancellation_slot(h); slot.is_connected()) slot.clear();
     std::move(h)(std::move(a)...);
   });
   if (how == queueing::defer)
@@ -87,6 +94,37 @@ const Executor& executor_of(const Executor& tracked) {
 
 class actor;
 
+/// Whether a request has been taken by the actor or cancelled first, for a
+/// request whose handler has a cancellation slot. Shared between the
+/// request and the handler installed in the slot, which may outlive the
+/// request (the slot's owner may emit after completion): whichever of
+/// claim() and cancel() moves it out of `pending` first decides.
+struct cancel_state : ref_counted<cancel_state> {
+  enum : int { pending, claimed, cancelled };
+  std::atomic<int> state{pending};
+  static void destroy(cancel_state* s) noexcept { delete s; }
+
+  bool claim() noexcept { return settle(claimed); }
+  void cancel() noexcept { settle(cancelled); }
+
+ private:
+  bool settle(int to) noexcept {
+    int expected = pending;
+    // acq_rel: the winner's view of the request is the loser's.
+    return state.compare_exchange_strong(expected, to, std::memory_order_acq_rel);
+  }
+};
+
+/// What a request's handler's cancellation slot holds: any cancellation
+/// (terminal, partial or total: an unapplied request has done nothing)
+/// cancels the request unless the actor has claimed it.
+struct cancel_handler {
+  ref_ptr<cancel_state> state;
+  void operator()(asio::cancellation_type type) const noexcept {
+    if (type != asio::cancellation_type::none) state->cancel();
+  }
+};
+
 /// The argument of an initialize request.
 struct initialize_args {
   std::size_t length;
@@ -111,6 +149,9 @@ class request {
   std::span<const kv_write> entries() const noexcept { return entries_; }
   /// For `fork`: the new cache's actor, handed to the handler.
   void set_forked(std::shared_ptr<actor> child) noexcept { forked_ = std::move(child); }
+  /// The actor takes the request to apply it: false if it was cancelled
+  /// first (it must then complete it with operation_aborted, unapplied).
+  bool claim() noexcept { return !cancel_ || cancel_->claim(); }
 
   /// Queues the handler with `ec` (and a fork's result) and frees the request.
   void complete(std::error_code ec, queueing how) { finish_(this, &ec, how); }
@@ -132,6 +173,13 @@ class request {
   ~request() = default;
 
   std::shared_ptr<actor> take_forked() noexcept { return std::move(forked_); }
+  /// Makes the request cancellable through `slot` (if connected).
+  template <class Slot>
+  void watch(Slot slot) {
+    if (!slot.is_connected()) return;
+    cancel_ = ref_ptr<cancel_state>::adopt(new cancel_state);
+    slot.template emplace<cancel_handler>(cancel_handler{cancel_});
+  }
 
  private:
   finish_fn finish_;
@@ -140,6 +188,7 @@ class request {
   kv_write single_{};
   std::span<const kv_write> entries_;
   std::shared_ptr<actor> forked_;
+  ref_ptr<cancel_state> cancel_;  // null unless the handler has a cancellation slot
 };
 
 /// A request carrying its completion handler and a work guard on the
@@ -172,7 +221,9 @@ class request_op final : public request {
   request_op(Handler&& handler, const IoExecutor& io_ex, const Arg& arg)
       : request(&finish, arg),
         work_(track_work(asio::get_associated_executor(handler, io_ex))),
-        handler_(std::move(handler)) {}
+        handler_(std::move(handler)) {
+    watch(asio::get_associated_cancellation_slot(handler_));
+  }
 
   static void finish(request* base, const std::error_code* ec, queueing how) {
     auto* self = static_cast<request_op*>(base);
