@@ -54,6 +54,14 @@ namespace ghostlink {
 /// stored element type (`float`, `half` or `bfloat16`); writes take floats
 /// and convert them, `for_each_block` hands out `T`s.
 ///
+/// Cancellation: every write, initialize, truncate and fork honours the
+/// handler's associated cancellation slot (any cancellation type). If the
+/// slot is emitted before the actor takes the request, the operation
+/// completes with `asio::error::operation_aborted` and changes nothing; if
+/// the actor has taken it, it completes as if not cancelled. Emit on the
+/// handler's executor, as Asio requires of a slot. Reads complete at once
+/// and are not cancellable.
+///
 /// Thread safety: every member function may be called from any thread.
 template <storage_element T>
 class basic_layer_kv_cache {
