@@ -48,6 +48,9 @@ bool block_pool::reserve() noexcept {
 }
 
 void* block_pool::take_memory() noexcept {
+  std::size_t failures = failures_.load(std::memory_order_relaxed);
+  while (failures > 0)
+    if (failures_.compare_exchange_weak(failures, failures - 1, std::memory_order_relaxed)) return nullptr;
   void* memory = nullptr;
   if (free_->queue.try_dequeue(memory)) {
     free_count_.fetch_sub(1, std::memory_order_relaxed);

@@ -49,6 +49,9 @@ class block_pool : public ref_counted<block_pool> {
   void give_memory(void* memory) noexcept;
   /// Frees every block on the free list.
   void trim() noexcept;
+  /// Fault injection for tests: the next `n` requests for a block's memory
+  /// fail as if the system had none.
+  void fail_next_allocations(std::size_t n) noexcept { failures_.store(n, std::memory_order_relaxed); }
 
   // Counters (relaxed: exact when the pool is idle).
   std::size_t blocks_in_use() const noexcept { return in_use_.load(std::memory_order_relaxed); }
@@ -79,6 +82,7 @@ class block_pool : public ref_counted<block_pool> {
   std::atomic<std::int64_t> shared_{0};
   std::atomic<std::uint64_t> cow_copies_{0};
   std::atomic<std::uint64_t> allocated_{0};
+  std::atomic<std::size_t> failures_{0};  // see fail_next_allocations
 };
 
 /// Keys then values of `block_tokens` tokens, in one 64-byte aligned
