@@ -1,0 +1,287 @@
+#pragma once
+// The sequence part: sequences of 3 layers on one pool with a tight budget,
+// each written by one coroutine (appends, truncates, forks, and a second
+// operation started while one is in progress). Appends may fail with
+// capacity_exhausted: their state is published `pending` and a snapshot
+// that shows it is judged once the writer knows the outcome.
+
+#include "layer.hpp"
+
+namespace stress {
+
+struct seq_target {
+  seq_target(std::string name, std::uint64_t gen, sequence_kv_cache seq, std::size_t capacity, state initial)
+      : name(std::move(name)), gen(gen), seq(std::move(seq)), hist(capacity, std::move(initial)) {}
+  const std::string name;
+  const std::uint64_t gen;
+  sequence_kv_cache seq;
+  history hist;
+};
+
+/// A snapshot's matching states that were still pending when it was checked.
+struct claim {
+  std::shared_ptr<seq_target> target;
+  std::vector<std::size_t> found;
+  std::string what;
+};
+
+/// 1 if one of `found` succeeded, -1 if all failed, 0 if it is not known yet.
+inline int judge(const history& h, const std::vector<std::size_t>& found) {
+  bool pending = false;
+  for (std::size_t p : found) {
+    const outcome o = h.outcome_of(p);
+    if (o == outcome::ok) return 1;
+    pending = pending || o == outcome::pending;
+  }
+  return pending ? 0 : -1;
+}
+
+inline std::string failed_claim(const claim& c) {
+  return str(c.what, ": shows state ", c.found.front(), " of a request that failed (its token must never be seen)");
+}
+
+struct seq_world {
+  seq_world(asio::thread_pool& io, std::size_t sequences)
+      : io(io), pool(kv_block_pool::for_caches(config, {.max_blocks = 12 * (sequences + 2)})) {}
+  asio::thread_pool& io;
+  const kv_cache_config config{.max_tokens_per_seq = 24, .num_heads = 2, .head_dim = 4, .block_tokens = 4};
+  static constexpr std::size_t layers = 3, max_active_forks = 3;
+  kv_block_pool pool;
+  target_list<seq_target> live;
+  std::atomic<std::size_t> active_forks{0};
+  std::mutex claims_mutex;
+  std::vector<claim> open_claims;  // readers' unresolved claims at their end
+};
+
+/// Pins the sequence and checks every layer shows the same tokens, each
+/// from one append, equal to a state at least as new as every completed
+/// operation. "" or what differed; `found` gets the matching states.
+inline std::string verify(seq_target& t, rng& r, sequence_kv_cache::snapshot_type& snap,
+                          std::vector<std::uint64_t>& tags, std::vector<std::size_t>& found) {
+  const std::size_t lo = t.hist.completed();
+  snap = t.seq.snapshot();
+  const std::size_t hi = t.hist.count() - 1;
+  std::string error;
+  if (snap.num_layers() != seq_world::layers) error = str(snap.num_layers(), " layers");
+  std::vector<std::uint64_t> other;
+  for (std::size_t l = 0; l < snap.num_layers() && error.empty(); ++l) {
+    if (snap.layer(l).size() != snap.size()) {
+      error = str("layer ", l, " shows ", snap.layer(l).size(), " tokens, the snapshot ", snap.size());
+      break;
+    }
+    error = decode_all(snap.layer(l), l, l == 0 ? tags : other);
+    for (std::size_t i = 0; l > 0 && error.empty() && i < tags.size(); ++i)
+      if (other[i] != tags[i])
+        error = str("token ", i, ": layer 0 shows ", tag_name(tags[i]), ", layer ", l, " ", tag_name(other[i]));
+  }
+  if (error.empty() && snap.num_layers() > 0) {
+    const std::size_t l = r.below(snap.num_layers());
+    if (l > 0) error = decode_all(snap.layer(l), l, other);  // spot_reads checks against this layer's own tags
+    if (error.empty()) error = spot_reads(snap.layer(l), l, l == 0 ? tags : other, r);
+  }
+  if (error.empty()) error = match(t.hist, lo, hi, tags, found);
+  return error.empty() ? error : str(t.name, " snapshot of ", snap.size(), " tokens: ", error);
+}
+
+/// Pins `t` `times` times in a row and checks only that every layer shows
+/// the same tag at every token (read from lanes 0, 1 and 3, unverified): a
+/// cheap loop, so most of a reader's time is spent pinning, where a removal
+/// and a new append landing between two layers' pins would mix tokens.
+inline std::string hot_pins(const seq_target& t, std::size_t times) {
+  std::vector<std::uint64_t> first, other;
+  auto tags_of = [](const kv_snapshot& s, std::vector<std::uint64_t>& out) {
+    out.assign(s.size(), 0);
+    const std::size_t w = s.token_width();
+    (void)s.for_each_block(0, s.size(), [&](std::size_t at, std::size_t count, auto keys, auto) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const auto gen = static_cast<std::uint64_t>(keys[i * w]) | (static_cast<std::uint64_t>(keys[i * w + 3]) >> 4) << 24;
+        out[at + i] = make_tag(gen, static_cast<std::uint64_t>(keys[i * w + 1]));
+      }
+    });
+  };
+  for (std::size_t n = 0; n < times; ++n) {
+    const sequence_kv_cache::snapshot_type snap = t.seq.snapshot();
+    for (std::size_t l = 0; l < snap.num_layers(); ++l) {
+      tags_of(snap.layer(l), l == 0 ? first : other);
+      for (std::size_t i = 0; l > 0 && i < first.size(); ++i)
+        if (first[i] != other[i])
+          return str(t.name, " snapshot of ", snap.size(), " tokens (pinned in a tight loop): token ", i,
+                     ": layer 0 shows ", tag_name(first[i]), ", layer ", l, " ", tag_name(other[i]));
+    }
+  }
+  bump(g_figures.hot_pins, times);
+  return {};
+}
+
+/// The writer's read-your-writes check once its operation has settled:
+/// everything is resolved, so the snapshot is judged at once.
+inline void verify_settled(seq_target& t, rng& r) {
+  sequence_kv_cache::snapshot_type snap;
+  std::vector<std::uint64_t> tags;
+  std::vector<std::size_t> found;
+  std::string error = verify(t, r, snap, tags, found);
+  if (error.empty() && judge(t.hist, found) != 1) error = failed_claim({nullptr, found, t.name});
+  if (error.empty() && t.seq.size() != t.hist.last().tags.size())
+    error = str(t.name, ": size() is ", t.seq.size(), " after the last operation completed, the model says ",
+                t.hist.last().tags.size());
+  if (!error.empty()) fail("after completion: " + error);
+  bump(g_figures.writer_checks);
+}
+
+/// One token for every layer, encoded with `tag` at `index`.
+struct step_buffers {
+  std::vector<token_buffer> tokens;
+  std::vector<std::span<const float>> keys, values;
+  step_buffers(std::size_t layers, std::size_t width, std::uint64_t tag, std::size_t index) {
+    for (std::size_t l = 0; l < layers; ++l) tokens.emplace_back(width, tag, index, l);
+    for (const token_buffer& b : tokens) keys.emplace_back(b.keys), values.emplace_back(b.values);
+  }
+};
+
+/// Records how an operation that may fail ended: `p` succeeded, or failed
+/// with one of the errors allowed (then the state before it is published
+/// again); anything else fails the run.
+inline void settle(seq_target& t, std::size_t p, std::error_code ec, std::initializer_list<kv_errc> allowed,
+                   const char* what) {
+  if (!ec) {
+    t.hist.resolve(p, outcome::ok);
+    t.hist.complete(p);
+    return;
+  }
+  if (std::find(allowed.begin(), allowed.end(), static_cast<kv_errc>(ec.value())) == allowed.end() ||
+      ec.category() != kv_category())
+    return fail(str(t.name, ": ", what, " (request ", p, ") failed: ", ec.message()));
+  if (ec == kv_errc::capacity_exhausted) bump(g_figures.append_capacity_failures);
+  t.hist.resolve(p, outcome::failed);
+  t.hist.complete(t.hist.publish(t.hist.at(p - 1)));
+}
+
+inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target> t, rng r);
+
+inline void adopt_child(seq_world& w, seq_target& parent, sequence_kv_cache child, const state& at, rng& r,
+                        std::deque<std::shared_ptr<seq_target>>& frozen) {
+  bump(g_figures.seq_forks);
+  if (!child.valid()) return fail(parent.name + ": fork succeeded with an empty handle");
+  bool active = false;
+  if (!stopping() && r.percent(50)) {
+    active = w.active_forks.fetch_add(1) < seq_world::max_active_forks;
+    if (!active) w.active_forks.fetch_sub(1);
+  }
+  const std::uint64_t gen = new_generation();
+  auto c = std::make_shared<seq_target>(str("sequence fork g", gen, " of ", parent.name), gen, std::move(child),
+                                        active ? r.between(16, 200) : 1, at);
+  verify_settled(*c, r);
+  if (!active) {
+    w.live.add(c);
+    frozen.push_back(std::move(c));
+    if (frozen.size() > 2) w.live.remove(frozen.front()), frozen.pop_front();
+    return;
+  }
+  g_writers.enter();
+  asio::co_spawn(w.io, seq_drive(w, std::move(c), rng(r.next())), [&w](std::exception_ptr e) {
+    w.active_forks.fetch_sub(1);
+    if (e) fail("a sequence fork's writer threw");
+    g_writers.leave();
+  });
+}
+
+/// Starts an append of token `s.tags.size()` (state published pending).
+inline std::size_t publish_append(seq_target& t, const state& s, std::uint64_t& tag) {
+  state next = s;
+  tag = make_tag(t.gen, t.hist.count());
+  next.tags.push_back(tag);
+  return t.hist.publish(std::move(next), outcome::pending);
+}
+
+/// A truncate, then a second operation at once (an append or a truncate):
+/// the second fails with operation_in_progress unless the first has
+/// already completed, in which case it runs after it.
+inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
+  const state& s = t.hist.last();
+  state after_a = s;
+  after_a.tags.resize(std::min(s.tags.size(), r.below(s.tags.size() + 1)));
+  const std::size_t pa = t.hist.publish(after_a);
+  const bool append = after_a.tags.size() < w.config.max_tokens_per_seq && r.percent(60);
+  std::uint64_t tag = 0;
+  std::size_t pb = 0;
+  std::unique_ptr<step_buffers> step;
+  if (append) {
+    pb = publish_append(t, after_a, tag);
+    step = std::make_unique<step_buffers>(seq_world::layers, w.config.token_width(), tag, after_a.tags.size());
+  } else {
+    state after_b = after_a;
+    after_b.tags.resize(std::min(after_a.tags.size(), r.below(after_a.tags.size() + 1)));
+    pb = t.hist.publish(std::move(after_b), outcome::pending);
+  }
+  auto channel = std::make_shared<completion_channel>(co_await asio::this_coro::executor, 2);
+  std::error_code ecs[2];
+  auto handler = [channel, &ecs](std::size_t i) {
+    return [channel, &ecs, i](std::error_code ec) {
+      ecs[i] = ec;
+      if (!channel->try_send(asio::error_code(), i)) fail("completion channel full");
+    };
+  };
+  t.seq.async_truncate(after_a.tags.size(), handler(0));
+  if (append) t.seq.async_append(step->keys, step->values, handler(1));
+  else t.seq.async_truncate(t.hist.at(pb).tags.size(), handler(1));
+  for (int i = 0; i < 2; ++i) co_await channel->async_receive(as_tuple(asio::use_awaitable));
+  bump(g_figures.conflicts);
+  if (ecs[1] == kv_errc::operation_in_progress) bump(g_figures.conflicts_rejected);
+  settle(t, pa, ecs[0], {}, "the first operation of a conflict, a truncate");
+  if (append) settle(t, pb, ecs[1], {kv_errc::operation_in_progress, kv_errc::capacity_exhausted}, "conflicting append");
+  else settle(t, pb, ecs[1], {kv_errc::operation_in_progress}, "conflicting truncate");
+}
+
+inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target> t, rng r) {
+  w.live.add(t);
+  std::deque<std::shared_ptr<seq_target>> frozen;
+  while (!stopping() && t->hist.has_room(4)) {
+    const state s = t->hist.last();
+    const std::size_t roll = r.below(100);
+    if (roll < 62) {
+      bump(g_figures.appends);
+      const bool full = s.tags.size() >= w.config.max_tokens_per_seq;
+      std::uint64_t tag = make_tag(t->gen, t->hist.count());
+      const step_buffers step(seq_world::layers, w.config.token_width(), tag, s.tags.size());
+      const std::size_t p = full ? t->hist.publish(s) : publish_append(*t, s, tag);
+      auto [ec] = co_await t->seq.async_append(step.keys, step.values, as_tuple(asio::use_awaitable));
+      if (full) {
+        if (ec != kv_errc::index_out_of_range) fail(str(t->name, ": append to a full sequence: ", ec.message()));
+        t->hist.complete(p);
+      } else {
+        settle(*t, p, ec, {kv_errc::capacity_exhausted}, "append");
+      }
+    } else if (roll < 78) {
+      bump(g_figures.seq_truncates);
+      state next = s;
+      next.tags.resize(std::min(s.tags.size(), r.below(s.tags.size() + 2)));
+      const std::size_t p = t->hist.publish(next, outcome::pending);
+      auto [ec] = co_await t->seq.async_truncate(next.tags.size(), as_tuple(asio::use_awaitable));
+      settle(*t, p, ec, {}, "truncate");
+    } else if (roll < 86) {
+      const std::size_t p = t->hist.publish(s);
+      auto [ec, child] = co_await t->seq.async_fork(as_tuple(asio::use_awaitable));
+      if (ec) fail(str(t->name, ": fork: ", ec.message()));
+      t->hist.complete(p);
+      if (!ec) adopt_child(w, *t, std::move(child), s, r, frozen);
+    } else {
+      co_await conflict(w, *t, r);
+    }
+    verify_settled(*t, r);
+  }
+  for (const auto& f : frozen) w.live.remove(f);
+  w.live.remove(t);
+}
+
+/// Sequence lineage `j`: sequence after sequence until the run stops.
+inline asio::awaitable<void> seq_lineage(seq_world& w, std::size_t j, rng r) {
+  while (!stopping()) {
+    const std::uint64_t gen = new_generation();
+    auto t = std::make_shared<seq_target>(str("sequence g", gen, " (lineage ", j, ")"), gen,
+                                          sequence_kv_cache(w.io, seq_world::layers, w.config, w.pool),
+                                          r.between(32, 600), state{true, {}});
+    co_await seq_drive(w, std::move(t), rng(r.next()));
+  }
+}
+
+}  // namespace stress
