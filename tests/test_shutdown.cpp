@@ -96,10 +96,10 @@ TEST_CASE("destroying a stopped io_context destroys every pending handler unrun 
 
 TEST_CASE("destroying a thread_pool with writes in flight neither hangs nor leaks", "[shutdown]") {
   probe p;
+  const auto v = token_pattern(small_config().token_width(), 0, 1);  // outlives the pool: writes read it
   {
     asio::thread_pool threads(2);
     layer_kv_cache cache(threads, small_config());
-    const auto v = token_pattern(small_config().token_width(), 0, 1);
     cache.async_initialize(1, p.handler());
     for (int i = 0; i < writes; ++i) cache.async_write(i % 8, v, v, p.handler());
     threads.stop();
