@@ -62,7 +62,7 @@ actor::actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer)
     : config_(writer->config()),
       executor_(std::move(ex)),
       strand_(asio::make_strand(executor_)),
-      mailbox_(std::make_unique<mailbox>()),
+      mailbox_(std::make_unique<mailbox>(config_.max_pending)),
       writer_(std::move(writer)),
       pool_(writer_->pool()),
       current_(writer_->initial_epoch()),
@@ -71,12 +71,13 @@ actor::actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer)
 actor::~actor() { discard_mailbox(); }
 
 void actor::discard_mailbox() noexcept {
-  request* r = nullptr;
-  while (mailbox_->queue.try_dequeue(r)) r->discard();
+  std::array<request*, drain_capacity> batch;
+  while (const std::size_t n = mailbox_->take(batch.data(), batch.size()))
+    for (std::size_t i = 0; i < n; ++i) batch[i]->discard();
 }
 
 void actor::submit(request* r, urgency u) noexcept {
-  if (!mailbox_->queue.enqueue(r)) {
+  if (!mailbox_->push(r)) {
     r->complete(kv_errc::capacity_exhausted, queueing::post);  // the mailbox could not grow
     return;
   }
@@ -115,7 +116,7 @@ std::error_code actor::fork(request& r) noexcept {
 void actor::drain() {
   std::array<request*, drain_capacity> batch;
   std::array<std::error_code, drain_capacity> results;
-  const std::size_t n = mailbox_->queue.try_dequeue_bulk(batch.begin(), batch.size());
+  const std::size_t n = mailbox_->take(batch.data(), batch.size());
 
   apply(batch.data(), results.data(), n);
   if (writer_->has_changes()) {
@@ -161,6 +162,9 @@ kv_cache_stats actor::stats() const noexcept {
   s.requests_applied = applied_.load(std::memory_order_relaxed);
   s.requests_failed = failed_.load(std::memory_order_relaxed);
   s.requests_cancelled = cancelled_.load(std::memory_order_relaxed);
+  s.requests_queued = mailbox_->queued();
+  s.requests_waiting = mailbox_->waiting();
+  s.requests_delayed = mailbox_->delayed();
   s.blocks_in_use = pool_->blocks_in_use();
   s.bytes_in_use = s.blocks_in_use * pool_->payload_bytes();
   return s;

@@ -8,13 +8,24 @@
 
 namespace ghostlink {
 
+namespace {
+
+/// `n`, or "unlimited" for the default of a budget.
+void print_limit(std::ostream& os, std::size_t n) {
+  if (n == std::numeric_limits<std::size_t>::max())
+    os << "unlimited";
+  else
+    os << n;
+}
+
+}  // namespace
+
 std::ostream& operator<<(std::ostream& os, const kv_cache_config& c) {
   os << "{max_tokens_per_seq=" << c.max_tokens_per_seq << ", num_heads=" << c.num_heads
      << ", head_dim=" << c.head_dim << ", block_tokens=" << c.block_tokens << ", max_blocks=";
-  if (c.max_blocks == std::numeric_limits<std::size_t>::max())
-    os << "unlimited";
-  else
-    os << c.max_blocks;
+  print_limit(os, c.max_blocks);
+  os << ", max_pending=";
+  print_limit(os, c.max_pending);
   return os << '}';
 }
 
@@ -23,7 +34,7 @@ namespace detail {
 void validate(const kv_cache_config& c, std::size_t element_size) {
   constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
   const bool zero = c.max_tokens_per_seq == 0 || c.num_heads == 0 || c.head_dim == 0 || c.block_tokens == 0 ||
-                    c.max_blocks == 0;
+                    c.max_blocks == 0 || c.max_pending == 0;
   // A block holds 2 * block_tokens * token_width elements after a small
   // header; that many bytes, and a token index times the width, must not
   // overflow.

@@ -1,16 +1,78 @@
 #pragma once
-// The actor's mailbox: a lock-free multi-producer queue of requests.
-// moodycamel's ConcurrentQueue keeps each producer thread's items in FIFO
-// order, which is what gives "requests initiated from one thread apply in
-// the order they were initiated".
+// The actor's mailbox: a lock-free multi-producer queue of requests, bounded
+// by the cache's max_pending, with an intrusive FIFO of requests waiting for
+// room.
+//
+// Invariants (mutex_ guards waiting_head_/waiting_tail_ and every write of
+// congested_):
+// - queued_ counts slots reserved in queue_: a request reserves one before it
+//   is enqueued and the drain releases one per request it dequeues, so
+//   queue_ never holds more than max_pending_ requests and its memory stays
+//   bounded by them. An unbounded mailbox (max_pending_ = SIZE_MAX) counts
+//   nothing and never congests.
+// - congested_ is true exactly while requests wait (set by the first request
+//   parked, cleared by the take that empties the list). While it is set,
+//   every new request parks behind the waiting ones.
+// - Order: per thread, a queued request precedes any request parked after
+//   it. take() hands out parked requests only when, under mutex_, queued_ is
+//   zero: every request that reserved a slot before a park the take can see
+//   has then been dequeued already, into this batch or an earlier one.
+//   moodycamel's ConcurrentQueue keeps each producer thread's items in FIFO
+//   order; with the above, requests initiated from one thread apply in the
+//   order they were initiated.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
 
 #include "concurrent_queue.hpp"
 #include "ghostlink/detail/request.hpp"
 
 namespace ghostlink::detail {
 
-struct mailbox {
-  moodycamel::ConcurrentQueue<request*> queue;
+/// moodycamel's allocation hooks, counting the bytes every mailbox holds.
+struct mailbox_traits : moodycamel::ConcurrentQueueDefaultTraits {
+  static void* malloc(std::size_t size);
+  static void free(void* p);
+};
+
+class mailbox {
+ public:
+  explicit mailbox(std::size_t max_pending) noexcept : max_pending_(max_pending) {}
+  mailbox(const mailbox&) = delete;
+  mailbox& operator=(const mailbox&) = delete;
+
+  /// Queues `r` if there is room and nothing waits, else parks it (which
+  /// allocates nothing). False, with `r` neither queued nor parked, if the
+  /// queue could not grow.
+  bool push(request* r) noexcept;
+  /// Takes up to `n` requests into `out`, queued ones first; returns how
+  /// many. One thread at a time (the actor's strand).
+  std::size_t take(request** out, std::size_t n) noexcept;
+
+  /// Requests in the queue now.
+  std::size_t queued() const noexcept;
+  /// Requests waiting for room now.
+  std::size_t waiting() const noexcept { return waiting_count_.load(std::memory_order_relaxed); }
+  /// Requests that ever had to wait for room.
+  std::uint64_t delayed() const noexcept { return delayed_.load(std::memory_order_relaxed); }
+
+ private:
+  bool bounded() const noexcept { return max_pending_ != SIZE_MAX; }
+  bool try_reserve() noexcept;
+  bool enqueue_reserved(request* r) noexcept;
+  void park(request* r) noexcept;  // mutex_ held
+
+  const std::size_t max_pending_;
+  moodycamel::ConcurrentQueue<request*, mailbox_traits> queue_;
+  std::atomic<std::size_t> queued_{0};
+  std::atomic<bool> congested_{false};
+  std::mutex mutex_;
+  request* waiting_head_ = nullptr;
+  request* waiting_tail_ = nullptr;
+  std::atomic<std::size_t> waiting_count_{0};
+  std::atomic<std::uint64_t> delayed_{0};
 };
 
 }  // namespace ghostlink::detail

@@ -28,6 +28,14 @@ struct kv_cache_config {
   /// one more fails with `kv_errc::capacity_exhausted`. A cache made on a
   /// `kv_block_pool` leaves the budget to the pool and must not set it.
   std::size_t max_blocks = std::numeric_limits<std::size_t>::max();
+  /// Most requests (writes, initializes, truncates, forks) queued for the
+  /// actor at once: backpressure. A request initiated while that many are
+  /// queued waits for room, in FIFO order and without allocating, and is
+  /// applied after them; its handler runs, as always, once it is applied.
+  /// The mailbox's memory, which it keeps at its peak for the cache's life,
+  /// then stays bounded by `max_pending` however many producers write at
+  /// once. Unlimited by default.
+  std::size_t max_pending = std::numeric_limits<std::size_t>::max();
 
   /// Floats one token's keys (or values) occupy: `num_heads * head_dim`.
   constexpr std::size_t token_width() const noexcept { return num_heads * head_dim; }

@@ -17,6 +17,9 @@ struct kv_cache_stats {
   std::uint64_t requests_applied = 0;  ///< Write requests that succeeded.
   std::uint64_t requests_failed = 0;   ///< Write requests that failed (cancelled ones aside).
   std::uint64_t requests_cancelled = 0;  ///< Write requests cancelled before the actor applied them.
+  std::size_t requests_queued = 0;       ///< Requests in the mailbox now (at most `max_pending`).
+  std::size_t requests_waiting = 0;      ///< Requests waiting for room in the mailbox now.
+  std::uint64_t requests_delayed = 0;    ///< Requests that ever had to wait for room.
   /// Blocks alive in the cache's pool (published, pinned or being written),
   /// counted against its budget; with a pool shared by several caches, the
   /// whole pool's count.

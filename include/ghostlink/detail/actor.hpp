@@ -6,7 +6,8 @@
 // - submit(), pin(), size(), stats() are safe from any thread at any time.
 // - drain() runs only on strand_; it alone touches *writer_ and publishes
 //   into current_.
-// - A request enqueued is counted in pending_ afterwards; whoever raises
+// - A request enqueued (queued or parked for room, see src/mailbox.hpp) is
+//   counted in pending_ afterwards; whoever raises
 //   pending_ from zero schedules a drain, and a drain that leaves work
 //   behind defers the next, so one drain is queued or running while
 //   requests wait. pending_ may dip below zero for an instant: a drain took
@@ -35,7 +36,11 @@
 namespace ghostlink::detail {
 
 class page_writer;
-struct mailbox;
+class mailbox;
+
+/// Bytes the mailboxes of every cache in the process hold (moodycamel's
+/// blocks); a mailbox keeps the blocks it grew to until its cache dies.
+std::uint64_t mailbox_bytes_allocated() noexcept;
 
 /// Tag: a cache handle adopts an existing actor.
 struct adopt_actor_t {

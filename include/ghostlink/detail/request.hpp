@@ -93,6 +93,7 @@ const Executor& executor_of(const Executor& tracked) {
 }
 
 class actor;
+class mailbox;
 
 /// Whether a request has been taken by the actor or cancelled first, for a
 /// request whose handler has a cancellation slot. Shared between the
@@ -189,6 +190,8 @@ class request {
   std::span<const kv_write> entries_;
   std::shared_ptr<actor> forked_;
   ref_ptr<cancel_state> cancel_;  // null unless the handler has a cancellation slot
+  friend class mailbox;
+  request* next_waiting_ = nullptr;  // the mailbox's list of requests waiting for room
 };
 
 /// A request carrying its completion handler and a work guard on the

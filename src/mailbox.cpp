@@ -1,0 +1,98 @@
+#include "mailbox.hpp"
+
+#include <cstdlib>
+#include <new>
+
+namespace ghostlink::detail {
+namespace {
+
+std::atomic<std::uint64_t> mailbox_bytes{0};
+
+// Each block moodycamel allocates carries its size in front, so free() can
+// count it back; the header keeps malloc's alignment.
+constexpr std::size_t header = alignof(std::max_align_t);
+
+}  // namespace
+
+std::uint64_t mailbox_bytes_allocated() noexcept { return mailbox_bytes.load(std::memory_order_relaxed); }
+
+void* mailbox_traits::malloc(std::size_t size) {
+  auto* raw = static_cast<unsigned char*>(std::malloc(header + size));
+  if (!raw) return nullptr;
+  *reinterpret_cast<std::size_t*>(raw) = size;
+  mailbox_bytes.fetch_add(size, std::memory_order_relaxed);
+  return raw + header;
+}
+
+void mailbox_traits::free(void* p) {
+  if (!p) return;
+  unsigned char* raw = static_cast<unsigned char*>(p) - header;
+  mailbox_bytes.fetch_sub(*reinterpret_cast<std::size_t*>(raw), std::memory_order_relaxed);
+  std::free(raw);
+}
+
+bool mailbox::try_reserve() noexcept {
+  std::size_t n = queued_.load(std::memory_order_relaxed);
+  while (n < max_pending_)
+    if (queued_.compare_exchange_weak(n, n + 1, std::memory_order_acq_rel, std::memory_order_relaxed)) return true;
+  return false;
+}
+
+bool mailbox::enqueue_reserved(request* r) noexcept {
+  if (queue_.enqueue(r)) return true;
+  if (bounded()) queued_.fetch_sub(1, std::memory_order_acq_rel);
+  return false;
+}
+
+void mailbox::park(request* r) noexcept {
+  r->next_waiting_ = nullptr;
+  if (waiting_tail_)
+    waiting_tail_->next_waiting_ = r;
+  else
+    waiting_head_ = r;
+  waiting_tail_ = r;
+  waiting_count_.fetch_add(1, std::memory_order_relaxed);
+  delayed_.fetch_add(1, std::memory_order_relaxed);
+  congested_.store(true, std::memory_order_relaxed);
+}
+
+bool mailbox::push(request* r) noexcept {
+  if (!bounded()) return queue_.enqueue(r);
+  // A stale `false` here only sends the request to try_reserve(), which is
+  // exact; ordering rests on queued_ and the mutex (see the invariants).
+  if (!congested_.load(std::memory_order_relaxed) && try_reserve()) return enqueue_reserved(r);
+  {
+    std::lock_guard lock(mutex_);
+    if (congested_.load(std::memory_order_relaxed) || !try_reserve()) {
+      park(r);
+      return true;
+    }
+  }
+  return enqueue_reserved(r);
+}
+
+std::size_t mailbox::take(request** out, std::size_t n) noexcept {
+  std::size_t taken = queue_.try_dequeue_bulk(out, n);
+  if (!bounded()) return taken;
+  if (taken) queued_.fetch_sub(taken, std::memory_order_acq_rel);
+  if (taken == n) return taken;
+  std::lock_guard lock(mutex_);
+  if (!waiting_head_ || queued_.load(std::memory_order_acquire) != 0) return taken;  // queued requests go first
+  while (taken < n && waiting_head_) {
+    request* r = waiting_head_;
+    waiting_head_ = r->next_waiting_;
+    out[taken++] = r;
+    waiting_count_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  if (!waiting_head_) {
+    waiting_tail_ = nullptr;
+    congested_.store(false, std::memory_order_relaxed);
+  }
+  return taken;
+}
+
+std::size_t mailbox::queued() const noexcept {
+  return bounded() ? queued_.load(std::memory_order_relaxed) : queue_.size_approx();
+}
+
+}  // namespace ghostlink::detail
