@@ -3,8 +3,9 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <utility>
 
-#include "concurrent_queue.hpp"
+#include <mutex>
 
 namespace ghostlink::detail {
 namespace {
@@ -19,11 +20,36 @@ std::atomic<std::size_t> unbalanced_pools{0};
 
 }  // namespace
 
-/// Freed blocks' memory, ready for reuse. Lock-free from any thread: a
-/// snapshot released on a reader thread returns its blocks here.
+/// Freed blocks' memory, ready for reuse, from and to any thread (a
+/// snapshot released on a reader thread returns its blocks here): a stack,
+/// so the block reused next is the one freed last, still warm in cache.
+/// Each free block's first bytes hold the next; pushing allocates nothing.
+/// A mutex, held for a few instructions, where moodycamel's queue (which
+/// this replaced) raced under TSan (upstream cameron314/concurrentqueue#404)
+/// and cost more per block.
 struct free_list {
-  moodycamel::ConcurrentQueue<void*> queue;
+  std::mutex mutex;
+  void* head = nullptr;
+
+  void push(void* memory) noexcept {
+    std::lock_guard lock(mutex);
+    *static_cast<void**>(memory) = head;
+    head = memory;
+  }
+  void* pop() noexcept {
+    std::lock_guard lock(mutex);
+    void* memory = head;
+    if (memory) head = *static_cast<void**>(memory);
+    return memory;
+  }
+  /// Empties the list; returns its first block (each links the next).
+  void* pop_all() noexcept {
+    std::lock_guard lock(mutex);
+    return std::exchange(head, nullptr);
+  }
 };
+
+void* next_free(void* memory) noexcept { return *static_cast<void**>(memory); }
 
 block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks)
     : payload_bytes_(payload_bytes), max_blocks_(max_blocks), free_(std::make_unique<free_list>()) {
@@ -51,8 +77,8 @@ void* block_pool::take_memory() noexcept {
   std::size_t failures = failures_.load(std::memory_order_relaxed);
   while (failures > 0)
     if (failures_.compare_exchange_weak(failures, failures - 1, std::memory_order_relaxed)) return nullptr;
-  void* memory = nullptr;
-  if (free_->queue.try_dequeue(memory)) {
+  void* memory = free_->pop();
+  if (memory) {
     free_count_.fetch_sub(1, std::memory_order_relaxed);
     return memory;
   }
@@ -62,25 +88,17 @@ void* block_pool::take_memory() noexcept {
 }
 
 void block_pool::give_memory(void* memory) noexcept {
-  bool queued = false;
-  try {
-    queued = free_->queue.enqueue(memory);
-  } catch (...) {  // the queue could not grow: give the block back to the system instead
-  }
-  if (queued) {
-    free_count_.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    ::operator delete(memory, std::align_val_t{block_alignment});
-    allocated_.fetch_sub(1, std::memory_order_relaxed);
-  }
+  free_->push(memory);
+  free_count_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void block_pool::trim() noexcept {
-  void* memory = nullptr;
-  while (free_->queue.try_dequeue(memory)) {
+  for (void* memory = free_->pop_all(); memory;) {
+    void* const next = next_free(memory);
     free_count_.fetch_sub(1, std::memory_order_relaxed);
     allocated_.fetch_sub(1, std::memory_order_relaxed);
     ::operator delete(memory, std::align_val_t{block_alignment});
+    memory = next;
   }
 }
 

@@ -28,7 +28,7 @@ struct kv_pool_limits {
 /// pinned by a snapshot); when the budget is spent that write fails with
 /// `kv_errc::capacity_exhausted` and stores nothing. Blocks come back when no
 /// epoch needs them any more (a truncate, the last snapshot of an old epoch
-/// released, a cache destroyed) and go to a lock-free free list for reuse,
+/// released, a cache destroyed) and go to a free list for reuse,
 /// not to the system; `trim()` returns the free ones to the system.
 ///
 /// A destroyed cache's blocks come back once its actor has finished its last

@@ -26,7 +26,7 @@ namespace ghostlink::detail {
 struct free_list;
 
 /// Hands out fixed-size blocks of memory under a budget, recycling freed
-/// ones through a lock-free free list. Shared by every cache made with it;
+/// ones through a free list. Shared by every cache made with it;
 /// every member is safe from any thread.
 class block_pool : public ref_counted<block_pool> {
  public:
