@@ -95,16 +95,19 @@ struct layer_world {
   std::mutex arena_mutex;
   std::shared_ptr<arena> current_arena;
   std::atomic<std::size_t> active_forks{0};
+  std::atomic<std::size_t> arenas_made{0};
   static constexpr std::size_t max_active_forks = 4, region_tokens = 6;
 
   std::shared_ptr<arena> get_arena() {
     std::lock_guard lock(arena_mutex);
     return current_arena;
   }
-  /// A cache for an arena: as `config`, sized to hold every region.
+  /// A cache for an arena: as `config`, sized to hold every region; every
+  /// other one with backpressure, so its writers wait for room.
   layer_kv_cache make_arena_cache() {
     kv_cache_config c = config;
     c.max_tokens_per_seq = regions * region_tokens;
+    if (arenas_made.fetch_add(1) % 2 == 1) c.max_pending = 3;
     return layer_kv_cache(io, c, pool);
   }
   /// The first arena (later ones are made by the writers).
@@ -285,8 +288,10 @@ inline asio::awaitable<void> drive(layer_world& w, std::shared_ptr<layer_target>
 inline asio::awaitable<void> lineage(layer_world& w, std::size_t j, rng r) {
   while (!stopping()) {
     const std::uint64_t gen = new_generation();
+    kv_cache_config config = w.config;
+    if (r.percent(50)) config.max_pending = r.between(1, 8);  // backpressure
     auto t = std::make_shared<layer_target>(str("cache g", gen, " (lineage ", j, ")"), gen,
-                                            layer_kv_cache(w.io, w.config, w.pool), r.between(64, 1024), state{});
+                                            layer_kv_cache(w.io, config, w.pool), r.between(64, 1024), state{});
     co_await drive(w, std::move(t), rng(r.next()), j);
   }
 }
