@@ -70,6 +70,15 @@ struct sequence_state;
 /// and changes nothing. Snapshots, `size()` and reads may be used from any
 /// thread at any time.
 ///
+/// Cancellation: appends, truncates and forks honour the handler's
+/// associated cancellation slot (any type), passing it on to every layer's
+/// request. Layers whose actor had not taken the request yet skip it; if
+/// any did, an append undoes the layers that applied and completes with
+/// `asio::error::operation_aborted` (the sequence is as before), a fork
+/// completes with it and an empty handle, and a truncate completes with it
+/// only if no layer truncated (one is enough, as with a failure). Cancelled
+/// once every layer has applied, the operation completes normally.
+///
 /// Layers accept writes from the start (no initialize is needed). Writing
 /// to a layer directly (through `layer(i)`) bypasses the sequence's
 /// bookkeeping; a snapshot then still shows only what every layer holds.

@@ -126,6 +126,24 @@ struct cancel_handler {
   }
 };
 
+/// A layer request's handler whose cancellation comes from a composed
+/// operation (a sequence's fan-out) instead of an associated slot: `state`
+/// becomes the request's, and the composed operation's slot cancels it
+/// (null: not cancellable).
+template <class Handler>
+struct cancelled_by_group {
+  Handler handler;
+  ref_ptr<cancel_state> state;
+  template <class... Args>
+  void operator()(Args&&... args) {
+    std::move(handler)(std::forward<Args>(args)...);
+  }
+};
+template <class Handler>
+inline constexpr bool is_cancelled_by_group = false;
+template <class Handler>
+inline constexpr bool is_cancelled_by_group<cancelled_by_group<Handler>> = true;
+
 /// The argument of an initialize request.
 struct initialize_args {
   std::size_t length;
@@ -181,6 +199,8 @@ class request {
     cancel_ = ref_ptr<cancel_state>::adopt(new cancel_state);
     slot.template emplace<cancel_handler>(cancel_handler{cancel_});
   }
+  /// Makes the request cancellable through `state` (if not null).
+  void watch(ref_ptr<cancel_state> state) noexcept { cancel_ = std::move(state); }
 
  private:
   finish_fn finish_;
@@ -225,7 +245,10 @@ class request_op final : public request {
       : request(&finish, arg),
         work_(track_work(asio::get_associated_executor(handler, io_ex))),
         handler_(std::move(handler)) {
-    watch(asio::get_associated_cancellation_slot(handler_));
+    if constexpr (is_cancelled_by_group<Handler>)
+      watch(handler_.state);
+    else
+      watch(asio::get_associated_cancellation_slot(handler_));
   }
 
   static void finish(request* base, const std::error_code* ec, queueing how) {
