@@ -68,14 +68,14 @@ std::unique_ptr<page_writer> page_writer::fork() {
 }
 
 void page_writer::reserve_epoch() {
-  if (!spare_epoch_) spare_epoch_ = ::operator new(sizeof(epoch));
+  if (!spare_epoch_) spare_epoch_ = metadata_new(sizeof(epoch));
 }
 
 ref_ptr<epoch> page_writer::publish() {
   seal();
   // epoch::destroy deletes with a plain delete-expression, which matches
-  // memory from ::operator new(sizeof(epoch)).
-  void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : ::operator new(sizeof(epoch));
+  // memory from metadata_new(sizeof(epoch)) (::operator new).
+  void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
   auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, length_, stored_, table_, zero_block_,
                                                       config_.token_width(), config_.block_tokens));
   ++next_epoch_;

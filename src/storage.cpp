@@ -17,6 +17,15 @@ constexpr std::size_t header_bytes = 64;
 std::atomic<std::uint64_t> next_owner{1};
 std::atomic<std::size_t> live_pools{0};
 std::atomic<std::size_t> unbalanced_pools{0};
+std::atomic<std::size_t> metadata_countdown{0};  // see fail_metadata_allocation; 0: none pending
+
+/// Takes one of the failures a test injected, if any are left.
+bool take_injected_failure(std::atomic<std::size_t>& failures) noexcept {
+  std::size_t n = failures.load(std::memory_order_relaxed);
+  while (n > 0)
+    if (failures.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) return true;
+  return false;
+}
 
 }  // namespace
 
@@ -74,9 +83,7 @@ bool block_pool::reserve() noexcept {
 }
 
 void* block_pool::take_memory() noexcept {
-  std::size_t failures = failures_.load(std::memory_order_relaxed);
-  while (failures > 0)
-    if (failures_.compare_exchange_weak(failures, failures - 1, std::memory_order_relaxed)) return nullptr;
+  if (take_injected_failure(failures_)) return nullptr;
   void* memory = free_->pop();
   if (memory) {
     free_count_.fetch_sub(1, std::memory_order_relaxed);
@@ -108,6 +115,22 @@ std::size_t block_pool::blocks_shared() const noexcept {
   const std::int64_t n = shared_.load(std::memory_order_relaxed);
   return n > 0 ? static_cast<std::size_t>(n) : 0;
 }
+
+void* metadata_new(std::size_t size) {
+  std::size_t n = metadata_countdown.load(std::memory_order_relaxed);
+  while (n > 0)
+    if (metadata_countdown.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
+      if (n == 1) throw std::bad_alloc();
+      break;
+    }
+  return ::operator new(size);
+}
+
+void fail_metadata_allocation(std::size_t after) noexcept {
+  metadata_countdown.store(after + 1, std::memory_order_relaxed);
+}
+
+bool cancel_metadata_failure() noexcept { return metadata_countdown.exchange(0, std::memory_order_relaxed) != 0; }
 
 std::uint64_t block_pool::new_owner_id() noexcept { return next_owner.fetch_add(1, std::memory_order_relaxed); }
 std::size_t block_pool::pools_alive() noexcept { return live_pools.load(std::memory_order_relaxed); }

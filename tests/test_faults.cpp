@@ -1,10 +1,14 @@
 // Faults while applying requests: memory for a block refused by the system
-// (injected through the pool), and a user's completion handler that throws.
+// (injected through the pool), memory for a page table, chunk or epoch
+// refused (each allocation in turn, through a test hook), and a user's
+// completion handler that throws.
 // Each fails only what it hits and leaves the cache usable.
 #include "support.hpp"
 
 #include <asio/io_context.hpp>
 
+#include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 using namespace ghostlink;
@@ -85,4 +89,125 @@ TEST_CASE("a completion handler that throws propagates out of run() and leaves t
   kv_entry e;
   REQUIRE_FALSE(cache.snapshot().read_kv(0, e));
   CHECK(e.keys == v);
+}
+
+namespace {
+
+/// Runs `op` (which starts one operation on `io`) with the k-th allocation
+/// of a page table, chunk or epoch failing, for k = 0, 1, ... until the
+/// operation needs no more than k. Each failed run must complete with
+/// capacity_exhausted and leave `state()` as it was; the one run that
+/// succeeds (and every run after the injection is disarmed) must show
+/// `state()` as `want` says. Returns how many allocations the operation made.
+template <class Op, class State, class Want>
+std::size_t sweep_metadata_failures(asio::io_context& io, Op op, State state, Want want) {
+  for (std::size_t k = 0; k < 64; ++k) {
+    INFO("allocation " << k << " fails");
+    const auto before = state();
+    std::optional<std::error_code> result;
+    detail::fail_metadata_allocation(k);
+    op([&](std::error_code ec) { result = ec; });
+    io.run();
+    io.restart();
+    const bool fired = !detail::cancel_metadata_failure();
+    REQUIRE(result.has_value());
+    if (!fired) {
+      CHECK_FALSE(*result);
+      CHECK(want(before, state()));
+      return k;
+    }
+    CHECK(*result == kv_errc::capacity_exhausted);
+    CHECK(state() == before);
+  }
+  FAIL("the operation still allocated after 64 allocations");
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("an allocation failure anywhere in a write, an overwrite, a truncate or an initialize fails it "
+          "with capacity_exhausted and changes nothing; the cache keeps working",
+          "[faults]") {
+  asio::io_context io;
+  kv_cache_config config = small_config();
+  config.max_tokens_per_seq = 200;  // more than one chunk of 32 blocks of 4 tokens
+  layer_kv_cache cache(io, config);
+  const std::size_t width = config.token_width();
+  auto state = [&] { return observe(cache); };
+  auto write = [&](std::size_t index, int tag) {
+    return [&cache, index, v = token_pattern(width, index, tag)](auto handler) {
+      cache.async_write(index, v, v, std::move(handler));
+    };
+  };
+  auto stores = [&](std::size_t index, int tag) {
+    return [index, v = token_pattern(width, index, tag), width](const observed&, const observed& after) {
+      return after.size > index &&
+             std::equal(v.begin(), v.end(), after.keys.begin() + static_cast<std::ptrdiff_t>(index * width));
+    };
+  };
+
+  std::size_t allocations = sweep_metadata_failures(
+      io, [&](auto handler) { cache.async_initialize(150, std::move(handler)); }, state,
+      [](const observed&, const observed& after) { return after.size == 150; });
+  CHECK(allocations >= 1);  // at least its epoch
+  for (std::size_t i : {0, 5, 140}) sweep_metadata_failures(io, write(i, 1), state, stores(i, 1));
+  // An overwrite of a published token (copy on write of its chunk) and
+  // tokens in a chunk no epoch has yet.
+  sweep_metadata_failures(io, write(5, 2), state, stores(5, 2));
+  sweep_metadata_failures(io, write(190, 1), state, stores(190, 1));
+  allocations = sweep_metadata_failures(
+      io, [&](auto handler) { cache.async_truncate(130, std::move(handler)); }, state,
+      [](const observed&, const observed& after) { return after.size == 130; });
+  CHECK(allocations >= 2);  // its table and chunk copies, and its epoch
+  sweep_metadata_failures(io, write(131, 3), state, stores(131, 3));
+}
+
+TEST_CASE("an allocation failure anywhere in a fork fails it with capacity_exhausted and an empty handle, "
+          "the parent unchanged",
+          "[faults]") {
+  asio::io_context io;
+  kv_cache_config config = small_config();
+  config.max_tokens_per_seq = 200;
+  layer_kv_cache cache(io, config);
+  const std::size_t width = config.token_width();
+  cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  std::vector<std::vector<float>> tokens;
+  for (std::size_t i = 0; i < 150; i += 7) tokens.push_back(token_pattern(width, i, 1));
+  for (std::size_t t = 0; t < tokens.size(); ++t)
+    cache.async_write(t * 7, tokens[t], tokens[t], [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  io.run();
+  io.restart();
+
+  layer_kv_cache child;
+  const std::size_t allocations = sweep_metadata_failures(
+      io,
+      [&](auto handler) {
+        cache.async_fork([&child, handler = std::move(handler)](std::error_code ec, layer_kv_cache c) mutable {
+          CHECK(c.valid() == !ec);
+          child = std::move(c);
+          handler(ec);
+        });
+      },
+      [&] { return observe(cache); },
+      [&](const observed& before, const observed& after) {
+        const observed c = observe(child);  // its epochs are numbered on from the parent's
+        return after == before && c.size == before.size && c.keys == before.keys && c.values == before.values;
+      });
+  CHECK(allocations >= 3);  // the child's table, its chunks, its first epoch
+}
+
+TEST_CASE("an allocation failure in one layer of a sequence append stores the token in no layer", "[faults][sequence]") {
+  asio::io_context io;
+  sequence_kv_cache seq(io, 3, small_config());
+  const auto v = token_pattern(seq.config().token_width(), 0, 1);
+  const std::vector<std::span<const float>> per_layer(3, std::span<const float>(v));
+  auto layer_sizes = [&] {
+    std::vector<std::size_t> sizes{seq.size()};
+    for (std::size_t l = 0; l < 3; ++l) sizes.push_back(seq.layer(l).size());
+    return sizes;
+  };
+  const std::size_t allocations = sweep_metadata_failures(
+      io, [&](auto handler) { seq.async_append(per_layer, per_layer, std::move(handler)); }, layer_sizes,
+      [](const auto&, const std::vector<std::size_t>& after) { return after == std::vector<std::size_t>(4, 1); });
+  CHECK(allocations >= 3);  // an epoch in every layer
 }

@@ -137,12 +137,24 @@ class block {
   std::size_t readable_ = 0;
 };
 
+/// Memory for a page table, a chunk or an epoch: `::operator new(size)`,
+/// unless a test has asked for it to fail (std::bad_alloc).
+void* metadata_new(std::size_t size);
+/// Fault injection for tests: of the allocations of page tables, chunks and
+/// epochs (by any cache) from now on, `after` succeed and the next throws
+/// std::bad_alloc. `cancel_metadata_failure()` disarms it; it reports
+/// whether the failure was still pending.
+void fail_metadata_allocation(std::size_t after) noexcept;
+bool cancel_metadata_failure() noexcept;
+
 /// Up to `size` consecutive entries of a page table. Never changed once
 /// published; tables of one cache share unchanged chunks.
 struct page_chunk : ref_counted<page_chunk> {
   static constexpr std::size_t size = 32;
   explicit page_chunk(std::uint64_t born_epoch) noexcept : born_epoch(born_epoch) {}
   static void destroy(page_chunk* c) noexcept { delete c; }
+  static void* operator new(std::size_t size) { return metadata_new(size); }
+  static void operator delete(void* p) noexcept { ::operator delete(p); }
 
   const std::uint64_t born_epoch;  // the first epoch of its cache that can see it
   std::array<ref_ptr<block>, size> blocks;
@@ -155,6 +167,8 @@ struct page_chunk : ref_counted<page_chunk> {
 struct page_table : ref_counted<page_table> {
   explicit page_table(std::uint64_t born_epoch) noexcept : born_epoch(born_epoch) {}
   static void destroy(page_table* t) noexcept { delete t; }
+  static void* operator new(std::size_t size) { return metadata_new(size); }
+  static void operator delete(void* p) noexcept { ::operator delete(p); }
 
   const ref_ptr<block>& entry(std::size_t b) const noexcept {
     return chunks[b / page_chunk::size]->blocks[b % page_chunk::size];
