@@ -73,7 +73,7 @@ struct figures {
       rejected{0}, arena_requests{0}, arena_rotations{0}, appends{0}, append_capacity_failures{0},
       seq_truncates{0}, seq_forks{0}, conflicts{0}, conflicts_rejected{0}, generations{0}, epochs{0},
       layer_snapshots{0}, arena_snapshots{0}, seq_snapshots{0}, hot_pins{0}, writer_checks{0}, retained_checks{0},
-      async_reads{0}, tokens_checked{0};
+      async_reads{0}, tokens_checked{0}, delayed{0};
 };
 inline figures g_figures;
 inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }

@@ -226,6 +226,7 @@ inline asio::awaitable<void> arena_step(layer_world& w, std::size_t j, rng& r) {
                                                         as_tuple(asio::use_awaitable));
     if (ec) fail("arena initialize: " + ec.message());
     std::lock_guard lock(w.arena_mutex);
+    bump(g_figures.delayed, w.current_arena->cache.stats().requests_delayed);
     w.current_arena = std::move(next);
     bump(g_figures.arena_rotations);
     co_return;
@@ -280,6 +281,7 @@ inline asio::awaitable<void> drive(layer_world& w, std::shared_ptr<layer_target>
     }
   }
   verify_now(*t, r.next());  // everything completed: exactly the last state
+  bump(g_figures.delayed, t->cache.stats().requests_delayed);
   for (const auto& f : frozen) w.live.remove(f);
   w.live.remove(t);
 }

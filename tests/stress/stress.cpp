@@ -64,7 +64,8 @@ void print_figures(const options& o, double elapsed) {
             << " readers, " << o.sequences << " sequence writers, " << o.threads << " pool threads\n"
             << "  layer requests: " << v(f.requests) << " (writes " << v(f.writes) << ", batches " << v(f.batches)
             << ", initializes " << v(f.initializes) << ", truncates " << v(f.truncates) << ", forks " << v(f.forks)
-            << "; " << v(f.rejected) << " planned to fail and did)\n"
+            << "; " << v(f.rejected) << " planned to fail and did; " << v(f.delayed)
+            << " waited for room behind max_pending)\n"
             << "  arena requests: " << v(f.arena_requests) << " in " << v(f.arena_rotations) + 1 << " arenas\n"
             << "  sequence ops: appends " << v(f.appends) << " (" << v(f.append_capacity_failures)
             << " failed for capacity), truncates " << v(f.seq_truncates) << ", forks " << v(f.seq_forks)
