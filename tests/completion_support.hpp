@@ -70,4 +70,29 @@ std::error_code code_of(std::future<T> f) {
   return {};
 }
 
+/// Counts what a `counting_allocator` allocates and frees.
+struct alloc_counts {
+  std::atomic<int> allocations{0}, deallocations{0};
+};
+
+/// An allocator that counts into `alloc_counts` (for `asio::bind_allocator`).
+template <class T>
+struct counting_allocator {
+  using value_type = T;
+  alloc_counts* counts;
+  explicit counting_allocator(alloc_counts& c) noexcept : counts(&c) {}
+  template <class U>
+  counting_allocator(const counting_allocator<U>& o) noexcept : counts(o.counts) {}
+  T* allocate(std::size_t n) {
+    ++counts->allocations;
+    return std::allocator<T>().allocate(n);
+  }
+  void deallocate(T* p, std::size_t n) noexcept {
+    ++counts->deallocations;
+    std::allocator<T>().deallocate(p, n);
+  }
+  template <class U>
+  bool operator==(const counting_allocator<U>& o) const noexcept { return counts == o.counts; }
+};
+
 }  // namespace ghostlink::test::completion

@@ -116,29 +116,6 @@ void check_ran(const std::array<where, 3>& w, const char* ops, bool on_cache_str
   }
 }
 
-struct alloc_counts {
-  std::atomic<int> allocations{0}, deallocations{0};
-};
-
-template <class T>
-struct counting_allocator {
-  using value_type = T;
-  alloc_counts* counts;
-  explicit counting_allocator(alloc_counts& c) noexcept : counts(&c) {}
-  template <class U>
-  counting_allocator(const counting_allocator<U>& o) noexcept : counts(o.counts) {}
-  T* allocate(std::size_t n) {
-    ++counts->allocations;
-    return std::allocator<T>().allocate(n);
-  }
-  void deallocate(T* p, std::size_t n) noexcept {
-    ++counts->deallocations;
-    std::allocator<T>().deallocate(p, n);
-  }
-  template <class U>
-  bool operator==(const counting_allocator<U>& o) const noexcept { return counts == o.counts; }
-};
-
 }  // namespace
 TEST_CASE("a handler never runs inside the initiating call, on a thread_pool", "[completion]") {
   // The calls start on a strand that is also where their handlers run: a

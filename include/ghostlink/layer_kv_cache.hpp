@@ -17,6 +17,7 @@
 #include <asio/async_result.hpp>
 #include <asio/execution_context.hpp>
 #include <asio/strand.hpp>
+#include <asio/use_awaitable.hpp>
 
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
@@ -28,6 +29,12 @@
 #include "ghostlink/types.hpp"
 
 namespace ghostlink {
+
+/// The completion token of every asynchronous operation that is given
+/// none: `asio::use_awaitable`, so `co_await cache.async_write(i, k, v);`
+/// works inside an `asio::awaitable<>` coroutine (on any executor an
+/// `asio::any_io_executor` holds), on every Asio version ghostlink supports.
+using default_completion_token = asio::use_awaitable_t<>;
 
 /// The key/value cache of one transformer layer for one sequence.
 ///
@@ -142,8 +149,8 @@ class basic_layer_kv_cache {
   /// Completion signature: `void(std::error_code)`, after the result is
   /// published. Errors: `zero_length` if `seq_len == 0`;
   /// `capacity_exhausted` if the block budget is spent.
-  template <class CompletionToken>
-  auto async_initialize(std::size_t seq_len, CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_initialize(std::size_t seq_len, CompletionToken&& token = default_completion_token());
 
   /// Writes one token's keys and values at `index`; size becomes
   /// `max(size, index + 1)` and skipped tokens read as zeros.
@@ -154,9 +161,9 @@ class basic_layer_kv_cache {
   /// `length_mismatch`, `width_mismatch`, `index_out_of_range`
   /// (`index >= max_tokens_per_seq`), `not_initialized`, then
   /// `capacity_exhausted`. On error nothing is stored.
-  template <class CompletionToken>
+  template <class CompletionToken = default_completion_token>
   auto async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
-                   CompletionToken&& token);
+                   CompletionToken&& token = default_completion_token());
 
   /// Writes every entry, in order (a later entry for an index wins), as one
   /// atomic request: every entry is validated first and a snapshot sees all
@@ -165,8 +172,8 @@ class basic_layer_kv_cache {
   /// The span and every span inside it must stay valid until completion.
   /// Completion signature: `void(std::error_code)`; errors as `async_write`,
   /// for the first bad entry. On error nothing of the batch is stored.
-  template <class CompletionToken>
-  auto async_write_batch(std::span<const kv_write> entries, CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_write_batch(std::span<const kv_write> entries, CompletionToken&& token = default_completion_token());
 
   /// Drops tokens `[n, size())` (a speculative-decoding rollback): size
   /// becomes `min(size(), n)`. Snapshots taken before keep seeing the old
@@ -177,8 +184,8 @@ class basic_layer_kv_cache {
   /// Completion signature: `void(std::error_code)`, after the result is
   /// published. Errors: `capacity_exhausted` if memory for a page table
   /// cannot be had (nothing is dropped then).
-  template <class CompletionToken>
-  auto async_truncate(std::size_t n, CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token());
 
   /// A new cache holding what this one holds once every request initiated
   /// before it is applied, sharing every block with it copy-on-write (prefix
@@ -192,20 +199,20 @@ class basic_layer_kv_cache {
   /// after the fork point is published; on error the handle is empty.
   /// Errors: `capacity_exhausted` if memory for the new page table cannot
   /// be had.
-  template <class CompletionToken>
-  auto async_fork(CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_fork(CompletionToken&& token = default_completion_token());
 
   /// Reads token `index` from the latest published epoch (not through the
   /// actor). Completion signature: `void(std::error_code, kv_entry)`;
   /// `index_out_of_range` if `index >= size()`.
-  template <class CompletionToken>
-  auto async_read_kv(std::size_t index, CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_read_kv(std::size_t index, CompletionToken&& token = default_completion_token());
 
   /// Reads tokens `[begin, end)` token-major from the latest published epoch.
   /// Completion signature: `void(std::error_code, kv_range)`; errors
   /// `invalid_range` (`begin > end`), `range_out_of_bounds` (`end > size()`).
-  template <class CompletionToken>
-  auto async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token = default_completion_token());
 
   /// Prints the config and the length, never the buffers.
   friend std::ostream& operator<<(std::ostream& os, const basic_layer_kv_cache& cache) {

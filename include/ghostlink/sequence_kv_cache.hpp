@@ -147,9 +147,9 @@ class basic_sequence_kv_cache {
   /// `width_mismatch` (checked first, for every layer), `index_out_of_range`
   /// (`size() == max_tokens_per_seq`), `operation_in_progress`,
   /// `capacity_exhausted`.
-  template <class CompletionToken>
+  template <class CompletionToken = default_completion_token>
   auto async_append(std::span<const std::span<const float>> keys_per_layer,
-                    std::span<const std::span<const float>> values_per_layer, CompletionToken&& token);
+                    std::span<const std::span<const float>> values_per_layer, CompletionToken&& token = default_completion_token());
 
   /// Drops tokens `[n, size())` from every layer (speculative-decoding
   /// rollback); `n >= size()` changes nothing. Snapshots taken before keep
@@ -158,16 +158,16 @@ class basic_sequence_kv_cache {
   /// memory for its page table (nothing changed then). If only some could,
   /// the truncate succeeds: the others keep their extra tokens hidden
   /// (snapshots show the shortest layer) until appends overwrite them.
-  template <class CompletionToken>
-  auto async_truncate(std::size_t n, CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token());
 
   /// A new sequence sharing every block of every layer copy-on-write with
   /// this one (see `basic_layer_kv_cache::async_fork`), with the same pool.
   /// Completion signature: `void(std::error_code, basic_sequence_kv_cache)`;
   /// on error the handle is empty and nothing is forked. Errors:
   /// `operation_in_progress`, `capacity_exhausted`.
-  template <class CompletionToken>
-  auto async_fork(CompletionToken&& token);
+  template <class CompletionToken = default_completion_token>
+  auto async_fork(CompletionToken&& token = default_completion_token());
 
  private:
   explicit basic_sequence_kv_cache(std::shared_ptr<detail::sequence_state<T>> state) noexcept

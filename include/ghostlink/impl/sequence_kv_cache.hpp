@@ -92,6 +92,8 @@ class pending_handler {
   pending_handler(Handler handler, const asio::any_io_executor& io_ex)
       : work_(track_work(asio::get_associated_executor(handler, io_ex))), handler_(std::move(handler)) {}
 
+  /// The handler's associated allocator (Asio's recycling one by default).
+  auto allocator() const noexcept { return handler_allocator(handler_); }
   /// The handler's associated cancellation slot.
   auto cancellation_slot() const noexcept { return asio::get_associated_cancellation_slot(handler_); }
 
@@ -133,12 +135,12 @@ class layer_fan_out : public std::enable_shared_from_this<layer_fan_out<Result, 
   Finish finish_;
 };
 
-/// A fan-out over `layers` layers; `finish` (an rvalue) is left intact if
-/// this throws.
-template <class Result, class Finish>
-auto make_fan_out(std::size_t layers, Finish&& finish) {
+/// A fan-out over `layers` layers, allocated with `alloc` (the handler's);
+/// `finish` (an rvalue) is left intact if this throws.
+template <class Result, class Finish, class Allocator>
+auto make_fan_out(std::size_t layers, Finish&& finish, const Allocator& alloc) {
   static_assert(!std::is_lvalue_reference_v<Finish>);
-  return std::make_shared<layer_fan_out<Result, Finish>>(layers, std::move(finish));
+  return std::allocate_shared<layer_fan_out<Result, Finish>>(alloc, layers, std::move(finish));
 }
 
 inline std::error_code first_error(const std::vector<std::error_code>& errors) noexcept {
@@ -212,10 +214,10 @@ void start_layers(const std::shared_ptr<Fan>& fan, std::size_t layers, Start sta
 
 /// Makes a fan-out for an operation that has set `busy`; clears it again if
 /// that throws (the exception then leaves the initiating call).
-template <class Result, class T, class Finish>
-auto begun_fan_out(sequence_state<T>& state, Finish&& finish) {
+template <class Result, class T, class Finish, class Allocator>
+auto begun_fan_out(sequence_state<T>& state, Finish&& finish, const Allocator& alloc) {
   try {
-    return make_fan_out<Result>(state.layers.size(), std::move(finish));
+    return make_fan_out<Result>(state.layers.size(), std::move(finish), alloc);
   } catch (...) {
     state.end();
     throw;
@@ -229,13 +231,14 @@ auto begun_fan_out(sequence_state<T>& state, Finish&& finish) {
 template <storage_element T, class Handler>
 void undo_append(std::shared_ptr<sequence_state<T>> state, std::size_t index, const std::vector<std::error_code>& errors,
                  pending_handler<Handler> done, std::error_code ec) {
+  const auto alloc = done.allocator();
   auto finish = [state, ec, done = std::move(done)](const auto&, const auto&) mutable {
     state->dropped();
     state->end();
     std::move(done).complete(ec);
   };
   try {
-    auto fan = make_fan_out<std::monostate>(errors.size(), std::move(finish));
+    auto fan = make_fan_out<std::monostate>(errors.size(), std::move(finish), alloc);
     start_layers(fan, errors.size(), [&](std::size_t i, auto slot) {
       if (errors[i]) return slot(std::error_code());  // never took it
       state->layers[i].async_truncate(index, std::move(slot));
@@ -258,13 +261,14 @@ void start_append(std::shared_ptr<sequence_state<T>> state, Handler handler,
     state->end();
     return std::move(done).complete(std::error_code(kv_errc::index_out_of_range));
   }
+  const auto alloc = done.allocator();
   auto fan = begun_fan_out<std::monostate>(
       *state, [state, index, done = std::move(done)](const auto& errors, const auto&) mutable {
         if (std::error_code ec = first_error(errors)) return undo_append(state, index, errors, std::move(done), ec);
         state->length.store(index + 1, std::memory_order_release);
         state->end();
         std::move(done).complete(std::error_code());
-      });
+      }, alloc);
   start_layers(
       fan, state->layers.size(),
       [&](std::size_t i, auto slot) { state->layers[i].async_write(index, keys[i], values[i], std::move(slot)); },
@@ -280,6 +284,7 @@ void start_truncate(std::shared_ptr<sequence_state<T>> state, Handler handler, s
     state->end();
     return std::move(done).complete(std::error_code());
   }
+  const auto alloc = done.allocator();
   auto fan = begun_fan_out<std::monostate>(*state, [state, n, done = std::move(done)](const auto& errors,
                                                                                       const auto&) mutable {
     // One layer truncated is enough for the sequence to be: a layer that
@@ -292,7 +297,7 @@ void start_truncate(std::shared_ptr<sequence_state<T>> state, Handler handler, s
     }
     state->end();
     std::move(done).complete(any ? std::error_code() : first_error(errors));
-  });
+  }, alloc);
   start_layers(
       fan, state->layers.size(), [&](std::size_t i, auto slot) { state->layers[i].async_truncate(n, std::move(slot)); },
       cancel);
@@ -306,6 +311,7 @@ void start_fork(std::shared_ptr<sequence_state<T>> state, Handler handler) {
   if (!state->try_begin())
     return std::move(done).complete(std::error_code(kv_errc::operation_in_progress), sequence());
   const std::size_t length = state->length.load(std::memory_order_relaxed);
+  const auto alloc = done.allocator();
   auto fan = begun_fan_out<basic_layer_kv_cache<T>>(
       *state, [state, length, done = std::move(done)](const auto& errors, auto& children) mutable {
         state->end();
@@ -319,7 +325,7 @@ void start_fork(std::shared_ptr<sequence_state<T>> state, Handler handler) {
           }
         }
         std::move(done).complete(ec, std::move(child));
-      });
+      }, alloc);
   start_layers(
       fan, state->layers.size(), [&](std::size_t i, auto slot) { state->layers[i].async_fork(std::move(slot)); },
       cancel);

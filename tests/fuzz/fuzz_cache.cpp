@@ -1,0 +1,291 @@
+// libFuzzer target: decodes the input into a sequence of ghostlink API calls
+// with arbitrary (also invalid) arguments, runs them on one single-threaded
+// io_context, and checks every result, every token read, every held
+// snapshot and every counter against a model (model.hpp). A mismatch prints
+// what differed and aborts, so libFuzzer records the input.
+//
+// Input layout: 7 bytes of configuration (element type, token width, block
+// tokens and mailbox bound, max tokens, pool budget, what the run starts
+// with), then operations, one opcode byte each followed by its arguments.
+// Running out of input reads zeros, so every input is valid.
+
+#include "layer_ops.hpp"
+#include "sequence_ops.hpp"
+#include "snapshot_ops.hpp"
+#include "world.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <type_traits>
+#include <vector>
+
+namespace ghostlink::fuzz {
+namespace {
+
+enum op : std::uint8_t {
+  // 0-7: one layer request of that req_kind.
+  op_burst = static_cast<std::uint8_t>(req_kind::count),
+  op_coroutine,
+  op_snapshot_read,
+  op_snapshot_reshape,
+  op_release,
+  op_drop_cache,
+  op_new_cache,
+  op_bad_config,
+  op_trim,
+  op_seq,
+  op_seq_double,
+  op_seq_snapshot,
+  op_seq_adopt,
+  op_seq_drop,
+  op_new_seq,
+  op_refuse_memory,
+  op_abandon,
+  op_count
+};
+
+/// Constructs something ghostlink must refuse with invalid_config (or, in
+/// the last case, accept), then lets it go.
+template <class T>
+void bad_config(world<T>& w) {
+  const std::uint8_t b = w.in.byte();
+  current_trace().add("bad_config", b % 9);
+  constexpr std::size_t top = std::numeric_limits<std::size_t>::max();
+  kv_cache_config c = w.geometry;
+  const std::size_t bytes = kv_block_pool::block_bytes_for<T>(c);
+  bool want_invalid = true;
+  auto attempt = [&](auto make) {
+    try {
+      make();
+    } catch (const std::system_error& e) {
+      if (e.code() != kv_errc::invalid_config) fail(str("bad_config ", b % 9, ": threw ", ec_name(e.code())));
+      if (!want_invalid) fail(str("bad_config ", b % 9, ": a valid config was refused"));
+      return;
+    }
+    if (want_invalid) fail(str("bad_config ", b % 9, ": an invalid config was accepted"));
+  };
+  auto private_cache = [&] { basic_layer_kv_cache<T>(w.io, c); };
+  auto on_pool = [&] { basic_layer_kv_cache<T>(w.io, c, w.pools[0]); };
+  switch (b % 9) {
+    case 0: {
+      std::size_t* fields[] = {&c.max_tokens_per_seq, &c.num_heads,  &c.head_dim,
+                               &c.block_tokens,       &c.max_blocks, &c.max_pending};
+      *fields[b / 9 % 6] = 0;
+      if (b & 0x80)
+        attempt([&] { basic_sequence_kv_cache<T>(w.io, 1, c); });
+      else
+        attempt(private_cache);
+      break;
+    }
+    case 1: c.max_blocks = 1 + b % 7; attempt(on_pool); break;  // a cache on a pool must leave the budget to it
+    case 2: c.block_tokens += 1; attempt(on_pool); break;       // blocks of another size
+    case 3: attempt([&] { basic_sequence_kv_cache<T>(w.io, 0, c, w.pools[0]); }); break;
+    case 4: attempt([&] { kv_block_pool(b & 1 ? bytes + 1 : 0); }); break;
+    case 5: attempt([&] { kv_block_pool(bytes, b & 1 ? kv_pool_limits{0, top} : kv_pool_limits{top, bytes - 1}); }); break;
+    case 6: c.num_heads = top, c.head_dim = 2; attempt(private_cache); break;
+    case 7: c.max_tokens_per_seq = top / c.token_width() + 1; attempt(private_cache); break;
+    default:
+      want_invalid = false;
+      c.max_blocks = 1 + b % 5;
+      attempt(private_cache);
+      attempt([&] { basic_sequence_kv_cache<T>(w.io, 1 + b % 3, w.geometry, w.pools[0]); });
+      break;
+  }
+}
+
+template <class T>
+void step(world<T>& w) {
+  const std::uint8_t code = w.in.byte() % op_count;
+  const bool needs_cache = code <= op_coroutine || code == op_drop_cache || code == op_abandon;
+  const bool needs_snap = code >= op_snapshot_read && code <= op_release;
+  const bool needs_seq = code >= op_seq && code <= op_seq_drop;
+  if ((needs_cache && w.caches.empty()) || (needs_snap && w.snaps.empty() && w.seq_snaps.empty()) ||
+      (needs_seq && w.seqs.empty()))
+    return;
+  const std::size_t k = w.in.byte();
+  const std::size_t cache = w.caches.empty() ? 0 : k % w.caches.size();
+  const std::size_t seq = w.seqs.empty() ? 0 : k % w.seqs.size();
+  const std::size_t size = w.caches.empty() ? 0 : w.caches[cache].m->current->length;
+
+  if (code < op_burst) {
+    run_requests(w, cache, {decode_req(w, static_cast<req_kind>(code), size)});
+    return;
+  }
+  switch (code) {
+    case op_burst: run_requests(w, cache, decode_burst(w, size)); break;
+    case op_abandon: abandon_requests(w, cache, decode_burst(w, size)); break;
+    case op_coroutine: {
+      const std::uint8_t b = w.in.byte();
+      run_requests(w, cache, {decode_req(w, b & 1 ? req_kind::fork : req_kind::batch, size)},
+                   b & 2 ? started_by::coroutine_plain : started_by::coroutine_tuple);
+      break;
+    }
+    case op_snapshot_read:
+      if (!w.snaps.empty()) snapshot_read(w, k % w.snaps.size());
+      break;
+    case op_snapshot_reshape:
+      if (!w.snaps.empty()) snapshot_reshape(w, k % w.snaps.size());
+      break;
+    case op_release:
+      current_trace().add("release", k);
+      if (k & 1 && !w.seq_snaps.empty())
+        w.seq_snaps.erase(w.seq_snaps.begin() + static_cast<std::ptrdiff_t>(k / 2 % w.seq_snaps.size()));
+      else if (!w.snaps.empty())
+        w.snaps.erase(w.snaps.begin() + static_cast<std::ptrdiff_t>(k / 2 % w.snaps.size()));
+      break;
+    case op_drop_cache:
+      current_trace().add("drop_cache", cache);
+      w.caches.erase(w.caches.begin() + static_cast<std::ptrdiff_t>(cache));
+      break;
+    case op_new_cache:
+      current_trace().add("new_cache", k & 1, 1 + k / 2 % 12);
+      w.new_cache(k & 1, 1 + k / 2 % 12);
+      break;
+    case op_bad_config: bad_config(w); break;
+    case op_trim: {
+      const std::size_t i = k % w.pools.size();
+      current_trace().add("trim", i);
+      w.pools[i].trim();
+      expect_eq(w.pools[i].stats().blocks_free, std::size_t{0}, "blocks_free after trim()");
+      break;
+    }
+    case op_seq:
+    case op_seq_double: run_seq(w, seq, code == op_seq_double); break;
+    case op_seq_snapshot:
+      current_trace().add("seq_snapshot", seq);
+      hold_seq_snapshot(w, seq);
+      break;
+    case op_seq_adopt:
+      current_trace().add("seq_adopt", seq, k / 4);
+      adopt_layer(w, seq, k / 4);
+      break;
+    case op_seq_drop:
+      current_trace().add("seq_drop", seq);
+      w.seqs.erase(w.seqs.begin() + static_cast<std::ptrdiff_t>(seq));
+      break;
+    case op_new_seq:
+      current_trace().add("new_seq", 1 + k % 3, k >> 7 & 1);
+      w.new_sequence(1 + k % 3, k >> 7 & 1, 1 + k / 4 % 12);
+      break;
+    case op_refuse_memory: {
+      // The pool's fault hook: its next n requests for block memory fail as
+      // if the system had none (a write then fails with capacity_exhausted).
+      const std::size_t i = k % w.pools.size(), n = w.in.byte() % 4;
+      current_trace().add("refuse_memory", i, n);
+      w.pools[i].state().fail_next_allocations(n);
+      w.m.pools[i].refuse = n;
+      break;
+    }
+    default: break;
+  }
+}
+
+/// The model's state in one line (GHOSTLINK_FUZZ_VERBOSE).
+template <class T>
+void print_state(world<T>& w) {
+  std::string line = "  caches (length/stored):";
+  for (const auto& c : w.caches) line += str(' ', c.m->length, '/', c.m->stored);
+  line += "  sequences:";
+  for (const auto& s : w.seqs) line += str(' ', s.m->length);
+  line += str("  snapshots: ", w.snaps.size(), '+', w.seq_snaps.size(), "  pools (in use/max):");
+  for (std::size_t i = 0; i < w.pools.size(); ++i) line += str(' ', w.m.in_use(i), '/', w.m.pools[i].max);
+  std::fprintf(stderr, "%s\n", line.c_str());
+}
+
+template <class T>
+void run(input& in, const std::uint8_t (&head)[7]) {
+  kv_cache_config geometry;
+  geometry.num_heads = 1 + head[1] % 2;
+  geometry.head_dim = 1 + head[1] / 2 % 3;
+  geometry.block_tokens = 1 + head[2] % 5;
+  // Half the inputs bound the mailbox to 1-4 requests: bursts then wait
+  // for room (backpressure).
+  if (head[2] / 5 % 8 < 4) geometry.max_pending = 1 + head[2] / 5 % 8;
+  // One input in 16 has a huge max_tokens_per_seq (edges of the index
+  // arithmetic and the page table's bound); the others 1..40.
+  const bool huge = head[3] >= 0xf0;
+  const std::size_t huge_max[] = {std::size_t{1} << 40, std::numeric_limits<std::size_t>::max() / geometry.token_width(),
+                                  (std::size_t{1} << 36) + 3};
+  geometry.max_tokens_per_seq = huge ? huge_max[head[3] % 3] : 1 + head[3] % 40;
+  const std::size_t budget = head[4] >= 0xf8 ? std::numeric_limits<std::size_t>::max() : 1 + head[4] % 16;
+  const std::size_t bytes = kv_block_pool::block_bytes_for<T>(geometry);
+  kv_pool_limits limits{budget, std::numeric_limits<std::size_t>::max()};
+  if (head[5] >= 0xc0) limits.max_bytes = head[5] % 8 * bytes + head[5] / 8 % bytes;
+  const std::size_t effective = std::min(limits.max_blocks, limits.max_bytes / bytes);
+
+  trace& t = current_trace();
+  t = {};
+  t.config = str(sizeof(T) == 4 ? "float" : std::is_same_v<T, half> ? "half" : "bfloat16", ' ', geometry,
+                 " pool budget=", effective, " start=", int(head[6]));
+  if (trace::verbose()) std::fprintf(stderr, "config: %s\n", t.config.c_str());
+
+  asio::io_context io;
+  {
+    world<T> w(io, in, geometry, huge);
+    if (effective == 0) {
+      // Limits that allow no block are refused; go on with the block budget.
+      try {
+        (void)kv_block_pool::for_caches<T>(geometry, limits);
+        fail("a pool whose limits allow no block was made");
+      } catch (const std::system_error& e) {
+        expect_ec(e.code(), kv_errc::invalid_config, "pool limits allowing no block");
+      }
+      limits.max_bytes = std::numeric_limits<std::size_t>::max();
+    }
+    // The smaller limit applies (an unlimited block count still has a byte bound).
+    w.adopt_pool(kv_block_pool::for_caches<T>(geometry, limits), std::min(limits.max_blocks, limits.max_bytes / bytes));
+    w.new_cache(head[6] & 1, 1 + (head[6] >> 1) % 16);
+    if (head[6] & 0x20) w.new_sequence(1 + (head[6] >> 6) % 3, head[6] & 0x10, 1 + (head[6] >> 1) % 16);
+    w.check_all();
+    for (int n = 0; n < 400 && in.more() && !w.abandoned; ++n) {
+      step(w);
+      w.check_all();
+      if (trace::verbose()) print_state(w);
+    }
+    // Everything goes; then every pool must count no block in use (after an
+    // abandon, only once the io_context is gone: LLVMFuzzerTestOneInput
+    // checks that no pool is left).
+    w.snaps.clear();
+    w.seq_snaps.clear();
+    w.caches.clear();
+    w.seqs.clear();
+    if (w.abandoned) return;
+    w.run_to_completion([] { return true; }, "teardown");
+    for (std::size_t i = 0; i < w.pools.size(); ++i) {
+      expect_eq(w.m.in_use(i), std::size_t{0}, str("model: pool ", i, " in use at the end"));
+      expect_eq(w.pools[i].stats().blocks_in_use, std::size_t{0}, str("pool ", i, ": blocks_in_use at the end"));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ghostlink::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace ghostlink::fuzz;
+  using ghostlink::detail::block_pool;
+  const std::size_t alive = block_pool::pools_alive(), unbalanced = block_pool::pools_destroyed_unbalanced();
+  input in(data, size);
+  std::uint8_t head[7];
+  for (std::uint8_t& b : head) b = in.byte();
+  try {
+    switch (head[0] % 3) {
+      case 0: run<float>(in, head); break;
+      case 1: run<ghostlink::half>(in, head); break;
+      default: run<ghostlink::bfloat16>(in, head); break;
+    }
+  } catch (const std::exception& e) {
+    fail(str("unexpected exception: ", e.what()));
+  }
+  // Every block holds its pool: none left alive means nothing leaked.
+  expect_eq(block_pool::pools_alive(), alive, "block pools alive after the run");
+  expect_eq(block_pool::pools_destroyed_unbalanced(), unbalanced, "pools destroyed with blocks counted in use");
+  return 0;
+}

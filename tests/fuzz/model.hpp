@@ -1,0 +1,350 @@
+#pragma once
+// The fuzzer's model of ghostlink: what every cache, epoch, snapshot and pool
+// must show after each operation. Besides the documented semantics it
+// tracks block identities, because capacity_exhausted and the pool's
+// counters depend on which blocks exist; for that it mirrors the one policy
+// the budget depends on (src/page_writer.hpp): a write takes a new block
+// unless it writes, into a block this cache made, a slot no published epoch
+// reads (a block's `readable` watermark, raised to what it holds whenever an
+// epoch is published, a fork taken or blocks dropped by a truncate). Tokens
+// are recipes (token_float() makes their floats), so the model never stores
+// floats and its element type does not matter.
+
+#include <ghostlink/config.hpp>
+#include <ghostlink/error.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <span>
+#include <system_error>
+#include <vector>
+
+/// Clang: the model's bookkeeping and the checks carry no coverage
+/// instrumentation, so libFuzzer's feedback comes from ghostlink and the
+/// decoder, not from compare loops (which also dominated the run time).
+#if defined(__clang__)
+#define GHOSTLINK_FUZZ_QUIET __attribute__((no_sanitize("coverage")))
+#else
+#define GHOSTLINK_FUZZ_QUIET
+#endif
+
+namespace ghostlink::fuzz {
+
+/// One token's contents: serial 0 is the all-zeros token (never written).
+struct recipe {
+  std::uint32_t serial = 0;
+  std::uint8_t seed = 0;
+};
+
+/// Lane `lane` of a token's keys (or values): mostly plain numbers distinct
+/// per token and lane, with `seed`'s top bit the values 16-bit rounding finds
+/// hard (overflow, subnormals, ties, NaNs, a signalling NaN).
+GHOSTLINK_FUZZ_QUIET inline float token_float(recipe r, std::size_t lane, bool value) {
+  if (r.serial == 0) return 0.0f;
+  if (r.seed & 0x80) {
+    static constexpr std::uint32_t special[] = {
+        0x00000000u, 0x80000000u, 0x3f800000u, 0xc0200000u, 0x477fe000u /*65504*/, 0x477fef00u,
+        0x477ff000u /*65520: inf in half*/, 0x47c35000u /*1e5*/, 0x33800000u /*2^-24*/, 0x33000000u /*2^-25 tie*/,
+        0x000116c2u /*float subnormal*/, 0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u,
+        0xffc00000u, 0x7f800001u /*sNaN*/, 0x7fc12345u, 0x3eaaaaabu, 0x3f808000u /*bf16 tie*/, 0x3f818000u,
+        0x45001000u /*2049: half tie*/, 0x387fc000u /*half subnormal edge*/};
+    constexpr std::size_t n = sizeof special / sizeof special[0];
+    return std::bit_cast<float>(special[(r.seed + lane * 5 + (value ? 3 : 0) + r.serial) % n]);
+  }
+  const float base = static_cast<float>(r.serial % 251 + 1) + static_cast<float>(lane) / 16.0f;
+  return value ? -base - 0.5f : base;
+}
+
+/// One entry of a write as the model sees it: the lengths of the key and
+/// value spans (arbitrary: they may mismatch the width or each other).
+struct mwrite {
+  std::size_t index = 0, keys = 0, values = 0;
+  recipe r;
+};
+
+/// A published epoch: what a snapshot pinning it shows.
+struct mepoch {
+  std::uint64_t number = 0;
+  std::size_t length = 0, stored = 0;
+  std::vector<recipe> data;           // tokens [0, stored); the rest are zeros
+  std::vector<std::uint32_t> blocks;  // its page table: block ids, 0 for the zero block
+  GHOSTLINK_FUZZ_QUIET recipe token(std::size_t i) const { return i < stored ? data[i] : recipe{}; }
+};
+
+/// A counted block: the pool it belongs to, the cache that made it (alone
+/// writes it), and the owner's slot counters (see storage.hpp's block).
+struct mblock {
+  std::size_t pool = 0;
+  std::uint64_t owner = 0;
+  std::size_t readable = 0, materialized = 0;
+};
+
+struct mpool {
+  std::size_t max = 0;  // the budget in blocks
+  std::size_t peak = 0;
+  std::uint64_t cow = 0;
+  std::size_t refuse = 0;  // requests for block memory still to refuse (fail_next_allocations)
+};
+
+/// One layer cache (one actor): its working state (what the drain under way
+/// has applied) and its latest published epoch.
+struct mcache {
+  std::size_t pool = 0;
+  std::uint64_t owner = 0;
+  bool initialized = false;
+  bool has_zero = false;  // its block of zeros exists (made on first need, shared with forks made after)
+  std::size_t length = 0, stored = 0;
+  std::vector<recipe> data;            // [0, stored)
+  std::vector<std::uint32_t> table;    // ceil(stored / block_tokens) block ids
+  std::vector<std::uint32_t> touched;  // owned blocks written since the last seal
+  bool changed = false;
+  std::uint64_t next_epoch = 0;
+  std::shared_ptr<const mepoch> current;
+  std::uint64_t drains = 0, applied = 0, failed = 0, cancelled = 0, delayed = 0;
+  std::size_t queued = 0, waiting = 0;  // requests in the mailbox, and waiting for room (after an abandon)
+};
+
+/// One sequence: its layers and its length.
+struct mseq {
+  std::vector<std::shared_ptr<mcache>> layers;
+  std::size_t length = 0;
+  std::size_t pool = 0;
+};
+
+inline std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0); }
+
+class model {
+ public:
+  /// page_writer.cpp's bound on a page table (chunks of 32 blocks): a
+  /// write needing more fails with capacity_exhausted.
+  static constexpr std::size_t max_table_chunks = std::size_t{1} << 26;
+
+  explicit model(const kv_cache_config& geometry) : geometry_(geometry) {}
+
+  std::vector<mpool> pools;
+
+  std::size_t add_pool(std::size_t max) {
+    pools.push_back({max, 0, 0, 0});
+    return pools.size() - 1;
+  }
+
+  std::shared_ptr<mcache> make_cache(std::size_t pool, bool initialized) {
+    auto c = std::make_shared<mcache>();
+    c->pool = pool;
+    c->owner = ++owners_;
+    c->initialized = initialized;
+    c->changed = true;
+    publish(*c);
+    caches_.push_back(c);
+    return c;
+  }
+
+  /// Counted blocks of `pool` some live cache's table or live epoch holds.
+  GHOSTLINK_FUZZ_QUIET std::size_t in_use(std::size_t pool) {
+    std::erase_if(caches_, [](const auto& w) { return w.expired(); });
+    std::erase_if(epochs_, [](const auto& w) { return w.expired(); });
+    mark_.assign(blocks_.size() + 1, 0);
+    std::size_t n = 0;
+    auto visit = [&](const std::vector<std::uint32_t>& ids) GHOSTLINK_FUZZ_QUIET {
+      for (std::uint32_t id : ids)
+        if (id != 0 && !mark_[id] && blocks_[id - 1].pool == pool) mark_[id] = 1, ++n;
+    };
+    for (const auto& w : caches_) visit(w.lock()->table);
+    for (const auto& w : epochs_) visit(w.lock()->blocks);
+    return n;
+  }
+
+  std::error_code initialize(mcache& c, std::size_t n) {
+    if (n == 0) return kv_errc::zero_length;
+    const std::size_t length = std::min(n, geometry_.max_tokens_per_seq);
+    if (length > c.length) {
+      if (!zero_block(c)) return kv_errc::capacity_exhausted;
+      c.length = length;
+      c.changed = true;
+    }
+    if (!c.initialized) c.initialized = c.changed = true;
+    return {};
+  }
+
+  /// The checks in the documented order, then the page-writer's block policy.
+  std::error_code write(mcache& c, std::span<const mwrite> entries) {
+    const std::size_t width = geometry_.token_width(), bt = geometry_.block_tokens;
+    for (const mwrite& w : entries) {
+      if (w.keys != w.values) return kv_errc::length_mismatch;
+      if (w.keys != width) return kv_errc::width_mismatch;
+      if (w.index >= geometry_.max_tokens_per_seq) return kv_errc::index_out_of_range;
+    }
+    if (entries.empty()) return {};
+    if (!c.initialized) return kv_errc::not_initialized;
+
+    std::size_t stored = c.stored;
+    for (const mwrite& w : entries) stored = std::max(stored, w.index + 1);
+    const std::size_t nblocks = ceil_div(stored, bt), old_blocks = c.table.size();
+    if (ceil_div(nblocks, 32) > max_table_chunks) return kv_errc::capacity_exhausted;
+    // New chunks of the table start as a chunk of zero blocks.
+    if (ceil_div(nblocks, 32) > ceil_div(old_blocks, 32) && !zero_block(c)) return kv_errc::capacity_exhausted;
+
+    // Blocks made writable, in page_writer::prepare's order: the old last
+    // block (zeros go past the old end) unless it is the zero block, then
+    // each entry's.
+    struct call {
+      std::size_t block, slot;
+    };
+    std::vector<call> calls;
+    if (stored > c.stored && c.stored % bt != 0 && c.table[(c.stored - 1) / bt] != 0)
+      calls.push_back({(c.stored - 1) / bt, c.stored % bt});
+    for (const mwrite& w : entries) calls.push_back({w.index / bt, w.index % bt});
+
+    std::vector<std::uint32_t> table = c.table;
+    table.resize(nblocks, 0);
+    std::vector<std::size_t> fresh, in_place;
+    mpool& p = pools[c.pool];
+    std::size_t used = in_use(c.pool);
+    for (const call& k : calls) {
+      if (std::find(fresh.begin(), fresh.end(), k.block) != fresh.end()) continue;  // new this write: ours
+      const std::uint32_t id = table[k.block];
+      if (id != 0 && blocks_[id - 1].owner == c.owner && k.slot >= blocks_[id - 1].readable) {
+        in_place.push_back(k.block);
+        continue;
+      }
+      // Blocks taken before a failure stay counted in peak and cow_copies;
+      // the budget is reserved (peak counted) before the memory is asked for.
+      if (used >= p.max) return kv_errc::capacity_exhausted;
+      p.peak = std::max(p.peak, ++used);
+      if (!take_memory(c.pool)) return kv_errc::capacity_exhausted;
+      if (id != 0) ++p.cow;
+      fresh.push_back(k.block);
+    }
+    // Entries past the old end in its last chunk that the write does not
+    // set become the zero block.
+    const std::size_t old_chunk_end = std::min(nblocks, ceil_div(old_blocks, 32) * 32);
+    for (std::size_t b = old_blocks; b < old_chunk_end && !c.has_zero; ++b)
+      if (std::find(fresh.begin(), fresh.end(), b) == fresh.end() && !zero_block(c)) return kv_errc::capacity_exhausted;
+    for (std::size_t b : fresh) {
+      blocks_.push_back({c.pool, c.owner, 0, 0});
+      table[b] = static_cast<std::uint32_t>(blocks_.size());
+    }
+    in_place.insert(in_place.end(), fresh.begin(), fresh.end());
+    for (std::size_t b : in_place) {
+      mblock& blk = blocks_[table[b] - 1];
+      blk.materialized = std::max(blk.materialized, std::min(bt, stored - b * bt));
+      c.touched.push_back(table[b]);
+    }
+    c.data.resize(stored);
+    for (const mwrite& w : entries) c.data[w.index] = w.r;
+    c.table = std::move(table);
+    c.stored = stored;
+    c.length = std::max(c.length, stored);
+    c.changed = true;
+    return {};
+  }
+
+  std::error_code truncate(mcache& c, std::size_t n) {
+    if (n >= c.length) return {};
+    const std::size_t bt = geometry_.block_tokens;
+    const std::size_t stored = std::min(c.stored, n);
+    const std::size_t nblocks = ceil_div(stored, bt);
+    if (nblocks < c.table.size()) {
+      seal(c);
+      c.table.resize(nblocks);
+    }
+    if (stored % bt != 0) {
+      const std::uint32_t id = c.table[nblocks - 1];
+      if (id != 0 && blocks_[id - 1].owner == c.owner)
+        blocks_[id - 1].materialized = std::min(blocks_[id - 1].materialized, stored % bt);
+    }
+    c.data.resize(stored);
+    c.stored = stored;
+    c.length = n;
+    c.changed = true;
+    return {};
+  }
+
+  /// A fork inside a drain of `parent`: the child starts from the working
+  /// state, published as the epoch `parent` will publish next.
+  std::shared_ptr<mcache> fork(mcache& parent) {
+    seal(parent);
+    auto c = std::make_shared<mcache>();
+    c->pool = parent.pool;
+    c->owner = ++owners_;
+    c->initialized = parent.initialized;
+    c->has_zero = parent.has_zero;
+    c->length = parent.length;
+    c->stored = parent.stored;
+    c->data = parent.data;
+    c->table = parent.table;
+    c->next_epoch = parent.next_epoch;
+    c->changed = true;
+    publish(*c);
+    caches_.push_back(c);
+    return c;
+  }
+
+  /// The end of a drain of `n` requests, all mailed at once into an empty
+  /// mailbox: `failed` of them failed, `cancelled` were cancelled before it
+  /// took them.
+  void end_drain(mcache& c, std::uint64_t n, std::uint64_t failed, std::uint64_t cancelled = 0) {
+    if (c.changed) publish(c);
+    c.delayed += past_bound(n);
+    ++c.drains;
+    c.applied += n - failed - cancelled;
+    c.failed += failed;
+    c.cancelled += cancelled;
+  }
+
+  /// `n` requests mailed at once into an empty mailbox and not drained.
+  void leave_queued(mcache& c, std::size_t n) {
+    c.waiting = past_bound(n);
+    c.queued = n - c.waiting;
+    c.delayed += c.waiting;
+  }
+
+ private:
+  /// Of `n` requests mailed at once into an empty mailbox, how many wait for
+  /// room (past max_pending).
+  std::size_t past_bound(std::size_t n) const { return n > geometry_.max_pending ? n - geometry_.max_pending : 0; }
+
+  /// A request for a block's memory: refused while injected failures remain.
+  bool take_memory(std::size_t pool) {
+    if (pools[pool].refuse == 0) return true;
+    --pools[pool].refuse;
+    return false;
+  }
+
+  /// The cache's block of zeros, made (outside the budget) on first need.
+  bool zero_block(mcache& c) {
+    if (!c.has_zero) c.has_zero = take_memory(c.pool);
+    return c.has_zero;
+  }
+
+  void seal(mcache& c) {
+    for (std::uint32_t id : c.touched) blocks_[id - 1].readable = std::max(blocks_[id - 1].readable, blocks_[id - 1].materialized);
+    c.touched.clear();
+  }
+
+  void publish(mcache& c) {
+    seal(c);
+    auto e = std::make_shared<mepoch>();
+    e->number = c.next_epoch++;
+    e->length = c.length;
+    e->stored = c.stored;
+    e->data = c.data;
+    e->blocks = c.table;
+    epochs_.push_back(e);
+    c.current = std::move(e);
+    c.changed = false;
+  }
+
+  kv_cache_config geometry_;
+  std::vector<mblock> blocks_;  // block id i is blocks_[i - 1]
+  std::vector<std::weak_ptr<mcache>> caches_;
+  std::vector<std::weak_ptr<const mepoch>> epochs_;
+  std::vector<char> mark_;
+  std::uint64_t owners_ = 0;
+};
+
+}  // namespace ghostlink::fuzz

@@ -1,0 +1,230 @@
+#pragma once
+// Sequence operations: append, truncate and fork (one at a time, or a second
+// started before the first completes, which must fail with
+// operation_in_progress and change nothing), snapshots, and a sequence's
+// layers handed out as layer caches (direct writes bypass the sequence).
+
+#include "world.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace ghostlink::fuzz {
+
+enum class seq_kind : std::uint8_t { append, truncate, fork, count };
+
+inline const char* name(seq_kind k) {
+  constexpr const char* names[] = {"seq_append", "seq_truncate", "seq_fork"};
+  return names[static_cast<int>(k)];
+}
+
+template <class T>
+struct seq_req {
+  seq_kind kind{};
+  std::size_t n = 0;  // a truncate's length
+  std::vector<std::vector<float>> bufs;
+  std::vector<std::span<const float>> keys, values;  // per layer (their number is arbitrary)
+  std::vector<recipe> recipes;                       // per layer
+
+  bool done = false;
+  std::error_code ec, want;
+  std::size_t size_seen = 0;  // the sequence's size() when the handler ran
+  std::size_t size_want = 0;  // the model's length once this operation is done
+  basic_sequence_kv_cache<T> child;
+  std::shared_ptr<mseq> child_model;
+};
+
+template <class T>
+std::shared_ptr<seq_req<T>> decode_seq_req(world<T>& w, seq_kind kind, const mseq& q) {
+  auto r = std::make_shared<seq_req<T>>();
+  r->kind = kind;
+  if (kind == seq_kind::truncate) r->n = w.pick_index(q.length);
+  if (kind == seq_kind::append) {
+    const std::size_t layers = q.layers.size();
+    std::size_t nk = layers, nv = layers;
+    switch (w.in.byte() % 12) {
+      case 8: nk = nv = layers + 1; break;
+      case 9: nk = nv = layers - 1; break;
+      case 10: nv = layers + 1; break;
+      case 11: nk = nv = 0; break;
+      default: break;
+    }
+    r->bufs.reserve(2 * std::max(nk, nv));
+    for (std::size_t i = 0; i < std::max(nk, nv); ++i) {
+      const auto [k, v] = w.pick_lengths();
+      r->recipes.push_back(w.next_recipe());
+      r->bufs.push_back(world<T>::floats(r->recipes[i], k, false));
+      r->bufs.push_back(world<T>::floats(r->recipes[i], v, true));
+      if (i < nk) r->keys.push_back(r->bufs[2 * i]);
+      if (i < nv) r->values.push_back(r->bufs[2 * i + 1]);
+    }
+  }
+  current_trace().add(name(kind), r->n, r->keys.size(), r->values.size());
+  return r;
+}
+
+/// The checks an append makes before it starts (for every layer).
+template <class T>
+std::error_code check_append(const world<T>& w, const seq_req<T>& r, std::size_t layers) {
+  if (r.keys.size() != layers || r.values.size() != layers) return kv_errc::layer_mismatch;
+  for (std::size_t i = 0; i < layers; ++i) {
+    if (r.keys[i].size() != r.values[i].size()) return kv_errc::length_mismatch;
+    if (r.keys[i].size() != w.width()) return kv_errc::width_mismatch;
+  }
+  return {};
+}
+
+/// Whether `r`, started on `q`, holds the sequence busy until it completes.
+template <class T>
+bool starts_busy(const world<T>& w, const seq_req<T>& r, const mseq& q) {
+  switch (r.kind) {
+    case seq_kind::append: return !check_append(w, r, q.layers.size()) && q.length < w.max_tokens();
+    case seq_kind::truncate: return r.n < q.length;
+    default: return true;
+  }
+}
+
+/// Applies `r` to the model; `busy`: another operation holds the sequence.
+/// Each layer's request is one drain, run in layer order (each layer's
+/// strand was posted in that order), so the budget is met layer by layer.
+template <class T>
+std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
+  if (r.kind == seq_kind::append)
+    if (std::error_code ec = check_append(w, r, q.layers.size())) return ec;
+  if (busy) return kv_errc::operation_in_progress;
+  switch (r.kind) {
+    case seq_kind::append: {
+      const std::size_t index = q.length;
+      if (index >= w.max_tokens()) return kv_errc::index_out_of_range;
+      std::vector<std::error_code> errors;
+      for (std::size_t i = 0; i < q.layers.size(); ++i) {
+        const mwrite one{index, w.width(), w.width(), r.recipes[i]};
+        errors.push_back(w.m.write(*q.layers[i], std::span(&one, 1)));
+        w.m.end_drain(*q.layers[i], 1, errors.back() ? 1 : 0);
+      }
+      std::error_code first;
+      for (std::error_code ec : errors)
+        if (ec && !first) first = ec;
+      if (!first) {
+        q.length = index + 1;
+        return {};
+      }
+      // The undo: layers that took the token drop it again.
+      for (std::size_t i = 0; i < q.layers.size(); ++i) {
+        if (errors[i]) continue;
+        w.m.truncate(*q.layers[i], index);
+        w.m.end_drain(*q.layers[i], 1, 0);
+      }
+      return first;
+    }
+    case seq_kind::truncate:
+      if (r.n >= q.length) return {};
+      for (const auto& l : q.layers) {
+        w.m.truncate(*l, r.n);
+        w.m.end_drain(*l, 1, 0);
+      }
+      q.length = r.n;
+      return {};
+    default: {
+      r.child_model = std::make_shared<mseq>();
+      r.child_model->pool = q.pool;
+      r.child_model->length = q.length;
+      for (const auto& l : q.layers) {
+        r.child_model->layers.push_back(w.m.fork(*l));
+        w.m.end_drain(*l, 1, 0);
+      }
+      return {};
+    }
+  }
+}
+
+template <class T>
+void start_seq(basic_sequence_kv_cache<T>& s, const std::shared_ptr<seq_req<T>>& r) {
+  auto completed = [r, s](std::error_code ec) {
+    r->ec = ec;
+    r->size_seen = s.size();
+    r->done = true;
+  };
+  switch (r->kind) {
+    case seq_kind::append:
+      s.async_append(std::span<const std::span<const float>>(r->keys), std::span<const std::span<const float>>(r->values),
+                     completed);
+      break;
+    case seq_kind::truncate: s.async_truncate(r->n, completed); break;
+    default:
+      s.async_fork([r, s](std::error_code ec, basic_sequence_kv_cache<T> child) {
+        r->ec = ec;
+        r->size_seen = s.size();
+        r->child = std::move(child);
+        r->done = true;
+      });
+      break;
+  }
+}
+
+/// Runs one sequence operation on sequence `k`, or (`second`) two, the
+/// second started right after the first.
+template <class T>
+void run_seq(world<T>& w, std::size_t k, bool second) {
+  const basic_sequence_kv_cache<T> seq = w.seqs[k].real;  // copies: w.seqs grows with forks
+  const std::shared_ptr<mseq> q = w.seqs[k].m;
+  const kv_cache_config config = w.seqs[k].config;
+  std::vector<std::shared_ptr<seq_req<T>>> reqs;
+  reqs.push_back(decode_seq_req(w, static_cast<seq_kind>(w.in.byte() % 3), *q));
+  if (second) reqs.push_back(decode_seq_req(w, static_cast<seq_kind>(w.in.byte() % 3), *q));
+
+  basic_sequence_kv_cache<T> handle = seq;
+  for (const auto& r : reqs) start_seq(handle, r);
+  for (const auto& r : reqs)
+    if (r->done) fail(str(name(r->kind), ": completed inside the initiating call"));
+  if (second && starts_busy(w, *reqs[0], *q)) {
+    reqs[1]->want = model_seq(w, *reqs[1], *q, true);
+    reqs[0]->want = model_seq(w, *reqs[0], *q, false);
+  } else {
+    for (const auto& r : reqs) r->want = model_seq(w, *r, *q, false);
+  }
+  // A lone operation's handler runs after it has settled the length (of a
+  // pair, the refused one may run while the other is under way).
+  reqs.back()->size_want = q->length;
+  w.run_to_completion([&] { return reqs.front()->done && reqs.back()->done; }, "sequence operation");
+
+  for (const auto& r : reqs) {
+    const std::string what = str(name(r->kind), " on sequence ", k);
+    if (trace::verbose()) std::fprintf(stderr, "  %s: %s\n", what.c_str(), ec_name(r->want).c_str());
+    expect_ec(r->ec, r->want, what);
+    if (r == reqs.back() && !second) expect_eq(r->size_seen, r->size_want, what + ": size() in the handler");
+    if (r->kind != seq_kind::fork) continue;
+    if (r->child.valid() != !r->want) fail(what + (r->want ? ": failed but handed out a sequence" : ": empty handle"));
+    if (r->child.valid() && w.seqs.size() < world<T>::max_seqs)
+      w.seqs.push_back({std::move(r->child), r->child_model, config});
+  }
+}
+
+/// Pins sequence `k` (held, checked after every later operation).
+template <class T>
+void hold_seq_snapshot(world<T>& w, std::size_t k) {
+  if (w.seq_snaps.size() >= world<T>::max_seq_snaps) w.seq_snaps.erase(w.seq_snaps.begin());
+  typename world<T>::seq_snap_slot s{w.seqs[k].real.snapshot(), {}, std::numeric_limits<std::size_t>::max()};
+  for (const auto& l : w.seqs[k].m->layers) {
+    s.m.push_back(l->current);
+    s.shown = std::min(s.shown, l->current->length);
+  }
+  w.seq_snaps.push_back(std::move(s));
+}
+
+/// Hands out layer `i` of sequence `k` as a layer cache (its config is the
+/// sequence's without a budget: the pool holds it).
+template <class T>
+void adopt_layer(world<T>& w, std::size_t k, std::size_t i) {
+  if (w.caches.size() >= world<T>::max_caches) return;
+  const auto& s = w.seqs[k];
+  i %= s.m->layers.size();
+  w.caches.push_back({s.real.layer(i), s.m->layers[i], w.geometry});
+}
+
+}  // namespace ghostlink::fuzz
