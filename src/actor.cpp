@@ -1,6 +1,8 @@
 #include "ghostlink/detail/actor.hpp"
 
+#include <algorithm>
 #include <array>
+#include <bit>
 #include <exception>
 
 #include <asio/defer.hpp>
@@ -66,7 +68,9 @@ actor::actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer)
       writer_(std::move(writer)),
       pool_(writer_->pool()),
       current_(writer_->initial_epoch()),
-      published_length_(writer_->length()) {}
+      published_length_(writer_->length()),
+      registry_(writer_->registry()),
+      id_(writer_->owner()) {}
 
 actor::~actor() { discard_mailbox(); }
 
@@ -120,8 +124,12 @@ void actor::drain() {
 
   apply(batch.data(), results.data(), n);
   if (writer_->has_changes()) {
-    current_.publish(writer_->publish());
+    ref_ptr<epoch> published = writer_->publish();
+    const kv_event event{.what = kv_event::kind::epoch_published, .cache = id_, .epoch = published->number,
+                         .size = published->length};
+    current_.publish(std::move(published));
     published_length_.store(writer_->length(), std::memory_order_release);
+    pool_->emit(event);
   }
   std::uint64_t applied = 0, cancelled = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -129,6 +137,7 @@ void actor::drain() {
     cancelled += results[i] == asio::error::operation_aborted ? 1 : 0;
   }
   drains_.fetch_add(1, std::memory_order_relaxed);
+  if (n > 0) drain_sizes_[std::min<std::size_t>(std::bit_width(n) - 1, drain_sizes_.size() - 1)].fetch_add(1, std::memory_order_relaxed);
   applied_.fetch_add(applied, std::memory_order_relaxed);
   failed_.fetch_add(n - applied - cancelled, std::memory_order_relaxed);
   cancelled_.fetch_add(cancelled, std::memory_order_relaxed);
@@ -165,6 +174,13 @@ kv_cache_stats actor::stats() const noexcept {
   s.requests_queued = mailbox_->queued();
   s.requests_waiting = mailbox_->waiting();
   s.requests_delayed = mailbox_->delayed();
+  for (std::size_t i = 0; i < drain_sizes_.size(); ++i)
+    s.requests_per_drain[i] = drain_sizes_[i].load(std::memory_order_relaxed);
+  const epoch_registry::reading epochs = registry_->read();
+  s.epochs_alive = epochs.epochs_alive;
+  s.oldest_epoch_alive = epochs.oldest;
+  s.snapshots_alive = registry_->snapshots();
+  s.cache_id = id_;
   s.blocks_in_use = pool_->blocks_in_use();
   s.bytes_in_use = s.blocks_in_use * pool_->payload_bytes();
   return s;

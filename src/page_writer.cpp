@@ -77,7 +77,7 @@ ref_ptr<epoch> page_writer::publish() {
   // memory from metadata_new(sizeof(epoch)) (::operator new).
   void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
   auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, length_, stored_, table_, zero_block_,
-                                                      config_.token_width(), config_.block_tokens));
+                                                      config_.token_width(), config_.block_tokens, registry_));
   ++next_epoch_;
   changed_ = false;
   return e;

@@ -72,6 +72,10 @@ class page_writer {
   const kv_cache_config& config() const noexcept { return config_; }
   element_codec codec() const noexcept { return codec_; }
   const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
+  /// The registry every epoch this writer publishes joins.
+  const ref_ptr<epoch_registry>& registry() const noexcept { return registry_; }
+  /// The id this writer's blocks carry (the cache's id in stats and events).
+  std::uint64_t owner() const noexcept { return owner_; }
 
  private:
   page_writer(const page_writer& parent, std::uint64_t next_epoch);
@@ -115,6 +119,7 @@ class page_writer {
   const element_codec codec_;
   const ref_ptr<block_pool> pool_;
   const std::uint64_t owner_;  // this writer's blocks carry it
+  const ref_ptr<epoch_registry> registry_ = ref_ptr<epoch_registry>::adopt(new epoch_registry);
   ref_ptr<page_table> table_;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   ref_ptr<page_chunk> zero_chunk_;

@@ -99,6 +99,16 @@ void block_pool::give_memory(void* memory) noexcept {
   free_count_.fetch_add(1, std::memory_order_relaxed);
 }
 
+void block_pool::set_event_handler(kv_event_handler handler) {
+  auto sink = std::make_unique<event_sink>();
+  const bool on = static_cast<bool>(handler);
+  sink->handler = std::move(handler);
+  std::lock_guard lock(sink_mutex_);
+  sink->replaced = std::move(sinks_);
+  sinks_ = std::move(sink);
+  sink_.store(on ? sinks_.get() : nullptr, std::memory_order_release);
+}
+
 void block_pool::trim() noexcept {
   for (void* memory = free_->pop_all(); memory;) {
     void* const next = next_free(memory);
@@ -138,6 +148,26 @@ std::size_t block_pool::pools_destroyed_unbalanced() noexcept {
   return unbalanced_pools.load(std::memory_order_relaxed);
 }
 
+void epoch_registry::add(epoch* e) noexcept {
+  std::lock_guard lock(mutex_);
+  e->older = newest_;
+  (newest_ ? newest_->newer : oldest_) = e;
+  newest_ = e;
+  ++count_;
+}
+
+void epoch_registry::remove(epoch* e) noexcept {
+  std::lock_guard lock(mutex_);
+  (e->older ? e->older->newer : oldest_) = e->newer;
+  (e->newer ? e->newer->older : newest_) = e->older;
+  --count_;
+}
+
+epoch_registry::reading epoch_registry::read() const noexcept {
+  std::lock_guard lock(mutex_);
+  return {count_, oldest_ ? oldest_->number : 0};
+}
+
 block::block(block_pool& pool, std::uint64_t owner, budget b) noexcept
     : budget_(b), pool_(ref_ptr<block_pool>::share(&pool)), owner_(owner) {}
 
@@ -152,6 +182,7 @@ ref_ptr<block> block::make(block_pool& pool, std::uint64_t owner, budget b) noex
     if (counted) pool.unreserve();
     return {};
   }
+  if (counted) pool.emit({.what = kv_event::kind::block_allocated, .cache = owner});
   return ref_ptr<block>::adopt(::new (memory) block(pool, owner, b));
 }
 
@@ -187,6 +218,7 @@ void block::destroy() const noexcept {
   auto* self = const_cast<block*>(this);
   ref_ptr<block_pool> pool = std::move(self->pool_);
   const bool counted = budget_ == budget::counted;
+  if (counted) pool->emit({.what = kv_event::kind::block_freed, .cache = owner_});
   self->~block();
   pool->give_memory(self);
   if (counted) pool->unreserve();

@@ -68,6 +68,12 @@ class kv_block_pool {
   kv_pool_stats stats() const noexcept;
   /// Returns every free block's memory to the system.
   void trim() noexcept { state_->trim(); }
+  /// Reports every later block allocation and free of this pool, and every
+  /// epoch a cache on it publishes, to `handler` (see `kv_event_handler`
+  /// for where and how it is called); an empty handler turns events off.
+  /// Off by default, and then free: one atomic load per event.
+  /// @throws std::bad_alloc if the handler cannot be stored.
+  void set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }
 
   friend bool operator==(const kv_block_pool& a, const kv_block_pool& b) noexcept { return a.state_ == b.state_; }
 

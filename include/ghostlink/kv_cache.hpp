@@ -5,6 +5,7 @@
 
 #include "ghostlink/config.hpp"
 #include "ghostlink/error.hpp"
+#include "ghostlink/events.hpp"
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/layer_kv_cache.hpp"

@@ -138,7 +138,7 @@ class basic_kv_snapshot {
     return {};
   }
 
-  detail::ref_ptr<detail::epoch> epoch_;
+  detail::pinned_epoch epoch_;
   std::size_t size_ = 0;  // tokens shown (the epoch's, or a prefix of them); 0 when epoch_ is null
 };
 

@@ -2,6 +2,7 @@
 /// @file
 /// Counters a `layer_kv_cache` and a `kv_block_pool` keep about themselves.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -11,6 +12,13 @@ namespace ghostlink {
 /// Each field is read separately with relaxed ordering: exact when the cache
 /// is idle, approximate while it is being written.
 struct kv_cache_stats {
+  /// Drains counted by how many requests each took: bucket `i` counts
+  /// drains of `[2^i, 2^(i+1))` requests, the last one drains of 128 (the
+  /// most one drain takes). Large drains mean writers arrive together and
+  /// share epochs.
+  using drain_histogram = std::array<std::uint64_t, 8>;
+
+  std::uint64_t cache_id = 0;          ///< This cache's id, as `kv_event::cache` gives it.
   std::uint64_t epoch = 0;             ///< Latest published epoch number.
   std::size_t size = 0;                ///< Tokens in the latest epoch.
   std::uint64_t drains = 0;            ///< Mailbox drains the actor has run.
@@ -20,6 +28,13 @@ struct kv_cache_stats {
   std::size_t requests_queued = 0;       ///< Requests in the mailbox now (at most `max_pending`).
   std::size_t requests_waiting = 0;      ///< Requests waiting for room in the mailbox now.
   std::uint64_t requests_delayed = 0;    ///< Requests that ever had to wait for room.
+  drain_histogram requests_per_drain{};  ///< See `drain_histogram`.
+  /// Epochs in memory: the latest, and older ones that snapshots pin.
+  std::size_t epochs_alive = 0;
+  /// The oldest epoch in memory. Far behind `epoch`, it is a reader holding
+  /// an old snapshot, and with it blocks the cache has since replaced.
+  std::uint64_t oldest_epoch_alive = 0;
+  std::size_t snapshots_alive = 0;  ///< Snapshots of this cache open now (reads in progress included).
   /// Blocks alive in the cache's pool (published, pinned or being written),
   /// counted against its budget; with a pool shared by several caches, the
   /// whole pool's count.

@@ -16,6 +16,7 @@
 //   count then brings pending_ up from zero and schedules the drain that
 //   takes whatever was enqueued meanwhile.
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -120,6 +121,9 @@ class actor : public std::enable_shared_from_this<actor> {
   std::atomic<std::uint64_t> applied_{0};
   std::atomic<std::uint64_t> failed_{0};
   std::atomic<std::uint64_t> cancelled_{0};
+  std::array<std::atomic<std::uint64_t>, kv_cache_stats::drain_histogram{}.size()> drain_sizes_{};
+  const ref_ptr<epoch_registry> registry_;
+  const std::uint64_t id_;
 };
 
 /// Prints `layer_kv_cache{config=..., size=...}`.

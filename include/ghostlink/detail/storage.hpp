@@ -17,9 +17,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "ghostlink/detail/ref_ptr.hpp"
+#include "ghostlink/events.hpp"
 
 namespace ghostlink::detail {
 
@@ -49,6 +51,14 @@ class block_pool : public ref_counted<block_pool> {
   void give_memory(void* memory) noexcept;
   /// Frees every block on the free list.
   void trim() noexcept;
+  /// Installs `handler` (an empty one: none) for every later event. Free
+  /// when none is installed: one atomic load per event site. Handlers
+  /// replaced stay alive until the pool dies, as a call may still run them.
+  void set_event_handler(kv_event_handler handler);
+  /// Calls the installed handler, if any.
+  void emit(const kv_event& e) const noexcept {
+    if (const event_sink* sink = sink_.load(std::memory_order_acquire)) sink->handler(e);
+  }
   /// Fault injection for tests: the next `n` requests for a block's memory
   /// fail as if the system had none.
   void fail_next_allocations(std::size_t n) noexcept { failures_.store(n, std::memory_order_relaxed); }
@@ -83,6 +93,13 @@ class block_pool : public ref_counted<block_pool> {
   std::atomic<std::uint64_t> cow_copies_{0};
   std::atomic<std::uint64_t> allocated_{0};
   std::atomic<std::size_t> failures_{0};  // see fail_next_allocations
+  struct event_sink {
+    kv_event_handler handler;
+    std::unique_ptr<event_sink> replaced;  // kept alive: see set_event_handler
+  };
+  std::mutex sink_mutex_;                 // serialises set_event_handler
+  std::unique_ptr<event_sink> sinks_;      // sink_mutex_; the newest, owning those it replaced
+  std::atomic<const event_sink*> sink_{nullptr};  // null: no handler
 };
 
 /// Keys then values of `block_tokens` tokens, in one 64-byte aligned
@@ -179,6 +196,36 @@ struct page_table : ref_counted<page_table> {
   std::size_t blocks = 0;  // entries in use; later ones are null or the zero block
 };
 
+struct epoch;
+
+/// The epochs of one cache still in memory (the latest, and older ones a
+/// snapshot pins), oldest first, and the snapshots open on them: what
+/// stats() reports, so that a stalled reader holding memory shows. Epochs
+/// join when published (the actor) and leave when freed (any thread).
+class epoch_registry : public ref_counted<epoch_registry> {
+ public:
+  static void destroy(epoch_registry* r) noexcept { delete r; }
+
+  void add(epoch* e) noexcept;
+  void remove(epoch* e) noexcept;
+  struct reading {
+    std::size_t epochs_alive = 0;
+    std::uint64_t oldest = 0;
+  };
+  reading read() const noexcept;
+
+  void snapshot_opened() noexcept { snapshots_.fetch_add(1, std::memory_order_relaxed); }
+  void snapshot_closed() noexcept { snapshots_.fetch_sub(1, std::memory_order_relaxed); }
+  std::size_t snapshots() const noexcept { return snapshots_.load(std::memory_order_relaxed); }
+
+ private:
+  mutable std::mutex mutex_;
+  epoch* oldest_ = nullptr;  // mutex_; a list through epoch::newer / epoch::older
+  epoch* newest_ = nullptr;  // mutex_
+  std::size_t count_ = 0;    // mutex_
+  std::atomic<std::size_t> snapshots_{0};
+};
+
 /// One published state of a cache: what a snapshot pins.
 ///
 /// Tokens `[0, stored)` live in the table's blocks; tokens `[stored, length)`
@@ -188,15 +235,22 @@ struct page_table : ref_counted<page_table> {
 /// those slots of any block.
 struct epoch : ref_counted<epoch> {
   epoch(std::uint64_t number, std::size_t length, std::size_t stored, ref_ptr<page_table> table,
-        ref_ptr<block> zeros, std::size_t width, std::size_t block_tokens) noexcept
+        ref_ptr<block> zeros, std::size_t width, std::size_t block_tokens,
+        ref_ptr<epoch_registry> registry = {}) noexcept
       : number(number),
         length(length),
         stored(stored),
         table(std::move(table)),
         zeros(std::move(zeros)),
         width(width),
-        block_tokens(block_tokens) {}
-  static void destroy(epoch* e) noexcept { delete e; }
+        block_tokens(block_tokens),
+        registry(std::move(registry)) {
+    if (this->registry) this->registry->add(this);
+  }
+  static void destroy(epoch* e) noexcept {
+    if (e->registry) e->registry->remove(e);
+    delete e;
+  }
 
   /// The block holding token `index` (`index < length`); the slot within it
   /// is `index % block_tokens`.
@@ -217,6 +271,39 @@ struct epoch : ref_counted<epoch> {
   const ref_ptr<block> zeros;
   const std::size_t width;
   const std::size_t block_tokens;
+  const ref_ptr<epoch_registry> registry;  // null only in tests of epochs alone
+  epoch* older = nullptr;                  // the registry's list, under its mutex
+  epoch* newer = nullptr;
+};
+
+/// A reader's reference to an epoch (what a snapshot holds), counted in its
+/// cache's registry while held.
+class pinned_epoch {
+ public:
+  pinned_epoch() noexcept = default;
+  explicit pinned_epoch(ref_ptr<epoch> e) noexcept : epoch_(std::move(e)) {
+    if (epoch_ && epoch_->registry) epoch_->registry->snapshot_opened();
+  }
+  pinned_epoch(pinned_epoch&&) noexcept = default;  // leaves the source empty
+  pinned_epoch& operator=(pinned_epoch&& other) noexcept {
+    if (this != &other) {
+      close();
+      epoch_ = std::move(other.epoch_);
+    }
+    return *this;
+  }
+  ~pinned_epoch() { close(); }
+
+  explicit operator bool() const noexcept { return static_cast<bool>(epoch_); }
+  const epoch* operator->() const noexcept { return epoch_.get(); }
+  const epoch& operator*() const noexcept { return *epoch_; }
+
+ private:
+  void close() noexcept {
+    if (epoch_ && epoch_->registry) epoch_->registry->snapshot_closed();
+    epoch_ = {};
+  }
+  ref_ptr<epoch> epoch_;
 };
 
 }  // namespace ghostlink::detail
