@@ -83,7 +83,9 @@ struct where {
   }
 };
 
-inline std::string ec_name(std::error_code ec) { return ec ? str(ec.category().name(), ':', ec.value(), " (", ec.message(), ')') : "success"; }
+inline std::string ec_name(std::error_code ec) {
+  return ec ? str(ec.category().name(), ':', ec.value(), " (", ec.message(), ')') : "success";
+}
 
 inline void expect_ec(std::error_code got, std::error_code want, const std::string& what) {
   if (got != want) fail(str(what, ": got ", ec_name(got), ", model says ", ec_name(want)));

@@ -322,7 +322,10 @@ class model {
   }
 
   void seal(mcache& c) {
-    for (std::uint32_t id : c.touched) blocks_[id - 1].readable = std::max(blocks_[id - 1].readable, blocks_[id - 1].materialized);
+    for (std::uint32_t id : c.touched) {
+      mblock& b = blocks_[id - 1];
+      b.readable = std::max(b.readable, b.materialized);
+    }
     c.touched.clear();
   }
 
