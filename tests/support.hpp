@@ -11,6 +11,7 @@
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
+#include <asio/io_context.hpp>
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 #include <asio/use_future.hpp>
@@ -75,6 +76,16 @@ inline observed observe(const layer_kv_cache& cache) {
   o.keys = std::move(all.keys);
   o.values = std::move(all.values);
   return o;
+}
+
+/// A cache on `io` (which this thread runs) initialized to one token, so it
+/// accepts writes; `io` is restarted, ready to run again.
+inline layer_kv_cache initialized_cache(asio::io_context& io, const kv_cache_config& config) {
+  layer_kv_cache cache(io, config);
+  cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  io.run();
+  io.restart();
+  return cache;
 }
 
 /// Runs `aw` on `ex` and waits for it; rethrows what it throws.

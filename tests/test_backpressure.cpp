@@ -17,6 +17,7 @@
 #include <thread>
 
 using namespace ghostlink;
+using ghostlink::test::initialized_cache;
 using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
 
@@ -27,15 +28,6 @@ kv_cache_config bounded_config(std::size_t max_pending, std::size_t tokens = 16)
   c.max_tokens_per_seq = tokens;
   c.max_pending = max_pending;
   return c;
-}
-
-/// A cache that accepts writes at once, on a context not yet running.
-layer_kv_cache initialized_cache(asio::io_context& io, const kv_cache_config& config) {
-  layer_kv_cache cache(io, config);
-  cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
-  io.run();
-  io.restart();
-  return cache;
 }
 
 /// The keys of token `index` in the latest epoch.

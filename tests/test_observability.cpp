@@ -12,6 +12,7 @@
 #include <thread>
 
 using namespace ghostlink;
+using ghostlink::test::initialized_cache;
 using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
 
@@ -25,19 +26,11 @@ void write_now(asio::io_context& io, layer_kv_cache& cache, std::size_t index, i
   io.restart();
 }
 
-layer_kv_cache initialized(asio::io_context& io, const kv_cache_config& config) {
-  layer_kv_cache cache(io, config);
-  cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
-  io.run();
-  io.restart();
-  return cache;
-}
-
 }  // namespace
 
 TEST_CASE("stats show the epochs alive, the oldest a snapshot pins, and the snapshots open", "[observability]") {
   asio::io_context io;
-  layer_kv_cache cache = initialized(io, small_config());
+  layer_kv_cache cache = initialized_cache(io, small_config());
   write_now(io, cache, 0, 1);
   kv_cache_stats s = cache.stats();
   CHECK(s.epochs_alive == 1);
@@ -105,7 +98,7 @@ TEST_CASE("two reader threads pinning and releasing while the actor publishes: t
 
 TEST_CASE("requests_per_drain counts each drain in the bucket of its size", "[observability]") {
   asio::io_context io;
-  layer_kv_cache cache = initialized(io, small_config());  // one drain of 1
+  layer_kv_cache cache = initialized_cache(io, small_config());  // one drain of 1
   const std::size_t width = cache.config().token_width();
   std::vector<std::vector<float>> tokens;
   for (std::size_t i = 0; i < 5; ++i) tokens.push_back(token_pattern(width, i, 1));
