@@ -34,9 +34,11 @@ struct kv_pool_limits {
 /// A destroyed cache's blocks come back once its actor has finished its last
 /// drain, which may be just after the last write's handler has run.
 ///
-/// Cost: taking or returning a block is a few atomic operations on the
-/// free list and the counters. The pool lives until its last block is freed,
-/// even if every handle is gone. All members are safe from any thread.
+/// Cost: taking or returning a block is a push or pop on the free list, a
+/// stack under a mutex held for a few instructions, and a few atomic
+/// operations on the counters; a block the free list cannot supply comes
+/// from `operator new`. The pool lives until its last block is freed, even
+/// if every handle is gone. All members are safe from any thread.
 class kv_block_pool {
  public:
   /// A pool of blocks of `block_bytes` payload bytes each.
@@ -45,6 +47,8 @@ class kv_block_pool {
   ///         the limits allow no block at all.
   explicit kv_block_pool(std::size_t block_bytes, kv_pool_limits limits = {});
   /// A handle on an existing pool (what `basic_layer_kv_cache::pool()` returns).
+  /// For ghostlink's own caches: users get pools from the other constructor,
+  /// `for_caches()` or a cache's `pool()`.
   explicit kv_block_pool(detail::ref_ptr<detail::block_pool> state) noexcept : state_(std::move(state)) {}
 
   /// A pool whose blocks fit caches of `config` storing `T`.
@@ -64,7 +68,9 @@ class kv_block_pool {
     return 2 * config.block_tokens * config.token_width() * sizeof(T);
   }
 
+  /// Payload bytes of one block: its keys and its values.
   std::size_t block_bytes() const noexcept { return state_->payload_bytes(); }
+  /// The pool's counters now (see `kv_pool_stats`). Lock-free.
   kv_pool_stats stats() const noexcept;
   /// Returns every free block's memory to the system.
   void trim() noexcept { state_->trim(); }
@@ -75,9 +81,10 @@ class kv_block_pool {
   /// @throws std::bad_alloc if the handler cannot be stored.
   void set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }
 
+  /// True when both handles share one pool.
   friend bool operator==(const kv_block_pool& a, const kv_block_pool& b) noexcept { return a.state_ == b.state_; }
 
-  /// The pool's shared state (for the caches built on it).
+  /// The pool's shared state (for the caches built on it; not for users).
   detail::block_pool& state() const noexcept { return *state_; }
 
  private:

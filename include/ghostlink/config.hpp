@@ -40,6 +40,7 @@ struct kv_cache_config {
   /// Floats one token's keys (or values) occupy: `num_heads * head_dim`.
   constexpr std::size_t token_width() const noexcept { return num_heads * head_dim; }
 
+  /// Field-by-field equality.
   friend bool operator==(const kv_cache_config&, const kv_cache_config&) = default;
 };
 

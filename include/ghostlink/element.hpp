@@ -22,8 +22,10 @@ namespace ghostlink {
 
 /// IEEE 754 binary16: 1 sign bit, 5 exponent bits, 10 mantissa bits.
 struct half {
+  /// The raw binary16 encoding.
   std::uint16_t bits = 0;
 
+  /// Positive zero.
   constexpr half() noexcept = default;
   /// `f` rounded to nearest, ties to even (NaN becomes the quiet NaN 0x7e00
   /// with `f`'s sign).
@@ -36,6 +38,7 @@ struct half {
     h.bits = b;
     return h;
   }
+  /// Bitwise equality: +0 and -0 differ, a NaN equals a NaN of the same bits.
   friend constexpr bool operator==(half, half) noexcept = default;
 
  private:
@@ -83,8 +86,10 @@ struct half {
 
 /// bfloat16: the top 16 bits of a float (8 exponent bits, 7 mantissa bits).
 struct bfloat16 {
+  /// The raw encoding: the top 16 bits of the float it stands for.
   std::uint16_t bits = 0;
 
+  /// Positive zero.
   constexpr bfloat16() noexcept = default;
   /// `f` rounded to nearest, ties to even (a NaN stays a quiet NaN with its
   /// sign and top payload bits).
@@ -97,6 +102,7 @@ struct bfloat16 {
     v.bits = b;
     return v;
   }
+  /// Bitwise equality: +0 and -0 differ, a NaN equals a NaN of the same bits.
   friend constexpr bool operator==(bfloat16, bfloat16) noexcept = default;
 
  private:

@@ -9,6 +9,15 @@ namespace ghostlink {
 /// Why a cache operation failed. A failed operation leaves the stored data
 /// unchanged (the one documented exception: a sequence truncate that only
 /// some layers could apply).
+///
+/// Asynchronous operations pass them to their handler as its first argument,
+/// a `std::error_code` of `kv_category()` (with `asio::use_awaitable` and
+/// `asio::use_future` they arrive as a thrown `std::system_error`); snapshot
+/// reads return them; constructors throw `std::system_error` with
+/// `invalid_config`. `capacity_exhausted` also stands for memory the system
+/// refused (a block, a page table, an epoch, room in the mailbox). A
+/// cancelled operation completes with `asio::error::operation_aborted`,
+/// which is not a `kv_errc`.
 enum class kv_errc {
   zero_length = 1,      ///< `initialize(0)`.
   length_mismatch,      ///< `keys.size() != values.size()`.
@@ -32,5 +41,6 @@ std::error_code make_error_code(kv_errc e) noexcept;
 
 }  // namespace ghostlink
 
+/// Lets a `ghostlink::kv_errc` convert to, and compare with, a `std::error_code`.
 template <>
 struct std::is_error_code_enum<ghostlink::kv_errc> : std::true_type {};

@@ -11,11 +11,15 @@ namespace ghostlink {
 
 /// One thing that happened in a pool or in a cache on it.
 struct kv_event {
+  /// The kinds of event. A cache's first epoch (an empty cache's epoch 0,
+  /// or a fork's first) is not reported as published, and the blocks a fork
+  /// shares are not reported again: it allocates none.
   enum class kind : std::uint8_t {
     block_allocated,  ///< A cache took a block from the pool (counted against its budget).
     block_freed,      ///< A block went back to the pool: no epoch, snapshot or cache needs it.
     epoch_published,  ///< A cache published an epoch: what its snapshots see from now on.
   };
+  /// Which kind of event this is.
   kind what = kind::block_allocated;
   /// The cache whose block or epoch it is (`kv_cache_stats::cache_id`; a
   /// block belongs to the cache that made it, even when a fork shares it).

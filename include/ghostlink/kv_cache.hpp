@@ -3,6 +3,12 @@
 /// ghostlink: the key/value cache of a transformer layer as an actor-based
 /// async component for Asio. Include this header for the whole public API.
 
+/// @namespace ghostlink
+/// The public API: `layer_kv_cache` and `sequence_kv_cache` (written through
+/// actors, read through snapshots), `kv_snapshot`, `kv_block_pool`, the
+/// config, errors, statistics and events. Names in `ghostlink::detail` are
+/// internals, with no stability promise.
+
 #include "ghostlink/config.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/events.hpp"

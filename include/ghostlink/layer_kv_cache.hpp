@@ -69,13 +69,24 @@ using default_completion_token = asio::use_awaitable_t<>;
 /// handler's executor, as Asio requires of a slot. Reads complete at once
 /// and are not cancellable.
 ///
-/// Thread safety: every member function may be called from any thread.
+/// Errors: besides those each operation lists, any write, initialize,
+/// truncate or fork completes with `kv_errc::capacity_exhausted`, changing
+/// nothing, if the system refuses memory for the epoch it would publish or
+/// for room in the mailbox, and with `asio::error::operation_aborted` if
+/// cancelled as above. With `asio::use_awaitable` (the default token) and
+/// `asio::use_future` an error arrives as a thrown `std::system_error`.
+///
+/// Thread safety: every member function may be called from any thread, on
+/// a valid handle (see `valid()`). Buffers passed in (`std::span`s) must stay
+/// valid until the operation completes, as with `asio::async_write`.
 template <storage_element T>
 class basic_layer_kv_cache {
  public:
+  /// The actor's strand, as `get_executor()` returns it.
   using executor_type = asio::strand<asio::any_io_executor>;
   /// The stored element type.
   using value_type = T;
+  /// What `snapshot()` returns.
   using snapshot_type = basic_kv_snapshot<T>;
 
   /// A cache whose actor runs on a new strand of `ex`, with a private pool
@@ -116,12 +127,14 @@ class basic_layer_kv_cache {
   /// False for an empty handle (default-constructed, moved-from, or the
   /// result of a failed fork).
   bool valid() const noexcept { return actor_ != nullptr; }
+  /// As `valid()`.
   explicit operator bool() const noexcept { return valid(); }
   /// True when both handles share one cache.
   friend bool operator==(const basic_layer_kv_cache& a, const basic_layer_kv_cache& b) noexcept {
     return a.actor_ == b.actor_;
   }
 
+  /// The config the cache was made with (a fork's: its parent's).
   const kv_cache_config& config() const noexcept { return actor_->config(); }
   /// The pool the cache takes its blocks from.
   kv_block_pool pool() const noexcept { return kv_block_pool(detail::ref_ptr<detail::block_pool>::share(&actor_->pool())); }
@@ -134,13 +147,15 @@ class basic_layer_kv_cache {
   /// ahead of a snapshot taken after it: after `n = size(); s = snapshot();`,
   /// `s.size() >= n`.
   std::size_t size() const noexcept { return actor_->size(); }
+  /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
 
   /// Pins the latest published epoch. Never blocks and never waits for the
   /// actor; includes every write whose handler has run.
   snapshot_type snapshot() const noexcept { return snapshot_type(actor_->pin()); }
 
-  /// The cache's counters.
+  /// The cache's counters now (see `kv_cache_stats`). Lock-free but for a
+  /// short mutex over the list of epochs alive.
   kv_cache_stats stats() const noexcept { return actor_->stats(); }
 
   /// Makes the first `min(seq_len, max_tokens_per_seq)` tokens valid (zeros
@@ -148,7 +163,18 @@ class basic_layer_kv_cache {
   ///
   /// Completion signature: `void(std::error_code)`, after the result is
   /// published. Errors: `zero_length` if `seq_len == 0`;
-  /// `capacity_exhausted` if the block budget is spent.
+  /// `capacity_exhausted` if memory for the cache's block of zeros cannot be
+  /// had (that block is outside the block budget, which initialize never
+  /// charges). On error nothing changes.
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the cache was made from, not the strand), never run inside this call.
+  /// Cancellable until the actor takes it (see Cancellation above).
+  ///
+  /// @param seq_len tokens to make valid (clamped to `max_tokens_per_seq`).
+  /// @param token   the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_initialize(std::size_t seq_len, CompletionToken&& token = default_completion_token());
 
@@ -160,7 +186,19 @@ class basic_layer_kv_cache {
   /// after the result is published. Errors, checked in this order:
   /// `length_mismatch`, `width_mismatch`, `index_out_of_range`
   /// (`index >= max_tokens_per_seq`), `not_initialized`, then
-  /// `capacity_exhausted`. On error nothing is stored.
+  /// `capacity_exhausted` (no block left under the budget, or memory for a
+  /// block or page table refused). On error nothing is stored.
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the cache was made from, not the strand), never run inside this call.
+  /// Cancellable until the actor takes it (see Cancellation above).
+  ///
+  /// @param index  the token's position, below `max_tokens_per_seq`.
+  /// @param keys   the token's keys: `token_width()` floats.
+  /// @param values the token's values: `token_width()` floats.
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
                    CompletionToken&& token = default_completion_token());
@@ -172,6 +210,15 @@ class basic_layer_kv_cache {
   /// The span and every span inside it must stay valid until completion.
   /// Completion signature: `void(std::error_code)`; errors as `async_write`,
   /// for the first bad entry. On error nothing of the batch is stored.
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the cache was made from, not the strand), never run inside this call.
+  /// Cancellable until the actor takes it (see Cancellation above).
+  ///
+  /// @param entries the tokens to write, in order.
+  /// @param token   the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_write_batch(std::span<const kv_write> entries, CompletionToken&& token = default_completion_token());
 
@@ -184,6 +231,15 @@ class basic_layer_kv_cache {
   /// Completion signature: `void(std::error_code)`, after the result is
   /// published. Errors: `capacity_exhausted` if memory for a page table
   /// cannot be had (nothing is dropped then).
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the cache was made from, not the strand), never run inside this call.
+  /// Cancellable until the actor takes it (see Cancellation above).
+  ///
+  /// @param n      the tokens to keep.
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token());
 
@@ -197,20 +253,57 @@ class basic_layer_kv_cache {
   ///
   /// Completion signature: `void(std::error_code, basic_layer_kv_cache<T>)`,
   /// after the fork point is published; on error the handle is empty.
-  /// Errors: `capacity_exhausted` if memory for the new page table cannot
-  /// be had.
+  /// Errors: `capacity_exhausted` if memory for the new cache (its actor,
+  /// page table and chunks) cannot be had. Either way this cache is
+  /// unchanged.
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the cache was made from, not the strand), never run inside this call.
+  /// Cancellable until the actor takes it (see Cancellation above): then
+  /// `operation_aborted` and an empty handle.
+  ///
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<basic_layer_kv_cache<T>>`.
   template <class CompletionToken = default_completion_token>
   auto async_fork(CompletionToken&& token = default_completion_token());
 
   /// Reads token `index` from the latest published epoch (not through the
-  /// actor). Completion signature: `void(std::error_code, kv_entry)`;
-  /// `index_out_of_range` if `index >= size()`.
+  /// actor), as `snapshot().read_kv(index, entry)` does: the copy is made
+  /// inside this call, and only the handler is queued.
+  ///
+  /// Completion signature: `void(std::error_code, kv_entry)`; the entry
+  /// holds `token_width()` floats of keys and of values, widened from `T`.
+  /// Errors: `index_out_of_range` if `index >= size()` (the entry is empty).
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the cache was made from, not the strand), never run inside this call.
+  /// Not cancellable: the read is done before this call returns.
+  ///
+  /// @param index  the token to read.
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<kv_entry>`.
   template <class CompletionToken = default_completion_token>
   auto async_read_kv(std::size_t index, CompletionToken&& token = default_completion_token());
 
-  /// Reads tokens `[begin, end)` token-major from the latest published epoch.
-  /// Completion signature: `void(std::error_code, kv_range)`; errors
-  /// `invalid_range` (`begin > end`), `range_out_of_bounds` (`end > size()`).
+  /// Reads tokens `[begin, end)` token-major from the latest published epoch
+  /// (not through the actor), as `snapshot().read_range(begin, end, range)`
+  /// does: the copy is made inside this call, and only the handler is queued.
+  ///
+  /// Completion signature: `void(std::error_code, kv_range)`. Errors:
+  /// `invalid_range` (`begin > end`), `range_out_of_bounds` (`end > size()`);
+  /// the range's vectors are empty then. `begin == end` succeeds, empty.
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the cache was made from, not the strand), never run inside this call.
+  /// Not cancellable: the read is done before this call returns.
+  ///
+  /// @param begin  the first token to read.
+  /// @param end    one past the last token to read.
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<kv_range>`.
   template <class CompletionToken = default_completion_token>
   auto async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token = default_completion_token());
 

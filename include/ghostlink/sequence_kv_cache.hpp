@@ -43,7 +43,10 @@ class basic_sequence_snapshot {
 
   /// Tokens every layer's snapshot shows.
   std::size_t size() const noexcept { return layers_.empty() ? 0 : size_; }
+  /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
+  /// The layers pinned: the sequence's `num_layers()`, or 0 for an empty
+  /// (default-constructed or moved-from) snapshot.
   std::size_t num_layers() const noexcept { return layers_.size(); }
   /// Layer `i`'s snapshot (`i < num_layers()`), narrowed to `size()`.
   const basic_kv_snapshot<T>& layer(std::size_t i) const noexcept { return layers_[i]; }
@@ -82,12 +85,24 @@ struct sequence_state;
 /// Layers accept writes from the start (no initialize is needed). Writing
 /// to a layer directly (through `layer(i)`) bypasses the sequence's
 /// bookkeeping; a snapshot then still shows only what every layer holds.
+///
+/// Completion: as for `basic_layer_kv_cache`, every handler is queued on its
+/// associated executor (without one, the executor the sequence was made
+/// from), never run inside the initiating call, and a coroutine resumes on
+/// its own executor. An operation's intermediate state (one per operation,
+/// holding the handler) is allocated with the handler's associated
+/// allocator. With `asio::use_awaitable` (the default token) and
+/// `asio::use_future` an error arrives as a thrown `std::system_error`.
 template <storage_element T>
 class basic_sequence_kv_cache {
  public:
+  /// The executor the sequence was made from (not a strand).
   using executor_type = asio::any_io_executor;
+  /// The stored element type.
   using value_type = T;
+  /// The cache of one layer, as `layer()` returns it.
   using layer_type = basic_layer_kv_cache<T>;
+  /// What `snapshot()` returns.
   using snapshot_type = basic_sequence_snapshot<T>;
 
   /// `num_layers` empty layers of `config` whose actors run on strands of
@@ -111,12 +126,17 @@ class basic_sequence_kv_cache {
   /// An empty handle, as a failed `async_fork` hands out: only `valid()`,
   /// assignment and destruction may be used on it.
   basic_sequence_kv_cache() noexcept = default;
+  /// False for an empty handle (default-constructed, moved-from, or the
+  /// result of a failed fork).
   bool valid() const noexcept { return state_ != nullptr; }
+  /// As `valid()`.
   explicit operator bool() const noexcept { return valid(); }
 
+  /// The layers of the sequence, each a `layer_type` with its own actor.
   std::size_t num_layers() const noexcept;
   /// The config the sequence was made with (for every layer).
   const kv_cache_config& config() const noexcept;
+  /// The pool every layer takes its blocks from.
   kv_block_pool pool() const noexcept { return layer(0).pool(); }
   /// The executor the layers' strands were made from; where handlers
   /// without an associated executor run.
@@ -124,6 +144,7 @@ class basic_sequence_kv_cache {
   /// Tokens the sequence holds: those of its last completed append or
   /// truncate (or fork).
   std::size_t size() const noexcept;
+  /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
   /// Layer `i`'s cache (`i < num_layers()`), for reads.
   const layer_type& layer(std::size_t i) const noexcept;
@@ -146,7 +167,21 @@ class basic_sequence_kv_cache {
   /// published the token. Errors: `layer_mismatch`, `length_mismatch`,
   /// `width_mismatch` (checked first, for every layer), `index_out_of_range`
   /// (`size() == max_tokens_per_seq`), `operation_in_progress`,
-  /// `capacity_exhausted`.
+  /// `capacity_exhausted` (no block left in the pool, or memory refused, in
+  /// any layer); `asio::error::operation_aborted` if cancelled before every
+  /// layer applied it. On error the sequence is as before: the layers that
+  /// took the token drop it again (without memory to, they keep it hidden
+  /// from snapshots until the next append overwrites it).
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the sequence was made from), never run inside this call, even when the
+  /// operation fails at once. Cancellable (see Cancellation above).
+  ///
+  /// @param keys_per_layer   one span of `token_width()` floats per layer.
+  /// @param values_per_layer one span of `token_width()` floats per layer.
+  /// @param token            the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_append(std::span<const std::span<const float>> keys_per_layer,
                     std::span<const std::span<const float>> values_per_layer, CompletionToken&& token = default_completion_token());
@@ -158,6 +193,17 @@ class basic_sequence_kv_cache {
   /// memory for its page table (nothing changed then). If only some could,
   /// the truncate succeeds: the others keep their extra tokens hidden
   /// (snapshots show the shortest layer) until appends overwrite them.
+  /// `asio::error::operation_aborted` if cancelled before any layer
+  /// truncated (nothing changed then).
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the sequence was made from), never run inside this call, even when the
+  /// operation fails at once. Cancellable (see Cancellation above).
+  ///
+  /// @param n      the tokens to keep.
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token());
 
@@ -165,7 +211,17 @@ class basic_sequence_kv_cache {
   /// this one (see `basic_layer_kv_cache::async_fork`), with the same pool.
   /// Completion signature: `void(std::error_code, basic_sequence_kv_cache)`;
   /// on error the handle is empty and nothing is forked. Errors:
-  /// `operation_in_progress`, `capacity_exhausted`.
+  /// `operation_in_progress`, `capacity_exhausted`;
+  /// `asio::error::operation_aborted` if cancelled before every layer forked.
+  /// The forks of layers that did fork are released again.
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the sequence was made from), never run inside this call, even when the
+  /// operation fails at once. Cancellable (see Cancellation above).
+  ///
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<basic_sequence_kv_cache>`.
   template <class CompletionToken = default_completion_token>
   auto async_fork(CompletionToken&& token = default_completion_token());
 

@@ -24,8 +24,9 @@ namespace ghostlink {
 /// What it shows never changes, whatever is written later: its size, its
 /// epoch number and every token it covers. It may be held across `co_await`,
 /// moved to another thread and destroyed there; releasing the last snapshot
-/// of an epoch frees the blocks only that epoch could reach. All member
-/// functions are safe to call from many threads at once.
+/// of an epoch frees the blocks only that epoch could reach. All const
+/// member functions are safe to call from many threads at once; moving from
+/// or assigning to a snapshot is not, as for any object.
 ///
 /// Reads into `float` spans convert from the stored type `T` exactly;
 /// `for_each_block` hands out the stored `T`s themselves.
@@ -37,19 +38,27 @@ class basic_kv_snapshot {
   /// The stored element type.
   using value_type = T;
 
+  /// An empty snapshot: size 0, epoch 0, no epoch pinned.
   basic_kv_snapshot() noexcept = default;
-  /// Pins `e` (used by `basic_layer_kv_cache<T>::snapshot()`).
+  /// Pins `e` (used by `basic_layer_kv_cache<T>::snapshot()`; not for users).
   explicit basic_kv_snapshot(detail::ref_ptr<detail::epoch> e) noexcept
       : epoch_(std::move(e)), size_(epoch_ ? epoch_->length : 0) {}
+  /// Takes over the other snapshot's pin; the other is left empty.
   basic_kv_snapshot(basic_kv_snapshot&&) noexcept = default;
+  /// Releases this snapshot's pin (which, if it held its epoch's last
+  /// reference, frees the blocks only that epoch could reach, on this
+  /// thread) and takes over the other's; the other is left empty.
   basic_kv_snapshot& operator=(basic_kv_snapshot&&) noexcept = default;
+  /// Not copyable: move it, or call `snapshot()` again.
   basic_kv_snapshot(const basic_kv_snapshot&) = delete;
+  /// Not copyable: move it, or call `snapshot()` again.
   basic_kv_snapshot& operator=(const basic_kv_snapshot&) = delete;
 
   /// The epoch number: strictly increasing with each publication of a cache.
   std::uint64_t epoch() const noexcept { return epoch_ ? epoch_->number : 0; }
   /// Tokens this snapshot covers.
   std::size_t size() const noexcept { return epoch_ ? size_ : 0; }
+  /// True when it covers no token (`size() == 0`).
   bool empty() const noexcept { return size() == 0; }
 
   /// This snapshot (moved) narrowed to its first `min(n, size())` tokens:

@@ -59,6 +59,7 @@ struct kv_pool_stats {
   /// free, and each cache's one block of zeros, which the budget exempts).
   std::uint64_t blocks_allocated = 0;
 
+  /// Payload bytes of the blocks in use: `blocks_in_use * block_bytes`.
   std::size_t bytes_in_use() const noexcept { return blocks_in_use * block_bytes; }
 };
 

@@ -12,23 +12,35 @@ namespace ghostlink {
 /// One token of an `async_write_batch`. The spans are the caller's and must
 /// stay valid until the batch completes.
 struct kv_write {
+  /// The token's position: below `max_tokens_per_seq`, or the batch fails
+  /// with `kv_errc::index_out_of_range`.
   std::size_t index = 0;
+  /// The token's keys: `token_width()` floats (else `kv_errc::width_mismatch`).
   std::span<const float> keys;
+  /// The token's values: as many floats as `keys` (else
+  /// `kv_errc::length_mismatch`).
   std::span<const float> values;
 };
 
 /// An owned copy of one token's keys and values (`token_width()` floats each).
 struct kv_entry {
+  /// The token's keys, widened to float.
   std::vector<float> keys;
+  /// The token's values, widened to float.
   std::vector<float> values;
 };
 
 /// An owned copy of tokens `[begin, end)`, token-major: token `begin` first,
 /// `token_width()` floats per token.
 struct kv_range {
+  /// The first token read.
   std::size_t begin = 0;
+  /// One past the last token read.
   std::size_t end = 0;
+  /// `(end - begin) * token_width()` floats: the keys of token `begin`, then
+  /// of `begin + 1`, and so on.
   std::vector<float> keys;
+  /// The values, laid out as `keys`.
   std::vector<float> values;
 };
 
