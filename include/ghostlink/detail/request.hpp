@@ -95,25 +95,20 @@ const Executor& executor_of(const Executor& tracked) {
 class actor;
 class mailbox;
 
-/// Whether a request has been taken by the actor or cancelled first, for a
-/// request whose handler has a cancellation slot. Shared between the
-/// request and the handler installed in the slot, which may outlive the
-/// request (the slot's owner may emit after completion): whichever of
-/// claim() and cancel() moves it out of `pending` first decides.
+/// Whether a request's cancellation slot was emitted, for a request whose
+/// handler has one. Shared between the request and the handler installed in
+/// the slot, which may outlive the request (the slot's owner may emit after
+/// completion). The actor claims a request once, when it takes it: a
+/// cancellation seen then wins; one after it changes nothing. So one state
+/// may serve several requests (the layers of a sequence's operation): each
+/// is claimed or skipped on its own, as the cancellation finds it.
 struct cancel_state : ref_counted<cancel_state> {
-  enum : int { pending, claimed, cancelled };
-  std::atomic<int> state{pending};
+  std::atomic<bool> cancelled{false};
   static void destroy(cancel_state* s) noexcept { delete s; }
 
-  bool claim() noexcept { return settle(claimed); }
-  void cancel() noexcept { settle(cancelled); }
-
- private:
-  bool settle(int to) noexcept {
-    int expected = pending;
-    // acq_rel: the winner's view of the request is the loser's.
-    return state.compare_exchange_strong(expected, to, std::memory_order_acq_rel);
-  }
+  // acquire/release: whatever the canceller did before is seen by the actor.
+  bool claim() const noexcept { return !cancelled.load(std::memory_order_acquire); }
+  void cancel() noexcept { cancelled.store(true, std::memory_order_release); }
 };
 
 /// What a request's handler's cancellation slot holds: any cancellation
@@ -126,9 +121,19 @@ struct cancel_handler {
   }
 };
 
+/// A cancel_state that `slot` cancels, installed in it; null if the slot
+/// is not connected (nothing can cancel).
+template <class Slot>
+ref_ptr<cancel_state> watch_slot(Slot slot) {
+  if (!slot.is_connected()) return {};
+  auto state = ref_ptr<cancel_state>::adopt(new cancel_state);
+  slot.template emplace<cancel_handler>(cancel_handler{state});
+  return state;
+}
+
 /// A layer request's handler whose cancellation comes from a composed
-/// operation (a sequence's fan-out) instead of an associated slot: `state`
-/// becomes the request's, and the composed operation's slot cancels it
+/// operation (a sequence's fan-out) instead of an associated slot: `state`,
+/// which the composed operation's slot cancels, becomes the request's
 /// (null: not cancellable).
 template <class Handler>
 struct cancelled_by_group {
@@ -170,6 +175,7 @@ class request {
   void set_forked(std::shared_ptr<actor> child) noexcept { forked_ = std::move(child); }
   /// The actor takes the request to apply it: false if it was cancelled
   /// first (it must then complete it with operation_aborted, unapplied).
+  /// Called once per request.
   bool claim() noexcept { return !cancel_ || cancel_->claim(); }
 
   /// Queues the handler with `ec` (and a fork's result) and frees the request.
@@ -192,13 +198,6 @@ class request {
   ~request() = default;
 
   std::shared_ptr<actor> take_forked() noexcept { return std::move(forked_); }
-  /// Makes the request cancellable through `slot` (if connected).
-  template <class Slot>
-  void watch(Slot slot) {
-    if (!slot.is_connected()) return;
-    cancel_ = ref_ptr<cancel_state>::adopt(new cancel_state);
-    slot.template emplace<cancel_handler>(cancel_handler{cancel_});
-  }
   /// Makes the request cancellable through `state` (if not null).
   void watch(ref_ptr<cancel_state> state) noexcept { cancel_ = std::move(state); }
 
@@ -248,7 +247,7 @@ class request_op final : public request {
     if constexpr (is_cancelled_by_group<Handler>)
       watch(handler_.state);
     else
-      watch(asio::get_associated_cancellation_slot(handler_));
+      watch(watch_slot(asio::get_associated_cancellation_slot(handler_)));
   }
 
   static void finish(request* base, const std::error_code* ec, queueing how) {

@@ -15,7 +15,6 @@
 
 #include <asio/async_result.hpp>
 #include <asio/associated_cancellation_slot.hpp>
-#include <asio/cancellation_type.hpp>
 
 #include "ghostlink/detail/request.hpp"
 #include "ghostlink/error.hpp"
@@ -160,53 +159,21 @@ inline std::error_code check_append(std::size_t layers, std::size_t width,
   return {};
 }
 
-/// A composed operation's cancellation, passed on to its layer requests:
-/// one cancel_state per layer, all cancelled when the operation's slot is
-/// emitted. A layer the actor has claimed applies; the others complete with
-/// operation_aborted, and the operation decides from the mix (an append
-/// undoes the layers that applied).
-class cancel_group {
- public:
-  /// Cancels nothing.
-  cancel_group() noexcept = default;
-  /// Watches `slot` (if connected) for `layers` layer requests.
-  template <class Slot>
-  cancel_group(Slot slot, std::size_t layers) {
-    if (!slot.is_connected()) return;
-    auto states = std::make_shared<std::vector<ref_ptr<cancel_state>>>();
-    states->reserve(layers);
-    for (std::size_t i = 0; i < layers; ++i) states->push_back(ref_ptr<cancel_state>::adopt(new cancel_state));
-    slot.template emplace<cancel_all>(cancel_all{states});
-    states_ = std::move(states);
-  }
-  /// Layer `i`'s handler, cancellable through this group.
-  template <class Handler>
-  cancelled_by_group<Handler> wrap(std::size_t i, Handler handler) const {
-    return {std::move(handler), states_ ? (*states_)[i] : ref_ptr<cancel_state>()};
-  }
-
- private:
-  struct cancel_all {
-    std::shared_ptr<const std::vector<ref_ptr<cancel_state>>> states;
-    void operator()(asio::cancellation_type type) const noexcept {
-      if (type == asio::cancellation_type::none) return;
-      for (const auto& s : *states) s->cancel();
-    }
-  };
-  std::shared_ptr<const std::vector<ref_ptr<cancel_state>>> states_;
-};
-
 /// Starts `start(i, handler)` on every layer, `handler` being the fan-out's
-/// slot `i`, cancellable through `cancel` (by default not at all). If
+/// slot `i`, cancellable through `cancel` (by default not at all): one
+/// state for every layer's request, which the operation's slot cancels. A
+/// layer the actor had claimed applies; the others complete with
+/// operation_aborted, and the operation decides from the mix (an append
+/// undoes the layers that applied). If
 /// starting one throws (no memory for its request), it and the layers not
 /// yet started complete with capacity_exhausted, so the fan-out still
 /// finishes exactly once.
 template <class Fan, class Start>
 void start_layers(const std::shared_ptr<Fan>& fan, std::size_t layers, Start start,
-                  const cancel_group& cancel = {}) noexcept {
+                  const ref_ptr<cancel_state>& cancel = {}) noexcept {
   std::size_t i = 0;
   try {
-    for (; i < layers; ++i) start(i, cancel.wrap(i, fan->slot(i)));
+    for (; i < layers; ++i) start(i, cancelled_by_group<decltype(fan->slot(i))>{fan->slot(i), cancel});
   } catch (...) {
     for (; i < layers; ++i) fan->slot(i)(std::error_code(kv_errc::capacity_exhausted));
   }
@@ -252,7 +219,7 @@ template <storage_element T, class Handler>
 void start_append(std::shared_ptr<sequence_state<T>> state, Handler handler,
                   std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values) {
   pending_handler<Handler> done(std::move(handler), state->executor);
-  const cancel_group cancel(done.cancellation_slot(), state->layers.size());
+  const ref_ptr<cancel_state> cancel = watch_slot(done.cancellation_slot());
   if (std::error_code ec = check_append(state->layers.size(), state->config.token_width(), keys, values))
     return std::move(done).complete(ec);
   if (!state->try_begin()) return std::move(done).complete(std::error_code(kv_errc::operation_in_progress));
@@ -278,7 +245,7 @@ void start_append(std::shared_ptr<sequence_state<T>> state, Handler handler,
 template <storage_element T, class Handler>
 void start_truncate(std::shared_ptr<sequence_state<T>> state, Handler handler, std::size_t n) {
   pending_handler<Handler> done(std::move(handler), state->executor);
-  const cancel_group cancel(done.cancellation_slot(), state->layers.size());
+  const ref_ptr<cancel_state> cancel = watch_slot(done.cancellation_slot());
   if (!state->try_begin()) return std::move(done).complete(std::error_code(kv_errc::operation_in_progress));
   if (n >= state->length.load(std::memory_order_relaxed)) {
     state->end();
@@ -307,7 +274,7 @@ template <storage_element T, class Handler>
 void start_fork(std::shared_ptr<sequence_state<T>> state, Handler handler) {
   using sequence = basic_sequence_kv_cache<T>;
   pending_handler<Handler> done(std::move(handler), state->executor);
-  const cancel_group cancel(done.cancellation_slot(), state->layers.size());
+  const ref_ptr<cancel_state> cancel = watch_slot(done.cancellation_slot());
   if (!state->try_begin())
     return std::move(done).complete(std::error_code(kv_errc::operation_in_progress), sequence());
   const std::size_t length = state->length.load(std::memory_order_relaxed);
