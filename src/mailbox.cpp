@@ -53,17 +53,15 @@ void mailbox::park(request* r) noexcept {
   waiting_tail_ = r;
   waiting_count_.fetch_add(1, std::memory_order_relaxed);
   delayed_.fetch_add(1, std::memory_order_relaxed);
-  congested_.store(true, std::memory_order_relaxed);
 }
 
 bool mailbox::push(request* r) noexcept {
   if (!bounded()) return queue_.enqueue(r);
-  // A stale `false` here only sends the request to try_reserve(), which is
-  // exact; ordering rests on queued_ and the mutex (see the invariants).
-  if (!congested_.load(std::memory_order_relaxed) && try_reserve()) return enqueue_reserved(r);
+  // Ordering rests on queued_ and the mutex (see the invariants).
+  if (waiting() == 0 && try_reserve()) return enqueue_reserved(r);
   {
     std::lock_guard lock(mutex_);
-    if (congested_.load(std::memory_order_relaxed) || !try_reserve()) {
+    if (waiting_head_ || !try_reserve()) {
       park(r);
       return true;
     }
@@ -75,7 +73,7 @@ std::size_t mailbox::take(request** out, std::size_t n) noexcept {
   std::size_t taken = queue_.try_dequeue_bulk(out, n);
   if (!bounded()) return taken;
   if (taken) queued_.fetch_sub(taken, std::memory_order_acq_rel);
-  if (taken == n) return taken;
+  if (taken == n || waiting() == 0) return taken;
   std::lock_guard lock(mutex_);
   if (!waiting_head_ || queued_.load(std::memory_order_acquire) != 0) return taken;  // queued requests go first
   while (taken < n && waiting_head_) {
@@ -84,10 +82,7 @@ std::size_t mailbox::take(request** out, std::size_t n) noexcept {
     out[taken++] = r;
     waiting_count_.fetch_sub(1, std::memory_order_relaxed);
   }
-  if (!waiting_head_) {
-    waiting_tail_ = nullptr;
-    congested_.store(false, std::memory_order_relaxed);
-  }
+  if (!waiting_head_) waiting_tail_ = nullptr;
   return taken;
 }
 

@@ -3,16 +3,18 @@
 // by the cache's max_pending, with an intrusive FIFO of requests waiting for
 // room.
 //
-// Invariants (mutex_ guards waiting_head_/waiting_tail_ and every write of
-// congested_):
+// Invariants (mutex_ guards waiting_head_/waiting_tail_ and every change of
+// waiting_count_):
 // - queued_ counts slots reserved in queue_: a request reserves one before it
 //   is enqueued and the drain releases one per request it dequeues, so
 //   queue_ never holds more than max_pending_ requests and its memory stays
 //   bounded by them. An unbounded mailbox (max_pending_ = SIZE_MAX) counts
 //   nothing and never congests.
-// - congested_ is true exactly while requests wait (set by the first request
-//   parked, cleared by the take that empties the list). While it is set,
-//   every new request parks behind the waiting ones.
+// - waiting_count_ is the length of the waiting list. While it is non-zero,
+//   every new request parks behind the waiting ones. Read without the lock
+//   it may be stale: a stale 0 only sends a request to try_reserve(), which
+//   is exact, and a drain that misses a park is followed by another, as the
+//   parked request is counted in the actor's pending_.
 // - Order: per thread, a queued request precedes any request parked after
 //   it. take() hands out parked requests only when, under mutex_, queued_ is
 //   zero: every request that reserved a slot before a park the take can see
@@ -67,7 +69,6 @@ class mailbox {
   const std::size_t max_pending_;
   moodycamel::ConcurrentQueue<request*, mailbox_traits> queue_;
   std::atomic<std::size_t> queued_{0};
-  std::atomic<bool> congested_{false};
   std::mutex mutex_;
   request* waiting_head_ = nullptr;
   request* waiting_tail_ = nullptr;
