@@ -137,7 +137,10 @@ void actor::drain() {
     cancelled += results[i] == asio::error::operation_aborted ? 1 : 0;
   }
   drains_.fetch_add(1, std::memory_order_relaxed);
-  if (n > 0) drain_sizes_[std::min<std::size_t>(std::bit_width(n) - 1, drain_sizes_.size() - 1)].fetch_add(1, std::memory_order_relaxed);
+  if (n > 0) {  // bucket i: [2^i, 2^(i+1)) requests
+    const std::size_t bucket = std::min<std::size_t>(std::bit_width(n) - 1, drain_sizes_.size() - 1);
+    drain_sizes_[bucket].fetch_add(1, std::memory_order_relaxed);
+  }
   applied_.fetch_add(applied, std::memory_order_relaxed);
   failed_.fetch_add(n - applied - cancelled, std::memory_order_relaxed);
   cancelled_.fetch_add(cancelled, std::memory_order_relaxed);

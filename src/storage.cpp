@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
-#include <utility>
-
 #include <mutex>
+#include <utility>
 
 namespace ghostlink::detail {
 namespace {
@@ -19,12 +18,13 @@ std::atomic<std::size_t> live_pools{0};
 std::atomic<std::size_t> unbalanced_pools{0};
 std::atomic<std::size_t> metadata_countdown{0};  // see fail_metadata_allocation; 0: none pending
 
-/// Takes one of the failures a test injected, if any are left.
-bool take_injected_failure(std::atomic<std::size_t>& failures) noexcept {
-  std::size_t n = failures.load(std::memory_order_relaxed);
-  while (n > 0)
-    if (failures.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) return true;
-  return false;
+/// Counts a test's fault-injection counter down by one unless it is zero;
+/// returns its value before (0: nothing injected).
+std::size_t count_down(std::atomic<std::size_t>& counter) noexcept {
+  std::size_t n = counter.load(std::memory_order_relaxed);
+  while (n > 0 && !counter.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
+  }
+  return n;
 }
 
 }  // namespace
@@ -40,15 +40,16 @@ struct free_list {
   std::mutex mutex;
   void* head = nullptr;
 
+  static void*& next(void* memory) noexcept { return *static_cast<void**>(memory); }
   void push(void* memory) noexcept {
     std::lock_guard lock(mutex);
-    *static_cast<void**>(memory) = head;
+    next(memory) = head;
     head = memory;
   }
   void* pop() noexcept {
     std::lock_guard lock(mutex);
     void* memory = head;
-    if (memory) head = *static_cast<void**>(memory);
+    if (memory) head = next(memory);
     return memory;
   }
   /// Empties the list; returns its first block (each links the next).
@@ -57,8 +58,6 @@ struct free_list {
     return std::exchange(head, nullptr);
   }
 };
-
-void* next_free(void* memory) noexcept { return *static_cast<void**>(memory); }
 
 block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks)
     : payload_bytes_(payload_bytes), max_blocks_(max_blocks), free_(std::make_unique<free_list>()) {
@@ -83,7 +82,7 @@ bool block_pool::reserve() noexcept {
 }
 
 void* block_pool::take_memory() noexcept {
-  if (take_injected_failure(failures_)) return nullptr;
+  if (count_down(failures_) > 0) return nullptr;  // the next `failures_` fail
   void* memory = free_->pop();
   if (memory) {
     free_count_.fetch_sub(1, std::memory_order_relaxed);
@@ -111,7 +110,7 @@ void block_pool::set_event_handler(kv_event_handler handler) {
 
 void block_pool::trim() noexcept {
   for (void* memory = free_->pop_all(); memory;) {
-    void* const next = next_free(memory);
+    void* const next = free_list::next(memory);
     free_count_.fetch_sub(1, std::memory_order_relaxed);
     allocated_.fetch_sub(1, std::memory_order_relaxed);
     ::operator delete(memory, std::align_val_t{block_alignment});
@@ -127,12 +126,7 @@ std::size_t block_pool::blocks_shared() const noexcept {
 }
 
 void* metadata_new(std::size_t size) {
-  std::size_t n = metadata_countdown.load(std::memory_order_relaxed);
-  while (n > 0)
-    if (metadata_countdown.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
-      if (n == 1) throw std::bad_alloc();
-      break;
-    }
+  if (count_down(metadata_countdown) == 1) throw std::bad_alloc();  // the one the countdown reaches fails
   return ::operator new(size);
 }
 
