@@ -86,6 +86,23 @@ TEST_CASE("use_promise starts a write at once; awaiting the promise gives its re
   }());
 }
 
+TEST_CASE("use_promise with a sequence's operations", "[idioms][sequence]") {
+  asio::io_context io;
+  sequence_kv_cache seq(io, 2, small_config());
+  const auto v = token_pattern(seq.config().token_width(), 0, 1);
+  const std::vector<std::span<const float>> per_layer(2, std::span<const float>(v));
+  run_on(io, [&]() -> asio::awaitable<void> {
+    auto appended = seq.async_append(per_layer, per_layer, asio::experimental::use_promise);
+#if ASIO_VERSION >= 102400
+    auto [ec] = co_await appended(test::as_tuple(asio::use_awaitable));
+#else
+    auto [ec] = co_await appended.async_wait(test::as_tuple(asio::use_awaitable));
+#endif
+    CHECK_FALSE(ec);
+    CHECK(seq.size() == 1);
+  }());
+}
+
 TEST_CASE("parallel_group: one step's writes to every layer awaited at once, on a thread_pool", "[idioms]") {
   asio::thread_pool pool(2);
   const kv_cache_config config = small_config();

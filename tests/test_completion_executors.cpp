@@ -5,6 +5,10 @@
 
 #include "completion_support.hpp"
 
+#ifdef GHOSTLINK_CATCH2_V3
+#include <catch2/generators/catch_generators.hpp>
+#endif
+
 using namespace ghostlink;
 using namespace ghostlink::test::completion;
 namespace t = ghostlink::test;

@@ -24,13 +24,16 @@
 #include <asio/associated_executor.hpp>
 #include <asio/cancellation_type.hpp>
 #include <asio/bind_allocator.hpp>
+#include <asio/execution/blocking.hpp>
 #include <asio/execution/executor.hpp>
 #include <asio/execution/outstanding_work.hpp>
 #include <asio/executor_work_guard.hpp>
+#include <asio/is_executor.hpp>
 #include <asio/prefer.hpp>
 #include <asio/defer.hpp>
 #include <asio/post.hpp>
 #include <asio/recycling_allocator.hpp>
+#include <asio/require.hpp>
 
 #include "ghostlink/detail/ref_ptr.hpp"
 #include "ghostlink/types.hpp"
@@ -45,6 +48,31 @@ auto handler_allocator(const Handler& handler) {
   return asio::get_associated_allocator(handler, asio::recycling_allocator<void>());
 }
 
+/// Whether work can be queued on `Executor` (`asio::post` and `asio::defer`
+/// accept it): a legacy executor, or a standard one that can be made
+/// `blocking.never`. Not so for an executor that only runs work inline:
+/// since Asio 1.37 the default associated executor is one (where it was the
+/// system executor), e.g. that of `experimental::use_promise`'s handler for
+/// an initiation that has no executor.
+template <class Executor>
+inline constexpr bool can_queue_on =
+    asio::is_executor<Executor>::value ||
+    (asio::execution::is_executor<Executor>::value &&
+     asio::can_require<Executor, asio::execution::blocking_t::never_t>::value);
+
+/// The executor a handler's completion is queued on: its associated
+/// executor (default `io_ex`), unless work cannot be queued there; then
+/// `io_ex`, and the handler runs inline on it, as with Asio's own
+/// operations.
+template <class Handler, class IoExecutor>
+auto completion_executor(const Handler& handler, const IoExecutor& io_ex) {
+  using associated = asio::associated_executor_t<Handler, IoExecutor>;
+  if constexpr (can_queue_on<associated>)
+    return asio::get_associated_executor(handler, io_ex);
+  else
+    return io_ex;
+}
+
 /// How a completion is queued: `post` from an initiating call; `defer` from
 /// a drain, whose completions are its continuations, so that on a thread
 /// already running the handler's executor they take that thread's private
@@ -53,12 +81,13 @@ auto handler_allocator(const Handler& handler) {
 enum class queueing : bool { post, defer };
 
 /// Queues `handler(args...)` on the handler's associated executor (default
-/// `io_ex`); never runs it inline. Just before the call, on that executor
-/// (where Asio's conventions have cancellation emitted), the handler's
-/// cancellation slot is cleared: the operation is over.
+/// `io_ex`; see completion_executor()); never runs it inline. Just before
+/// the call, on that executor (where Asio's conventions have cancellation
+/// emitted), the handler's cancellation slot is cleared: the operation is
+/// over.
 template <class Handler, class IoExecutor, class... Args>
 void post_completion(queueing how, Handler handler, const IoExecutor& io_ex, Args... args) {
-  auto ex = asio::get_associated_executor(handler, io_ex);
+  auto ex = completion_executor(handler, io_ex);
   auto alloc = handler_allocator(handler);
   auto call = asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
     if (auto slot = asio::get_associated_cancellation_slot(h); slot.is_connected()) slot.clear();
@@ -220,7 +249,8 @@ class request {
 template <class Handler, class IoExecutor, class MakeResult = void>
 class request_op final : public request {
  public:
-  using handler_executor = asio::associated_executor_t<Handler, IoExecutor>;
+  using handler_executor =
+      decltype(completion_executor(std::declval<const Handler&>(), std::declval<const IoExecutor&>()));
   using work_type = decltype(track_work(std::declval<const handler_executor&>()));
   using allocator_type = typename std::allocator_traits<decltype(handler_allocator(
       std::declval<const Handler&>()))>::template rebind_alloc<request_op>;
@@ -242,7 +272,7 @@ class request_op final : public request {
   template <class Arg>
   request_op(Handler&& handler, const IoExecutor& io_ex, const Arg& arg)
       : request(&finish, arg),
-        work_(track_work(asio::get_associated_executor(handler, io_ex))),
+        work_(track_work(completion_executor(handler, io_ex))),
         handler_(std::move(handler)) {
     if constexpr (is_cancelled_by_group<Handler>)
       watch(handler_.state);

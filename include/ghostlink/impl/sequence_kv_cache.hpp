@@ -89,7 +89,7 @@ template <class Handler>
 class pending_handler {
  public:
   pending_handler(Handler handler, const asio::any_io_executor& io_ex)
-      : work_(track_work(asio::get_associated_executor(handler, io_ex))), handler_(std::move(handler)) {}
+      : work_(track_work(completion_executor(handler, io_ex))), handler_(std::move(handler)) {}
 
   /// The handler's associated allocator (Asio's recycling one by default).
   auto allocator() const noexcept { return handler_allocator(handler_); }
@@ -102,7 +102,8 @@ class pending_handler {
   }
 
  private:
-  using executor = asio::associated_executor_t<Handler, asio::any_io_executor>;
+  using executor =
+      decltype(completion_executor(std::declval<const Handler&>(), std::declval<const asio::any_io_executor&>()));
   decltype(track_work(std::declval<const executor&>())) work_;
   Handler handler_;
 };
