@@ -29,7 +29,11 @@ namespace ghostlink::bench {
 class attention {
  public:
   attention(std::size_t heads, std::size_t head_dim)
-      : heads_(heads), dim_(head_dim), query_(heads * head_dim), max_(heads, -INFINITY), sum_(heads, 0.0f),
+      : heads_(heads),
+        dim_(head_dim),
+        query_(heads * head_dim),
+        max_(heads, -INFINITY),
+        sum_(heads, 0.0f),
         out_(heads * head_dim, 0.0f) {
     for (std::size_t i = 0; i < query_.size(); ++i) query_[i] = float(i % 11) / 11.0f - 0.5f;
   }

@@ -12,32 +12,38 @@ namespace ghostlink::bench {
 namespace {
 
 void usage(int code) {
-  std::printf(
-      "ghostlink-bench: ghostlink against the seed's designs, side by side in one process\n"
-      "  --quick             tiny sizes, one run (for CI; no timing claims)\n"
-      "  --runs N            median of N runs per figure (default 5)\n"
-      "  --seconds S         length of one timed phase (default 0.25)\n"
-      "  --tokens N --heads N --head-dim N --block-tokens N   cache shape (default 8192 x 4 x 64, 16)\n"
-      "  --read-tokens N     tokens read per step in read_under_write/attention_read (default 1024)\n"
-      "  --layers N --sequences N --steps N                   decode_step shape (default 32 x 16, 64)\n"
-      "  --coroutines N --threads N                           write_concurrent/decode_step (default 64, 2)\n"
-      "  --batch N           tokens per batched request in write_concurrent (default 32)\n"
-      "  --only SCENARIO     one of read_under_write attention_read write_single write_concurrent\n"
-      "                      decode_step memory fork memory_waste storage_16bit\n"
-      "  --impl A,B          only these of ghostlink rwlock mutex strand_only (default: all)\n"
-      "  --json FILE         also write every figure as JSON\n");
-  std::exit(code);
+  std::printf("ghostlink-bench: ghostlink against the seed's designs, side by side in one process\n"
+              "  --quick             tiny sizes, one run (for CI; no timing claims)\n"
+              "  --runs N            median of N runs per figure (default 5)\n"
+              "  --seconds S         length of one timed phase (default 0.25)\n"
+              "  --tokens N --heads N --head-dim N --block-tokens N   cache shape (default 8192 x 4 x 64, 16)\n"
+              "  --read-tokens N     tokens read per step in read_under_write/attention_read (default 1024)\n"
+              "  --layers N --sequences N --steps N                   decode_step shape (default 32 x 16, 64)\n"
+              "  --coroutines N --threads N                           write_concurrent/decode_step (default 64, 2)\n"
+              "  --batch N           tokens per batched request in write_concurrent (default 32)\n"
+              "  --only SCENARIO     one of read_under_write attention_read write_single write_concurrent\n"
+              "                      decode_step memory fork memory_waste storage_16bit\n"
+              "  --impl A,B          only these of ghostlink rwlock mutex strand_only (default: all)\n"
+              "  --json FILE         also write every figure as JSON\n");
+  std::exit(code);  // NOLINT(concurrency-mt-unsafe): parsing the command line, before any thread starts
 }
 
 }  // namespace
 
 options parse_options(int argc, char** argv) {
   options o;
-  std::map<std::string, std::size_t*> sizes{
-      {"--runs", &o.runs},         {"--tokens", &o.tokens},         {"--heads", &o.heads},
-      {"--head-dim", &o.head_dim}, {"--block-tokens", &o.block_tokens}, {"--read-tokens", &o.read_tokens},
-      {"--layers", &o.layers},     {"--sequences", &o.sequences},   {"--steps", &o.steps},
-      {"--coroutines", &o.coroutines}, {"--threads", &o.threads}, {"--batch", &o.batch}};
+  std::map<std::string, std::size_t*> sizes{{"--runs", &o.runs},
+                                            {"--tokens", &o.tokens},
+                                            {"--heads", &o.heads},
+                                            {"--head-dim", &o.head_dim},
+                                            {"--block-tokens", &o.block_tokens},
+                                            {"--read-tokens", &o.read_tokens},
+                                            {"--layers", &o.layers},
+                                            {"--sequences", &o.sequences},
+                                            {"--steps", &o.steps},
+                                            {"--coroutines", &o.coroutines},
+                                            {"--threads", &o.threads},
+                                            {"--batch", &o.batch}};
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -97,7 +103,7 @@ void report::run(const std::string& scenario, const options& opts,
     std::map<std::string, metric> one;
     measure(one);
     for (auto& [name, m] : one) {
-      if (!shape.count(name)) order.push_back(name);
+      if (!shape.contains(name)) order.push_back(name);
       shape[name] = m;
       for (auto& [impl, v] : m.values) samples[name][impl].push_back(v);
     }
@@ -119,18 +125,22 @@ namespace {
 std::string human(double v) {
   char buf[32];
   const double a = v < 0 ? -v : v;
-  if (a >= 1e9) std::snprintf(buf, sizeof buf, "%.2fG", v / 1e9);
-  else if (a >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
-  else if (a >= 1e4) std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
-  else std::snprintf(buf, sizeof buf, "%.3g", v);
+  if (a >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2fG", v / 1e9);
+  else if (a >= 1e6)
+    std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
+  else if (a >= 1e4)
+    std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
+  else
+    std::snprintf(buf, sizeof buf, "%.3g", v);
   return buf;
 }
 
 }  // namespace
 
 void report::print() const {
-  std::printf("%-18s %-34s %10s %10s %10s %10s   %s\n", "scenario", "metric", "ghostlink", "rwlock", "mutex",
-              "strand", "ghostlink vs rwlock / mutex / strand (x better)");
+  std::printf("%-18s %-34s %10s %10s %10s %10s   %s\n", "scenario", "metric", "ghostlink", "rwlock", "mutex", "strand",
+              "ghostlink vs rwlock / mutex / strand (x better)");
   std::string last;
   for (const metric& m : metrics_) {
     std::printf("%-18s %-34s", m.scenario == last ? "" : m.scenario.c_str(), (m.name + " (" + m.unit + ")").c_str());
@@ -168,8 +178,8 @@ void report::write_json(const std::string& path, const options& opts) const {
       << ", \"threads\": " << opts.threads << "},\n  \"metrics\": [\n";
   for (std::size_t i = 0; i < metrics_.size(); ++i) {
     const metric& m = metrics_[i];
-    out << "    {\"scenario\": \"" << m.scenario << "\", \"metric\": \"" << m.name << "\", \"unit\": \"" << m.unit
-        << "\", \"higher_is_better\": " << (m.higher_is_better ? "true" : "false") << ", \"values\": {";
+    out << R"(    {"scenario": ")" << m.scenario << R"(", "metric": ")" << m.name << R"(", "unit": ")" << m.unit
+        << R"(", "higher_is_better": )" << (m.higher_is_better ? "true" : "false") << R"(, "values": {)";
     bool first = true;
     for (const auto& [impl, v] : m.values) {
       out << (first ? "" : ", ") << '"' << impl << "\": " << v;

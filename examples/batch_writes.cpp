@@ -8,6 +8,7 @@
 #include <asio/use_awaitable.hpp>
 
 #include <cstdio>
+#include <exception>
 #include <vector>
 
 asio::awaitable<void> run(ghostlink::layer_kv_cache& cache) {
@@ -25,11 +26,14 @@ asio::awaitable<void> run(ghostlink::layer_kv_cache& cache) {
               static_cast<unsigned long long>(snap.epoch()), snap.size(), token1.keys[0], token1.values[0]);
 }
 
-int main() {
+int main() try {
   asio::io_context io;
   ghostlink::layer_kv_cache cache(io, {.max_tokens_per_seq = 64, .num_heads = 2, .head_dim = 4});
-  asio::co_spawn(io, run(cache), [](std::exception_ptr e) {
+  asio::co_spawn(io, run(cache), [](const std::exception_ptr& e) {
     if (e) std::rethrow_exception(e);
   });
   io.run();
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "batch_writes: %s\n", e.what());
+  return 1;
 }

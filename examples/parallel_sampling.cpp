@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -38,8 +39,8 @@ std::vector<float> token(const shape& s, std::size_t sample, std::size_t layer, 
 }
 
 /// Appends tokens [from, to) of `sample` to `seq`, one decode step each.
-asio::awaitable<void> decode(const shape& s, ghostlink::sequence_kv_cache seq, std::size_t sample,
-                             std::size_t from, std::size_t to) {
+asio::awaitable<void> decode(const shape& s, ghostlink::sequence_kv_cache seq, std::size_t sample, std::size_t from,
+                             std::size_t to) {
   for (std::size_t index = from; index < to; ++index) {
     std::vector<std::vector<float>> keys, values;
     std::vector<std::span<const float>> key_spans, value_spans;
@@ -87,18 +88,23 @@ bool parse(int argc, char** argv, shape& s) {
     const std::string flag = argv[i];
     const std::size_t value = std::strtoull(argv[i + 1], nullptr, 10);
     if (value == 0) return false;
-    if (flag == "--samples") s.samples = value;
-    else if (flag == "--layers") s.layers = value;
-    else if (flag == "--prompt") s.prompt = value;
-    else if (flag == "--decode") s.decode = value;
-    else return false;
+    if (flag == "--samples")
+      s.samples = value;
+    else if (flag == "--layers")
+      s.layers = value;
+    else if (flag == "--prompt")
+      s.prompt = value;
+    else if (flag == "--decode")
+      s.decode = value;
+    else
+      return false;
   }
   return argc % 2 == 1 && s.prompt + s.decode <= s.config.max_tokens_per_seq;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   shape s;
   if (!parse(argc, argv, s)) {
     std::fprintf(stderr, "usage: parallel_sampling [--samples N] [--layers N] [--prompt N] [--decode N]\n");
@@ -120,8 +126,8 @@ int main(int argc, char** argv) {
 
     std::vector<std::future<void>> running;
     for (std::size_t i = 0; i < s.samples; ++i)
-      running.push_back(asio::co_spawn(threads, decode(s, samples[i], i + 1, s.prompt, s.prompt + s.decode),
-                                       asio::use_future));
+      running.push_back(
+          asio::co_spawn(threads, decode(s, samples[i], i + 1, s.prompt, s.prompt + s.decode), asio::use_future));
     for (auto& r : running) r.get();
     print("after decoding", pool);
 
@@ -142,4 +148,7 @@ int main(int argc, char** argv) {
   }
   std::printf("every sample's every token checked: OK\n");
   return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "parallel_sampling: %s\n", e.what());
+  return 2;
 }

@@ -39,7 +39,8 @@ enum class kind : std::uint64_t { query = 1, key = 2, value = 3 };
 
 std::vector<float> input(const shape& s, std::size_t seq, std::size_t layer, std::size_t step, kind k) {
   std::vector<float> v(s.width());
-  std::uint64_t x = (seq * 1000003 + layer * 10007 + step * 101 + static_cast<std::uint64_t>(k)) * 0x9E3779B97F4A7C15ull;
+  std::uint64_t x =
+      (seq * 1000003 + layer * 10007 + step * 101 + static_cast<std::uint64_t>(k)) * 0x9E3779B97F4A7C15ull;
   for (float& f : v) {
     x ^= x >> 31;
     x *= 0xBF58476D1CE4E5B9ull;
@@ -74,14 +75,14 @@ struct head_accumulator {
 /// Attention output of one layer for query `q` over every token in `snap`.
 std::vector<float> attend(const shape& s, const ghostlink::kv_snapshot& snap, const std::vector<float>& q) {
   std::vector<head_accumulator> heads(s.heads, head_accumulator(s.head_dim));
-  const auto ec = snap.for_each_block(0, snap.size(), [&](std::size_t, std::size_t count, std::span<const float> k,
-                                                          std::span<const float> v) {
-    for (std::size_t t = 0; t < count; ++t)
-      for (std::size_t h = 0; h < s.heads; ++h) {
-        const std::size_t at = t * s.width() + h * s.head_dim;
-        heads[h].add(q.data() + h * s.head_dim, k.data() + at, v.data() + at, s.head_dim);
-      }
-  });
+  const auto ec = snap.for_each_block(
+      0, snap.size(), [&](std::size_t, std::size_t count, std::span<const float> k, std::span<const float> v) {
+        for (std::size_t t = 0; t < count; ++t)
+          for (std::size_t h = 0; h < s.heads; ++h) {
+            const std::size_t at = t * s.width() + h * s.head_dim;
+            heads[h].add(q.data() + h * s.head_dim, k.data() + at, v.data() + at, s.head_dim);
+          }
+      });
   if (ec) throw std::system_error(ec);
   std::vector<float> out;
   for (auto& h : heads) {
@@ -140,11 +141,16 @@ shape parse(int argc, char** argv) {
     const std::string flag = argv[i];
     const std::size_t value = std::strtoull(argv[i + 1], nullptr, 10);
     if (value == 0) throw std::invalid_argument("values must be positive: " + flag);
-    if (flag == "--sequences") s.sequences = value;
-    else if (flag == "--layers") s.layers = value;
-    else if (flag == "--steps") s.steps = value;
-    else if (flag == "--threads") s.threads = value;
-    else throw std::invalid_argument("unknown flag " + flag);
+    if (flag == "--sequences")
+      s.sequences = value;
+    else if (flag == "--layers")
+      s.layers = value;
+    else if (flag == "--steps")
+      s.steps = value;
+    else if (flag == "--threads")
+      s.threads = value;
+    else
+      throw std::invalid_argument("unknown flag " + flag);
   }
   return s;
 }
@@ -192,13 +198,14 @@ int main(int argc, char** argv) try {
       }
 
   const double tokens = double(s.sequences * s.steps);
-  std::printf("serving_loop: %zu sequences x %zu layers x %zu steps on %zu threads\n", s.sequences, s.layers,
-              s.steps, s.threads);
+  std::printf("serving_loop: %zu sequences x %zu layers x %zu steps on %zu threads\n", s.sequences, s.layers, s.steps,
+              s.threads);
   std::printf("  decode:     %.0f tokens/s (%.0f layer-token writes/s, attention included) in %.3f s\n",
               tokens / seconds, tokens * double(s.layers) / seconds, seconds);
   std::printf("  epochs:     %llu published across %zu layer caches\n", static_cast<unsigned long long>(epochs),
               s.sequences * s.layers);
-  std::printf("  stored:     %.2f MiB in blocks (%.2f MiB of keys and values written)\n", bytes / 1048576.0,
+  std::printf("  stored:     %.2f MiB in blocks (%.2f MiB of keys and values written)\n",
+              static_cast<double>(bytes) / 1048576.0,
               tokens * double(s.layers * s.width() * 2 * sizeof(float)) / 1048576.0);
   std::printf("  reference:  %s (max abs diff %.2e over %zu outputs)\n", mismatches ? "MISMATCH" : "match", worst,
               s.sequences * s.layers * s.steps);

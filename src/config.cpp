@@ -21,8 +21,8 @@ void print_limit(std::ostream& os, std::size_t n) {
 }  // namespace
 
 std::ostream& operator<<(std::ostream& os, const kv_cache_config& c) {
-  os << "{max_tokens_per_seq=" << c.max_tokens_per_seq << ", num_heads=" << c.num_heads
-     << ", head_dim=" << c.head_dim << ", block_tokens=" << c.block_tokens << ", max_blocks=";
+  os << "{max_tokens_per_seq=" << c.max_tokens_per_seq << ", num_heads=" << c.num_heads << ", head_dim=" << c.head_dim
+     << ", block_tokens=" << c.block_tokens << ", max_blocks=";
   print_limit(os, c.max_blocks);
   os << ", max_pending=";
   print_limit(os, c.max_pending);

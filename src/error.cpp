@@ -19,7 +19,9 @@ class kv_category_impl final : public std::error_category {
       case kv_errc::invalid_range: return "range begin must be <= end";
       case kv_errc::range_out_of_bounds: return "range end exceeds the current length";
       case kv_errc::buffer_too_small: return "output buffer is shorter than the data";
-      case kv_errc::invalid_config: return "invalid configuration: every field must be non-zero, sizes must fit, a pool's blocks must fit the cache";
+      case kv_errc::invalid_config:
+        return "invalid configuration: every field must be non-zero, sizes must fit, a pool's blocks must fit the "
+               "cache";
       case kv_errc::capacity_exhausted: return "no storage left under the configured block budget";
       case kv_errc::layer_mismatch: return "keys and values must be given for exactly num_layers() layers";
       case kv_errc::operation_in_progress: return "another append, truncate or fork of this sequence is in progress";

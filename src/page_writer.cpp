@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <ranges>
 
 #include "ghostlink/error.hpp"
 
@@ -20,8 +21,7 @@ std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0)
 
 }  // namespace
 
-page_writer::page_writer(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool,
-                         bool initialized)
+page_writer::page_writer(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool, bool initialized)
     : config_(config),
       codec_(codec),
       pool_(std::move(pool)),
@@ -132,8 +132,10 @@ std::error_code page_writer::truncate(std::size_t length) {
     // reads first, so a failed copy changes nothing.
     const std::size_t chunk_end = std::min(table_->blocks, ceil_div(blocks, page_chunk::size) * page_chunk::size);
     try {
-      if (blocks < chunk_end) editable_entry(blocks);
-      else own_table();
+      if (blocks < chunk_end)
+        editable_entry(blocks);
+      else
+        own_table();
     } catch (const std::bad_alloc&) {
       return kv_errc::capacity_exhausted;
     }
@@ -178,7 +180,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
     // Put back what make_writable() replaced (entries it set are in private
     // chunks); entries past old_blocks may stay null or the zero block.
     touched_.resize(old_touched);
-    for (auto it = undo.rbegin(); it != undo.rend(); ++it) editable_entry(it->first) = std::move(it->second);
+    for (auto& [index, old] : std::ranges::reverse_view(undo)) editable_entry(index) = std::move(old);
     if (table_->blocks != old_blocks) resize_table(old_blocks);
     return kv_errc::capacity_exhausted;
   }

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <new>
 #include <mutex>
+#include <new>
 #include <utility>
 
 namespace ghostlink::detail {

@@ -26,7 +26,7 @@ namespace ghostlink::test::completion {
 
 constexpr int rounds = 20;
 
-std::error_code err(kv_errc e) { return make_error_code(e); }
+inline std::error_code err(kv_errc e) { return make_error_code(e); }
 
 /// Inputs for the small config (8 floats a token, 16 tokens): tokens 1..3,
 /// a too-short token, a batch of tokens 2..3 and one with an entry past the end.
@@ -42,7 +42,7 @@ struct tokens {
   std::array<kv_write, 2> bad_batch{{{2, k1, v1}, {16, k1, v1}}};  // 16 == max_tokens_per_seq
 };
 
-std::vector<float> concat(std::initializer_list<const std::vector<float>*> parts) {
+inline std::vector<float> concat(std::initializer_list<const std::vector<float>*> parts) {
   std::vector<float> out;
   for (const auto* p : parts) out.insert(out.end(), p->begin(), p->end());
   return out;
@@ -92,7 +92,9 @@ struct counting_allocator {
     std::allocator<T>().deallocate(p, n);
   }
   template <class U>
-  bool operator==(const counting_allocator<U>& o) const noexcept { return counts == o.counts; }
+  bool operator==(const counting_allocator<U>& o) const noexcept {
+    return counts == o.counts;
+  }
 };
 
 }  // namespace ghostlink::test::completion

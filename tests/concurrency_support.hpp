@@ -39,7 +39,9 @@ inline std::string str(const Args&... args) {
 
 /// A token's keys (token_pattern) and values (their negation); tag 0 is a
 /// never-written token (zeros).
-struct token_data { std::vector<float> keys, values; };
+struct token_data {
+  std::vector<float> keys, values;
+};
 
 inline token_data make_token(std::size_t width, std::size_t index, int tag) {
   if (tag == 0) return {std::vector<float>(width, 0.0f), std::vector<float>(width, 0.0f)};
@@ -70,10 +72,11 @@ inline std::string diff_token(std::size_t index, std::span<const float> keys, st
 template <class F>
 inline std::error_code for_each_token(const kv_snapshot& snap, std::size_t begin, std::size_t end, F f) {
   const std::size_t w = snap.token_width();
-  return snap.for_each_block(begin, end, [&](std::size_t first, std::size_t count, std::span<const float> keys,
-                                             std::span<const float> values) {
-    for (std::size_t t = 0; t < count; ++t) f(first + t, keys.subspan(t * w, w), values.subspan(t * w, w));
-  });
+  return snap.for_each_block(
+      begin, end,
+      [&](std::size_t first, std::size_t count, std::span<const float> keys, std::span<const float> values) {
+        for (std::size_t t = 0; t < count; ++t) f(first + t, keys.subspan(t * w, w), values.subspan(t * w, w));
+      });
 }
 
 /// What other threads saw go wrong (the first few, and how many in all).
@@ -108,8 +111,10 @@ inline void check_all(mismatch_log& log, const std::string& where, const kv_snap
   }
   for (std::size_t i = 0; i < n; ++i) {
     kv_entry e;
-    if (std::error_code ec = snap.read_kv(i, e)) log.add(str(where, ", read_kv(", i, "): ", ec.message()));
-    else if (auto d = diff_token(i, e.keys, e.values, tag); !d.empty()) log.add(where + ", read_kv: " + d);
+    if (std::error_code ec = snap.read_kv(i, e))
+      log.add(str(where, ", read_kv(", i, "): ", ec.message()));
+    else if (auto d = diff_token(i, e.keys, e.values, tag); !d.empty())
+      log.add(where + ", read_kv: " + d);
   }
 }
 

@@ -194,8 +194,10 @@ inline branch adopt(std::string name, layer_kv_cache cache, const model& at_fork
 inline asio::awaitable<void> put(branch& b, std::size_t index, int tag, mismatch_log& log) {
   const token_data t = make_token(b.cache.config().token_width(), index, tag);
   auto [ec] = co_await b.cache.async_write(index, t.keys, t.values, as_tuple(asio::use_awaitable));
-  if (ec) log.add(str(b.name, ": write ", index, ": ", ec.message()));
-  else b.expected.write(index, tag);
+  if (ec)
+    log.add(str(b.name, ": write ", index, ": ", ec.message()));
+  else
+    b.expected.write(index, tag);
 }
 
 }  // namespace ghostlink::test::pool

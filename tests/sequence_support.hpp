@@ -152,8 +152,8 @@ std::string diff_snapshot(const basic_sequence_snapshot<T>& snap, const std::vec
     if (std::error_code ec = layer.read_range(0, snap.size(), r)) return str("layer ", l, ": ", ec.message());
     const std::size_t w = layer.token_width();
     for (std::size_t i = 0; i < snap.size(); ++i) {
-      std::string d = diff_token<T>(l, i, tags[i], std::span(r.keys).subspan(i * w, w),
-                                    std::span(r.values).subspan(i * w, w));
+      std::string d =
+          diff_token<T>(l, i, tags[i], std::span(r.keys).subspan(i * w, w), std::span(r.values).subspan(i * w, w));
       if (!d.empty()) return d;
     }
   }

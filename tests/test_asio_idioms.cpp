@@ -21,7 +21,7 @@ namespace {
 /// Runs `aw` on `io` to completion (this thread runs io).
 void run_on(asio::io_context& io, asio::awaitable<void> aw) {
   std::exception_ptr failure;
-  asio::co_spawn(io, std::move(aw), [&](std::exception_ptr e) { failure = e; });
+  asio::co_spawn(io, std::move(aw), [&](std::exception_ptr e) { failure = std::move(e); });
   io.run();
   if (failure) std::rethrow_exception(failure);
 }

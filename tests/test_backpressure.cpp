@@ -49,8 +49,7 @@ TEST_CASE("max_pending = 0 is an invalid config", "[backpressure]") {
   }
 }
 
-TEST_CASE("beyond max_pending, new writes wait for room and apply after the queued ones, in order",
-          "[backpressure]") {
+TEST_CASE("beyond max_pending, new writes wait for room and apply after the queued ones, in order", "[backpressure]") {
   asio::io_context io;
   layer_kv_cache cache = initialized_cache(io, bounded_config(2));
   const std::size_t width = cache.config().token_width();
@@ -112,8 +111,7 @@ TEST_CASE("requests waiting for room are destroyed unrun with the context, and f
     asio::io_context io;
     layer_kv_cache cache = initialized_cache(io, bounded_config(2));
     const auto v = token_pattern(cache.config().token_width(), 0, 1);
-    for (int i = 0; i < 6; ++i)
-      cache.async_write(0, v, v, [alive, cache](std::error_code) { FAIL("a handler ran"); });
+    for (int i = 0; i < 6; ++i) cache.async_write(0, v, v, [alive, cache](std::error_code) { FAIL("a handler ran"); });
     REQUIRE(cache.stats().requests_waiting == 4);
     CHECK(alive.use_count() == 7);
     cache = layer_kv_cache();  // only the handlers hold the cache now
@@ -135,7 +133,7 @@ TEST_CASE("two producer threads against one consumer thread: the queue never exc
   // Thread t overwrites token t with 0, 1, 2, ...: in order, a reader never
   // sees the value go back.
   std::vector<std::vector<float>> values;
-  for (int n = 0; n < per_thread; ++n) values.push_back(std::vector<float>(width, static_cast<float>(n)));
+  for (int n = 0; n < per_thread; ++n) values.emplace_back(width, static_cast<float>(n));
 
   std::atomic<int> done{0};
   std::atomic<std::size_t> peak_queued{0};
@@ -201,13 +199,13 @@ producers_run run_producers(std::size_t producers, std::size_t max_pending, int 
   layer_kv_cache cache = initialized_cache(consumer, config);
   const std::size_t width = cache.config().token_width();
   std::vector<std::vector<float>> round_values;
-  for (int r = 0; r < rounds; ++r) round_values.push_back(std::vector<float>(width, static_cast<float>(r)));
+  for (int r = 0; r < rounds; ++r) round_values.emplace_back(width, static_cast<float>(r));
 
   producers_run result;
   const std::uint64_t bytes_before = detail::mailbox_bytes_allocated();
   std::uint64_t bytes_peak = bytes_before;
   struct producer {
-    std::size_t token;
+    std::size_t token = 0;
     int round = 0;
   };
   std::vector<producer> state(producers);

@@ -55,8 +55,7 @@ TEST_CASE("block_bytes_for is the keys and values of one block, and for_caches m
   CHECK(s.bytes_in_use() == 0);
 }
 
-TEST_CASE("a pool with zero or odd block bytes, or limits that allow no block, throws invalid_config",
-          "[block_pool]") {
+TEST_CASE("a pool with zero or odd block bytes, or limits that allow no block, throws invalid_config", "[block_pool]") {
   const std::size_t bytes = kv_block_pool::block_bytes_for(small_config());
   CHECK(thrown_by([] { kv_block_pool p(0); }) == kv_errc::invalid_config);
   CHECK(thrown_by([] { kv_block_pool p(3); }) == kv_errc::invalid_config);
@@ -321,8 +320,7 @@ TEST_CASE("blocks_in_use returns to zero once every cache, fork and snapshot is 
   CHECK(pool.stats().blocks_free == 0);
 }
 
-TEST_CASE("with the pool full a write into a block shared with a fork fails and changes neither side",
-          "[block_pool]") {
+TEST_CASE("with the pool full a write into a block shared with a fork fails and changes neither side", "[block_pool]") {
   const kv_cache_config config = small_config();
   const std::size_t bt = config.block_tokens, budget = 2;
   const kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
@@ -385,8 +383,10 @@ TEST_CASE("caches on two threads competing for one budget never exceed it and ke
       }
       const std::size_t keep = static_cast<std::size_t>(round) % (len + 1);
       auto [tec] = co_await cache.async_truncate(keep, as_tuple(asio::use_awaitable));
-      if (!tec) out.expected.truncate(keep);
-      else ++out.other;
+      if (!tec)
+        out.expected.truncate(keep);
+      else
+        ++out.other;
     }
     co_return out;
   };
@@ -398,8 +398,8 @@ TEST_CASE("caches on two threads competing for one budget never exceed it and ke
 
   std::size_t in_use = 0;
   for (std::size_t id = 0; id < 2; ++id) {
-    INFO("cache " << id << ": " << results[id].ok << " batches stored, " << results[id].exhausted
-                  << " exhausted, " << results[id].other << " other errors");
+    INFO("cache " << id << ": " << results[id].ok << " batches stored, " << results[id].exhausted << " exhausted, "
+                  << results[id].other << " other errors");
     CHECK(results[id].other == 0);
     CHECK(results[id].ok > 0);
     CHECK(diff(caches[id], results[id].expected) == "");

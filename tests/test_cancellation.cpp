@@ -176,11 +176,12 @@ TEST_CASE("writes cancelled at random from another thread are either stored and 
   auto strand = asio::make_strand(pool);
   std::mt19937 rng(7);
   for (std::size_t i = 0; i < n; ++i) {
-    cache.async_write(i, data[i], data[i],
-                      asio::bind_executor(strand, asio::bind_cancellation_slot(signals[i].slot(), [&, i](std::error_code ec) {
-                                            outcome[i] = !ec ? 1 : ec == aborted ? 2 : 3;
-                                            if (done.fetch_add(1) + 1 == n) all_done.set_value();
-                                          })));
+    cache.async_write(
+        i, data[i], data[i],
+        asio::bind_executor(strand, asio::bind_cancellation_slot(signals[i].slot(), [&, i](std::error_code ec) {
+                              outcome[i] = !ec ? 1 : ec == aborted ? 2 : 3;
+                              if (done.fetch_add(1) + 1 == n) all_done.set_value();
+                            })));
     if (rng() % 2)
       asio::post(strand, [&, i] {
         if (outcome[i] == 0) signals[i].emit(asio::cancellation_type::terminal);

@@ -39,11 +39,9 @@ std::vector<probe> start_probes(layer_kv_cache& c, const tokens& tk, Bind bind) 
   start("initialize(4)", {}, [&](auto h) { c.async_initialize(4, h); });
   start("initialize(0)", err(kv_errc::zero_length), [&](auto h) { c.async_initialize(0, h); });
   start("write", {}, [&](auto h) { c.async_write(1, tk.k1, tk.v1, h); });
-  start("short write", err(kv_errc::width_mismatch),
-        [&](auto h) { c.async_write(1, tk.too_short, tk.too_short, h); });
+  start("short write", err(kv_errc::width_mismatch), [&](auto h) { c.async_write(1, tk.too_short, tk.too_short, h); });
   start("write_batch", {}, [&](auto h) { c.async_write_batch(tk.batch, h); });
-  start("bad write_batch", err(kv_errc::index_out_of_range),
-        [&](auto h) { c.async_write_batch(tk.bad_batch, h); });
+  start("bad write_batch", err(kv_errc::index_out_of_range), [&](auto h) { c.async_write_batch(tk.bad_batch, h); });
   start("read_kv(0)", {}, [&](auto h) { c.async_read_kv(0, h); });
   start("read_kv(99)", err(kv_errc::index_out_of_range), [&](auto h) { c.async_read_kv(99, h); });
   start("read_range(0, 4)", {}, [&](auto h) { c.async_read_range(0, 4, h); });
@@ -169,7 +167,7 @@ TEST_CASE("a coroutine resumes on its own executor, not on the cache's strand", 
     auto strand = asio::make_strand(f.pool);
     seen = t::run(strand, watch_resumes<decltype(strand)>(f.cache, f.tk));
   }
-  REQUIRE(seen.size() == 5 * rounds);
+  REQUIRE(seen.size() == std::size_t{5} * rounds);
   for (std::size_t i = 0; i < seen.size(); ++i) {
     INFO("resume " << i << ", after " << seen[i].after);
     CHECK_FALSE(seen[i].on_cache_strand);
@@ -177,8 +175,7 @@ TEST_CASE("a coroutine resumes on its own executor, not on the cache's strand", 
   }
 }
 
-TEST_CASE("a callback without an associated executor runs on the executor the cache was made from",
-          "[completion]") {
+TEST_CASE("a callback without an associated executor runs on the executor the cache was made from", "[completion]") {
   asio::io_context io;
   layer_kv_cache cache(io, t::small_config());
   tokens tk;
@@ -207,9 +204,7 @@ TEST_CASE("a handler bound to another io_context runs on that io_context's threa
   asio::io_context other;
   fixture f;  // the cache runs on the pool
   std::array<where, 3> w;
-  auto bound = [&](where& into) {
-    return asio::bind_executor(other, recorder(into, f.cache, other.get_executor()));
-  };
+  auto bound = [&](where& into) { return asio::bind_executor(other, recorder(into, f.cache, other.get_executor())); };
   f.cache.async_initialize(4, bound(w[0]));
   f.cache.async_write(1, f.tk.k1, f.tk.v1, bound(w[1]));
   f.cache.async_read_kv(99, bound(w[2]));

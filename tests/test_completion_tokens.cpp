@@ -20,12 +20,16 @@ struct calls {
 
   template <class Token, class Start>
   static auto launch(Token tok, Start start) {
-    if constexpr (Deferred) return start(t::deferred)(std::move(tok));
-    else return start(std::move(tok));
+    if constexpr (Deferred)
+      return start(t::deferred)(std::move(tok));
+    else
+      return start(std::move(tok));
   }
-#define GHOSTLINK_CALL(name, ...) \
-  template <class Token>          \
-  auto name(Token tok) const { return launch(std::move(tok), [&](auto k) { return c.__VA_ARGS__; }); }
+#define GHOSTLINK_CALL(name, ...)                                         \
+  template <class Token>                                                  \
+  auto name(Token tok) const {                                            \
+    return launch(std::move(tok), [&](auto k) { return c.__VA_ARGS__; }); \
+  }
   GHOSTLINK_CALL(initialize, async_initialize(4, std::move(k)))
   GHOSTLINK_CALL(write, async_write(1, tk.k1, tk.v1, std::move(k)))
   GHOSTLINK_CALL(write_batch, async_write_batch(tk.batch, std::move(k)))
@@ -97,7 +101,6 @@ asio::awaitable<std::error_code> code_of(asio::awaitable<std::tuple<std::error_c
   co_return std::get<0>(co_await std::move(op));
 }
 
-
 /// The value of a call that succeeded (a tuple's error is in `ec`).
 template <class T>
 asio::awaitable<T> value_of(asio::awaitable<T> op, std::error_code&) {
@@ -166,8 +169,7 @@ outcome with_callbacks(calls<Deferred> k) {
 
 }  // namespace
 
-TEST_CASE("every operation completes through asio::use_awaitable; errors throw system_error",
-          "[completion]") {
+TEST_CASE("every operation completes through asio::use_awaitable; errors throw system_error", "[completion]") {
   fixture f;
   const auto tok = asio::use_awaitable;
   static_assert(std::is_same_v<decltype(f.cache.async_initialize(1, tok)), asio::awaitable<void>>);
@@ -176,8 +178,7 @@ TEST_CASE("every operation completes through asio::use_awaitable; errors throw s
   check(awaited(f, tok), f);
 }
 
-TEST_CASE("every operation completes through deferred, co_awaited and launched with a callback",
-          "[completion]") {
+TEST_CASE("every operation completes through deferred, co_awaited and launched with a callback", "[completion]") {
   fixture f;
   SECTION("co_await") {
     // Asio 1.22 cannot co_await a deferred operation itself: launch it with use_awaitable.
@@ -190,8 +191,7 @@ TEST_CASE("every operation completes through deferred, co_awaited and launched w
   }
 }
 
-TEST_CASE("every operation completes through asio::use_future; errors throw system_error from get()",
-          "[completion]") {
+TEST_CASE("every operation completes through asio::use_future; errors throw system_error from get()", "[completion]") {
   fixture f;
   calls<false> k{f.cache, f.tk};
   const auto tok = asio::use_future;
@@ -218,8 +218,7 @@ TEST_CASE("every operation completes through as_tuple(asio::use_awaitable)", "[c
   const auto tok = t::as_tuple(asio::use_awaitable);
   using std::error_code, std::tuple;
   static_assert(std::is_same_v<decltype(f.cache.async_initialize(1, tok)), asio::awaitable<tuple<error_code>>>);
-  static_assert(
-      std::is_same_v<decltype(f.cache.async_read_kv(0, tok)), asio::awaitable<tuple<error_code, kv_entry>>>);
+  static_assert(std::is_same_v<decltype(f.cache.async_read_kv(0, tok)), asio::awaitable<tuple<error_code, kv_entry>>>);
   INFO("token: as_tuple(asio::use_awaitable)");
   check(awaited(f, tok), f);
 }

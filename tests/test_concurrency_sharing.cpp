@@ -46,7 +46,7 @@ TEST_CASE("a snapshot moved to another thread is read and released there, freein
     check_all(log, "snapshot on a std::thread", snap, 1);
     snap = kv_snapshot{};
   });
-  CHECK(old.size() == 0);  // moved-from: empty
+  CHECK(old.size() == 0);  // NOLINT(bugprone-use-after-move): the contract is that a moved-from snapshot is empty
   releaser.join();
   log.require_none();
   INFO("blocks after the std::thread released it: " << cache.stats().blocks_in_use);
@@ -123,8 +123,8 @@ TEST_CASE("copies of a cache used from different threads share one cache", "[con
   auto write_range = [&](layer_kv_cache& copy, const char* who, std::size_t begin, std::size_t end) {
     for (std::size_t i = begin; i < end; ++i) {
       const token_data t = make_token(config.token_width(), i, 1);
-      const std::error_code ec = ghostlink::test::wait_ec(
-          [&](auto token) { return copy.async_write(i, t.keys, t.values, std::move(token)); });
+      const std::error_code ec =
+          ghostlink::test::wait_ec([&](auto token) { return copy.async_write(i, t.keys, t.values, std::move(token)); });
       if (ec) log.add(str(who, ": write ", i, " failed: ", ec.message()));
     }
   };

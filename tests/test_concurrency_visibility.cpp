@@ -10,7 +10,11 @@ using ghostlink::test::run;
 TEST_CASE("a write is in snapshot() and size() on another thread once its handler has run", "[concurrency]") {
   const kv_cache_config config = paged_config(32);
   const std::size_t n = config.max_tokens_per_seq;
-  struct completion { std::error_code ec; std::size_t size; kv_snapshot snap; };  // taken inside the handler
+  struct completion {
+    std::error_code ec;
+    std::size_t size;
+    kv_snapshot snap;
+  };  // taken inside the handler
   std::vector<token_data> tokens;
   std::vector<std::promise<completion>> handled(n);
   std::vector<std::future<completion>> handled_f;
@@ -27,7 +31,8 @@ TEST_CASE("a write is in snapshot() and size() on another thread once its handle
     kv_entry e;
     if (size <= i) log.add(str(who, ": size() ", size, " after write ", i, " completed"));
     if (std::error_code ec = snap.read_kv(i, e))
-      log.add(str(who, ": snapshot (epoch ", snap.epoch(), ", size ", snap.size(), ") read_kv(", i, "): ", ec.message()));
+      log.add(
+          str(who, ": snapshot (epoch ", snap.epoch(), ", size ", snap.size(), ") read_kv(", i, "): ", ec.message()));
     else if (auto d = diff_token(i, e.keys, e.values, 1); !d.empty())
       log.add(str(who, ": snapshot after write ", i, ": ", d));
   };
@@ -116,7 +121,9 @@ TEST_CASE("a concurrent reader sees all of a write batch or none of it", "[concu
 
   // Each batch writes one generation into every token; generations only grow.
   auto writer = [&]() -> asio::awaitable<void> {
-    for (int gen = 2; gen <= generations; ++gen) co_await write_batch(cache, 0, batch_tokens, gen);
+    for (int gen = 2; gen <= generations; ++gen)
+      // NOLINTNEXTLINE(readability-suspicious-call-argument): begin, end, tag as meant
+      co_await write_batch(cache, 0, batch_tokens, gen);
   };
   auto reader = [&] {
     int last = 0;
@@ -146,8 +153,14 @@ TEST_CASE("writes initiated from one thread apply in the order they were initiat
   constexpr std::size_t n = 200, index = 0;
   const kv_cache_config config = small_config();
   std::vector<token_data> values;  // write k stores tag k + 1
-  for (std::size_t k = 0; k < n; ++k) values.push_back(make_token(config.token_width(), index, static_cast<int>(k) + 1));
-  struct observation { std::size_t request; std::error_code ec; std::uint64_t epoch; int tag; };
+  for (std::size_t k = 0; k < n; ++k)
+    values.push_back(make_token(config.token_width(), index, static_cast<int>(k) + 1));
+  struct observation {
+    std::size_t request;
+    std::error_code ec;
+    std::uint64_t epoch;
+    int tag;
+  };
   std::mutex mutex;
   std::vector<observation> seen;  // in the order handlers took their snapshot
   std::latch all_done(n);

@@ -197,8 +197,8 @@ TEMPLATE_TEST_CASE("every 16-bit pattern converts to its exact float value and b
         bad.add("NaN " + hex(bits) + " became float " + hex(bits32(f)) + " and came back as " + hex(back.bits));
       continue;
     }
-    const double want = std::copysign(magnitude == TestType::inf ? HUGE_VAL : TestType::value(magnitude),
-                                      negative ? -1.0 : 1.0);
+    const double want =
+        std::copysign(magnitude == TestType::inf ? HUGE_VAL : TestType::value(magnitude), negative ? -1.0 : 1.0);
     if (bits32(f) != bits32(static_cast<float>(want)))
       bad.add(hex(bits) + " became float " + hex(bits32(f)) + ", expected " + std::to_string(want));
     if (back.bits != bits) bad.add(hex(bits) + " came back as " + hex(back.bits));
@@ -223,16 +223,16 @@ TEMPLATE_TEST_CASE("bulk widening of every 16-bit pattern gives the same floats 
                             ? std::isnan(out[i]) && std::signbit(out[i]) == std::signbit(one)
                             : bits32(out[i]) == bits32(one);
       if (!same)
-        bad.add(hex(src[i].bits) + " (skip " + std::to_string(skip) + "): bulk " + hex(bits32(out[i])) + ", one by one " +
-                hex(bits32(one)));
+        bad.add(hex(src[i].bits) + " (skip " + std::to_string(skip) + "): bulk " + hex(bits32(out[i])) +
+                ", one by one " + hex(bits32(one)));
     }
   }
   INFO(bad.count << " mismatch(es), first:\n" << bad.first);
   CHECK(bad.count == 0);
 }
 
-TEMPLATE_TEST_CASE("float to 16 bits matches an independent nearest-even reference over all float ranges",
-                   "[element]", half_format, bfloat16_format) {
+TEMPLATE_TEST_CASE("float to 16 bits matches an independent nearest-even reference over all float ranges", "[element]",
+                   half_format, bfloat16_format) {
   using format = TestType;
   const reference<format> ref;
   mismatches bad;
@@ -266,8 +266,10 @@ using ghostlink::test::small_config;
 /// Inputs that round in both 16-bit types (ties, subnormals, overflow, NaN,
 /// more significant bits than either keeps); `shift` picks another mix.
 std::vector<float> awkward(std::size_t width, std::size_t index, std::size_t shift) {
-  const float inputs[] = {0.1f, 1.0f / 3.0f, 1.0f + two_pow(-11), 65519.0f, 70000.0f, 3 * two_pow(-25), -2049.0f,
-                          1e-30f, 123456.789f, -0.0f, 3.0e38f, std::numeric_limits<float>::quiet_NaN(), 2.5e-40f};
+  const float inputs[] = {
+      0.1f,     1.0f / 3.0f, 1.0f + two_pow(-11), 65519.0f, 70000.0f, 3 * two_pow(-25),
+      -2049.0f, 1e-30f,      123456.789f,         -0.0f,    3.0e38f,  std::numeric_limits<float>::quiet_NaN(),
+      2.5e-40f};
   constexpr std::size_t count = std::size(inputs);
   std::vector<float> v(width);
   for (std::size_t lane = 0; lane < width; ++lane) v[lane] = inputs[(index + lane + shift) % count];
@@ -309,8 +311,8 @@ std::array<std::vector<std::vector<float>>, 2> fill(basic_layer_kv_cache<T>& c, 
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("a 16-bit cache reads back each written float rounded to its storage type", "[element][cache]",
-                   half, bfloat16) {
+TEMPLATE_TEST_CASE("a 16-bit cache reads back each written float rounded to its storage type", "[element][cache]", half,
+                   bfloat16) {
   asio::thread_pool threads{2};
   basic_layer_kv_cache<TestType> cache(threads, small_config());
   const std::size_t w = cache.config().token_width(), n = 6;  // two blocks of 4
@@ -342,8 +344,8 @@ TEMPLATE_TEST_CASE("a 16-bit cache reads back each written float rounded to its 
         const TestType want_k(keys[first + t][lane]), want_v(values[first + t][lane]);
         if (k[t * w + lane] != want_k || v[t * w + lane] != want_v)
           bad.add("for_each_block token " + std::to_string(first + t) + " lane " + std::to_string(lane) + ": bits " +
-                  hex(k[t * w + lane].bits) + "/" + hex(v[t * w + lane].bits) + ", expected " + hex(want_k.bits) +
-                  "/" + hex(want_v.bits));
+                  hex(k[t * w + lane].bits) + "/" + hex(v[t * w + lane].bits) + ", expected " + hex(want_k.bits) + "/" +
+                  hex(want_v.bits));
       }
     tokens_seen += count;
   }));

@@ -6,11 +6,10 @@
 #include <string>
 
 using namespace ghostlink;
-using ghostlink::test::blocking;
 using ghostlink::test::filled;
-using ghostlink::test::small_config;
 using ghostlink::test::observe;
 using ghostlink::test::observed;
+using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
 
 namespace {
@@ -224,15 +223,14 @@ TEST_CASE("a batch failing after growing the table by whole chunks leaves it as 
   CHECK(f.cache.size() == 151);
   auto [ec, range] = f.sync.read_range(99, 151);
   REQUIRE_FALSE(ec);
-  CHECK(std::vector<float>(range.keys.begin(), range.keys.begin() + std::ptrdiff_t(f.width)) ==
-        filled(f.width, 0.0f));
+  CHECK(std::vector<float>(range.keys.begin(), range.keys.begin() + std::ptrdiff_t(f.width)) == filled(f.width, 0.0f));
   CHECK(std::vector<float>(range.keys.end() - std::ptrdiff_t(f.width), range.keys.end()) == v);
 }
 
 TEST_CASE("configs whose block or table sizes overflow are rejected or fail cleanly", "[errors]") {
   asio::thread_pool pool{2};
-  kv_cache_config huge_block{.max_tokens_per_seq = 1, .num_heads = 1, .head_dim = (std::size_t{1} << 61) - 1,
-                             .block_tokens = 1};
+  kv_cache_config huge_block{
+      .max_tokens_per_seq = 1, .num_heads = 1, .head_dim = (std::size_t{1} << 61) - 1, .block_tokens = 1};
   CHECK_THROWS_AS(layer_kv_cache(pool, huge_block), std::system_error);
 
   // Valid, but a write near the end needs a table too long to allocate.

@@ -196,7 +196,8 @@ TEST_CASE("an allocation failure anywhere in a fork fails it with capacity_exhau
   CHECK(allocations >= 3);  // the child's table, its chunks, its first epoch
 }
 
-TEST_CASE("an allocation failure in one layer of a sequence append stores the token in no layer", "[faults][sequence]") {
+TEST_CASE("an allocation failure in one layer of a sequence append stores the token in no layer",
+          "[faults][sequence]") {
   asio::io_context io;
   sequence_kv_cache seq(io, 3, small_config());
   const auto v = token_pattern(seq.config().token_width(), 0, 1);

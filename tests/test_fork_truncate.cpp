@@ -58,8 +58,8 @@ TEST_CASE("fork then write into a shared block copies exactly that block", "[for
   auto check_one_copy = [&](const char* who) {
     const kv_pool_stats after = pool.stats();
     INFO(who << " wrote block 1: cow copies " << before.cow_copies << " -> " << after.cow_copies << ", in use "
-              << before.blocks_in_use << " -> " << after.blocks_in_use << ", shared " << before.blocks_shared
-              << " -> " << after.blocks_shared);
+             << before.blocks_in_use << " -> " << after.blocks_in_use << ", shared " << before.blocks_shared << " -> "
+             << after.blocks_shared);
     CHECK(after.cow_copies == before.cow_copies + 1);
     CHECK(after.blocks_in_use == before.blocks_in_use + 1);
     CHECK(after.blocks_shared == before.blocks_shared - 1);
@@ -251,8 +251,7 @@ TEST_CASE("truncate below a live snapshot keeps that snapshot intact", "[truncat
   check_pins(pins);
 }
 
-TEST_CASE("after truncate to n, writing n+3 reads the new token and zeros at n..n+2, never stale data",
-          "[truncate]") {
+TEST_CASE("after truncate to n, writing n+3 reads the new token and zeros at n..n+2, never stale data", "[truncate]") {
   const kv_cache_config config = small_config();
   const std::size_t bt = config.block_tokens, written = 3 * bt;
   asio::thread_pool io(2);
@@ -260,7 +259,9 @@ TEST_CASE("after truncate to n, writing n+3 reads the new token and zeros at n..
   for (holder h : {holder::nothing, holder::snapshot, holder::fork}) {
     for (std::size_t n = 0; n + 3 < written; ++n) {
       INFO("truncate to " << n << ", old data held by "
-                          << (h == holder::nothing ? "nothing" : h == holder::snapshot ? "a snapshot" : "a fork"));
+                          << (h == holder::nothing    ? "nothing"
+                              : h == holder::snapshot ? "a snapshot"
+                                                      : "a fork"));
       // A pool per case: the previous case's cache may outlive its handle
       // for a moment (its last drain still finishing on the pool).
       const kv_block_pool pool = kv_block_pool::for_caches(config);
@@ -418,8 +419,10 @@ TEST_CASE("concurrent forks and appends under a 2-thread pool leave every cache 
       co_await put(b, s - 1, tag, log);
       if (round % 2 == 1) {
         auto [tec] = co_await b.cache.async_truncate(s, as_tuple(asio::use_awaitable));
-        if (tec) log.add(str(b.name, ": truncate: ", tec.message()));
-        else b.expected.truncate(s);
+        if (tec)
+          log.add(str(b.name, ": truncate: ", tec.message()));
+        else
+          b.expected.truncate(s);
         co_await put(b, s + 2, tag, log);
       }
       if (round % 2 == 0) {
@@ -449,8 +452,8 @@ TEST_CASE("concurrent forks and appends under a 2-thread pool leave every cache 
       if (round % 2 == 1) appended = asio::co_spawn(io, appender(begin, begin + per_round), asio::use_future);
       std::vector<std::future<std::vector<branch>>> forked;
       for (int id = 0; id < forkers; ++id)
-        forked.push_back(asio::co_spawn(id == 0 ? outside.get_executor() : io.get_executor(), forker(id, round),
-                                        asio::use_future));
+        forked.push_back(
+            asio::co_spawn(id == 0 ? outside.get_executor() : io.get_executor(), forker(id, round), asio::use_future));
       if (round % 2 == 0) appended = asio::co_spawn(io, appender(begin, begin + per_round), asio::use_future);
       appended.wait();
       for (auto& f : forked) f.wait();

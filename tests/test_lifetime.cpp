@@ -54,8 +54,7 @@ TEST_CASE("destroying the context with requests queued frees the cache and the h
   CHECK(handler_state.expired());
 }
 
-TEST_CASE("an overwritten block is freed once no epoch can read it, while an older snapshot is pinned",
-          "[lifetime]") {
+TEST_CASE("an overwritten block is freed once no epoch can read it, while an older snapshot is pinned", "[lifetime]") {
   auto config = small_config();
   config.block_tokens = 1;
   cache_fixture f(config);

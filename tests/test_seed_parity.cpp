@@ -9,7 +9,6 @@
 using namespace ghostlink;
 using ghostlink::test::blocking;
 using ghostlink::test::filled;
-using ghostlink::test::small_config;
 
 using fixture = ghostlink::test::cache_fixture;
 
@@ -98,7 +97,8 @@ TEST_CASE("is_empty_and_len_track_initialization", "[seed]") {
 TEST_CASE("concurrent_reads_do_not_corrupt_or_deadlock", "[seed]") {
   fixture f;
   REQUIRE_FALSE(f.sync.initialize(8));
-  for (std::size_t t = 0; t < 8; ++t) REQUIRE_FALSE(f.sync.write(t, filled(f.width, float(t)), filled(f.width, float(t))));
+  for (std::size_t t = 0; t < 8; ++t)
+    REQUIRE_FALSE(f.sync.write(t, filled(f.width, float(t)), filled(f.width, float(t))));
 
   // Eight threads read every token; each reports the tokens that were wrong.
   std::vector<std::thread> readers;

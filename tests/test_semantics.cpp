@@ -199,16 +199,16 @@ TEST_CASE("for_each_block visits each stored run once, in order, with the stored
   const kv_snapshot snap = f.cache.snapshot();
   std::vector<std::pair<std::size_t, std::size_t>> runs;
   std::size_t mismatches = 0;
-  const auto ec = snap.for_each_block(2, 13, [&](std::size_t first, std::size_t count, std::span<const float> k,
-                                                 std::span<const float> v) {
-    runs.emplace_back(first, count);
-    if (k.size() != count * f.width || v.size() != count * f.width) ++mismatches;
-    for (std::size_t i = 0; i < count; ++i) {
-      const auto expected = token_pattern(f.width, first + i, 2);
-      if (!std::equal(expected.begin(), expected.end(), k.begin() + ptrdiff_t(i * f.width))) ++mismatches;
-      if (!std::equal(expected.begin(), expected.end(), v.begin() + ptrdiff_t(i * f.width))) ++mismatches;
-    }
-  });
+  const auto ec = snap.for_each_block(
+      2, 13, [&](std::size_t first, std::size_t count, std::span<const float> k, std::span<const float> v) {
+        runs.emplace_back(first, count);
+        if (k.size() != count * f.width || v.size() != count * f.width) ++mismatches;
+        for (std::size_t i = 0; i < count; ++i) {
+          const auto expected = token_pattern(f.width, first + i, 2);
+          if (!std::equal(expected.begin(), expected.end(), k.begin() + ptrdiff_t(i * f.width))) ++mismatches;
+          if (!std::equal(expected.begin(), expected.end(), v.begin() + ptrdiff_t(i * f.width))) ++mismatches;
+        }
+      });
   CHECK_FALSE(ec);
   CHECK(mismatches == 0);
   const std::vector<std::pair<std::size_t, std::size_t>> expected_runs{{2, 2}, {4, 4}, {8, 4}, {12, 1}};

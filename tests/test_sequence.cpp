@@ -42,7 +42,7 @@ TEST_CASE("a sequence snapshot narrows every layer to the tokens all layers hold
   REQUIRE_FALSE(ghostlink::test::wait_ec(
       [&](auto token) { return layer1.async_write(2, extra.keys[1], extra.values[1], token); }));
   CHECK(f.seq.layer(1).size() == 3);
-  const auto snap = f.seq.snapshot();
+  const ghostlink::sequence_snapshot snap = f.seq.snapshot();
   INFO("sequence snapshot " << snap.size() << ", layer 1's own " << f.seq.layer(1).size());
   CHECK(snap.size() == 2);
   CHECK(snap.layer(1).size() == 2);
@@ -107,8 +107,7 @@ TEST_CASE("an append to a full sequence is index_out_of_range, after the shape c
   f.check_contents();
 }
 
-TEST_CASE("a sequence of zero layers, or on a pool that does not fit its caches, throws invalid_config",
-          "[sequence]") {
+TEST_CASE("a sequence of zero layers, or on a pool that does not fit its caches, throws invalid_config", "[sequence]") {
   asio::thread_pool threads{2};
   const auto expect_invalid = [](const char* what, auto make) {
     INFO(what);
@@ -188,8 +187,8 @@ TEST_CASE("an append, truncate or fork started while an append is in flight is o
     forked = std::move(s);
   });
   run_on_two_threads(ctx);
-  INFO("first: " << first_ec.message() << "; second: " << second_ec.message() << "; truncate: "
-                 << truncate_ec.message() << "; fork: " << fork_ec.message());
+  INFO("first: " << first_ec.message() << "; second: " << second_ec.message() << "; truncate: " << truncate_ec.message()
+                 << "; fork: " << fork_ec.message());
   CHECK_FALSE(first_ec);
   CHECK(second_ec == kv_errc::operation_in_progress);
   CHECK(truncate_ec == kv_errc::operation_in_progress);
@@ -308,7 +307,8 @@ TEST_CASE("concurrent snapshots never show a partially appended token", "[sequen
         finished = writer_done.load(std::memory_order_acquire);
         const std::size_t completed = f.seq.size();
         const auto snap = f.seq.snapshot();
-        if (snap.size() < completed) bad.add(str("reader ", r, ": snapshot ", snap.size(), " after size() ", completed));
+        if (snap.size() < completed)
+          bad.add(str("reader ", r, ": snapshot ", snap.size(), " after size() ", completed));
         if (snap.size() < last) bad.add(str("reader ", r, ": snapshot shrank from ", last, " to ", snap.size()));
         if (finished && snap.size() != tokens) bad.add(str("reader ", r, ": final snapshot of ", snap.size()));
         if (std::string d = diff_snapshot(snap, tags); !d.empty()) bad.add(str("reader ", r, ": ", d));

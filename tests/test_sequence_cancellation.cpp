@@ -22,9 +22,7 @@ namespace {
 constexpr auto aborted = asio::error::operation_aborted;
 constexpr std::size_t n_layers = 3;
 
-kv_cache_config seq_config() {
-  return {.max_tokens_per_seq = 64, .num_heads = 2, .head_dim = 4, .block_tokens = 4};
-}
+kv_cache_config seq_config() { return {.max_tokens_per_seq = 64, .num_heads = 2, .head_dim = 4, .block_tokens = 4}; }
 
 /// Every layer's size, in order.
 std::vector<std::size_t> layer_sizes(const sequence_kv_cache& s) {

@@ -72,8 +72,7 @@ TEST_CASE("stopping the io_context leaves pending writes waiting; running it aga
   CHECK(cache.size() == 8);
 }
 
-TEST_CASE("destroying a stopped io_context destroys every pending handler unrun and frees the caches",
-          "[shutdown]") {
+TEST_CASE("destroying a stopped io_context destroys every pending handler unrun and frees the caches", "[shutdown]") {
   probe p;
   {
     asio::io_context io;

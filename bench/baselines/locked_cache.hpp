@@ -89,8 +89,8 @@ class locked_cache {
   }
 
  private:
-  using read_lock = std::conditional_t<std::is_same_v<Mutex, std::shared_mutex>, std::shared_lock<Mutex>,
-                                       std::unique_lock<Mutex>>;
+  using read_lock =
+      std::conditional_t<std::is_same_v<Mutex, std::shared_mutex>, std::shared_lock<Mutex>, std::unique_lock<Mutex>>;
   const kv_cache_config config_;
   mutable Mutex mutex_;
   std::vector<float> keys_, values_;

@@ -22,7 +22,7 @@ struct null_mutex {
 
 class strand_cache {
  public:
-  strand_cache(asio::any_io_executor ex, const kv_cache_config& config)
+  strand_cache(const asio::any_io_executor& ex, const kv_cache_config& config)
       : strand_(asio::make_strand(ex)), storage_(std::make_shared<locked_cache<null_mutex>>(config)) {}
 
   template <class Token>

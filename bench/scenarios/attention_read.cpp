@@ -44,9 +44,8 @@ void attention_read(const options& o, report& out) {
       io.run();
       rate.values["ghostlink"] = ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
-        cache.snapshot().for_each_block(0, o.read_tokens, [&](std::size_t, std::size_t n, auto k, auto v) {
-          a.add(n, k, v);
-        });
+        cache.snapshot().for_each_block(0, o.read_tokens,
+                                        [&](std::size_t, std::size_t n, auto k, auto v) { a.add(n, k, v); });
         keep(a.checksum());
       });
     }

@@ -9,11 +9,11 @@
 /// config, errors, statistics and events. Names in `ghostlink::detail` are
 /// internals, with no stability promise.
 
+#include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
+#include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/events.hpp"
-#include "ghostlink/block_pool.hpp"
-#include "ghostlink/element.hpp"
 #include "ghostlink/layer_kv_cache.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/snapshot.hpp"

@@ -137,7 +137,9 @@ class basic_layer_kv_cache {
   /// The config the cache was made with (a fork's: its parent's).
   const kv_cache_config& config() const noexcept { return actor_->config(); }
   /// The pool the cache takes its blocks from.
-  kv_block_pool pool() const noexcept { return kv_block_pool(detail::ref_ptr<detail::block_pool>::share(&actor_->pool())); }
+  kv_block_pool pool() const noexcept {
+    return kv_block_pool(detail::ref_ptr<detail::block_pool>::share(&actor_->pool()));
+  }
   /// The actor's strand. Bind a handler to it only to serialise it with the
   /// actor; it is not where handlers run by default.
   executor_type get_executor() const noexcept { return actor_->strand(); }

@@ -184,7 +184,8 @@ class basic_sequence_kv_cache {
   ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_append(std::span<const std::span<const float>> keys_per_layer,
-                    std::span<const std::span<const float>> values_per_layer, CompletionToken&& token = default_completion_token());
+                    std::span<const std::span<const float>> values_per_layer,
+                    CompletionToken&& token = default_completion_token());
 
   /// Drops tokens `[n, size())` from every layer (speculative-decoding
   /// rollback); `n >= size()` changes nothing. Snapshots taken before keep
@@ -236,6 +237,9 @@ class basic_sequence_kv_cache {
 
 /// A whole-model sequence cache storing floats.
 using sequence_kv_cache = basic_sequence_kv_cache<float>;
+
+/// The snapshot of a `sequence_kv_cache` (float storage).
+using sequence_snapshot = basic_sequence_snapshot<float>;
 
 }  // namespace ghostlink
 

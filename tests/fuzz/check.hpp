@@ -40,6 +40,7 @@ struct trace {
   /// GHOSTLINK_FUZZ_VERBOSE=1 prints every operation and its expected
   /// outcome as it runs (to read what a corpus file or crash does).
   static bool verbose() {
+    // NOLINTNEXTLINE(concurrency-mt-unsafe): nothing in the fuzzer sets the environment
     static const bool on = std::getenv("GHOSTLINK_FUZZ_VERBOSE") != nullptr;
     return on;
   }
@@ -162,20 +163,20 @@ GHOSTLINK_FUZZ_QUIET void check_snapshot(const basic_kv_snapshot<T>& s, const me
   for (std::size_t i = 0; i < win.count; ++i) {
     const auto [begin, end] = win.range[i];
     std::size_t next = begin;
-    const std::error_code ec = s.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto k, auto v)
-                                                                GHOSTLINK_FUZZ_QUIET {
-      if (first != next || count == 0 || first + count > end || k.size() != count * width || v.size() != k.size())
-        fail(str(what, ": for_each_block(", begin, ", ", end, ") gave run ", first, "+", count, " with ", k.size(),
-                 " keys, expected to start at ", next));
-      for (std::size_t t = 0; t < count; ++t)
-        for (std::size_t lane = 0; lane < width; ++lane) {
-          const recipe r = e->token(first + t);
-          if (raw_bits<T>(k[t * width + lane]) != raw_bits<T>(T(token_float(r, lane, false))) ||
-              raw_bits<T>(v[t * width + lane]) != raw_bits<T>(T(token_float(r, lane, true))))
-            fail(str(what, ": for_each_block: token ", first + t, " lane ", lane, " differs from the model"));
-        }
-      next = first + count;
-    });
+    const std::error_code ec =
+        s.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto k, auto v) GHOSTLINK_FUZZ_QUIET {
+          if (first != next || count == 0 || first + count > end || k.size() != count * width || v.size() != k.size())
+            fail(str(what, ": for_each_block(", begin, ", ", end, ") gave run ", first, "+", count, " with ", k.size(),
+                     " keys, expected to start at ", next));
+          for (std::size_t t = 0; t < count; ++t)
+            for (std::size_t lane = 0; lane < width; ++lane) {
+              const recipe r = e->token(first + t);
+              if (raw_bits<T>(k[t * width + lane]) != raw_bits<T>(T(token_float(r, lane, false))) ||
+                  raw_bits<T>(v[t * width + lane]) != raw_bits<T>(T(token_float(r, lane, true))))
+                fail(str(what, ": for_each_block: token ", first + t, " lane ", lane, " differs from the model"));
+            }
+          next = first + count;
+        });
     if (ec) fail(str(what, ": for_each_block(", begin, ", ", end, "): ", ec_name(ec)));
     if (next != end) fail(str(what, ": for_each_block(", begin, ", ", end, ") stopped at ", next));
   }

@@ -84,13 +84,27 @@ void bad_config(world<T>& w) {
         attempt(private_cache);
       break;
     }
-    case 1: c.max_blocks = 1 + b % 7; attempt(on_pool); break;  // a cache on a pool must leave the budget to it
-    case 2: c.block_tokens += 1; attempt(on_pool); break;       // blocks of another size
+    case 1:
+      c.max_blocks = 1 + b % 7;
+      attempt(on_pool);
+      break;  // a cache on a pool must leave the budget to it
+    case 2:
+      c.block_tokens += 1;
+      attempt(on_pool);
+      break;       // blocks of another size
     case 3: attempt([&] { basic_sequence_kv_cache<T>(w.io, 0, c, w.pools[0]); }); break;
     case 4: attempt([&] { kv_block_pool(b & 1 ? bytes + 1 : 0); }); break;
-    case 5: attempt([&] { kv_block_pool(bytes, b & 1 ? kv_pool_limits{0, top} : kv_pool_limits{top, bytes - 1}); }); break;
-    case 6: c.num_heads = top, c.head_dim = 2; attempt(private_cache); break;
-    case 7: c.max_tokens_per_seq = top / c.token_width() + 1; attempt(private_cache); break;
+    case 5:
+      attempt([&] { kv_block_pool(bytes, b & 1 ? kv_pool_limits{0, top} : kv_pool_limits{top, bytes - 1}); });
+      break;
+    case 6:
+      c.num_heads = top, c.head_dim = 2;
+      attempt(private_cache);
+      break;
+    case 7:
+      c.max_tokens_per_seq = top / c.token_width() + 1;
+      attempt(private_cache);
+      break;
     default:
       want_invalid = false;
       c.max_blocks = 1 + b % 5;
@@ -211,7 +225,8 @@ void run(input& in, const std::uint8_t (&head)[7]) {
   // One input in 16 has a huge max_tokens_per_seq (edges of the index
   // arithmetic and the page table's bound); the others 1..40.
   const bool huge = head[3] >= 0xf0;
-  const std::size_t huge_max[] = {std::size_t{1} << 40, std::numeric_limits<std::size_t>::max() / geometry.token_width(),
+  const std::size_t huge_max[] = {std::size_t{1} << 40,
+                                  std::numeric_limits<std::size_t>::max() / geometry.token_width(),
                                   (std::size_t{1} << 36) + 3};
   geometry.max_tokens_per_seq = huge ? huge_max[head[3] % 3] : 1 + head[3] % 40;
   const std::size_t budget = head[4] >= 0xf8 ? std::numeric_limits<std::size_t>::max() : 1 + head[4] % 16;
@@ -222,8 +237,10 @@ void run(input& in, const std::uint8_t (&head)[7]) {
 
   trace& t = current_trace();
   t = {};
-  t.config = str(sizeof(T) == 4 ? "float" : std::is_same_v<T, half> ? "half" : "bfloat16", ' ', geometry,
-                 " pool budget=", effective, " start=", int(head[6]));
+  t.config = str(sizeof(T) == 4            ? "float"
+                 : std::is_same_v<T, half> ? "half"
+                                           : "bfloat16",
+                 ' ', geometry, " pool budget=", effective, " start=", int(head[6]));
   if (trace::verbose()) std::fprintf(stderr, "config: %s\n", t.config.c_str());
 
   asio::io_context io;

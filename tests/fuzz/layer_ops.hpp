@@ -37,7 +37,8 @@ using asio::experimental::as_tuple;
 enum class req_kind : std::uint8_t { initialize, write, batch, truncate, fork, read_kv, read_range, snapshot, count };
 
 inline const char* name(req_kind k) {
-  constexpr const char* names[] = {"initialize", "write", "write_batch", "truncate", "fork", "read_kv", "read_range", "snapshot"};
+  constexpr const char* names[] = {"initialize", "write",   "write_batch", "truncate",
+                                   "fork",       "read_kv", "read_range",  "snapshot"};
   return names[static_cast<int>(k)];
 }
 
@@ -99,7 +100,8 @@ std::shared_ptr<layer_req<T>> decode_req(world<T>& w, req_kind kind, std::size_t
         r->bufs.push_back(world<T>::floats(e.r, e.keys, false));
         r->bufs.push_back(world<T>::floats(e.r, e.values, true));
       }
-      for (std::size_t i = 0; i < n; ++i) r->entries.push_back({r->writes[i].index, r->bufs[2 * i], r->bufs[2 * i + 1]});
+      for (std::size_t i = 0; i < n; ++i)
+        r->entries.push_back({r->writes[i].index, r->bufs[2 * i], r->bufs[2 * i + 1]});
       break;
     }
     case req_kind::fork:
@@ -127,8 +129,9 @@ std::vector<std::shared_ptr<layer_req<T>>> decode_burst(world<T>& w, std::size_t
     if (!through_actor(r->kind) || b / 8 % 8 < 6) continue;
     r->cancel = b / 8 % 8 == 6 ? cancel_when::before_drain : cancel_when::after_drain;
     r->cancel_type = types[b / 64];
-    current_trace().add(r->cancel == cancel_when::before_drain ? "  cancelled before the drain"
-                                                               : "  cancelled after the drain", b / 64);
+    current_trace().add(
+        r->cancel == cancel_when::before_drain ? "  cancelled before the drain" : "  cancelled after the drain",
+        b / 64);
   }
   return reqs;
 }
@@ -191,7 +194,7 @@ void start_req(world<T>& w, typename world<T>::cache_slot& slot, const std::shar
   switch (r->kind) {
     case req_kind::read_kv:
       r->read_epoch = slot.m->current;
-      cache.async_read_kv(r->a, [r](std::error_code ec, kv_entry e) {
+      cache.async_read_kv(r->a, [r](std::error_code ec, kv_entry&& e) {
         r->ec = ec;
         r->entry = std::move(e);
         r->done = true;
@@ -199,7 +202,7 @@ void start_req(world<T>& w, typename world<T>::cache_slot& slot, const std::shar
       break;
     case req_kind::read_range:
       r->read_epoch = slot.m->current;
-      cache.async_read_range(r->a, r->b, [r](std::error_code ec, kv_range range) {
+      cache.async_read_range(r->a, r->b, [r](std::error_code ec, kv_range&& range) {
         r->ec = ec;
         r->range = std::move(range);
         r->done = true;
@@ -254,8 +257,10 @@ void check_read(const world<T>& w, const layer_req<T>& r) {
     return;
   }
   std::error_code want;
-  if (r.a > r.b) want = kv_errc::invalid_range;
-  else if (r.b > e.length) want = kv_errc::range_out_of_bounds;
+  if (r.a > r.b)
+    want = kv_errc::invalid_range;
+  else if (r.b > e.length)
+    want = kv_errc::range_out_of_bounds;
   expect_ec(r.ec, want, str("async_read_range(", r.a, ", ", r.b, ')'));
   const std::size_t n = want ? 0 : (r.b - r.a) * width;
   if (r.range.keys.size() != n || r.range.values.size() != n)
@@ -313,7 +318,7 @@ void run_requests(world<T>& w, std::size_t k, std::vector<std::shared_ptr<layer_
     }
   }
   w.run_to_completion([&] { return std::all_of(reqs.begin(), reqs.end(), [](const auto& r) { return r->done; }); },
-              name(reqs.front()->kind));
+                      name(reqs.front()->kind));
 
   for (const auto& r : reqs) {
     const std::string what = str(name(r->kind), " on cache ", k);

@@ -46,12 +46,30 @@ struct recipe {
 GHOSTLINK_FUZZ_QUIET inline float token_float(recipe r, std::size_t lane, bool value) {
   if (r.serial == 0) return 0.0f;
   if (r.seed & 0x80) {
-    static constexpr std::uint32_t special[] = {
-        0x00000000u, 0x80000000u, 0x3f800000u, 0xc0200000u, 0x477fe000u /*65504*/, 0x477fef00u,
-        0x477ff000u /*65520: inf in half*/, 0x47c35000u /*1e5*/, 0x33800000u /*2^-24*/, 0x33000000u /*2^-25 tie*/,
-        0x000116c2u /*float subnormal*/, 0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u,
-        0xffc00000u, 0x7f800001u /*sNaN*/, 0x7fc12345u, 0x3eaaaaabu, 0x3f808000u /*bf16 tie*/, 0x3f818000u,
-        0x45001000u /*2049: half tie*/, 0x387fc000u /*half subnormal edge*/};
+    static constexpr std::uint32_t special[] = {0x00000000u,
+                                                0x80000000u,
+                                                0x3f800000u,
+                                                0xc0200000u,
+                                                0x477fe000u /*65504*/,
+                                                0x477fef00u,
+                                                0x477ff000u /*65520: inf in half*/,
+                                                0x47c35000u /*1e5*/,
+                                                0x33800000u /*2^-24*/,
+                                                0x33000000u /*2^-25 tie*/,
+                                                0x000116c2u /*float subnormal*/,
+                                                0x7f7fffffu,
+                                                0xff7fffffu,
+                                                0x7f800000u,
+                                                0xff800000u,
+                                                0x7fc00000u,
+                                                0xffc00000u,
+                                                0x7f800001u /*sNaN*/,
+                                                0x7fc12345u,
+                                                0x3eaaaaabu,
+                                                0x3f808000u /*bf16 tie*/,
+                                                0x3f818000u,
+                                                0x45001000u /*2049: half tie*/,
+                                                0x387fc000u /*half subnormal edge*/};
     constexpr std::size_t n = sizeof special / sizeof special[0];
     return std::bit_cast<float>(special[(r.seed + lane * 5 + (value ? 3 : 0) + r.serial) % n]);
   }

@@ -152,8 +152,8 @@ void start_seq(basic_sequence_kv_cache<T>& s, const std::shared_ptr<seq_req<T>>&
   };
   switch (r->kind) {
     case seq_kind::append:
-      s.async_append(std::span<const std::span<const float>>(r->keys), std::span<const std::span<const float>>(r->values),
-                     completed);
+      s.async_append(std::span<const std::span<const float>>(r->keys),
+                     std::span<const std::span<const float>>(r->values), completed);
       break;
     case seq_kind::truncate: s.async_truncate(r->n, completed); break;
     default:

@@ -16,9 +16,12 @@ namespace ghostlink::fuzz {
 inline std::vector<float> output_buffer(std::size_t needed, std::uint8_t b) {
   constexpr std::size_t cap = 4096;
   std::size_t n = needed;
-  if (needed > cap) n = 16;
-  else if (b % 4 == 0 && needed > 0) n = needed - 1;
-  else if (b % 4 == 3) n = needed + 1;
+  if (needed > cap)
+    n = 16;
+  else if (b % 4 == 0 && needed > 0)
+    n = needed - 1;
+  else if (b % 4 == 3)
+    n = needed + 1;
   return std::vector<float>(n, std::bit_cast<float>(sentinel_bits));
 }
 
@@ -53,7 +56,8 @@ void snapshot_read(world<T>& w, std::size_t k) {
     std::vector<float> keys = output_buffer(tokens * width, w.in.byte());
     std::vector<float> values = output_buffer(tokens * width, w.in.byte());
     if (!want && (keys.size() < tokens * width || values.size() < tokens * width)) want = kv_errc::buffer_too_small;
-    const std::error_code ec = variant == 0 ? s.real.read_kv(begin, keys, values) : s.real.read_range(begin, end, keys, values);
+    const std::error_code ec =
+        variant == 0 ? s.real.read_kv(begin, keys, values) : s.real.read_range(begin, end, keys, values);
     expect_ec(ec, want, what);
     const std::size_t written = want ? 0 : tokens * width;
     if (written > 0) compare_tokens<T>(*e, begin, tokens, width, keys, values, what.c_str());

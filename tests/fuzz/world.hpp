@@ -7,8 +7,8 @@
 #include "check.hpp"
 #include "model.hpp"
 
-#include <ghostlink/kv_cache.hpp>
 #include <ghostlink/detail/storage.hpp>
+#include <ghostlink/kv_cache.hpp>
 
 #include <asio/io_context.hpp>
 
@@ -101,9 +101,20 @@ struct world {
     if (b < 200) {
       v = b % (huge ? 64 : 48);
     } else {
-      const std::size_t edges[] = {max_tokens() - 1, max_tokens(), max_tokens() + 1, top, top - 1,
-                                   std::size_t{1} << 32, std::size_t{1} << 36, std::size_t{1} << 40, size,
-                                   size - 1, size + 1, std::size_t{1} << 63, size + 7, size / 2};
+      const std::size_t edges[] = {max_tokens() - 1,
+                                   max_tokens(),
+                                   max_tokens() + 1,
+                                   top,
+                                   top - 1,
+                                   std::size_t{1} << 32,
+                                   std::size_t{1} << 36,
+                                   std::size_t{1} << 40,
+                                   size,
+                                   size - 1,
+                                   size + 1,
+                                   std::size_t{1} << 63,
+                                   size + 7,
+                                   size / 2};
       v = edges[b % (sizeof edges / sizeof edges[0])];
     }
     if (huge && v >= 64 && v < (std::size_t{1} << 36)) v %= 64;

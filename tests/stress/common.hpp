@@ -69,11 +69,11 @@ inline bool stopping() { return g_verdict.stop.load(std::memory_order_relaxed); 
 
 /// Figures printed at the end (relaxed counters).
 struct figures {
-  std::atomic<std::uint64_t> requests{0}, writes{0}, batches{0}, initializes{0}, truncates{0}, forks{0},
-      rejected{0}, arena_requests{0}, arena_rotations{0}, appends{0}, append_capacity_failures{0},
-      seq_truncates{0}, seq_forks{0}, conflicts{0}, conflicts_rejected{0}, generations{0}, epochs{0},
-      layer_snapshots{0}, arena_snapshots{0}, seq_snapshots{0}, hot_pins{0}, writer_checks{0}, retained_checks{0},
-      async_reads{0}, tokens_checked{0}, delayed{0};
+  std::atomic<std::uint64_t> requests{0}, writes{0}, batches{0}, initializes{0}, truncates{0}, forks{0}, rejected{0},
+      arena_requests{0}, arena_rotations{0}, appends{0}, append_capacity_failures{0}, seq_truncates{0}, seq_forks{0},
+      conflicts{0}, conflicts_rejected{0}, generations{0}, epochs{0}, layer_snapshots{0}, arena_snapshots{0},
+      seq_snapshots{0}, hot_pins{0}, writer_checks{0}, retained_checks{0}, async_reads{0}, tokens_checked{0},
+      delayed{0};
 };
 inline figures g_figures;
 inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
@@ -143,12 +143,13 @@ inline std::uint64_t decode(std::span<const float> keys, std::span<const float> 
     return f >= 0.0f && f <= static_cast<float>(max_field) && f == static_cast<float>(static_cast<std::uint32_t>(f));
   };
   if (!field(keys[0]) || !field(keys[1]) || !field(keys[3])) {
-    error = str("token ", index, " (layer ", layer, ") is garbage: key lanes 0,1,3 = ", keys[0], ",", keys[1], ",", keys[3]);
+    error = str("token ", index, " (layer ", layer, ") is garbage: key lanes 0,1,3 = ", keys[0], ",", keys[1], ",",
+                keys[3]);
     return 0;
   }
   const std::uint64_t gen = static_cast<std::uint64_t>(keys[0]) | (static_cast<std::uint64_t>(keys[3]) >> 4) << 24;
   const std::uint64_t tag = make_tag(gen, static_cast<std::uint64_t>(keys[1]));
-  std::array<float, 64> kb, vb;  // no allocation per token: readers decode millions
+  std::array<float, 64> kb{}, vb{};  // no allocation per token: readers decode millions
   if (keys.size() > kb.size() || values.size() != keys.size()) {
     error = str("token ", index, ": width ", keys.size(), "/", values.size(), " (the test handles up to 64)");
     return 0;
@@ -202,7 +203,8 @@ enum class outcome : std::uint8_t { pending, ok, failed };
 class history {
  public:
   history(std::size_t capacity, state initial)
-      : states_(std::make_unique<state[]>(capacity)), outcomes_(std::make_unique<std::atomic<outcome>[]>(capacity)),
+      : states_(std::make_unique<state[]>(capacity)),
+        outcomes_(std::make_unique<std::atomic<outcome>[]>(capacity)),
         capacity_(capacity) {
     states_[0] = std::move(initial);
     outcomes_[0].store(outcome::ok, std::memory_order_relaxed);
@@ -247,7 +249,8 @@ class history {
 inline std::string describe_diff(std::span<const std::uint64_t> seen, const state& s) {
   if (seen.size() != s.tags.size()) return str("size ", seen.size(), " vs ", s.tags.size());
   for (std::size_t i = 0; i < seen.size(); ++i)
-    if (seen[i] != s.tags[i]) return str("token ", i, " shows ", tag_name(seen[i]), ", state has ", tag_name(s.tags[i]));
+    if (seen[i] != s.tags[i])
+      return str("token ", i, " shows ", tag_name(seen[i]), ", state has ", tag_name(s.tags[i]));
   return "equal";
 }
 
@@ -259,8 +262,9 @@ inline std::string match(const history& h, std::size_t lo, std::size_t hi, std::
   for (std::size_t p = lo; p <= hi; ++p)
     if (std::equal(seen.begin(), seen.end(), h.at(p).tags.begin(), h.at(p).tags.end())) found.push_back(p);
   if (!found.empty()) return {};
-  std::string why = str("shows ", seen.size(), " tokens, equal to no state in [", lo, ", ", hi, "] (", lo,
-                        " = last completed request when pinned): against state ", lo, ": ", describe_diff(seen, h.at(lo)));
+  std::string why =
+      str("shows ", seen.size(), " tokens, equal to no state in [", lo, ", ", hi, "] (", lo,
+          " = last completed request when pinned): against state ", lo, ": ", describe_diff(seen, h.at(lo)));
   if (hi != lo) why += str("; against state ", hi, ": ", describe_diff(seen, h.at(hi)));
   return why;
 }
@@ -281,11 +285,11 @@ class epoch_registry {
     e.pmin = std::min(e.pmin, pmin);
     e.pmax = std::max(e.pmax, pmax);
     if (it != map_.begin() && std::prev(it)->second.pmin > e.pmax)
-      return str("epoch ", std::prev(it)->first, " is state >= ", std::prev(it)->second.pmin, " but later epoch ", epoch,
-                 " is state <= ", e.pmax, ": epochs out of request order");
+      return str("epoch ", std::prev(it)->first, " is state >= ", std::prev(it)->second.pmin, " but later epoch ",
+                 epoch, " is state <= ", e.pmax, ": epochs out of request order");
     if (std::next(it) != map_.end() && std::next(it)->second.pmax < e.pmin)
-      return str("epoch ", epoch, " is state >= ", e.pmin, " but later epoch ", std::next(it)->first, " is state <= ",
-                 std::next(it)->second.pmax, ": epochs out of request order");
+      return str("epoch ", epoch, " is state >= ", e.pmin, " but later epoch ", std::next(it)->first,
+                 " is state <= ", std::next(it)->second.pmax, ": epochs out of request order");
     return {};
   }
 

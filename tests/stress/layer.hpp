@@ -36,7 +36,8 @@ struct arena {
   };
   arena(layer_kv_cache cache, std::size_t regions, std::size_t tokens, std::size_t capacity)
       : cache(std::move(cache)), region_tokens(tokens) {
-    for (std::size_t j = 0; j < regions; ++j) parts.push_back(std::make_unique<region>(new_generation(), capacity, tokens));
+    for (std::size_t j = 0; j < regions; ++j)
+      parts.push_back(std::make_unique<region>(new_generation(), capacity, tokens));
   }
   layer_kv_cache cache;
   const std::size_t region_tokens;
@@ -175,7 +176,8 @@ void verify_now(Target& t, std::uint64_t seed) {
 template <class Target>
 void on_done(Target& t, history& h, const std::string& name, const planned& op) {
   if (op.ec != op.expected)
-    fail(str(name, ": ", op.what(), " completed with \"", op.ec.message(), "\", expected \"", op.expected.message(), "\""));
+    fail(str(name, ": ", op.what(), " completed with \"", op.ec.message(), "\", expected \"", op.expected.message(),
+             "\""));
   h.complete(op.p);
   verify_now(t, op.p * 0x9e3779b97f4a7c15ULL ^ h.count());
 }
@@ -206,7 +208,7 @@ inline void adopt_child(layer_world& w, layer_target& parent, planned& op, rng& 
     return;
   }
   g_writers.enter();
-  asio::co_spawn(w.io, drive(w, std::move(child), rng(r.next()), SIZE_MAX), [&w](std::exception_ptr e) {
+  asio::co_spawn(w.io, drive(w, std::move(child), rng(r.next()), SIZE_MAX), [&w](const std::exception_ptr& e) {
     w.active_forks.fetch_sub(1);
     if (e) fail("a fork's writer threw");
     g_writers.leave();
@@ -220,10 +222,10 @@ inline asio::awaitable<void> arena_step(layer_world& w, std::size_t j, rng& r) {
   arena::region& part = *a->parts[j];
   if (!part.hist.has_room(7)) {
     if (a->rotating.exchange(true)) co_return;
-    auto next = std::make_shared<arena>(w.make_arena_cache(), w.regions, layer_world::region_tokens,
-                                        r.between(64, 512));
-    auto [ec] = co_await next->cache.async_initialize(w.regions * layer_world::region_tokens,
-                                                        as_tuple(asio::use_awaitable));
+    auto next =
+        std::make_shared<arena>(w.make_arena_cache(), w.regions, layer_world::region_tokens, r.between(64, 512));
+    auto [ec] =
+        co_await next->cache.async_initialize(w.regions * layer_world::region_tokens, as_tuple(asio::use_awaitable));
     if (ec) fail("arena initialize: " + ec.message());
     std::lock_guard lock(w.arena_mutex);
     bump(g_figures.delayed, w.current_arena->cache.stats().requests_delayed);

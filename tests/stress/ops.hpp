@@ -113,7 +113,7 @@ inline std::unique_ptr<planned> plan(state& s, const geometry& g, std::uint64_t 
     for (std::size_t i = 0; i < count; ++i) {
       const bool dup = i + 1 < count && r.percent(15);
       indices.push_back(detail_ops::pick_index(s, g, r));
-      decoy.push_back(dup);
+      decoy.push_back(static_cast<char>(dup));
       if (dup) indices.push_back(indices.back()), decoy.push_back(false), ++i;
     }
     if (r.percent(8)) bad = static_cast<int>(r.between(1, 2));
@@ -149,7 +149,8 @@ inline std::unique_ptr<planned> plan(state& s, const geometry& g, std::uint64_t 
         }
       break;
     case planned::kind::initialize:
-      if (op->n == 0) op->expected = kv_errc::zero_length;
+      if (op->n == 0)
+        op->expected = kv_errc::zero_length;
       else {
         s.tags.resize(std::max(s.tags.size(), std::min(op->n, g.max_tokens)), 0);
         s.initialized = true;

@@ -17,11 +17,16 @@ class reader {
   void run() {
     while (!stopping()) {
       const std::size_t roll = r_.below(100);
-      if (roll < 45) check_layer();
-      else if (roll < 60) check_arena();
-      else if (roll < 85) check_sequence();
-      else if (roll < 90) async_read();
-      else recheck();
+      if (roll < 45)
+        check_layer();
+      else if (roll < 60)
+        check_arena();
+      else if (roll < 85)
+        check_sequence();
+      else if (roll < 90)
+        async_read();
+      else
+        recheck();
       settle_claims();
     }
     kept_layers_.clear();
@@ -45,7 +50,8 @@ class reader {
   static constexpr std::size_t max_kept = 6;
 
   void keep(kv_snapshot& snap, const std::vector<std::uint64_t>& tags, const std::string& what) {
-    if (kept_layers_.size() >= max_kept) kept_layers_.erase(kept_layers_.begin() + r_.below(max_kept));
+    if (kept_layers_.size() >= max_kept)
+      kept_layers_.erase(kept_layers_.begin() + static_cast<std::ptrdiff_t>(r_.below(max_kept)));
     const std::uint64_t epoch = snap.epoch();
     kept_layers_.push_back({std::move(snap), epoch, tags, what});
   }
@@ -75,12 +81,14 @@ class reader {
     if (std::string e = verify(*t, r_, snap, tags_, found); !e.empty()) return fail(e);
     bump(g_figures.seq_snapshots);
     claim c{t, found, t->name};
-    if (const int j = judge(t->hist, found); j < 0) return fail(failed_claim(c));
-    else if (j == 0) claims_.push_back(std::move(c));
+    const int j = judge(t->hist, found);
+    if (j < 0) return fail(failed_claim(c));
+    if (j == 0) claims_.push_back(std::move(c));
     if (r_.percent(20))
       if (std::string e = hot_pins(*t, 64); !e.empty()) return fail(e);
     if (r_.percent(10)) {
-      if (kept_seqs_.size() >= max_kept) kept_seqs_.erase(kept_seqs_.begin() + r_.below(max_kept));
+      if (kept_seqs_.size() >= max_kept)
+        kept_seqs_.erase(kept_seqs_.begin() + static_cast<std::ptrdiff_t>(r_.below(max_kept)));
       kept_seqs_.push_back({std::move(snap), tags_, t->name});
     }
   }
@@ -112,8 +120,10 @@ class reader {
                             std::span<const float>(range.values).subspan((i - b) * w, w), i, 0, error));
     for (std::size_t p = lo; p <= hi && !ok && error.empty(); ++p) {
       const std::vector<std::uint64_t>& tags = t->hist.at(p).tags;
-      if (ec) ok = ec == kv_errc::range_out_of_bounds && tags.size() < e;
-      else ok = tags.size() >= e && std::equal(seen.begin(), seen.end(), tags.begin() + static_cast<std::ptrdiff_t>(b));
+      if (ec)
+        ok = ec == kv_errc::range_out_of_bounds && tags.size() < e;
+      else
+        ok = tags.size() >= e && std::equal(seen.begin(), seen.end(), tags.begin() + static_cast<std::ptrdiff_t>(b));
     }
     if (!ok)
       fail(str(t->name, ": async_read_range(", b, ", ", e, ") ", ec ? "failed: " + ec.message() : "read " + error,

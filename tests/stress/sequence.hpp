@@ -94,7 +94,8 @@ inline std::string hot_pins(const seq_target& t, std::size_t times) {
     const std::size_t w = s.token_width();
     (void)s.for_each_block(0, s.size(), [&](std::size_t at, std::size_t count, auto keys, auto) {
       for (std::size_t i = 0; i < count; ++i) {
-        const auto gen = static_cast<std::uint64_t>(keys[i * w]) | (static_cast<std::uint64_t>(keys[i * w + 3]) >> 4) << 24;
+        const auto gen = static_cast<std::uint64_t>(keys[i * w]) | (static_cast<std::uint64_t>(keys[i * w + 3]) >> 4)
+                                                                       << 24;
         out[at + i] = make_tag(gen, static_cast<std::uint64_t>(keys[i * w + 1]));
       }
     });
@@ -178,7 +179,7 @@ inline void adopt_child(seq_world& w, seq_target& parent, sequence_kv_cache chil
     return;
   }
   g_writers.enter();
-  asio::co_spawn(w.io, seq_drive(w, std::move(c), rng(r.next())), [&w](std::exception_ptr e) {
+  asio::co_spawn(w.io, seq_drive(w, std::move(c), rng(r.next())), [&w](const std::exception_ptr& e) {
     w.active_forks.fetch_sub(1);
     if (e) fail("a sequence fork's writer threw");
     g_writers.leave();
@@ -222,14 +223,18 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
     };
   };
   t.seq.async_truncate(after_a.tags.size(), handler(0));
-  if (append) t.seq.async_append(step->keys, step->values, handler(1));
-  else t.seq.async_truncate(t.hist.at(pb).tags.size(), handler(1));
+  if (append)
+    t.seq.async_append(step->keys, step->values, handler(1));
+  else
+    t.seq.async_truncate(t.hist.at(pb).tags.size(), handler(1));
   for (int i = 0; i < 2; ++i) co_await channel->async_receive(as_tuple(asio::use_awaitable));
   bump(g_figures.conflicts);
   if (ecs[1] == kv_errc::operation_in_progress) bump(g_figures.conflicts_rejected);
   settle(t, pa, ecs[0], {}, "the first operation of a conflict, a truncate");
-  if (append) settle(t, pb, ecs[1], {kv_errc::operation_in_progress, kv_errc::capacity_exhausted}, "conflicting append");
-  else settle(t, pb, ecs[1], {kv_errc::operation_in_progress}, "conflicting truncate");
+  if (append)
+    settle(t, pb, ecs[1], {kv_errc::operation_in_progress, kv_errc::capacity_exhausted}, "conflicting append");
+  else
+    settle(t, pb, ecs[1], {kv_errc::operation_in_progress}, "conflicting truncate");
 }
 
 inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target> t, rng r) {

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <iostream>
 #include <random>
 #include <thread>
@@ -31,12 +32,13 @@ using namespace stress;
 [[noreturn]] void usage(const char* why) {
   std::cerr << "stress: " << why
             << "\nusage: stress [--seconds S] [--seed N] [--writers W] [--readers R] [--sequences Q] [--threads T]\n";
-  std::exit(2);
+  std::exit(2);  // NOLINT(concurrency-mt-unsafe): parsing the command line, before any thread starts
 }
 
 options parse(int argc, char** argv) {
   options o;
-  o.seed = std::random_device{}() ^ static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  o.seed =
+      std::random_device{}() ^ static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (i + 1 >= argc) usage(("missing value after " + arg).c_str());
@@ -46,13 +48,20 @@ options parse(int argc, char** argv) {
     const double number = std::strtod(value, &end);
     if (errno != 0 || end == value || *end != '\0' || number < 0) usage(("bad value " + std::string(value)).c_str());
     const auto count = static_cast<std::size_t>(number);
-    if (arg == "--seconds") o.seconds = number;
-    else if (arg == "--seed") o.seed = std::strtoull(value, nullptr, 10);
-    else if (arg == "--writers" && count >= 1) o.writers = count;
-    else if (arg == "--readers" && count >= 1) o.readers = count;
-    else if (arg == "--sequences") o.sequences = count;
-    else if (arg == "--threads" && count >= 2) o.threads = count;
-    else usage(("unknown option or value out of range: " + arg + " " + value).c_str());
+    if (arg == "--seconds")
+      o.seconds = number;
+    else if (arg == "--seed")
+      o.seed = std::strtoull(value, nullptr, 10);
+    else if (arg == "--writers" && count >= 1)
+      o.writers = count;
+    else if (arg == "--readers" && count >= 1)
+      o.readers = count;
+    else if (arg == "--sequences")
+      o.sequences = count;
+    else if (arg == "--threads" && count >= 2)
+      o.threads = count;
+    else
+      usage(("unknown option or value out of range: " + arg + " " + value).c_str());
   }
   return o;
 }
@@ -91,7 +100,7 @@ int finish_failed(const options& o) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   const options o = parse(argc, argv);
   g_verdict.seed = o.seed;
   std::cout << "stress: seed=" << o.seed << " seconds=" << o.seconds << std::endl;
@@ -103,7 +112,7 @@ int main(int argc, char** argv) {
     seq_world sw(io, o.sequences);
     lw.make_arena();
     rng seeds(o.seed);
-    auto done = [](std::exception_ptr e) {
+    auto done = [](const std::exception_ptr& e) {
       if (e) fail("a writer coroutine threw");
       g_writers.leave();
     };
@@ -125,8 +134,8 @@ int main(int argc, char** argv) {
       std::unique_lock lock(g_verdict.mutex);
       g_verdict.changed.wait_until(lock, deadline, [] { return g_verdict.failed.load(); });
       g_verdict.stop.store(true);
-      writers_done = g_verdict.changed.wait_for(lock, std::chrono::seconds(60),
-                                                [] { return g_writers.running.load() == 0; });
+      writers_done =
+          g_verdict.changed.wait_for(lock, std::chrono::seconds(60), [] { return g_writers.running.load() == 0; });
     }
     for (std::thread& t : readers) t.join();
     if (!writers_done) {
@@ -151,9 +160,9 @@ int main(int argc, char** argv) {
   print_figures(o, elapsed);
   using ghostlink::detail::block_pool;
   std::cout << "  teardown: layer pool blocks_in_use " << pool_blocks_after << " (peak " << layer_peak
-            << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak
-            << "), pools alive " << block_pool::pools_alive() << ", destroyed unbalanced "
-            << block_pool::pools_destroyed_unbalanced() << "\n";
+            << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak << "), pools alive "
+            << block_pool::pools_alive() << ", destroyed unbalanced " << block_pool::pools_destroyed_unbalanced()
+            << "\n";
   if (pool_blocks_after != 0 || seq_pool_blocks_after != 0)
     fail(str("blocks still in use after teardown: layer pool ", pool_blocks_after, ", sequence pool ",
              seq_pool_blocks_after));
@@ -163,4 +172,7 @@ int main(int argc, char** argv) {
   if (g_verdict.failed.load()) return finish_failed(o);
   std::cout << "stress passed seed=" << o.seed << std::endl;
   return 0;
+} catch (const std::exception& e) {
+  std::cerr << "stress: " << e.what() << std::endl;
+  return 2;
 }

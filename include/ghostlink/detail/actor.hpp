@@ -30,8 +30,8 @@
 
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/epoch_cell.hpp"
-#include "ghostlink/element.hpp"
 #include "ghostlink/detail/request.hpp"
+#include "ghostlink/element.hpp"
 #include "ghostlink/stats.hpp"
 
 namespace ghostlink::detail {

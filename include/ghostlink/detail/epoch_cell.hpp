@@ -53,8 +53,7 @@ class epoch_cell {
     while (unpack(word) == e) {
       // release: our add_ref above happens-before a publish() that no
       // longer counts us.
-      if (word_.compare_exchange_weak(word, word - one_reader, std::memory_order_release,
-                                      std::memory_order_relaxed))
+      if (word_.compare_exchange_weak(word, word - one_reader, std::memory_order_release, std::memory_order_relaxed))
         return ref_ptr<epoch>::adopt(e);
     }
     // Replaced meanwhile: publish() turns our local count into a real

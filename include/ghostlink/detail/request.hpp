@@ -22,16 +22,16 @@
 #include <asio/associated_allocator.hpp>
 #include <asio/associated_cancellation_slot.hpp>
 #include <asio/associated_executor.hpp>
-#include <asio/cancellation_type.hpp>
 #include <asio/bind_allocator.hpp>
+#include <asio/cancellation_type.hpp>
+#include <asio/defer.hpp>
 #include <asio/execution/blocking.hpp>
 #include <asio/execution/executor.hpp>
 #include <asio/execution/outstanding_work.hpp>
 #include <asio/executor_work_guard.hpp>
 #include <asio/is_executor.hpp>
-#include <asio/prefer.hpp>
-#include <asio/defer.hpp>
 #include <asio/post.hpp>
+#include <asio/prefer.hpp>
 #include <asio/recycling_allocator.hpp>
 #include <asio/require.hpp>
 
@@ -56,9 +56,9 @@ auto handler_allocator(const Handler& handler) {
 /// an initiation that has no executor.
 template <class Executor>
 inline constexpr bool can_queue_on =
-    asio::is_executor<Executor>::value ||
-    (asio::execution::is_executor<Executor>::value &&
-     asio::can_require<Executor, asio::execution::blocking_t::never_t>::value);
+    std::disjunction_v<asio::is_executor<Executor>,
+                       std::conjunction<asio::execution::is_executor<Executor>,
+                                        asio::can_require<Executor, asio::execution::blocking_t::never_t>>>;
 
 /// The executor a handler's completion is queued on: its associated
 /// executor (default `io_ex`), unless work cannot be queued there; then
@@ -195,6 +195,9 @@ class request {
  public:
   enum class kind : unsigned char { initialize, write_batch, truncate, fork };
 
+  request(const request&) = delete;
+  request& operator=(const request&) = delete;
+
   kind op() const noexcept { return op_; }
   /// For `initialize` and `truncate`: the requested length.
   std::size_t length() const noexcept { return length_; }
@@ -222,8 +225,6 @@ class request {
       : finish_(finish), op_(kind::write_batch), entries_(entries) {}
   request(finish_fn finish, const kv_write& single) noexcept
       : finish_(finish), op_(kind::write_batch), single_(single), entries_(&single_, 1) {}
-  request(const request&) = delete;
-  request& operator=(const request&) = delete;
   ~request() = default;
 
   std::shared_ptr<actor> take_forked() noexcept { return std::move(forked_); }
@@ -271,9 +272,7 @@ class request_op final : public request {
  private:
   template <class Arg>
   request_op(Handler&& handler, const IoExecutor& io_ex, const Arg& arg)
-      : request(&finish, arg),
-        work_(track_work(completion_executor(handler, io_ex))),
-        handler_(std::move(handler)) {
+      : request(&finish, arg), work_(track_work(completion_executor(handler, io_ex))), handler_(std::move(handler)) {
     if constexpr (is_cancelled_by_group<Handler>)
       watch(handler_.state);
     else

@@ -234,9 +234,8 @@ class epoch_registry : public ref_counted<epoch_registry> {
 /// table is what lets the actor fill them in place later: no epoch reads
 /// those slots of any block.
 struct epoch : ref_counted<epoch> {
-  epoch(std::uint64_t number, std::size_t length, std::size_t stored, ref_ptr<page_table> table,
-        ref_ptr<block> zeros, std::size_t width, std::size_t block_tokens,
-        ref_ptr<epoch_registry> registry = {}) noexcept
+  epoch(std::uint64_t number, std::size_t length, std::size_t stored, ref_ptr<page_table> table, ref_ptr<block> zeros,
+        std::size_t width, std::size_t block_tokens, ref_ptr<epoch_registry> registry = {}) noexcept
       : number(number),
         length(length),
         stored(stored),

@@ -62,16 +62,16 @@ struct initiate_read {
   void operator()(Handler&& handler, std::size_t index) const {
     kv_entry entry;
     std::error_code ec = Snapshot(target->pin()).read_kv(index, entry);
-    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
-                    ec, std::move(entry));
+    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)),
+                    target->completion_executor(), ec, std::move(entry));
   }
 
   template <class Handler>
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
     std::error_code ec = Snapshot(target->pin()).read_range(begin, end, range);
-    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), target->completion_executor(),
-                    ec, std::move(range));
+    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)),
+                    target->completion_executor(), ec, std::move(range));
   }
 };
 
@@ -86,8 +86,8 @@ auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionTo
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys,
-                                          std::span<const float> values, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
+                                          CompletionToken&& token) {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
                                                                       kv_write{index, keys, values});
 }
@@ -95,8 +95,7 @@ auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const flo
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
-                                                                      entries);
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token, entries);
 }
 
 template <storage_element T>

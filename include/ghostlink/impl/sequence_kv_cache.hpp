@@ -6,15 +6,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <new>
 #include <type_traits>
-#include <memory>
 #include <utility>
 #include <variant>
 #include <vector>
 
-#include <asio/async_result.hpp>
 #include <asio/associated_cancellation_slot.hpp>
+#include <asio/async_result.hpp>
 
 #include "ghostlink/detail/request.hpp"
 #include "ghostlink/error.hpp"
@@ -140,7 +140,7 @@ class layer_fan_out : public std::enable_shared_from_this<layer_fan_out<Result, 
 template <class Result, class Finish, class Allocator>
 auto make_fan_out(std::size_t layers, Finish&& finish, const Allocator& alloc) {
   static_assert(!std::is_lvalue_reference_v<Finish>);
-  return std::allocate_shared<layer_fan_out<Result, Finish>>(alloc, layers, std::move(finish));
+  return std::allocate_shared<layer_fan_out<Result, Finish>>(alloc, layers, std::forward<Finish>(finish));
 }
 
 inline std::error_code first_error(const std::vector<std::error_code>& errors) noexcept {
@@ -149,8 +149,7 @@ inline std::error_code first_error(const std::vector<std::error_code>& errors) n
   return {};
 }
 
-inline std::error_code check_append(std::size_t layers, std::size_t width,
-                                    std::span<const std::span<const float>> keys,
+inline std::error_code check_append(std::size_t layers, std::size_t width, std::span<const std::span<const float>> keys,
                                     std::span<const std::span<const float>> values) noexcept {
   if (keys.size() != layers || values.size() != layers) return kv_errc::layer_mismatch;
   for (std::size_t i = 0; i < layers; ++i) {
@@ -185,7 +184,7 @@ void start_layers(const std::shared_ptr<Fan>& fan, std::size_t layers, Start sta
 template <class Result, class T, class Finish, class Allocator>
 auto begun_fan_out(sequence_state<T>& state, Finish&& finish, const Allocator& alloc) {
   try {
-    return make_fan_out<Result>(state.layers.size(), std::move(finish), alloc);
+    return make_fan_out<Result>(state.layers.size(), std::forward<Finish>(finish), alloc);
   } catch (...) {
     state.end();
     throw;
@@ -197,8 +196,8 @@ auto begun_fan_out(sequence_state<T>& state, Finish&& finish, const Allocator& a
 /// token stays where it was stored, hidden (other layers lack it) until the
 /// next append overwrites it.
 template <storage_element T, class Handler>
-void undo_append(std::shared_ptr<sequence_state<T>> state, std::size_t index, const std::vector<std::error_code>& errors,
-                 pending_handler<Handler> done, std::error_code ec) {
+void undo_append(std::shared_ptr<sequence_state<T>> state, std::size_t index,
+                 const std::vector<std::error_code>& errors, pending_handler<Handler> done, std::error_code ec) {
   const auto alloc = done.allocator();
   auto finish = [state, ec, done = std::move(done)](const auto&, const auto&) mutable {
     state->dropped();
@@ -231,12 +230,14 @@ void start_append(std::shared_ptr<sequence_state<T>> state, Handler handler,
   }
   const auto alloc = done.allocator();
   auto fan = begun_fan_out<std::monostate>(
-      *state, [state, index, done = std::move(done)](const auto& errors, const auto&) mutable {
+      *state,
+      [state, index, done = std::move(done)](const auto& errors, const auto&) mutable {
         if (std::error_code ec = first_error(errors)) return undo_append(state, index, errors, std::move(done), ec);
         state->length.store(index + 1, std::memory_order_release);
         state->end();
         std::move(done).complete(std::error_code());
-      }, alloc);
+      },
+      alloc);
   start_layers(
       fan, state->layers.size(),
       [&](std::size_t i, auto slot) { state->layers[i].async_write(index, keys[i], values[i], std::move(slot)); },
@@ -253,19 +254,21 @@ void start_truncate(std::shared_ptr<sequence_state<T>> state, Handler handler, s
     return std::move(done).complete(std::error_code());
   }
   const auto alloc = done.allocator();
-  auto fan = begun_fan_out<std::monostate>(*state, [state, n, done = std::move(done)](const auto& errors,
-                                                                                      const auto&) mutable {
-    // One layer truncated is enough for the sequence to be: a layer that
-    // could not keeps its extra tokens hidden (snapshots show the shortest
-    // layer) until appends overwrite them.
-    const bool any = std::any_of(errors.begin(), errors.end(), [](std::error_code ec) { return !ec; });
-    if (any) {
-      state->length.store(n, std::memory_order_release);
-      state->dropped();
-    }
-    state->end();
-    std::move(done).complete(any ? std::error_code() : first_error(errors));
-  }, alloc);
+  auto fan = begun_fan_out<std::monostate>(
+      *state,
+      [state, n, done = std::move(done)](const auto& errors, const auto&) mutable {
+        // One layer truncated is enough for the sequence to be: a layer that
+        // could not keeps its extra tokens hidden (snapshots show the
+        // shortest layer) until appends overwrite them.
+        const bool any = std::any_of(errors.begin(), errors.end(), [](std::error_code ec) { return !ec; });
+        if (any) {
+          state->length.store(n, std::memory_order_release);
+          state->dropped();
+        }
+        state->end();
+        std::move(done).complete(any ? std::error_code() : first_error(errors));
+      },
+      alloc);
   start_layers(
       fan, state->layers.size(), [&](std::size_t i, auto slot) { state->layers[i].async_truncate(n, std::move(slot)); },
       cancel);
@@ -276,12 +279,12 @@ void start_fork(std::shared_ptr<sequence_state<T>> state, Handler handler) {
   using sequence = basic_sequence_kv_cache<T>;
   pending_handler<Handler> done(std::move(handler), state->executor);
   const ref_ptr<cancel_state> cancel = watch_slot(done.cancellation_slot());
-  if (!state->try_begin())
-    return std::move(done).complete(std::error_code(kv_errc::operation_in_progress), sequence());
+  if (!state->try_begin()) return std::move(done).complete(std::error_code(kv_errc::operation_in_progress), sequence());
   const std::size_t length = state->length.load(std::memory_order_relaxed);
   const auto alloc = done.allocator();
   auto fan = begun_fan_out<basic_layer_kv_cache<T>>(
-      *state, [state, length, done = std::move(done)](const auto& errors, auto& children) mutable {
+      *state,
+      [state, length, done = std::move(done)](const auto& errors, auto& children) mutable {
         state->end();
         std::error_code ec = first_error(errors);
         sequence child;
@@ -293,7 +296,8 @@ void start_fork(std::shared_ptr<sequence_state<T>> state, Handler handler) {
           }
         }
         std::move(done).complete(ec, std::move(child));
-      }, alloc);
+      },
+      alloc);
   start_layers(
       fan, state->layers.size(), [&](std::size_t i, auto slot) { state->layers[i].async_fork(std::move(slot)); },
       cancel);
@@ -311,7 +315,8 @@ basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, st
                                                     kv_cache_config config)
     : state_(detail::sequence_state<T>::make(std::move(ex), num_layers, config,
                                              detail::sequence_state<T>::without_budget(config),
-                                             kv_block_pool::for_caches<T>(config, {.max_blocks = config.max_blocks}))) {}
+                                             kv_block_pool::for_caches<T>(config, {.max_blocks = config.max_blocks}))) {
+}
 
 template <storage_element T>
 const kv_cache_config& basic_sequence_kv_cache<T>::config() const noexcept {

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Checks the house style of the project's own files:
+#
+#   scripts/check-style.sh [BUILD_DIR]     (BUILD_DIR defaults to build-clang)
+#
+# - clang-format-16 (.clang-format): every tracked *.hpp/*.cpp outside
+#   subprojects/ must be formatted; fix with
+#     git ls-files '*.hpp' '*.cpp' ':!:subprojects/' ':!:**/subprojects/**' | xargs clang-format-16 -i
+# - clang-tidy-16 (.clang-tidy): no finding in any project .cpp file listed in
+#   BUILD_DIR/compile_commands.json, nor in the project headers they include
+#   (HeaderFilterRegex). Configure BUILD_DIR with Clang (CXX=clang++-16
+#   meson setup BUILD_DIR): the compile commands then carry the Asio
+#   coroutine defines Clang needs. It need not be compiled.
+# Prints the unformatted files and the findings, then a one-line summary with
+# the time taken; exits non-zero if either check fails.
+# Environment: JOBS (clang-tidy processes, default 2).
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=$(realpath -m "${1:-$root/build-clang}")
+jobs=${JOBS:-2}
+start=$SECONDS
+
+for tool in clang-format-16 clang-tidy-16; do
+  command -v "$tool" >/dev/null || { echo "$tool not found (apt-get install $tool)" >&2; exit 2; }
+done
+[[ -f $build/compile_commands.json ]] || {
+  echo "$build/compile_commands.json not found: configure it first (CXX=clang++-16 meson setup $build)" >&2
+  exit 2
+}
+
+# The project's own sources: tracked files, never subprojects (ours or a
+# consumer example's) or third-party code.
+cd "$root"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  mapfile -t sources < <(git ls-files -- '*.hpp' '*.cpp' ':!:subprojects/' ':!:**/subprojects/**')
+else
+  mapfile -t sources < <(find include src tests bench examples -path '*/subprojects' -prune -o \
+    \( -name '*.hpp' -o -name '*.cpp' \) -print | sort)
+fi
+
+echo "=== clang-format-16: ${#sources[@]} files"
+unformatted=()
+for f in "${sources[@]}"; do
+  clang-format-16 --dry-run --Werror "$f" >/dev/null 2>&1 || unformatted+=("$f")
+done
+for f in "${unformatted[@]}"; do echo "not formatted: $f (clang-format-16 -i $f)"; done
+
+# The project's .cpp files in the build's compile commands (each once).
+mapfile -t units < <(python3 - "$build/compile_commands.json" "$root" <<'PY'
+import json, os, sys
+db, root = sys.argv[1], os.path.realpath(sys.argv[2])
+seen = set()
+for entry in json.load(open(db)):
+    f = os.path.realpath(os.path.join(entry["directory"], entry["file"]))
+    rel = os.path.relpath(f, root)
+    if rel.startswith("..") or not f.endswith(".cpp") or "subprojects" in rel.split(os.sep):
+        continue
+    if f not in seen:
+        seen.add(f)
+        print(f)
+PY
+)
+echo "=== clang-tidy-16: ${#units[@]} translation units, $jobs jobs"
+tidy_log=$(mktemp)
+trap 'rm -f "$tidy_log"' EXIT
+tidy_status=0
+# clang-tidy-16 itself, JOBS at a time: run-clang-tidy-16 cannot pass
+# --warnings-as-errors on to it.
+if [[ ${#units[@]} -gt 0 ]]; then
+  printf '%s\0' "${units[@]}" | xargs -0 -n 1 -P "$jobs" clang-tidy-16 -p "$build" --quiet \
+    --warnings-as-errors='*' >"$tidy_log" 2>&1 || tidy_status=$?
+fi
+# Keep the findings and the source lines they quote; drop progress lines.
+grep -vE '^([0-9]+ (warnings?|errors?)( and [0-9]+ errors?)? generated|Suppressed [0-9]+ warnings|Use -header-filter|[0-9]+ warnings? treated as errors?)' \
+  "$tidy_log" || true
+# A finding in a header shows once per unit that includes it: count it once.
+findings=$( (grep -E '(warning|error): .*\[[a-z0-9.,-]+\]$' "$tidy_log" || true) | sort -u | wc -l)
+if [[ $tidy_status -ne 0 && $findings -eq 0 ]]; then
+  findings=1  # clang-tidy failed without a finding (e.g. a file did not compile): see above
+fi
+
+elapsed=$((SECONDS - start))
+if [[ ${#unformatted[@]} -eq 0 && $tidy_status -eq 0 ]]; then
+  echo "check-style: OK: ${#sources[@]} files formatted, 0 clang-tidy findings in ${#units[@]} units (${elapsed} s)"
+else
+  echo "check-style: FAILED: ${#unformatted[@]} unformatted file(s), ${findings} clang-tidy finding(s) in ${#units[@]} units (${elapsed} s)"
+  exit 1
+fi
