@@ -13,6 +13,10 @@
 
 namespace ghostlink {
 
+namespace detail {
+struct pool_access;
+}  // namespace detail
+
 /// The budget of a `kv_block_pool`; the smaller of the two limits applies.
 struct kv_pool_limits {
   std::size_t max_blocks = std::numeric_limits<std::size_t>::max();  ///< Blocks in use at once.
@@ -46,11 +50,6 @@ class kv_block_pool {
   ///         `block_bytes` is zero or odd (a block holds keys and values) or
   ///         the limits allow no block at all.
   explicit kv_block_pool(std::size_t block_bytes, kv_pool_limits limits = {});
-  /// A handle on an existing pool (what `basic_layer_kv_cache::pool()` returns).
-  /// For ghostlink's own caches: users get pools from the other constructor,
-  /// `for_caches()` or a cache's `pool()`.
-  explicit kv_block_pool(detail::ref_ptr<detail::block_pool> state) noexcept : state_(std::move(state)) {}
-
   /// A pool whose blocks fit caches of `config` storing `T`.
   /// @throws std::system_error with `kv_errc::invalid_config` for a bad
   ///         `config` (see `kv_cache_config`) or limits that allow no block.
@@ -84,11 +83,24 @@ class kv_block_pool {
   /// True when both handles share one pool.
   friend bool operator==(const kv_block_pool& a, const kv_block_pool& b) noexcept { return a.state_ == b.state_; }
 
-  /// The pool's shared state (for the caches built on it; not for users).
-  detail::block_pool& state() const noexcept { return *state_; }
-
  private:
+  friend struct detail::pool_access;
+  explicit kv_block_pool(detail::ref_ptr<detail::block_pool> state) noexcept : state_(std::move(state)) {}
+
   detail::ref_ptr<detail::block_pool> state_;
 };
+
+namespace detail {
+
+/// How ghostlink's caches (and its tests) reach the shared state that a
+/// `kv_block_pool` handle keeps private.
+struct pool_access {
+  /// A handle on an existing pool (what a cache's `pool()` returns).
+  static kv_block_pool handle(ref_ptr<block_pool> state) noexcept { return kv_block_pool(std::move(state)); }
+  /// The pool's shared state, for the caches built on it.
+  static block_pool& state(const kv_block_pool& pool) noexcept { return *pool.state_; }
+};
+
+}  // namespace detail
 
 }  // namespace ghostlink

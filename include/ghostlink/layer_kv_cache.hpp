@@ -103,7 +103,8 @@ class basic_layer_kv_cache {
   ///         `max_blocks` (the pool holds the budget).
   basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config, const kv_block_pool& pool)
       : actor_(detail::actor::make(std::move(ex), config, detail::codec_of<T>,
-                                   detail::ref_ptr<detail::block_pool>::share(&pool.state()), false)) {}
+                                   detail::ref_ptr<detail::block_pool>::share(&detail::pool_access::state(pool)),
+                                   false)) {}
 
   /// A cache whose actor runs on a new strand of `ctx.get_executor()`
   /// (an `io_context`, a `thread_pool`, ...), with a private pool.
@@ -121,8 +122,11 @@ class basic_layer_kv_cache {
   /// An empty handle, as a failed `async_fork` hands out: only `valid()`,
   /// assignment and destruction may be used on it.
   basic_layer_kv_cache() noexcept = default;
-  /// Adopts an actor (what `async_fork` and `basic_sequence_kv_cache` use).
+  /// @cond internal
+  /// Adopts an actor (what `async_fork` and `basic_sequence_kv_cache` use;
+  /// public only so that containers can construct it, not for users).
   basic_layer_kv_cache(detail::adopt_actor_t, std::shared_ptr<detail::actor> a) noexcept : actor_(std::move(a)) {}
+  /// @endcond
 
   /// False for an empty handle (default-constructed, moved-from, or the
   /// result of a failed fork).
@@ -138,7 +142,7 @@ class basic_layer_kv_cache {
   const kv_cache_config& config() const noexcept { return actor_->config(); }
   /// The pool the cache takes its blocks from.
   kv_block_pool pool() const noexcept {
-    return kv_block_pool(detail::ref_ptr<detail::block_pool>::share(&actor_->pool()));
+    return detail::pool_access::handle(detail::ref_ptr<detail::block_pool>::share(&actor_->pool()));
   }
   /// The actor's strand. Bind a handler to it only to serialise it with the
   /// actor; it is not where handlers run by default.

@@ -40,9 +40,11 @@ class basic_kv_snapshot {
 
   /// An empty snapshot: size 0, epoch 0, no epoch pinned.
   basic_kv_snapshot() noexcept = default;
+  /// @cond internal
   /// Pins `e` (used by `basic_layer_kv_cache<T>::snapshot()`; not for users).
   explicit basic_kv_snapshot(detail::ref_ptr<detail::epoch> e) noexcept
       : epoch_(std::move(e)), size_(epoch_ ? epoch_->length : 0) {}
+  /// @endcond
   /// Takes over the other snapshot's pin; the other is left empty.
   basic_kv_snapshot(basic_kv_snapshot&&) noexcept = default;
   /// Releases this snapshot's pin (which, if it held its epoch's last
