@@ -3,8 +3,16 @@
 // started before the first completes, which must fail with
 // operation_in_progress and change nothing), snapshots, and a sequence's
 // layers handed out as layer caches (direct writes bypass the sequence).
+// A lone operation may be cancelled through its handler's slot before any
+// layer's actor runs (every layer's request must then abort, the operation
+// complete with operation_aborted and nothing change) or after it completed
+// (nothing happens).
 
 #include "world.hpp"
+
+#include <asio/bind_cancellation_slot.hpp>
+#include <asio/cancellation_signal.hpp>
+#include <asio/cancellation_type.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -30,6 +38,11 @@ struct seq_req {
   std::vector<std::vector<float>> bufs;
   std::vector<std::span<const float>> keys, values;  // per layer (their number is arbitrary)
   std::vector<recipe> recipes;                       // per layer
+
+  bool cancel_early = false;  // cancelled before any layer's actor runs
+  bool cancel_late = false;   // cancelled after the handler ran
+  asio::cancellation_type cancel_type = asio::cancellation_type::terminal;
+  asio::cancellation_signal signal;  // outlives the operation (this outlives the run)
 
   bool done = false;
   std::error_code ec, want;
@@ -89,6 +102,13 @@ bool starts_busy(const world<T>& w, const seq_req<T>& r, const mseq& q) {
   }
 }
 
+/// An operation cancelled before any layer ran: every layer's request is
+/// drained unapplied, and the operation fails with operation_aborted.
+inline std::error_code model_cancelled(model& m, const mseq& q) {
+  for (const auto& l : q.layers) m.end_drain(*l, 1, 0, 1);
+  return asio::error::operation_aborted;
+}
+
 /// Applies `r` to the model; `busy`: another operation holds the sequence.
 /// Each layer's request is one drain, run in layer order (each layer's
 /// strand was posted in that order), so the budget is met layer by layer.
@@ -97,10 +117,12 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
   if (r.kind == seq_kind::append)
     if (std::error_code ec = check_append(w, r, q.layers.size())) return ec;
   if (busy) return kv_errc::operation_in_progress;
+  if (r.kind == seq_kind::append && q.length >= w.max_tokens()) return kv_errc::index_out_of_range;
+  if (r.kind == seq_kind::truncate && r.n >= q.length) return {};
+  if (r.cancel_early) return model_cancelled(w.m, q);
   switch (r.kind) {
     case seq_kind::append: {
       const std::size_t index = q.length;
-      if (index >= w.max_tokens()) return kv_errc::index_out_of_range;
       std::vector<std::error_code> errors;
       for (std::size_t i = 0; i < q.layers.size(); ++i) {
         const mwrite one{index, w.width(), w.width(), r.recipes[i]};
@@ -123,7 +145,6 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
       return first;
     }
     case seq_kind::truncate:
-      if (r.n >= q.length) return {};
       for (const auto& l : q.layers) {
         w.m.truncate(*l, r.n);
         w.m.end_drain(*l, 1, 0);
@@ -143,28 +164,38 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
   }
 }
 
-template <class T>
-void start_seq(basic_sequence_kv_cache<T>& s, const std::shared_ptr<seq_req<T>>& r) {
-  auto completed = [r, s](std::error_code ec) {
+/// Starts `r` on `s` with handlers made by `bind(handler)`.
+template <class T, class Bind>
+void start_seq(basic_sequence_kv_cache<T>& s, const std::shared_ptr<seq_req<T>>& r, Bind bind) {
+  auto completed = bind([r, s](std::error_code ec) {
     r->ec = ec;
     r->size_seen = s.size();
     r->done = true;
-  };
+  });
   switch (r->kind) {
     case seq_kind::append:
       s.async_append(std::span<const std::span<const float>>(r->keys),
-                     std::span<const std::span<const float>>(r->values), completed);
+                     std::span<const std::span<const float>>(r->values), std::move(completed));
       break;
-    case seq_kind::truncate: s.async_truncate(r->n, completed); break;
+    case seq_kind::truncate: s.async_truncate(r->n, std::move(completed)); break;
     default:
-      s.async_fork([r, s](std::error_code ec, basic_sequence_kv_cache<T> child) {
+      s.async_fork(bind([r, s](std::error_code ec, basic_sequence_kv_cache<T> child) {
         r->ec = ec;
         r->size_seen = s.size();
         r->child = std::move(child);
         r->done = true;
-      });
+      }));
       break;
   }
+}
+
+/// Starts `r` on `s`, through its cancellation slot if it is to be cancelled.
+template <class T>
+void start_seq(basic_sequence_kv_cache<T>& s, const std::shared_ptr<seq_req<T>>& r) {
+  if (r->cancel_early || r->cancel_late)
+    start_seq(s, r, [&r](auto handler) { return asio::bind_cancellation_slot(r->signal.slot(), std::move(handler)); });
+  else
+    start_seq(s, r, [](auto handler) { return handler; });
 }
 
 /// Runs one sequence operation on sequence `k`, or (`second`) two, the
@@ -175,13 +206,28 @@ void run_seq(world<T>& w, std::size_t k, bool second) {
   const std::shared_ptr<mseq> q = w.seqs[k].m;
   const kv_cache_config config = w.seqs[k].config;
   std::vector<std::shared_ptr<seq_req<T>>> reqs;
-  reqs.push_back(decode_seq_req(w, static_cast<seq_kind>(w.in.byte() % 3), *q));
+  // The first byte: the kind (% 3) and, for a lone operation, whether it
+  // is cancelled (/ 3 % 4: 2 after it completed, 3 before any layer ran)
+  // and how (/ 12 % 4).
+  const std::uint8_t b = w.in.byte();
+  reqs.push_back(decode_seq_req(w, static_cast<seq_kind>(b % 3), *q));
   if (second) reqs.push_back(decode_seq_req(w, static_cast<seq_kind>(w.in.byte() % 3), *q));
+  if (!second && b / 3 % 4 >= 2) {
+    constexpr asio::cancellation_type types[] = {asio::cancellation_type::terminal, asio::cancellation_type::partial,
+                                                 asio::cancellation_type::total, asio::cancellation_type::all};
+    reqs[0]->cancel_early = b / 3 % 4 == 3;
+    reqs[0]->cancel_late = !reqs[0]->cancel_early;
+    reqs[0]->cancel_type = types[b / 12 % 4];
+    current_trace().add(reqs[0]->cancel_early ? "  cancelled before the layers ran" : "  cancelled after completing",
+                        b / 12 % 4);
+  }
 
   basic_sequence_kv_cache<T> handle = seq;
   for (const auto& r : reqs) start_seq(handle, r);
   for (const auto& r : reqs)
     if (r->done) fail(str(name(r->kind), ": completed inside the initiating call"));
+  for (const auto& r : reqs)
+    if (r->cancel_early) r->signal.emit(r->cancel_type);
   if (second && starts_busy(w, *reqs[0], *q)) {
     reqs[1]->want = model_seq(w, *reqs[1], *q, true);
     reqs[0]->want = model_seq(w, *reqs[0], *q, false);
@@ -192,6 +238,8 @@ void run_seq(world<T>& w, std::size_t k, bool second) {
   // pair, the refused one may run while the other is under way).
   reqs.back()->size_want = q->length;
   w.run_to_completion([&] { return reqs.front()->done && reqs.back()->done; }, "sequence operation");
+  for (const auto& r : reqs)
+    if (r->cancel_late) r->signal.emit(r->cancel_type);  // the handler ran: nothing to cancel
 
   for (const auto& r : reqs) {
     const std::string what = str(name(r->kind), " on sequence ", k);
