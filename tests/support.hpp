@@ -15,15 +15,8 @@
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 #include <asio/use_future.hpp>
-#include <asio/version.hpp>
 
-#if ASIO_VERSION >= 102400
-#include <asio/as_tuple.hpp>
-#include <asio/deferred.hpp>
-#else
-#include <asio/experimental/as_tuple.hpp>
-#include <asio/experimental/deferred.hpp>
-#endif
+#include "asio_compat.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -33,14 +26,6 @@
 #include <vector>
 
 namespace ghostlink::test {
-
-#if ASIO_VERSION >= 102400
-inline constexpr auto deferred = asio::deferred;
-using asio::as_tuple;
-#else
-inline constexpr auto deferred = asio::experimental::deferred;
-using asio::experimental::as_tuple;
-#endif
 
 /// The seed tests' config: 2 heads * 4 dims = 8 floats per token, 16 tokens.
 inline kv_cache_config small_config() {

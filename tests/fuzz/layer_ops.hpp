@@ -12,12 +12,8 @@
 #include <asio/detached.hpp>
 #include <asio/error.hpp>
 #include <asio/use_awaitable.hpp>
-#include <asio/version.hpp>
-#if ASIO_VERSION >= 102400
-#include <asio/as_tuple.hpp>
-#else
-#include <asio/experimental/as_tuple.hpp>
-#endif
+
+#include "../asio_compat.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -28,11 +24,7 @@
 
 namespace ghostlink::fuzz {
 
-#if ASIO_VERSION >= 102400
-using asio::as_tuple;
-#else
-using asio::experimental::as_tuple;
-#endif
+using ghostlink::test::as_tuple;
 
 enum class req_kind : std::uint8_t { initialize, write, batch, truncate, fork, read_kv, read_range, snapshot, count };
 

@@ -12,22 +12,14 @@
 #include <asio/this_coro.hpp>
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
-#include <asio/version.hpp>
-#if ASIO_VERSION >= 102400
-#include <asio/as_tuple.hpp>
-#else
-#include <asio/experimental/as_tuple.hpp>
-#endif
+
+#include "../asio_compat.hpp"
 
 #include <tuple>
 
 namespace stress {
 
-#if ASIO_VERSION >= 102400
-using asio::as_tuple;
-#else
-using asio::experimental::as_tuple;
-#endif
+using ghostlink::test::as_tuple;
 using completion_channel = asio::experimental::concurrent_channel<void(asio::error_code, std::size_t)>;
 
 /// Which tokens a writer may write: [base, base + span) of a cache of
