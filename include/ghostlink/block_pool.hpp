@@ -98,7 +98,7 @@ struct pool_access {
   /// A handle on an existing pool (what a cache's `pool()` returns).
   static kv_block_pool handle(ref_ptr<block_pool> state) noexcept { return kv_block_pool(std::move(state)); }
   /// The pool's shared state, for the caches built on it.
-  static block_pool& state(const kv_block_pool& pool) noexcept { return *pool.state_; }
+  static const ref_ptr<block_pool>& state(const kv_block_pool& pool) noexcept { return pool.state_; }
 };
 
 }  // namespace detail

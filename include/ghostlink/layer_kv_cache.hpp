@@ -102,9 +102,8 @@ class basic_layer_kv_cache {
   ///         `kv_block_pool::block_bytes_for<T>(config)`, or a config that sets
   ///         `max_blocks` (the pool holds the budget).
   basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config, const kv_block_pool& pool)
-      : actor_(detail::actor::make(std::move(ex), config, detail::codec_of<T>,
-                                   detail::ref_ptr<detail::block_pool>::share(&detail::pool_access::state(pool)),
-                                   false)) {}
+      : actor_(
+            detail::actor::make(std::move(ex), config, detail::codec_of<T>, detail::pool_access::state(pool), false)) {}
 
   /// A cache whose actor runs on a new strand of `ctx.get_executor()`
   /// (an `io_context`, a `thread_pool`, ...), with a private pool.

@@ -193,7 +193,7 @@ void step(world<T>& w) {
       // if the system had none (a write then fails with capacity_exhausted).
       const std::size_t i = k % w.pools.size(), n = w.in.byte() % 4;
       current_trace().add("refuse_memory", i, n);
-      ghostlink::detail::pool_access::state(w.pools[i]).fail_next_allocations(n);
+      ghostlink::detail::pool_access::state(w.pools[i])->fail_next_allocations(n);
       w.m.pools[i].refuse = n;
       break;
     }

@@ -64,8 +64,7 @@ struct sequence_state {
     std::vector<basic_layer_kv_cache<T>> layers;
     layers.reserve(num_layers);
     for (std::size_t i = 0; i < num_layers; ++i)
-      layers.emplace_back(adopt_actor, actor::make(ex, layer_config, codec_of<T>,
-                                                   ref_ptr<block_pool>::share(&pool_access::state(pool)), true));
+      layers.emplace_back(adopt_actor, actor::make(ex, layer_config, codec_of<T>, pool_access::state(pool), true));
     return std::make_shared<sequence_state>(std::move(ex), config, std::move(layers), 0);
   }
 
