@@ -117,8 +117,9 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
   if (r.kind == seq_kind::append)
     if (std::error_code ec = check_append(w, r, q.layers.size())) return ec;
   if (busy) return kv_errc::operation_in_progress;
-  if (r.kind == seq_kind::append && q.length >= w.max_tokens()) return kv_errc::index_out_of_range;
-  if (r.kind == seq_kind::truncate && r.n >= q.length) return {};
+  // An append to a full sequence and a truncate to no shorter one end
+  // before any layer is asked, so a cancellation cannot reach them.
+  if (!starts_busy(w, r, q)) return r.kind == seq_kind::append ? kv_errc::index_out_of_range : std::error_code();
   if (r.cancel_early) return model_cancelled(w.m, q);
   switch (r.kind) {
     case seq_kind::append: {
