@@ -1,18 +1,20 @@
-#include "ghostlink/detail/actor.hpp"
+#include "actor.hpp"
 
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <exception>
+#include <ostream>
 
 #include <asio/defer.hpp>
 #include <asio/dispatch.hpp>
 #include <asio/error.hpp>
 #include <asio/post.hpp>
 
+#include "ghostlink/block_pool.hpp"
 #include "ghostlink/error.hpp"
 #include "mailbox.hpp"
-#include "page_writer.hpp"
+#include "working_state.hpp"
 
 namespace ghostlink::detail {
 namespace {
@@ -23,13 +25,12 @@ constexpr std::size_t drain_capacity = 128;
 
 [[noreturn]] void throw_invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
 
-/// The pool a new cache takes blocks from: `pool`, checked against
-/// `config`, or a private one.
-ref_ptr<block_pool> pool_for(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool) {
-  validate(config, codec.size);
-  const std::size_t payload = 2 * config.block_tokens * config.token_width() * codec.size;
-  if (!pool) return ref_ptr<block_pool>::adopt(new block_pool(payload, config.max_blocks));
-  if (pool->payload_bytes() != payload || config.max_blocks != kv_cache_config{}.max_blocks) throw_invalid_config();
+/// The pool a new cache of `layout` takes blocks from: `pool`, checked
+/// against it, or a private one.
+ref_ptr<block_pool> pool_for(const kv_cache_config& config, const block_layout& layout, ref_ptr<block_pool> pool) {
+  if (!pool) return ref_ptr<block_pool>::adopt(new block_pool(layout.block_bytes, config.max_blocks));
+  if (pool->payload_bytes() != layout.block_bytes || config.max_blocks != kv_cache_config{}.max_blocks)
+    throw_invalid_config();
   return pool;
 }
 
@@ -56,21 +57,24 @@ class drain_op {
 
 std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
                                    ref_ptr<block_pool> pool, bool initialized) {
-  auto writer = std::make_unique<page_writer>(config, codec, pool_for(config, codec, std::move(pool)), initialized);
-  return std::make_shared<actor>(std::move(ex), std::move(writer));
+  validate(config, codec.size);
+  auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
+  ref_ptr<block_pool> checked = pool_for(config, *layout, std::move(pool));
+  auto state = std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized);
+  return std::make_shared<actor>(std::move(ex), std::move(state));
 }
 
-actor::actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer)
-    : config_(writer->config()),
+actor::actor(asio::any_io_executor ex, std::unique_ptr<working_state> state)
+    : config_(state->config()),
       executor_(std::move(ex)),
       strand_(asio::make_strand(executor_)),
       mailbox_(std::make_unique<mailbox>(config_.max_pending)),
-      writer_(std::move(writer)),
-      pool_(writer_->pool()),
-      current_(writer_->initial_epoch()),
-      published_length_(writer_->length()),
-      registry_(writer_->registry()),
-      id_(writer_->owner()) {}
+      state_(std::move(state)),
+      pool_(state_->pool()),
+      current_(state_->initial_epoch()),
+      published_length_(state_->length()),
+      registry_(state_->registry()),
+      id_(state_->owner()) {}
 
 actor::~actor() { discard_mailbox(); }
 
@@ -94,23 +98,28 @@ void actor::submit(request* r, urgency u) noexcept {
 
 void actor::apply(request* const* batch, std::error_code* results, std::size_t n) {
   try {
-    writer_->reserve_epoch();
+    state_->reserve_epoch();
   } catch (const std::bad_alloc&) {
     for (std::size_t i = 0; i < n; ++i) results[i] = kv_errc::capacity_exhausted;
     return;
   }
-  for (std::size_t i = 0; i < n; ++i) {
-    request& r = *batch[i];
-    if (!r.claim())
-      results[i] = asio::error::operation_aborted;
-    else
-      results[i] = r.op() == request::kind::fork ? fork(r) : writer_->apply(r);
+  for (std::size_t i = 0; i < n; ++i)
+    results[i] = batch[i]->claim() ? apply(*batch[i]) : std::error_code(asio::error::operation_aborted);
+}
+
+std::error_code actor::apply(request& r) {
+  switch (r.kind()) {
+    case request_kind::initialize: return state_->initialize(r.length());
+    case request_kind::write_batch: return state_->write(r.entries());
+    case request_kind::truncate: return state_->truncate(r.length());
+    case request_kind::fork: return fork(r);
   }
+  return {};
 }
 
 std::error_code actor::fork(request& r) noexcept {
   try {
-    r.set_forked(std::make_shared<actor>(executor_, writer_->fork()));
+    r.forked = std::make_shared<actor>(executor_, state_->fork());
     return {};
   } catch (const std::bad_alloc&) {
     return kv_errc::capacity_exhausted;
@@ -124,12 +133,12 @@ void actor::drain() {
   const std::size_t n = mailbox_->take(batch.data(), batch.size());
 
   apply(batch.data(), results.data(), n);
-  if (writer_->has_changes()) {
-    ref_ptr<epoch> published = writer_->publish();
+  if (state_->has_changes()) {
+    ref_ptr<epoch> published = state_->publish();
     const kv_event event{
         .what = kv_event::kind::epoch_published, .cache = id_, .epoch = published->number, .size = published->length};
     current_.publish(std::move(published));
-    published_length_.store(writer_->length(), std::memory_order_release);
+    published_length_.store(state_->length(), std::memory_order_release);
     pool_->emit(event);
   }
   std::uint64_t applied = 0, cancelled = 0;
@@ -188,6 +197,25 @@ kv_cache_stats actor::stats() const noexcept {
   s.blocks_in_use = pool_->blocks_in_use();
   s.bytes_in_use = s.blocks_in_use * pool_->payload_bytes();
   return s;
+}
+
+// The untyped interface of detail/layer_core.hpp.
+
+std::shared_ptr<actor> make_actor(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
+                                  const kv_block_pool* pool, bool initialized) {
+  return actor::make(std::move(ex), config, codec, pool ? pool_access::state(*pool) : ref_ptr<block_pool>(),
+                     initialized);
+}
+void submit(actor& a, request* r, urgency u) noexcept { a.submit(r, u); }
+const asio::any_io_executor& io_executor(const actor& a) noexcept { return a.executor(); }
+asio::strand<asio::any_io_executor> strand_of(const actor& a) noexcept { return a.strand(); }
+const kv_cache_config& config_of(const actor& a) noexcept { return a.config(); }
+std::size_t size_of(const actor& a) noexcept { return a.size(); }
+pinned_epoch pin(const actor& a) noexcept { return epoch_access::pin(a.pin()); }
+kv_cache_stats stats_of(const actor& a) noexcept { return a.stats(); }
+kv_block_pool pool_of(const actor& a) noexcept { return pool_access::handle(ref_ptr<block_pool>::share(&a.pool())); }
+std::ostream& print(std::ostream& os, const actor& a) {
+  return os << "layer_kv_cache{config=" << a.config() << ", size=" << a.size() << '}';
 }
 
 }  // namespace ghostlink::detail

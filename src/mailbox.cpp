@@ -14,7 +14,7 @@ constexpr std::size_t header = alignof(std::max_align_t);
 
 }  // namespace
 
-std::uint64_t mailbox_bytes_allocated() noexcept { return mailbox_bytes.load(std::memory_order_relaxed); }
+std::uint64_t mailbox::bytes_allocated() noexcept { return mailbox_bytes.load(std::memory_order_relaxed); }
 
 void* mailbox_traits::malloc(std::size_t size) {
   auto* raw = static_cast<unsigned char*>(std::malloc(header + size));

@@ -59,6 +59,8 @@ class mailbox {
   std::size_t waiting() const noexcept { return waiting_count_.load(std::memory_order_relaxed); }
   /// Requests that ever had to wait for room.
   std::uint64_t delayed() const noexcept { return delayed_.load(std::memory_order_relaxed); }
+  /// Bytes the mailboxes of every cache in the process hold (see testing.hpp).
+  static std::uint64_t bytes_allocated() noexcept;
 
  private:
   bool bounded() const noexcept { return max_pending_ != SIZE_MAX; }

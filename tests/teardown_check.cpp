@@ -19,22 +19,23 @@ const Catch::TestCaseInfo& info(const Catch::TestCaseStats& s) { return s.testIn
 }  // namespace
 #endif
 
-#include <ghostlink/detail/storage.hpp>
+#include "testing.hpp"
 
 #include <cstdlib>
 #include <iostream>
 
 namespace {
 
-using ghostlink::detail::block_pool;
+using ghostlink::detail::pools_alive;
+using ghostlink::detail::pools_destroyed_unbalanced;
 
 class pool_teardown_check final : public listener_base {
  public:
   using listener_base::listener_base;
 
   void testCaseEnded(const Catch::TestCaseStats& stats) override {
-    const std::size_t alive = block_pool::pools_alive();
-    const std::size_t unbalanced = block_pool::pools_destroyed_unbalanced();
+    const std::size_t alive = pools_alive();
+    const std::size_t unbalanced = pools_destroyed_unbalanced();
     if (alive != 0 || unbalanced != unbalanced_before_) {
       std::cerr << "teardown check failed after \"" << info(stats).name << "\": " << alive
                 << " block pool(s) still alive, " << (unbalanced - unbalanced_before_)

@@ -3,6 +3,7 @@
 // applied after the queued ones, in the order requests were initiated, and
 // the mailbox's memory stays bounded however many producers write at once.
 #include "support.hpp"
+#include "testing.hpp"
 
 #include <asio/bind_cancellation_slot.hpp>
 #include <asio/cancellation_signal.hpp>

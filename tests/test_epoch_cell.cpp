@@ -2,7 +2,7 @@
 // actor publishes, and every epoch freed exactly when its last pin goes.
 #include "support.hpp"
 
-#include <ghostlink/detail/epoch_cell.hpp>
+#include "epoch_cell.hpp"
 
 #include <latch>
 #include <thread>
@@ -14,17 +14,19 @@ namespace {
 /// An epoch whose one block carries its number in its first key, so a reader
 /// that holds a freed or recycled epoch sees a wrong number (and ASan sees
 /// the use after free).
-float& first_key(block& b) { return *reinterpret_cast<float*>(b.keys()); }
+float& first_key(block& b) { return *reinterpret_cast<float*>(b.payload()); }
 
 ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
-  auto chunk = ref_ptr<page_chunk>::adopt(new page_chunk(number));
+  auto chunk = ref_ptr<table_chunk>::adopt(new table_chunk(number));
   chunk->blocks[0] = block::make(pool, number);
   REQUIRE(chunk->blocks[0]);
   first_key(*chunk->blocks[0]) = static_cast<float>(number);
-  auto table = ref_ptr<page_table>::adopt(new page_table(number));
+  auto table = ref_ptr<block_table>::adopt(new block_table(number));
   table->chunks.push_back(std::move(chunk));
   table->blocks = 1;
-  return ref_ptr<epoch>::adopt(new epoch(number, 1, 1, std::move(table), {}, 1, 1));
+  static const auto layout = ref_ptr<const block_layout>::adopt(
+      new block_layout({.num_heads = 1, .head_dim = 1, .block_tokens = 1}, codec_of<float>));
+  return ref_ptr<epoch>::adopt(new epoch(number, 1, 1, std::move(table), {}, layout));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // completion handler that throws.
 // Each fails only what it hits and leaves the cache usable.
 #include "support.hpp"
+#include "testing.hpp"
 
 #include <asio/io_context.hpp>
 
@@ -34,13 +35,13 @@ TEST_CASE("a write whose block memory the system refuses fails with capacity_exh
   const observed before = observe(cache);
   const auto v = token_pattern(width, 4, 2);
 
-  ghostlink::detail::pool_access::state(pool)->fail_next_allocations(1);
+  ghostlink::detail::fail_next_allocations(pool, 1);
   CHECK(sync.write(4, v, v) == kv_errc::capacity_exhausted);  // needs a new block
   CHECK(observe(cache) == before);
   CHECK(cache.stats().requests_failed == 1);
 
   // An overwrite of a published token needs a copy of its block: refused too.
-  ghostlink::detail::pool_access::state(pool)->fail_next_allocations(1);
+  ghostlink::detail::fail_next_allocations(pool, 1);
   CHECK(sync.write(1, v, v) == kv_errc::capacity_exhausted);
   CHECK(observe(cache) == before);
 
@@ -60,7 +61,7 @@ TEST_CASE("a sequence append whose block memory is refused in one layer stores t
   sequence_kv_cache seq(threads, 3, config, pool);
   const auto v = token_pattern(config.token_width(), 0, 1);
   const std::vector<std::span<const float>> per_layer(3, std::span<const float>(v));
-  ghostlink::detail::pool_access::state(pool)->fail_next_allocations(1);  // one of the three layers' first block
+  ghostlink::detail::fail_next_allocations(pool, 1);  // one of the three layers' first block
   CHECK(test::wait_ec([&](auto token) { return seq.async_append(per_layer, per_layer, token); }) ==
         kv_errc::capacity_exhausted);
   CHECK(seq.size() == 0);

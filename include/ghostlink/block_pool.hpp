@@ -6,14 +6,14 @@
 #include <limits>
 
 #include "ghostlink/config.hpp"
-#include "ghostlink/detail/ref_ptr.hpp"
-#include "ghostlink/detail/storage.hpp"
 #include "ghostlink/element.hpp"
+#include "ghostlink/events.hpp"
 #include "ghostlink/stats.hpp"
 
 namespace ghostlink {
 
 namespace detail {
+class block_pool;
 struct pool_access;
 }  // namespace detail
 
@@ -67,40 +67,39 @@ class kv_block_pool {
     return 2 * config.block_tokens * config.token_width() * sizeof(T);
   }
 
+  /// Another handle on the same pool.
+  kv_block_pool(const kv_block_pool& other) noexcept;
+  /// Takes over the other's pool; the other may only be assigned to or destroyed.
+  kv_block_pool(kv_block_pool&& other) noexcept;
+  /// Makes this a handle on the other's pool.
+  kv_block_pool& operator=(const kv_block_pool& other) noexcept;
+  /// Takes over the other's pool.
+  kv_block_pool& operator=(kv_block_pool&& other) noexcept;
+  /// Drops this handle; the pool lives on while caches or blocks use it.
+  ~kv_block_pool();
+
   /// Payload bytes of one block: its keys and its values.
-  std::size_t block_bytes() const noexcept { return state_->payload_bytes(); }
+  std::size_t block_bytes() const noexcept;
   /// The pool's counters now (see `kv_pool_stats`). Lock-free.
   kv_pool_stats stats() const noexcept;
   /// Returns every free block's memory to the system.
-  void trim() noexcept { state_->trim(); }
+  void trim() noexcept;
   /// Reports every later block allocation and free of this pool, and every
   /// epoch a cache on it publishes, to `handler` (see `kv_event_handler`
   /// for where and how it is called); an empty handler turns events off.
   /// Off by default, and then free: one atomic load per event.
   /// @throws std::bad_alloc if the handler cannot be stored.
-  void set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }
+  void set_event_handler(kv_event_handler handler);
 
   /// True when both handles share one pool.
   friend bool operator==(const kv_block_pool& a, const kv_block_pool& b) noexcept { return a.state_ == b.state_; }
 
  private:
-  friend struct detail::pool_access;
-  explicit kv_block_pool(detail::ref_ptr<detail::block_pool> state) noexcept : state_(std::move(state)) {}
+  friend struct detail::pool_access;  // src/block_pool.hpp
+  struct adopt_state {};
+  kv_block_pool(adopt_state, detail::block_pool* state) noexcept : state_(state) {}
 
-  detail::ref_ptr<detail::block_pool> state_;
+  detail::block_pool* state_;  // one reference of the pool's count
 };
-
-namespace detail {
-
-/// How ghostlink's caches (and its tests) reach the shared state that a
-/// `kv_block_pool` handle keeps private.
-struct pool_access {
-  /// A handle on an existing pool (what a cache's `pool()` returns).
-  static kv_block_pool handle(ref_ptr<block_pool> state) noexcept { return kv_block_pool(std::move(state)); }
-  /// The pool's shared state, for the caches built on it.
-  static const ref_ptr<block_pool>& state(const kv_block_pool& pool) noexcept { return pool.state_; }
-};
-
-}  // namespace detail
 
 }  // namespace ghostlink

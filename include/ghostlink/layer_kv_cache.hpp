@@ -21,7 +21,8 @@
 
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
-#include "ghostlink/detail/actor.hpp"
+#include "ghostlink/detail/cache_access.hpp"
+#include "ghostlink/detail/layer_core.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/snapshot.hpp"
@@ -94,7 +95,7 @@ class basic_layer_kv_cache {
   /// @throws std::system_error with `kv_errc::invalid_config` for a config
   ///         with a zero field or sizes that overflow.
   explicit basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config = {})
-      : actor_(detail::actor::make(std::move(ex), config, detail::codec_of<T>, {}, false)) {}
+      : core_(detail::make_actor(std::move(ex), config, detail::codec_of<T>, nullptr, false)) {}
 
   /// A cache taking its blocks from `pool`, under the pool's budget.
   /// @throws std::system_error with `kv_errc::invalid_config` for a bad
@@ -102,8 +103,7 @@ class basic_layer_kv_cache {
   ///         `kv_block_pool::block_bytes_for<T>(config)`, or a config that sets
   ///         `max_blocks` (the pool holds the budget).
   basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config, const kv_block_pool& pool)
-      : actor_(
-            detail::actor::make(std::move(ex), config, detail::codec_of<T>, detail::pool_access::state(pool), false)) {}
+      : core_(detail::make_actor(std::move(ex), config, detail::codec_of<T>, &pool, false)) {}
 
   /// A cache whose actor runs on a new strand of `ctx.get_executor()`
   /// (an `io_context`, a `thread_pool`, ...), with a private pool.
@@ -121,47 +121,42 @@ class basic_layer_kv_cache {
   /// An empty handle, as a failed `async_fork` hands out: only `valid()`,
   /// assignment and destruction may be used on it.
   basic_layer_kv_cache() noexcept = default;
-  /// @cond internal
-  /// Adopts an actor (what `async_fork` and `basic_sequence_kv_cache` use;
-  /// public only so that containers can construct it, not for users).
-  basic_layer_kv_cache(detail::adopt_actor_t, std::shared_ptr<detail::actor> a) noexcept : actor_(std::move(a)) {}
-  /// @endcond
 
   /// False for an empty handle (default-constructed, moved-from, or the
   /// result of a failed fork).
-  bool valid() const noexcept { return actor_ != nullptr; }
+  bool valid() const noexcept { return core_ != nullptr; }
   /// As `valid()`.
   explicit operator bool() const noexcept { return valid(); }
   /// True when both handles share one cache.
   friend bool operator==(const basic_layer_kv_cache& a, const basic_layer_kv_cache& b) noexcept {
-    return a.actor_ == b.actor_;
+    return a.core_ == b.core_;
   }
 
   /// The config the cache was made with (a fork's: its parent's).
-  const kv_cache_config& config() const noexcept { return actor_->config(); }
+  const kv_cache_config& config() const noexcept { return detail::config_of(*core_); }
   /// The pool the cache takes its blocks from.
-  kv_block_pool pool() const noexcept {
-    return detail::pool_access::handle(detail::ref_ptr<detail::block_pool>::share(&actor_->pool()));
-  }
-  /// The actor's strand. Bind a handler to it only to serialise it with the
-  /// actor; it is not where handlers run by default.
-  executor_type get_executor() const noexcept { return actor_->strand(); }
+  kv_block_pool pool() const noexcept { return detail::pool_of(*core_); }
+  /// The actor's strand: the contract's executor of a layer cache. Bind a
+  /// handler to it only to serialise it with the actor; it is not where
+  /// handlers run by default (that is the executor the cache was made from,
+  /// see Completion above).
+  executor_type get_executor() const noexcept { return detail::strand_of(*core_); }
 
   /// Tokens in the latest published epoch. Lock-free; includes every write
   /// whose handler has run. Unless a truncate completes in between, never
   /// ahead of a snapshot taken after it: after `n = size(); s = snapshot();`,
   /// `s.size() >= n`.
-  std::size_t size() const noexcept { return actor_->size(); }
+  std::size_t size() const noexcept { return detail::size_of(*core_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
 
   /// Pins the latest published epoch. Never blocks and never waits for the
   /// actor; includes every write whose handler has run.
-  snapshot_type snapshot() const noexcept { return snapshot_type(actor_->pin()); }
+  snapshot_type snapshot() const noexcept { return detail::cache_access::adopt<snapshot_type>(detail::pin(*core_)); }
 
   /// The cache's counters now (see `kv_cache_stats`). Lock-free but for a
   /// short mutex over the list of epochs alive.
-  kv_cache_stats stats() const noexcept { return actor_->stats(); }
+  kv_cache_stats stats() const noexcept { return detail::stats_of(*core_); }
 
   /// Makes the first `min(seq_len, max_tokens_per_seq)` tokens valid (zeros
   /// where never written). Size never shrinks; calling it again keeps data.
@@ -314,11 +309,14 @@ class basic_layer_kv_cache {
 
   /// Prints the config and the length, never the buffers.
   friend std::ostream& operator<<(std::ostream& os, const basic_layer_kv_cache& cache) {
-    return detail::print_cache(os, *cache.actor_);
+    return detail::print(os, *cache.core_);
   }
 
  private:
-  std::shared_ptr<detail::actor> actor_;
+  friend struct detail::cache_access;
+  explicit basic_layer_kv_cache(std::shared_ptr<detail::actor> core) noexcept : core_(std::move(core)) {}
+
+  std::shared_ptr<detail::actor> core_;
 };
 
 /// A layer cache storing floats: the contract's `layer_kv_cache`.

@@ -18,6 +18,8 @@
 
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
+#include "ghostlink/detail/cache_access.hpp"
+#include "ghostlink/detail/sequence_core.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/layer_kv_cache.hpp"
 #include "ghostlink/snapshot.hpp"
@@ -56,15 +58,13 @@ class basic_sequence_snapshot {
   std::size_t size_ = 0;  // meaningful while layers_ is not empty
 };
 
-namespace detail {
-template <storage_element T>
-struct sequence_state;
-}  // namespace detail
-
 /// One sequence's key/value cache across `num_layers` layers of a model:
-/// one `basic_layer_kv_cache<T>` per layer (one actor each, so the layers of
-/// a step are applied in parallel on a multi-threaded executor), all taking
-/// blocks from one `kv_block_pool`.
+/// one actor per layer (each layer a `basic_layer_kv_cache<T>`, so the layers
+/// of a step are applied in parallel on a multi-threaded executor), all
+/// taking blocks from one `kv_block_pool`. An operation hands each layer's
+/// actor its part directly and completes the handler once, when the last
+/// layer has applied it: one executor hop per operation, whatever the number
+/// of layers.
 ///
 /// A handle: copies share one sequence. Appends, truncates and forks of one
 /// sequence run one at a time, as writes to one Asio stream do: start the
@@ -128,26 +128,30 @@ class basic_sequence_kv_cache {
   basic_sequence_kv_cache() noexcept = default;
   /// False for an empty handle (default-constructed, moved-from, or the
   /// result of a failed fork).
-  bool valid() const noexcept { return state_ != nullptr; }
+  bool valid() const noexcept { return core_ != nullptr; }
   /// As `valid()`.
   explicit operator bool() const noexcept { return valid(); }
 
   /// The layers of the sequence, each a `layer_type` with its own actor.
-  std::size_t num_layers() const noexcept;
+  std::size_t num_layers() const noexcept { return detail::num_layers(*core_); }
   /// The config the sequence was made with (for every layer).
-  const kv_cache_config& config() const noexcept;
+  const kv_cache_config& config() const noexcept { return detail::config_of(*core_); }
   /// The pool every layer takes its blocks from.
   kv_block_pool pool() const noexcept { return layer(0).pool(); }
-  /// The executor the layers' strands were made from; where handlers
-  /// without an associated executor run.
-  executor_type get_executor() const noexcept;
+  /// The executor the sequence was made from: where handlers without an
+  /// associated executor run. Unlike a layer's `get_executor()`, which is
+  /// that layer's strand, it is no strand: a sequence's operations run on
+  /// every layer's strand, and its handler on this executor.
+  executor_type get_executor() const noexcept { return detail::io_executor(*core_); }
   /// Tokens the sequence holds: those of its last completed append or
   /// truncate (or fork).
-  std::size_t size() const noexcept;
+  std::size_t size() const noexcept { return detail::size_of(*core_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
-  /// Layer `i`'s cache (`i < num_layers()`), for reads.
-  const layer_type& layer(std::size_t i) const noexcept;
+  /// A handle on layer `i`'s cache (`i < num_layers()`), for reads.
+  layer_type layer(std::size_t i) const noexcept {
+    return detail::cache_access::adopt<layer_type>(detail::layer_of(*core_, i));
+  }
 
   /// Pins every layer's latest epoch, narrowed to the tokens all of them
   /// hold: every token it shows is from one append, and an append shows
@@ -227,12 +231,10 @@ class basic_sequence_kv_cache {
   auto async_fork(CompletionToken&& token = default_completion_token());
 
  private:
-  explicit basic_sequence_kv_cache(std::shared_ptr<detail::sequence_state<T>> state) noexcept
-      : state_(std::move(state)) {}
-  template <storage_element>
-  friend struct detail::sequence_state;
+  friend struct detail::cache_access;
+  explicit basic_sequence_kv_cache(std::shared_ptr<detail::sequence_core> core) noexcept : core_(std::move(core)) {}
 
-  std::shared_ptr<detail::sequence_state<T>> state_;
+  std::shared_ptr<detail::sequence_core> core_;
 };
 
 /// A whole-model sequence cache storing floats.

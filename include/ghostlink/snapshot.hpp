@@ -3,6 +3,7 @@
 /// `basic_kv_snapshot<T>` (`kv_snapshot` for float caches): a pinned,
 /// immutable view of one published epoch.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -10,8 +11,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "ghostlink/detail/ref_ptr.hpp"
-#include "ghostlink/detail/storage.hpp"
+#include "ghostlink/detail/cache_access.hpp"
+#include "ghostlink/detail/pinned_epoch.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/types.hpp"
@@ -40,11 +41,6 @@ class basic_kv_snapshot {
 
   /// An empty snapshot: size 0, epoch 0, no epoch pinned.
   basic_kv_snapshot() noexcept = default;
-  /// @cond internal
-  /// Pins `e` (used by `basic_layer_kv_cache<T>::snapshot()`; not for users).
-  explicit basic_kv_snapshot(detail::ref_ptr<detail::epoch> e) noexcept
-      : epoch_(std::move(e)), size_(epoch_ ? epoch_->length : 0) {}
-  /// @endcond
   /// Takes over the other snapshot's pin; the other is left empty.
   basic_kv_snapshot(basic_kv_snapshot&&) noexcept = default;
   /// Releases this snapshot's pin (which, if it held its epoch's last
@@ -57,7 +53,7 @@ class basic_kv_snapshot {
   basic_kv_snapshot& operator=(const basic_kv_snapshot&) = delete;
 
   /// The epoch number: strictly increasing with each publication of a cache.
-  std::uint64_t epoch() const noexcept { return epoch_ ? epoch_->number : 0; }
+  std::uint64_t epoch() const noexcept { return epoch_ ? epoch_.number() : 0; }
   /// Tokens this snapshot covers.
   std::size_t size() const noexcept { return epoch_ ? size_ : 0; }
   /// True when it covers no token (`size() == 0`).
@@ -127,22 +123,27 @@ class basic_kv_snapshot {
   template <class F>
   std::error_code for_each_block(std::size_t begin, std::size_t end, F&& f) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
+    const std::size_t width = epoch_.width();
+    std::array<detail::stored_run, 16> runs;  // NOLINT(cppcoreguidelines-pro-type-member-init): runs() fills them
     for (std::size_t first = begin; first < end;) {
-      const detail::epoch& e = *epoch_;
-      const std::size_t count = e.run_from(first, end);
-      const std::size_t at = first % e.block_tokens * e.width;
-      const detail::block& b = e.block_of(first);
-      f(first, count, std::span<const T>(reinterpret_cast<const T*>(b.keys()) + at, count * e.width),
-        std::span<const T>(reinterpret_cast<const T*>(b.values()) + at, count * e.width));
-      first += count;
+      const std::size_t n = epoch_.runs(first, end, runs);
+      for (std::size_t i = 0; i < n; ++i) {
+        const detail::stored_run& r = runs[i];
+        f(r.first, r.count, std::span<const T>(reinterpret_cast<const T*>(r.keys), r.count * width),
+          std::span<const T>(reinterpret_cast<const T*>(r.values), r.count * width));
+      }
+      first = runs[n - 1].first + runs[n - 1].count;
     }
     return {};
   }
 
   /// The floats per token (0 for an empty snapshot).
-  std::size_t token_width() const noexcept { return epoch_ ? epoch_->width : 0; }
+  std::size_t token_width() const noexcept { return epoch_ ? epoch_.width() : 0; }
 
  private:
+  friend struct detail::cache_access;
+  explicit basic_kv_snapshot(detail::pinned_epoch e) noexcept : epoch_(std::move(e)), size_(epoch_.length()) {}
+
   std::error_code check_range(std::size_t begin, std::size_t end) const noexcept {
     if (begin > end) return kv_errc::invalid_range;
     if (end > size()) return kv_errc::range_out_of_bounds;

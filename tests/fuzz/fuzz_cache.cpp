@@ -193,7 +193,7 @@ void step(world<T>& w) {
       // if the system had none (a write then fails with capacity_exhausted).
       const std::size_t i = k % w.pools.size(), n = w.in.byte() % 4;
       current_trace().add("refuse_memory", i, n);
-      ghostlink::detail::pool_access::state(w.pools[i])->fail_next_allocations(n);
+      ghostlink::detail::fail_next_allocations(w.pools[i], n);
       w.m.pools[i].refuse = n;
       break;
     }
@@ -287,8 +287,7 @@ void run(input& in, const std::uint8_t (&head)[7]) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace ghostlink::fuzz;
-  using ghostlink::detail::block_pool;
-  const std::size_t alive = block_pool::pools_alive(), unbalanced = block_pool::pools_destroyed_unbalanced();
+  const std::size_t alive = ghostlink::detail::pools_alive(), unbalanced = ghostlink::detail::pools_destroyed_unbalanced();
   input in(data, size);
   std::uint8_t head[7];
   for (std::uint8_t& b : head) b = in.byte();
@@ -302,7 +301,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     fail(str("unexpected exception: ", e.what()));
   }
   // Every block holds its pool: none left alive means nothing leaked.
-  expect_eq(block_pool::pools_alive(), alive, "block pools alive after the run");
-  expect_eq(block_pool::pools_destroyed_unbalanced(), unbalanced, "pools destroyed with blocks counted in use");
+  expect_eq(ghostlink::detail::pools_alive(), alive, "block pools alive after the run");
+  expect_eq(ghostlink::detail::pools_destroyed_unbalanced(), unbalanced, "pools destroyed with blocks counted in use");
   return 0;
 }

@@ -7,7 +7,7 @@
 #include "check.hpp"
 #include "model.hpp"
 
-#include <ghostlink/detail/storage.hpp>
+#include "testing.hpp"
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/io_context.hpp>

@@ -14,7 +14,7 @@
 
 #include "reader.hpp"
 
-#include <ghostlink/detail/storage.hpp>
+#include "testing.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -158,17 +158,16 @@ int main(int argc, char** argv) try {
   }
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   print_figures(o, elapsed);
-  using ghostlink::detail::block_pool;
   std::cout << "  teardown: layer pool blocks_in_use " << pool_blocks_after << " (peak " << layer_peak
             << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak << "), pools alive "
-            << block_pool::pools_alive() << ", destroyed unbalanced " << block_pool::pools_destroyed_unbalanced()
+            << ghostlink::detail::pools_alive() << ", destroyed unbalanced " << ghostlink::detail::pools_destroyed_unbalanced()
             << "\n";
   if (pool_blocks_after != 0 || seq_pool_blocks_after != 0)
     fail(str("blocks still in use after teardown: layer pool ", pool_blocks_after, ", sequence pool ",
              seq_pool_blocks_after));
-  if (block_pool::pools_alive() != 0 || block_pool::pools_destroyed_unbalanced() != 0)
-    fail(str(block_pool::pools_alive(), " block pool(s) alive after teardown, ",
-             block_pool::pools_destroyed_unbalanced(), " destroyed with blocks counted in use"));
+  if (ghostlink::detail::pools_alive() != 0 || ghostlink::detail::pools_destroyed_unbalanced() != 0)
+    fail(str(ghostlink::detail::pools_alive(), " block pool(s) alive after teardown, ",
+             ghostlink::detail::pools_destroyed_unbalanced(), " destroyed with blocks counted in use"));
   if (g_verdict.failed.load()) return finish_failed(o);
   std::cout << "stress passed seed=" << o.seed << std::endl;
   return 0;

@@ -11,7 +11,9 @@
 #include <asio/use_awaitable.hpp>
 #endif
 
-#include "ghostlink/detail/actor.hpp"
+#include "ghostlink/detail/cache_access.hpp"
+#include "ghostlink/detail/completion.hpp"
+#include "ghostlink/detail/layer_core.hpp"
 #include "ghostlink/detail/request.hpp"
 
 namespace ghostlink {
@@ -20,8 +22,8 @@ namespace detail {
 /// True for the handler of a `co_await` through `asio::use_awaitable`: the
 /// coroutine suspends right after the initiating call and can have no other
 /// write of its own in flight, so its drain is best started at once (see
-/// actor::submit). Any other handler may belong to a caller that keeps many
-/// writes in flight, whose drains should batch them.
+/// urgency). Any other handler may belong to a caller that keeps many writes
+/// in flight, whose drains should batch them.
 template <class Handler>
 struct resumes_coroutine : std::false_type {};
 #if defined(ASIO_HAS_CO_AWAIT)
@@ -29,25 +31,24 @@ template <class Executor, class... Ts>
 struct resumes_coroutine<asio::detail::awaitable_handler<Executor, Ts...>> : std::true_type {};
 #endif
 
-/// Turns a fork's actor into a cache handle of type `Cache`.
-template <class Cache>
-struct adopt_as {
-  Cache operator()(std::shared_ptr<actor> a) const noexcept { return a ? Cache(adopt_actor, std::move(a)) : Cache(); }
-};
-
-/// Starts a request: wraps the handler in a request and mails it to the
-/// actor. Owns the actor so a deferred operation may start later.
+/// Starts a request: stores the handler in a request and mails it to the
+/// actor. Owns the actor so that a deferred operation may start later.
 /// `MakeResult` (if not void) makes the handler's second argument.
 template <class MakeResult = void>
 struct initiate_request_with {
   std::shared_ptr<actor> target;
 
+  /// The executor the cache was made from, as Asio's initiations expose theirs.
+  using executor_type = asio::any_io_executor;
+  executor_type get_executor() const noexcept { return io_executor(*target); }
+
   template <class Handler, class Arg>
   void operator()(Handler&& handler, const Arg& arg) const {
-    using op = request_op<std::decay_t<Handler>, asio::any_io_executor, MakeResult>;
-    std::decay_t<Handler> h(std::forward<Handler>(handler));
-    target->submit(op::make(std::move(h), target->completion_executor(), arg),
-                   resumes_coroutine<std::decay_t<Handler>>::value ? actor::urgency::now : actor::urgency::batch);
+    using handler_type = std::decay_t<Handler>;
+    using op = handler_op<request, handler_type, asio::any_io_executor, MakeResult>;
+    handler_type h(std::forward<Handler>(handler));
+    submit(*target, op::make(std::move(h), io_executor(*target), arg),
+           resumes_coroutine<handler_type>::value ? urgency::now : urgency::batch);
   }
 };
 
@@ -58,20 +59,24 @@ template <class Snapshot>
 struct initiate_read {
   std::shared_ptr<actor> target;
 
+  /// The executor the cache was made from, as Asio's initiations expose theirs.
+  using executor_type = asio::any_io_executor;
+  executor_type get_executor() const noexcept { return io_executor(*target); }
+
   template <class Handler>
   void operator()(Handler&& handler, std::size_t index) const {
     kv_entry entry;
-    std::error_code ec = Snapshot(target->pin()).read_kv(index, entry);
-    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)),
-                    target->completion_executor(), ec, std::move(entry));
+    std::error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_kv(index, entry);
+    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
+                    std::move(entry));
   }
 
   template <class Handler>
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
-    std::error_code ec = Snapshot(target->pin()).read_range(begin, end, range);
-    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)),
-                    target->completion_executor(), ec, std::move(range));
+    std::error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_range(begin, end, range);
+    post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
+                    std::move(range));
   }
 };
 
@@ -80,7 +85,7 @@ struct initiate_read {
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
                                                                       detail::initialize_args{seq_len});
 }
 
@@ -88,20 +93,20 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
                                           CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
                                                                       kv_write{index, keys, values});
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token, entries);
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token, entries);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{actor_}, token,
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
                                                                       detail::truncate_args{n});
 }
 
@@ -109,21 +114,21 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) {
   return asio::async_initiate<CompletionToken, void(std::error_code, basic_layer_kv_cache)>(
-      detail::initiate_request_with<detail::adopt_as<basic_layer_kv_cache>>{actor_}, token, detail::fork_args{});
+      detail::initiate_request_with<detail::adopt_forked<basic_layer_kv_cache>>{core_}, token, detail::fork_args{});
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) {
   return asio::async_initiate<CompletionToken, void(std::error_code, kv_entry)>(
-      detail::initiate_read<snapshot_type>{actor_}, token, index);
+      detail::initiate_read<snapshot_type>{core_}, token, index);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) {
   return asio::async_initiate<CompletionToken, void(std::error_code, kv_range)>(
-      detail::initiate_read<snapshot_type>{actor_}, token, begin, end);
+      detail::initiate_read<snapshot_type>{core_}, token, begin, end);
 }
 
 }  // namespace ghostlink

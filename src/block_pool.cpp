@@ -1,31 +1,24 @@
-#include "ghostlink/detail/storage.hpp"
+#include "block_pool.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <system_error>
 #include <utility>
+
+#include "block.hpp"
+#include "fault_countdown.hpp"
+#include "ghostlink/error.hpp"
 
 namespace ghostlink::detail {
 namespace {
 
 constexpr std::size_t block_alignment = 64;
-// The payload starts on its own cache line after the header.
-constexpr std::size_t header_bytes = 64;
 
 std::atomic<std::uint64_t> next_owner{1};
 std::atomic<std::size_t> live_pools{0};
 std::atomic<std::size_t> unbalanced_pools{0};
-std::atomic<std::size_t> metadata_countdown{0};  // see fail_metadata_allocation; 0: none pending
-
-/// Counts a test's fault-injection counter down by one unless it is zero;
-/// returns its value before (0: nothing injected).
-std::size_t count_down(std::atomic<std::size_t>& counter) noexcept {
-  std::size_t n = counter.load(std::memory_order_relaxed);
-  while (n > 0 && !counter.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
-  }
-  return n;
-}
 
 }  // namespace
 
@@ -88,7 +81,7 @@ void* block_pool::take_memory() noexcept {
     free_count_.fetch_sub(1, std::memory_order_relaxed);
     return memory;
   }
-  memory = ::operator new(header_bytes + payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
+  memory = ::operator new(block::header_bytes + payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
   if (memory) allocated_.fetch_add(1, std::memory_order_relaxed);
   return memory;
 }
@@ -125,97 +118,58 @@ std::size_t block_pool::blocks_shared() const noexcept {
   return n > 0 ? static_cast<std::size_t>(n) : 0;
 }
 
-void* metadata_new(std::size_t size) {
-  if (count_down(metadata_countdown) == 1) throw std::bad_alloc();  // the one the countdown reaches fails
-  return ::operator new(size);
-}
-
-void fail_metadata_allocation(std::size_t after) noexcept {
-  metadata_countdown.store(after + 1, std::memory_order_relaxed);
-}
-
-bool cancel_metadata_failure() noexcept { return metadata_countdown.exchange(0, std::memory_order_relaxed) != 0; }
-
 std::uint64_t block_pool::new_owner_id() noexcept { return next_owner.fetch_add(1, std::memory_order_relaxed); }
 std::size_t block_pool::pools_alive() noexcept { return live_pools.load(std::memory_order_relaxed); }
 std::size_t block_pool::pools_destroyed_unbalanced() noexcept {
   return unbalanced_pools.load(std::memory_order_relaxed);
 }
 
-void epoch_registry::add(epoch* e) noexcept {
-  std::lock_guard lock(mutex_);
-  e->older = newest_;
-  (newest_ ? newest_->newer : oldest_) = e;
-  newest_ = e;
-  ++count_;
-}
-
-void epoch_registry::remove(epoch* e) noexcept {
-  std::lock_guard lock(mutex_);
-  (e->older ? e->older->newer : oldest_) = e->newer;
-  (e->newer ? e->newer->older : newest_) = e->older;
-  --count_;
-}
-
-epoch_registry::reading epoch_registry::read() const noexcept {
-  std::lock_guard lock(mutex_);
-  return {count_, oldest_ ? oldest_->number : 0};
-}
-
-block::block(block_pool& pool, std::uint64_t owner, budget b) noexcept
-    : budget_(b), pool_(ref_ptr<block_pool>::share(&pool)), owner_(owner) {}
-
-std::byte* block::payload() noexcept { return reinterpret_cast<std::byte*>(this) + header_bytes; }
-
-ref_ptr<block> block::make(block_pool& pool, std::uint64_t owner, budget b) noexcept {
-  static_assert(sizeof(block) <= header_bytes);
-  const bool counted = b == budget::counted;
-  if (counted && !pool.reserve()) return {};
-  void* memory = pool.take_memory();
-  if (!memory) {
-    if (counted) pool.unreserve();
-    return {};
-  }
-  if (counted) pool.emit({.what = kv_event::kind::block_allocated, .cache = owner});
-  return ref_ptr<block>::adopt(::new (memory) block(pool, owner, b));
-}
-
-ref_ptr<block> block::make_zeros(block_pool& pool, std::size_t block_tokens) noexcept {
-  ref_ptr<block> zeros = make(pool, 0, budget::exempt);
-  if (zeros) {
-    std::memset(zeros->payload(), 0, pool.payload_bytes());
-    zeros->materialized_ = zeros->readable_ = block_tokens;
-  }
-  return zeros;
-}
-
-void block::add_ref() const noexcept {
-  if (refs_.fetch_add(1, std::memory_order_relaxed) == 1 && budget_ == budget::counted) pool_->count_shared(1);
-}
-
-void block::release() const noexcept {
-  // The pool's shared count is settled while this reference is still held:
-  // once the count drops, another thread may free the block and its pool.
-  const bool counted = budget_ == budget::counted;
-  std::uint32_t before = refs_.load(std::memory_order_relaxed);
-  for (;;) {
-    const bool crossing = counted && before == 2;
-    if (crossing) pool_->count_shared(-1);
-    // acq_rel: every use by other owners happens-before the destruction.
-    if (refs_.compare_exchange_weak(before, before - 1, std::memory_order_acq_rel, std::memory_order_relaxed)) break;
-    if (crossing) pool_->count_shared(1);
-  }
-  if (before == 1) destroy();
-}
-
-void block::destroy() const noexcept {
-  auto* self = const_cast<block*>(this);
-  ref_ptr<block_pool> pool = std::move(self->pool_);
-  const bool counted = budget_ == budget::counted;
-  if (counted) pool->emit({.what = kv_event::kind::block_freed, .cache = owner_});
-  self->~block();
-  pool->give_memory(self);
-  if (counted) pool->unreserve();
-}
-
 }  // namespace ghostlink::detail
+
+namespace ghostlink {
+
+kv_block_pool::kv_block_pool(std::size_t block_bytes, kv_pool_limits limits) {
+  const std::size_t by_bytes = block_bytes == 0 ? 0 : limits.max_bytes / block_bytes;
+  const std::size_t max_blocks = limits.max_blocks < by_bytes ? limits.max_blocks : by_bytes;
+  if (block_bytes == 0 || block_bytes % 2 != 0 || max_blocks == 0)
+    throw std::system_error(make_error_code(kv_errc::invalid_config));
+  state_ = new detail::block_pool(block_bytes, max_blocks);
+}
+
+kv_block_pool::kv_block_pool(const kv_block_pool& other) noexcept : state_(other.state_) {
+  if (state_) state_->add_ref();
+}
+kv_block_pool::kv_block_pool(kv_block_pool&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+kv_block_pool& kv_block_pool::operator=(const kv_block_pool& other) noexcept {
+  kv_block_pool copy(other);
+  std::swap(state_, copy.state_);
+  return *this;
+}
+kv_block_pool& kv_block_pool::operator=(kv_block_pool&& other) noexcept {
+  kv_block_pool taken(std::move(other));
+  std::swap(state_, taken.state_);
+  return *this;
+}
+kv_block_pool::~kv_block_pool() {
+  if (state_) state_->release();
+}
+
+std::size_t kv_block_pool::block_bytes() const noexcept { return state_->payload_bytes(); }
+void kv_block_pool::trim() noexcept { state_->trim(); }
+void kv_block_pool::set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }
+
+kv_pool_stats kv_block_pool::stats() const noexcept {
+  const detail::block_pool& p = *state_;
+  kv_pool_stats s;
+  s.block_bytes = p.payload_bytes();
+  s.max_blocks = p.max_blocks();
+  s.blocks_in_use = p.blocks_in_use();
+  s.blocks_free = p.blocks_free();
+  s.peak_blocks_in_use = p.peak_blocks_in_use();
+  s.blocks_shared = p.blocks_shared();
+  s.cow_copies = p.cow_copies();
+  s.blocks_allocated = p.blocks_allocated();
+  return s;
+}
+
+}  // namespace ghostlink

@@ -1,4 +1,4 @@
-#include "page_writer.hpp"
+#include "working_state.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -21,20 +21,21 @@ std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0)
 
 }  // namespace
 
-page_writer::page_writer(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool, bool initialized)
+working_state::working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout, ref_ptr<block_pool> pool,
+                             bool initialized)
     : config_(config),
-      codec_(codec),
+      layout_(std::move(layout)),
       pool_(std::move(pool)),
       owner_(block_pool::new_owner_id()),
-      table_(ref_ptr<page_table>::adopt(new page_table(0))),  // built for epoch 0
+      table_(ref_ptr<block_table>::adopt(new block_table(0))),  // built for epoch 0
       initialized_(initialized) {}
 
-page_writer::page_writer(const page_writer& parent, std::uint64_t next_epoch)
+working_state::working_state(const working_state& parent, std::uint64_t next_epoch)
     : config_(parent.config_),
-      codec_(parent.codec_),
+      layout_(parent.layout_),
       pool_(parent.pool_),
       owner_(block_pool::new_owner_id()),
-      table_(ref_ptr<page_table>::adopt(new page_table(next_epoch))),
+      table_(ref_ptr<block_table>::adopt(new block_table(next_epoch))),
       zero_block_(parent.zero_block_),
       length_(parent.length_),
       stored_(parent.stored_),
@@ -43,62 +44,51 @@ page_writer::page_writer(const page_writer& parent, std::uint64_t next_epoch)
       changed_(true) {
   // Chunks belong to one cache: copy each (sharing its blocks), so neither
   // side ever edits a chunk the other reads.
-  const page_table& from = *parent.table_;
+  const block_table& from = *parent.table_;
   table_->chunks.reserve(from.chunks.size());
-  for (const ref_ptr<page_chunk>& chunk : from.chunks) {
+  for (const ref_ptr<table_chunk>& chunk : from.chunks) {
     if (chunk == parent.zero_chunk_ && zero_chunk()) {
       table_->chunks.push_back(zero_chunk_);
       continue;
     }
-    auto copy = ref_ptr<page_chunk>::adopt(new page_chunk(next_epoch));
+    auto copy = ref_ptr<table_chunk>::adopt(new table_chunk(next_epoch));
     copy->blocks = chunk->blocks;
     table_->chunks.push_back(std::move(copy));
   }
   table_->blocks = from.blocks;
 }
 
-page_writer::~page_writer() { ::operator delete(spare_epoch_); }
+working_state::~working_state() { ::operator delete(spare_epoch_); }
 
-ref_ptr<epoch> page_writer::initial_epoch() { return publish(); }
+ref_ptr<epoch> working_state::initial_epoch() { return publish(); }
 
-std::unique_ptr<page_writer> page_writer::fork() {
-  auto child = std::unique_ptr<page_writer>(new page_writer(*this, next_epoch_));
-  seal();  // the child now reads every slot this writer holds
+std::unique_ptr<working_state> working_state::fork() {
+  auto child = std::unique_ptr<working_state>(new working_state(*this, next_epoch_));
+  seal();  // the child now reads every position this cache holds
   return child;
 }
 
-void page_writer::reserve_epoch() {
+void working_state::reserve_epoch() {
   if (!spare_epoch_) spare_epoch_ = metadata_new(sizeof(epoch));
 }
 
-ref_ptr<epoch> page_writer::publish() {
+ref_ptr<epoch> working_state::publish() {
   seal();
   // epoch::destroy deletes with a plain delete-expression, which matches
   // memory from metadata_new(sizeof(epoch)) (::operator new).
   void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
-  auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, length_, stored_, table_, zero_block_,
-                                                      config_.token_width(), config_.block_tokens, registry_));
+  auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, length_, stored_, table_, zero_block_, layout_, registry_));
   ++next_epoch_;
   changed_ = false;
   return e;
 }
 
-void page_writer::seal() noexcept {
+void working_state::seal() noexcept {
   for (block* blk : touched_) blk->set_readable(std::max(blk->readable(), blk->materialized()));
   touched_.clear();
 }
 
-std::error_code page_writer::apply(const request& r) {
-  switch (r.op()) {
-    case request::kind::initialize: return initialize(r.length());
-    case request::kind::truncate: return truncate(r.length());
-    case request::kind::write_batch: return write(r.entries());
-    case request::kind::fork: break;  // the actor's (it makes a new actor)
-  }
-  return {};
-}
-
-std::error_code page_writer::validate(std::span<const kv_write> entries) const noexcept {
+std::error_code working_state::validate(std::span<const kv_write> entries) const noexcept {
   const std::size_t width = config_.token_width();
   for (const kv_write& w : entries) {
     if (w.keys.size() != w.values.size()) return kv_errc::length_mismatch;
@@ -109,9 +99,9 @@ std::error_code page_writer::validate(std::span<const kv_write> entries) const n
   return {};
 }
 
-std::error_code page_writer::initialize(std::size_t seq_len) {
-  if (seq_len == 0) return kv_errc::zero_length;
-  const std::size_t length = std::min(seq_len, config_.max_tokens_per_seq);
+std::error_code working_state::initialize(std::size_t asked) {
+  if (asked == 0) return kv_errc::zero_length;
+  const std::size_t length = std::min(asked, config_.max_tokens_per_seq);
   if (length > length_) {
     if (!zero_block()) return kv_errc::capacity_exhausted;
     length_ = length;
@@ -121,7 +111,7 @@ std::error_code page_writer::initialize(std::size_t seq_len) {
   return {};
 }
 
-std::error_code page_writer::truncate(std::size_t length) {
+std::error_code working_state::truncate(std::size_t length) {
   if (length >= length_) return {};
   const std::size_t bt = config_.block_tokens;
   const std::size_t stored = std::min(stored_, length);
@@ -130,7 +120,7 @@ std::error_code page_writer::truncate(std::size_t length) {
     // Drop the entries past the new end of the last kept chunk; whole
     // chunks past it go with the list's tail. Copy what a published epoch
     // reads first, so a failed copy changes nothing.
-    const std::size_t chunk_end = std::min(table_->blocks, ceil_div(blocks, page_chunk::size) * page_chunk::size);
+    const std::size_t chunk_end = std::min(table_->blocks, ceil_div(blocks, table_chunk::size) * table_chunk::size);
     try {
       if (blocks < chunk_end)
         editable_entry(blocks);
@@ -141,11 +131,12 @@ std::error_code page_writer::truncate(std::size_t length) {
     }
     seal();  // touched blocks may be dropped below; none is touched again before the next seal
     for (std::size_t b = blocks; b < chunk_end; ++b) editable_entry(b) = {};
-    table_->chunks.resize(ceil_div(blocks, page_chunk::size));
+    table_->chunks.resize(ceil_div(blocks, table_chunk::size));
     table_->blocks = blocks;
   }
-  // The new last block's slots past `stored` no longer hold this cache's
-  // tokens: make skipped slots there read as zeros if written again.
+  // The new last block's positions past `stored` no longer hold this
+  // cache's tokens: make skipped positions there read as zeros if written
+  // again.
   if (stored % bt != 0) {
     block& last = *table_->entry(blocks - 1);
     if (last.owner() == owner_) last.set_materialized(std::min(last.materialized(), stored % bt));
@@ -156,7 +147,7 @@ std::error_code page_writer::truncate(std::size_t length) {
   return {};
 }
 
-std::error_code page_writer::write(std::span<const kv_write> entries) {
+std::error_code working_state::write(std::span<const kv_write> entries) {
   if (std::error_code ec = validate(entries)) return ec;
   if (entries.empty()) return {};
 
@@ -190,16 +181,16 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
 
   // Phase 2: copy the data in. Cannot fail.
   const std::size_t bt = config_.block_tokens;
-  const std::size_t token = token_bytes();
+  const block_layout& layout = *layout_;
   for (const kv_write& w : entries) {
     block& blk = *table_->entry(w.index / bt);
-    const std::size_t slot = w.index % bt;
-    materialize(blk, slot);
-    codec_.store(w.keys, blk.keys() + slot * token);
-    codec_.store(w.values, blk.values() + slot * token);
-    blk.set_materialized(std::max(blk.materialized(), slot + 1));
+    const std::size_t position = w.index % bt;
+    materialize(blk, position);
+    layout.codec.store(w.keys, layout.keys(blk, position));
+    layout.codec.store(w.values, layout.values(blk, position));
+    blk.set_materialized(std::max(blk.materialized(), position + 1));
   }
-  // Every slot below the new stored length must read as its token: zero
+  // Every position below the new stored length must read as its token: zero
   // what was skipped in the blocks this write touched and in the old last
   // block (prepare() made both writable; the zero block is all zeros).
   auto complete = [&](std::size_t b) {
@@ -214,7 +205,7 @@ std::error_code page_writer::write(std::span<const kv_write> entries) {
   return {};
 }
 
-bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
+bool working_state::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
   const std::size_t bt = config_.block_tokens;
   const std::size_t old_blocks = table_->blocks;
   const std::size_t blocks = ceil_div(stored, bt);
@@ -228,7 +219,7 @@ bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored,
     if (!make_writable(w.index / bt, w.index, undo)) return false;
   // New entries not written in the old last chunk (whole new chunks start
   // as zero chunks): nothing was written there, so they read as zeros.
-  const std::size_t old_chunk_end = std::min(blocks, ceil_div(old_blocks, page_chunk::size) * page_chunk::size);
+  const std::size_t old_chunk_end = std::min(blocks, ceil_div(old_blocks, table_chunk::size) * table_chunk::size);
   for (std::size_t b = old_blocks; b < old_chunk_end; ++b) {
     if (table_->entry(b)) continue;
     if (!zero_block()) return false;
@@ -237,17 +228,17 @@ bool page_writer::prepare(std::span<const kv_write> entries, std::size_t stored,
   return true;
 }
 
-void page_writer::own_table() {
+void working_state::own_table() {
   if (table_->born_epoch == next_epoch_) return;
-  auto copy = ref_ptr<page_table>::adopt(new page_table(next_epoch_));
+  auto copy = ref_ptr<block_table>::adopt(new block_table(next_epoch_));
   copy->chunks.reserve(table_->chunks.size() + 1);  // an append adds at most one chunk at a time
   copy->chunks = table_->chunks;
   copy->blocks = table_->blocks;
   table_ = std::move(copy);
 }
 
-bool page_writer::resize_table(std::size_t blocks) {
-  const std::size_t chunks = ceil_div(blocks, page_chunk::size);
+bool working_state::resize_table(std::size_t blocks) {
+  const std::size_t chunks = ceil_div(blocks, table_chunk::size);
   if (chunks > max_table_chunks) return false;
   if (chunks > table_->chunks.size() && !zero_chunk()) return false;
   own_table();
@@ -256,26 +247,26 @@ bool page_writer::resize_table(std::size_t blocks) {
   return true;
 }
 
-const ref_ptr<page_chunk>& page_writer::zero_chunk() {
+const ref_ptr<table_chunk>& working_state::zero_chunk() {
   if (!zero_chunk_ && zero_block()) {
-    zero_chunk_ = ref_ptr<page_chunk>::adopt(new page_chunk(0));  // born 0: never edited in place
+    zero_chunk_ = ref_ptr<table_chunk>::adopt(new table_chunk(0));  // born 0: never edited in place
     zero_chunk_->blocks.fill(zero_block_);
   }
   return zero_chunk_;
 }
 
-ref_ptr<block>& page_writer::editable_entry(std::size_t b) {
+ref_ptr<block>& working_state::editable_entry(std::size_t b) {
   own_table();
-  ref_ptr<page_chunk>& chunk = table_->chunks[b / page_chunk::size];
+  ref_ptr<table_chunk>& chunk = table_->chunks[b / table_chunk::size];
   if (chunk->born_epoch != next_epoch_ || chunk == zero_chunk_) {
-    auto copy = ref_ptr<page_chunk>::adopt(new page_chunk(next_epoch_));
+    auto copy = ref_ptr<table_chunk>::adopt(new table_chunk(next_epoch_));
     copy->blocks = chunk->blocks;
     chunk = std::move(copy);
   }
-  return chunk->blocks[b % page_chunk::size];
+  return chunk->blocks[b % table_chunk::size];
 }
 
-bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
+bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
   const ref_ptr<block>& current = table_->entry(b);
   if (current && writable_in_place(*current, index % config_.block_tokens)) {
     if (touched_.empty() || touched_.back() != current.get()) touched_.push_back(current.get());
@@ -288,32 +279,32 @@ bool page_writer::make_writable(std::size_t b, std::size_t index, undo_log& undo
   const std::size_t first = b * config_.block_tokens;
   const std::size_t held = first < stored_ ? std::min(config_.block_tokens, stored_ - first) : 0;
   if (current && current != zero_block_ && held > 0) {
-    std::memcpy(fresh->keys(), current->keys(), held * token_bytes());
-    std::memcpy(fresh->values(), current->values(), held * token_bytes());
+    std::memcpy(layout_->keys(*fresh), layout_->keys(*current), held * layout_->token_bytes);
+    std::memcpy(layout_->values(*fresh), layout_->values(*current), held * layout_->token_bytes);
     pool_->count_cow_copy();
   }
   fresh->set_materialized(current == zero_block_ ? 0 : held);
   touched_.push_back(fresh.get());
-  ref_ptr<block>& slot = editable_entry(b);
-  undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
+  ref_ptr<block>& entry = editable_entry(b);
+  undo.emplace_back(b, std::exchange(entry, std::move(fresh)));
   return true;
 }
 
-bool page_writer::writable_in_place(const block& blk, std::size_t slot) const noexcept {
-  return blk.owner() == owner_ && slot >= blk.readable();
+bool working_state::writable_in_place(const block& blk, std::size_t position) const noexcept {
+  return blk.owner() == owner_ && position >= blk.readable();
 }
 
-const ref_ptr<block>& page_writer::zero_block() {
+const ref_ptr<block>& working_state::zero_block() {
   if (!zero_block_) zero_block_ = block::make_zeros(*pool_, config_.block_tokens);
   return zero_block_;
 }
 
-void page_writer::materialize(block& blk, std::size_t slots) noexcept {
-  if (slots <= blk.materialized()) return;
-  const std::size_t from = blk.materialized() * token_bytes(), to = slots * token_bytes();
-  std::memset(blk.keys() + from, 0, to - from);
-  std::memset(blk.values() + from, 0, to - from);
-  blk.set_materialized(slots);
+void working_state::materialize(block& blk, std::size_t positions) noexcept {
+  if (positions <= blk.materialized()) return;
+  const std::size_t bytes = (positions - blk.materialized()) * layout_->token_bytes;
+  std::memset(layout_->keys(blk, blk.materialized()), 0, bytes);
+  std::memset(layout_->values(blk, blk.materialized()), 0, bytes);
+  blk.set_materialized(positions);
 }
 
 }  // namespace ghostlink::detail

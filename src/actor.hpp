@@ -1,26 +1,25 @@
 #pragma once
-// The actor behind a layer_kv_cache: a mailbox of write requests drained on
-// a strand, and the cell readers pin epochs from.
+// The actor behind a layer_kv_cache: a mailbox of requests drained on a
+// strand, the working state they are applied to, and the cell readers pin
+// epochs from. The templates reach it through detail/layer_core.hpp.
 //
 // Threads:
 // - submit(), pin(), size(), stats() are safe from any thread at any time.
-// - drain() runs only on strand_; it alone touches *writer_ and publishes
+// - drain() runs only on strand_; it alone touches *state_ and publishes
 //   into current_.
-// - A request enqueued (queued or parked for room, see src/mailbox.hpp) is
-//   counted in pending_ afterwards; whoever raises
-//   pending_ from zero schedules a drain, and a drain that leaves work
-//   behind defers the next, so one drain is queued or running while
-//   requests wait. pending_ may dip below zero for an instant: a drain took
-//   a request whose submitter has not counted it yet. A submitter that
-//   finds the count negative schedules nothing; the late submitter's own
-//   count then brings pending_ up from zero and schedules the drain that
-//   takes whatever was enqueued meanwhile.
+// - A request enqueued (queued or parked for room, see mailbox.hpp) is
+//   counted in pending_ afterwards; whoever raises pending_ from zero
+//   schedules a drain, and a drain that leaves work behind defers the next,
+//   so one drain is queued or running while requests wait. pending_ may dip
+//   below zero for an instant: a drain took a request whose submitter has
+//   not counted it yet. A submitter that finds the count negative schedules
+//   nothing; the late submitter's own count then brings pending_ up from
+//   zero and schedules the drain that takes whatever was enqueued meanwhile.
 
 #include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <iosfwd>
 #include <memory>
 
 #include "ghostlink/detail/asio_config.hpp"
@@ -28,42 +27,29 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/strand.hpp>
 
+#include "block_pool.hpp"
+#include "epoch_cell.hpp"
 #include "ghostlink/config.hpp"
-#include "ghostlink/detail/epoch_cell.hpp"
+#include "ghostlink/detail/layer_core.hpp"
 #include "ghostlink/detail/request.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/stats.hpp"
 
 namespace ghostlink::detail {
 
-class page_writer;
+class working_state;
 class mailbox;
-
-/// Bytes the mailboxes of every cache in the process hold (moodycamel's
-/// blocks); a mailbox keeps the blocks it grew to until its cache dies.
-std::uint64_t mailbox_bytes_allocated() noexcept;
-
-/// Tag: a cache handle adopts an existing actor.
-struct adopt_actor_t {
-  explicit adopt_actor_t() = default;
-};
-inline constexpr adopt_actor_t adopt_actor{};
 
 class actor : public std::enable_shared_from_this<actor> {
  public:
   using strand_type = asio::strand<asio::any_io_executor>;
 
-  /// A new, empty cache storing elements as `codec` says, with blocks from
-  /// `pool` (a private pool with `config.max_blocks` as budget if null);
-  /// `initialized` makes it accept writes before any initialize.
-  /// @throws std::system_error(kv_errc::invalid_config) for a bad config,
-  ///         a pool whose blocks do not fit it, or a pool given together
-  ///         with a `max_blocks` (the pool has the budget then).
+  /// See make_actor() (detail/layer_core.hpp); `pool` null for a private one.
   static std::shared_ptr<actor> make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
                                      ref_ptr<block_pool> pool, bool initialized);
 
-  /// Use make(); public for std::make_shared. Publishes `writer`'s initial epoch.
-  actor(asio::any_io_executor ex, std::unique_ptr<page_writer> writer);
+  /// Use make(); public for std::make_shared. Publishes `state`'s initial epoch.
+  actor(asio::any_io_executor ex, std::unique_ptr<working_state> state);
   /// Discards requests still in the mailbox (their handlers are destroyed
   /// unrun); only reached when no drain is queued.
   ~actor();
@@ -79,23 +65,16 @@ class actor : public std::enable_shared_from_this<actor> {
   const strand_type& strand() const noexcept { return strand_; }
   /// Where a handler without an associated executor completes: the
   /// executor the cache was made from, not the strand.
-  const asio::any_io_executor& completion_executor() const noexcept { return executor_; }
+  const asio::any_io_executor& executor() const noexcept { return executor_; }
 
   std::size_t size() const noexcept { return published_length_.load(std::memory_order_acquire); }
   ref_ptr<epoch> pin() const noexcept { return current_.pin(); }
   kv_cache_stats stats() const noexcept;
 
-  /// How soon a request's drain should start when it finds the actor idle.
-  /// `now`: dispatched to the strand, so a caller already on the strand's
-  /// executor runs the drain at once, on the strand, without a thread hop
-  /// (its handler is still only queued). `batch`: posted, so requests that
-  /// arrive meanwhile are applied and published together.
-  enum class urgency : bool { now, batch };
-
-  /// Takes ownership of `r`; its handler runs after the epoch that holds its
-  /// result is published. Never runs the handler inline. Terminates if Asio
-  /// cannot allocate to schedule the drain (the request is then already in
-  /// the mailbox and could be neither withdrawn nor run).
+  /// Takes ownership of `r`; it completes after the epoch that holds its
+  /// result is published, never inline. Terminates if Asio cannot allocate
+  /// to schedule the drain (the request is then already in the mailbox and
+  /// could be neither withdrawn nor run).
   void submit(request* r, urgency u) noexcept;
 
  private:
@@ -104,15 +83,18 @@ class actor : public std::enable_shared_from_this<actor> {
   /// Applies `n` requests into `results`; if the next epoch cannot be
   /// reserved, applies none and fails each with capacity_exhausted.
   void apply(request* const* batch, std::error_code* results, std::size_t n);
+  /// Applies one claimed request: the one place a request's kind decides
+  /// what happens.
+  std::error_code apply(request& r);
   /// A fork: a new actor on a new strand of the same executor, whose first
-  /// epoch is the working state, sharing its blocks.
+  /// epoch is the working state, sharing its blocks; into `r.forked`.
   std::error_code fork(request& r) noexcept;
 
   const kv_cache_config config_;
   const asio::any_io_executor executor_;
   const strand_type strand_;
   const std::unique_ptr<mailbox> mailbox_;
-  const std::unique_ptr<page_writer> writer_;  // strand only
+  const std::unique_ptr<working_state> state_;  // strand only
   const ref_ptr<block_pool> pool_;
   epoch_cell current_;
   std::atomic<std::size_t> published_length_{0};
@@ -125,8 +107,5 @@ class actor : public std::enable_shared_from_this<actor> {
   const ref_ptr<epoch_registry> registry_;
   const std::uint64_t id_;
 };
-
-/// Prints `layer_kv_cache{config=..., size=...}`.
-std::ostream& print_cache(std::ostream& os, const actor& a);
 
 }  // namespace ghostlink::detail

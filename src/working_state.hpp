@@ -1,7 +1,8 @@
 #pragma once
-// The actor's private storage state and the only code that mutates blocks.
+// A cache's working state: what the actor has applied and not yet published,
+// and the only code that writes into blocks.
 //
-// Strand only: every member of page_writer is read and written by the
+// Strand only: every member of working_state is read and written by the
 // actor's drain, on the actor's strand, and nowhere else. Readers never see
 // this object; they see the epochs publish() hands out.
 //
@@ -11,17 +12,17 @@
 // - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
 //   blocks of never-written tokens below stored_ are the zero block;
 //   entries past them are null or the zero block.
-// - In a block this writer owns, every slot below stored_ is materialized
-//   (see block::materialized): new blocks are not zeroed up front, the
-//   writer zero-fills skipped slots as stored_ passes them. Blocks owned by
-//   another cache (shared by a fork) are never written and their owner's
-//   counters never read here: a copy takes the slots below stored_.
-// - A block is writable in place at slot s only if this writer owns it and
-//   s >= its readable(): no published epoch of any cache reads the slot.
-//   Anything else is copied first (copy-on-write).
-// - readable() only grows, and covers every slot a published epoch or a
-//   fork can read: seal() raises it for every block touched since the last
-//   seal, before an epoch is published or a fork shares the blocks.
+// - In a block this cache owns, every position below stored_ is materialized
+//   (see block::materialized): new blocks are not zeroed up front; the
+//   positions skipped are zero-filled as stored_ passes them. Blocks owned
+//   by another cache (shared by a fork) are never written and their owner's
+//   counters never read here: a copy takes the positions below stored_.
+// - A block is writable in place at position p only if this cache owns it
+//   and p >= its readable(): no published epoch of any cache reads the
+//   position. Anything else is copied first (copy-on-write).
+// - readable() only grows, and covers every position a published epoch or
+//   a fork can read: seal() raises it for every block touched since the
+//   last seal, before an epoch is published or a fork shares the blocks.
 // - A table or chunk born before next_epoch_ may be read by a published
 //   epoch and is never edited (it is copied first). Tables and chunks are
 //   never shared between caches; a fork copies them.
@@ -35,31 +36,35 @@
 #include <utility>
 #include <vector>
 
+#include "block.hpp"
+#include "epoch.hpp"
 #include "ghostlink/config.hpp"
-#include "ghostlink/detail/request.hpp"
-#include "ghostlink/detail/storage.hpp"
 #include "ghostlink/element.hpp"
+#include "ghostlink/types.hpp"
 
 namespace ghostlink::detail {
 
-class page_writer {
+class working_state {
  public:
   /// An empty cache; `initialized` makes it accept writes without an
   /// initialize() first (a sequence's layers).
-  page_writer(const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool, bool initialized);
-  ~page_writer();
-  page_writer(const page_writer&) = delete;
-  page_writer& operator=(const page_writer&) = delete;
+  working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout, ref_ptr<block_pool> pool,
+                bool initialized);
+  ~working_state();
+  working_state(const working_state&) = delete;
+  working_state& operator=(const working_state&) = delete;
 
   /// The first epoch, published when the actor is built: empty, or a
   /// fork's copy of its parent.
   ref_ptr<epoch> initial_epoch();
-  /// Applies one initialize, write or truncate all-or-nothing to the
-  /// working state.
-  std::error_code apply(const request& r);
-  /// A writer whose state is this one's working state, sharing every block
+
+  // Each applies one request all-or-nothing: on error nothing changed.
+  std::error_code initialize(std::size_t length);
+  std::error_code write(std::span<const kv_write> entries);
+  std::error_code truncate(std::size_t length);
+  /// A new working state equal to this one, sharing every block
   /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.
-  std::unique_ptr<page_writer> fork();
+  std::unique_ptr<working_state> fork();
   /// True when something was applied since the last publish().
   bool has_changes() const noexcept { return changed_; }
   /// Sets aside the memory of the next epoch, so that publish() cannot fail
@@ -70,20 +75,16 @@ class page_writer {
   ref_ptr<epoch> publish();
   std::size_t length() const noexcept { return length_; }
   const kv_cache_config& config() const noexcept { return config_; }
-  element_codec codec() const noexcept { return codec_; }
   const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
-  /// The registry every epoch this writer publishes joins.
+  /// The registry every epoch this state publishes joins.
   const ref_ptr<epoch_registry>& registry() const noexcept { return registry_; }
-  /// The id this writer's blocks carry (the cache's id in stats and events).
+  /// The id this cache's blocks carry (its id in stats and events).
   std::uint64_t owner() const noexcept { return owner_; }
 
  private:
-  page_writer(const page_writer& parent, std::uint64_t next_epoch);
+  working_state(const working_state& parent, std::uint64_t next_epoch);
 
   std::error_code validate(std::span<const kv_write> entries) const noexcept;
-  std::error_code initialize(std::size_t seq_len);
-  std::error_code write(std::span<const kv_write> entries);
-  std::error_code truncate(std::size_t length);
 
   /// Entry `b` of the working table, ready to be set: the table and the
   /// entry's chunk are copied first if a published epoch can see them.
@@ -94,7 +95,7 @@ class page_writer {
   /// chunks cannot grow.
   bool resize_table(std::size_t blocks);
   /// A chunk whose every entry is the zero block; never edited in place.
-  const ref_ptr<page_chunk>& zero_chunk();
+  const ref_ptr<table_chunk>& zero_chunk();
   /// Makes the working table one no published epoch reads (a copy of its
   /// list of chunks, unless it was born in the epoch being built).
   void own_table();
@@ -104,25 +105,23 @@ class page_writer {
   bool prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo);
   /// Makes block `b` writable at token `index`; records what it replaced.
   bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
-  bool writable_in_place(const block& blk, std::size_t slot) const noexcept;
+  bool writable_in_place(const block& blk, std::size_t position) const noexcept;
   const ref_ptr<block>& zero_block();
-  /// Zero-fills `blk`'s slots from its materialized count up to `slots`.
-  void materialize(block& blk, std::size_t slots) noexcept;
-  /// Bytes of one token's keys (or values) in a block.
-  std::size_t token_bytes() const noexcept { return config_.token_width() * codec_.size; }
+  /// Zero-fills `blk`'s positions from its materialized count up to `positions`.
+  void materialize(block& blk, std::size_t positions) noexcept;
   /// Raises readable() of every block touched since the last seal to what
-  /// it holds, so no later in-place write reaches a slot an epoch or a fork
-  /// may read.
+  /// it holds, so no later in-place write reaches a position an epoch or a
+  /// fork may read.
   void seal() noexcept;
 
   const kv_cache_config config_;
-  const element_codec codec_;
+  const ref_ptr<const block_layout> layout_;
   const ref_ptr<block_pool> pool_;
-  const std::uint64_t owner_;  // this writer's blocks carry it
+  const std::uint64_t owner_;  // this cache's blocks carry it
   const ref_ptr<epoch_registry> registry_ = ref_ptr<epoch_registry>::adopt(new epoch_registry);
-  ref_ptr<page_table> table_;
+  ref_ptr<block_table> table_;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
-  ref_ptr<page_chunk> zero_chunk_;
+  ref_ptr<table_chunk> zero_chunk_;
   std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
   std::size_t length_ = 0;
   std::size_t stored_ = 0;

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "epoch.hpp"
 #include "ghostlink/detail/ref_ptr.hpp"
-#include "ghostlink/detail/storage.hpp"
 
 namespace ghostlink::detail {
 

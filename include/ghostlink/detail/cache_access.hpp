@@ -1,0 +1,35 @@
+#pragma once
+// How ghostlink's templates make cache and snapshot handles from the untyped
+// machinery in src/ (a fork's new actor, a pinned epoch) without public
+// constructors that users could reach.
+
+#include <memory>
+#include <utility>
+
+namespace ghostlink::detail {
+
+struct cache_access {
+  /// A handle of type `Handle` on `core` (an empty handle if null).
+  template <class Handle, class Core>
+  static Handle adopt(Core core) noexcept {
+    return core ? Handle(std::move(core)) : Handle();
+  }
+  /// What a handle holds.
+  template <class Handle>
+  static const auto& core(const Handle& h) noexcept {
+    return h.core_;
+  }
+};
+
+/// Turns a finished fork operation (a layer's request or a sequence's
+/// operation, whose `forked` field holds the new core) into the handle the
+/// handler receives.
+template <class Handle>
+struct adopt_forked {
+  template <class Op>
+  Handle operator()(Op& op) const noexcept {
+    return cache_access::adopt<Handle>(std::move(op.forked));
+  }
+};
+
+}  // namespace ghostlink::detail

@@ -1,0 +1,80 @@
+#pragma once
+// A reader's pin on one published epoch, what a snapshot holds, and the one
+// call the inlined read path makes into src/: where the stored runs of a
+// range of tokens are. The epoch itself (its block table, its layout) lives
+// in src/storage.hpp.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <utility>
+
+namespace ghostlink::detail {
+
+struct epoch;
+struct epoch_access;
+
+/// Consecutive tokens `[first, first + count)` that one block holds: their
+/// keys and their values, `count` tokens of the cache's element type each.
+struct stored_run {
+  std::size_t first;
+  std::size_t count;
+  const std::byte* keys;
+  const std::byte* values;
+};
+
+/// Fills `out` with the runs of `e` that cover tokens `[first, end)` from
+/// `first` on (`first < end <= e`'s length), in order; returns how many (at
+/// least one). Tokens never written point into a block of zeros.
+std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std::span<stored_run> out) noexcept;
+/// Releases a pin taken by pin() (src/actor.hpp); may free the epoch.
+void unpin(const epoch& e) noexcept;
+
+/// A reference to one published epoch, counted in its cache's statistics
+/// while held; move-only. The number, length and width are copied out so a
+/// reader asks src/ only where the runs are.
+class pinned_epoch {
+ public:
+  pinned_epoch() noexcept = default;
+  pinned_epoch(pinned_epoch&& other) noexcept
+      : epoch_(std::exchange(other.epoch_, nullptr)), number_(other.number_), length_(other.length_),
+        width_(other.width_) {}
+  pinned_epoch& operator=(pinned_epoch&& other) noexcept {
+    if (this != &other) {
+      close();
+      epoch_ = std::exchange(other.epoch_, nullptr);
+      number_ = other.number_;
+      length_ = other.length_;
+      width_ = other.width_;
+    }
+    return *this;
+  }
+  pinned_epoch(const pinned_epoch&) = delete;
+  pinned_epoch& operator=(const pinned_epoch&) = delete;
+  ~pinned_epoch() { close(); }
+
+  explicit operator bool() const noexcept { return epoch_ != nullptr; }
+  std::uint64_t number() const noexcept { return number_; }
+  std::size_t length() const noexcept { return length_; }
+  /// Elements per token's keys (or values).
+  std::size_t width() const noexcept { return width_; }
+  /// See stored_runs(); the epoch must be pinned.
+  std::size_t runs(std::size_t first, std::size_t end, std::span<stored_run> out) const noexcept {
+    return stored_runs(*epoch_, first, end, out);
+  }
+
+ private:
+  friend struct epoch_access;
+  pinned_epoch(const epoch* e, std::uint64_t number, std::size_t length, std::size_t width) noexcept
+      : epoch_(e), number_(number), length_(length), width_(width) {}
+  void close() noexcept {
+    if (epoch_) unpin(*std::exchange(epoch_, nullptr));
+  }
+
+  const epoch* epoch_ = nullptr;
+  std::uint64_t number_ = 0;
+  std::size_t length_ = 0;
+  std::size_t width_ = 0;
+};
+
+}  // namespace ghostlink::detail

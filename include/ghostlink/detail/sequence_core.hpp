@@ -1,0 +1,71 @@
+#pragma once
+// The untyped interface between a sequence's templates and its machinery in
+// src/sequence.hpp: a handle holds a `std::shared_ptr<sequence_core>` and
+// reaches it only through these functions. Each operation is one
+// sequence_op (holding the user's handler, type-erased once) that the core
+// fans out to every layer's actor and completes once, when the last layer
+// has applied its part.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include <asio/any_io_executor.hpp>
+
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/completion.hpp"
+#include "ghostlink/element.hpp"
+
+namespace ghostlink {
+class kv_block_pool;
+}  // namespace ghostlink
+
+namespace ghostlink::detail {
+
+class actor;
+class sequence_core;
+
+/// One append, truncate or fork of a sequence.
+class sequence_op : public operation {
+ public:
+  /// A fork's new sequence, set by the core when the fork succeeds.
+  std::shared_ptr<sequence_core> forked;
+
+ protected:
+  explicit sequence_op(finish_fn finish) noexcept : operation(finish) {}
+  ~sequence_op() = default;
+};
+
+/// `num_layers` empty layers of `config` on strands of `ex`, accepting
+/// writes without an initialize, with blocks from `pool` (a private pool
+/// whose budget is `config.max_blocks` for every layer together if null).
+/// @throws std::system_error(kv_errc::invalid_config) if `num_layers` is 0
+///         or as make_actor().
+std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size_t num_layers,
+                                             const kv_cache_config& config, element_codec codec,
+                                             const kv_block_pool* pool);
+
+std::size_t num_layers(const sequence_core& s) noexcept;
+/// The config the sequence was made with.
+const kv_cache_config& config_of(const sequence_core& s) noexcept;
+/// The executor the sequence was made from.
+const asio::any_io_executor& io_executor(const sequence_core& s) noexcept;
+/// Tokens of the last completed append or truncate (or fork).
+std::size_t size_of(const sequence_core& s) noexcept;
+/// Layer `i`'s actor.
+const std::shared_ptr<actor>& layer_of(const sequence_core& s, std::size_t i) noexcept;
+/// Completed removals of tokens (truncates, undone appends), read with
+/// acquire: a snapshot pins again if it changed while it pinned the layers.
+std::uint64_t removals(const sequence_core& s) noexcept;
+
+/// Each takes ownership of `op` and completes it exactly once, never inside
+/// this call. They throw only if queueing an early completion does.
+void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
+                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values);
+void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t n);
+void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op);
+
+}  // namespace ghostlink::detail

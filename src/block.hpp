@@ -1,0 +1,119 @@
+#pragma once
+// Blocks: the memory of `block_tokens` tokens (keys, then values) of one
+// cache, from a block_pool; and the layout that says where a token lives in
+// one.
+//
+// Sharing: blocks may be shared by several caches (a fork shares all of its
+// parent's). Only the cache that made a block (its owner) ever writes into
+// it, and only at positions no published epoch of any cache reads (see
+// working_state.hpp).
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "block_pool.hpp"
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/ref_ptr.hpp"
+#include "ghostlink/element.hpp"
+
+namespace ghostlink::detail {
+
+class block;
+
+/// How one cache lays its tokens out in blocks. Computed once per cache
+/// from its config and element type, never changed, and shared by its
+/// working state, its forks and every epoch it publishes (so by every
+/// snapshot): readers find a token from it alone, without touching the pool
+/// or any counter.
+struct block_layout : ref_counted<block_layout> {
+  block_layout(const kv_cache_config& config, element_codec codec) noexcept
+      : token_width(config.token_width()),
+        block_tokens(config.block_tokens),
+        token_bytes(config.token_width() * codec.size),
+        values_offset(block_tokens * token_bytes),
+        block_bytes(2 * values_offset),
+        codec(codec) {}
+  static void destroy(block_layout* l) noexcept { delete l; }
+
+  const std::size_t token_width;    // elements per token's keys (or values)
+  const std::size_t block_tokens;   // tokens per block
+  const std::size_t token_bytes;    // bytes of one token's keys (or values)
+  const std::size_t values_offset;  // bytes from a block's keys to its values
+  const std::size_t block_bytes;    // a block's payload: keys then values
+  const element_codec codec;        // how floats are stored
+
+  std::byte* keys(block& b, std::size_t position = 0) const noexcept;
+  std::byte* values(block& b, std::size_t position = 0) const noexcept;
+  const std::byte* keys(const block& b, std::size_t position = 0) const noexcept;
+  const std::byte* values(const block& b, std::size_t position = 0) const noexcept;
+};
+
+/// Keys then values of `block_tokens` tokens, after a one-cache-line header,
+/// in one 64-byte aligned allocation from a block_pool. A token's place in
+/// its block is its *position* (`index % block_tokens`).
+class block {
+ public:
+  /// The header's size: the payload starts on its own cache line.
+  static constexpr std::size_t header_bytes = 64;
+
+  /// Whether a block counts against the pool's budget: every block does but
+  /// a cache's shared zero block, so budgets count data blocks.
+  enum class budget : bool { counted, exempt };
+
+  /// A new block owned by `owner`, its payload garbage (nothing
+  /// materialized), or null when the pool's budget or memory is spent.
+  static ref_ptr<block> make(block_pool& pool, std::uint64_t owner, budget b = budget::counted) noexcept;
+  /// A block of zeros owned by no cache, outside the budget.
+  static ref_ptr<block> make_zeros(block_pool& pool, std::size_t block_tokens) noexcept;
+
+  // Reference counting (used by ref_ptr). The pool counts blocks crossing
+  // between one reference and more: that is its `blocks_shared`.
+  void add_ref() const noexcept;
+  void release() const noexcept;
+
+  std::byte* payload() noexcept { return reinterpret_cast<std::byte*>(this) + header_bytes; }
+  const std::byte* payload() const noexcept { return reinterpret_cast<const std::byte*>(this) + header_bytes; }
+
+  block_pool& pool() const noexcept { return *pool_; }
+  /// The cache that made this block and alone may write into it; 0 for the
+  /// zero block, which no one writes.
+  std::uint64_t owner() const noexcept { return owner_; }
+
+  /// The owner's alone, on its strand: positions [0, materialized()) hold
+  /// the owner's current tokens (written, or zeros where skipped).
+  std::size_t materialized() const noexcept { return materialized_; }
+  void set_materialized(std::size_t positions) noexcept { materialized_ = positions; }
+  /// The owner's alone, on its strand: no published epoch of any cache
+  /// reads positions at or past readable(), so the owner may write them in
+  /// place.
+  std::size_t readable() const noexcept { return readable_; }
+  void set_readable(std::size_t positions) noexcept { readable_ = positions; }
+
+ private:
+  block(block_pool& pool, std::uint64_t owner, budget b) noexcept;
+  ~block() = default;
+  void destroy() const noexcept;
+
+  mutable std::atomic<std::uint32_t> refs_{1};
+  const budget budget_;
+  ref_ptr<block_pool> pool_;
+  const std::uint64_t owner_;
+  std::size_t materialized_ = 0;
+  std::size_t readable_ = 0;
+};
+
+inline std::byte* block_layout::keys(block& b, std::size_t position) const noexcept {
+  return b.payload() + position * token_bytes;
+}
+inline std::byte* block_layout::values(block& b, std::size_t position) const noexcept {
+  return b.payload() + values_offset + position * token_bytes;
+}
+inline const std::byte* block_layout::keys(const block& b, std::size_t position) const noexcept {
+  return b.payload() + position * token_bytes;
+}
+inline const std::byte* block_layout::values(const block& b, std::size_t position) const noexcept {
+  return b.payload() + values_offset + position * token_bytes;
+}
+
+}  // namespace ghostlink::detail

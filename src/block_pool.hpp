@@ -1,0 +1,114 @@
+#pragma once
+// The pool every block's memory comes from, under a budget; shared by every
+// cache made with it. Every member is safe from any thread.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "ghostlink/block_pool.hpp"
+#include "ghostlink/detail/ref_ptr.hpp"
+#include "ghostlink/events.hpp"
+
+namespace ghostlink::detail {
+
+struct free_list;
+
+/// Hands out fixed-size blocks of memory under a budget, recycling freed
+/// ones through a free list.
+///
+/// Layout: what a cache reads on every allocation (the block size, the
+/// budget, the event sink) comes first and never changes; the counters that
+/// every allocation and free write start on a cache line of their own. No
+/// reader of a snapshot touches the pool at all.
+class block_pool : public ref_counted<block_pool> {
+ public:
+  /// Blocks of `payload_bytes` (keys then values); at most `max_blocks`
+  /// counted blocks at once.
+  block_pool(std::size_t payload_bytes, std::size_t max_blocks);
+  ~block_pool();
+  block_pool(const block_pool&) = delete;
+  block_pool& operator=(const block_pool&) = delete;
+  static void destroy(block_pool* p) noexcept { delete p; }
+
+  std::size_t payload_bytes() const noexcept { return payload_bytes_; }
+  std::size_t max_blocks() const noexcept { return max_blocks_; }
+
+  /// Counts one block against the budget; false when the budget is spent.
+  bool reserve() noexcept;
+  void unreserve() noexcept { in_use_.fetch_sub(1, std::memory_order_relaxed); }
+  /// Memory for one block (header and payload): recycled if any is free,
+  /// else new; null when the system has none.
+  void* take_memory() noexcept;
+  /// Returns a block's memory to the free list.
+  void give_memory(void* memory) noexcept;
+  /// Frees every block on the free list.
+  void trim() noexcept;
+  /// Installs `handler` (an empty one: none) for every later event. Free
+  /// when none is installed: one atomic load per event site. Handlers
+  /// replaced stay alive until the pool dies, as a call may still run them.
+  void set_event_handler(kv_event_handler handler);
+  /// Calls the installed handler, if any.
+  void emit(const kv_event& e) const noexcept {
+    if (const event_sink* sink = sink_.load(std::memory_order_acquire)) sink->handler(e);
+  }
+  /// The next `n` requests for a block's memory fail as if the system had
+  /// none (a test hook: src/testing.hpp).
+  void fail_next_allocations(std::size_t n) noexcept { failures_.store(n, std::memory_order_relaxed); }
+
+  // Counters (relaxed: exact when the pool is idle).
+  std::size_t blocks_in_use() const noexcept { return in_use_.load(std::memory_order_relaxed); }
+  std::size_t peak_blocks_in_use() const noexcept { return peak_.load(std::memory_order_relaxed); }
+  std::size_t blocks_free() const noexcept { return free_count_.load(std::memory_order_relaxed); }
+  std::size_t blocks_shared() const noexcept;
+  std::uint64_t cow_copies() const noexcept { return cow_copies_.load(std::memory_order_relaxed); }
+  std::uint64_t blocks_allocated() const noexcept { return allocated_.load(std::memory_order_relaxed); }
+  void count_cow_copy() noexcept { cow_copies_.fetch_add(1, std::memory_order_relaxed); }
+  void count_shared(std::int64_t delta) noexcept { shared_.fetch_add(delta, std::memory_order_relaxed); }
+
+  /// A new id for a cache that will own blocks (never 0, never reused).
+  static std::uint64_t new_owner_id() noexcept;
+  /// Pools alive in this process, and pools destroyed while still counting
+  /// blocks in use (an accounting error). Every block holds its pool, so no
+  /// live pool once every cache and snapshot is gone means no block leaked.
+  static std::size_t pools_alive() noexcept;
+  static std::size_t pools_destroyed_unbalanced() noexcept;
+
+ private:
+  struct event_sink {
+    kv_event_handler handler;
+    std::unique_ptr<event_sink> replaced;  // kept alive: see set_event_handler
+  };
+
+  // Read-mostly.
+  const std::size_t payload_bytes_;
+  const std::size_t max_blocks_;
+  const std::unique_ptr<free_list> free_;
+  std::atomic<const event_sink*> sink_{nullptr};  // null: no handler
+  std::atomic<std::size_t> failures_{0};          // see fail_next_allocations
+  // Written by every allocation and free.
+  alignas(64) std::atomic<std::size_t> in_use_{0};
+  std::atomic<std::size_t> peak_{0};
+  std::atomic<std::size_t> free_count_{0};
+  std::atomic<std::int64_t> shared_{0};
+  std::atomic<std::uint64_t> cow_copies_{0};
+  std::atomic<std::uint64_t> allocated_{0};
+  // Rarely.
+  alignas(64) std::mutex sink_mutex_;   // serialises set_event_handler
+  std::unique_ptr<event_sink> sinks_;   // sink_mutex_; the newest, owning those it replaced
+};
+
+/// How ghostlink's caches reach the pool that a `kv_block_pool` handle
+/// keeps private.
+struct pool_access {
+  /// A handle on an existing pool (what a cache's `pool()` returns).
+  static kv_block_pool handle(ref_ptr<block_pool> state) noexcept { return {kv_block_pool::adopt_state{}, state.detach()}; }
+  /// The pool a handle refers to.
+  static ref_ptr<block_pool> state(const kv_block_pool& pool) noexcept {
+    return ref_ptr<block_pool>::share(pool.state_);
+  }
+};
+
+}  // namespace ghostlink::detail

@@ -1,0 +1,23 @@
+#pragma once
+// The counters behind the fault-injection hooks of src/testing.hpp: a
+// production allocation asks them whether to fail, and only tests set them.
+
+#include <atomic>
+#include <cstddef>
+
+namespace ghostlink::detail {
+
+/// Counts `counter` down by one unless it is zero; returns its value before
+/// (0: nothing injected).
+inline std::size_t count_down(std::atomic<std::size_t>& counter) noexcept {
+  std::size_t n = counter.load(std::memory_order_relaxed);
+  while (n > 0 && !counter.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
+  }
+  return n;
+}
+
+/// metadata_new()'s countdown: the allocation that takes it from 1 to 0
+/// fails; 0 when no failure is pending.
+std::atomic<std::size_t>& metadata_countdown() noexcept;
+
+}  // namespace ghostlink::detail

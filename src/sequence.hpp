@@ -1,0 +1,53 @@
+#pragma once
+// What the handles of one sequence share: its layers' actors and its length,
+// behind detail/sequence_core.hpp. The operations (sequence.cpp) fan one
+// request out to every layer's actor and complete the user's operation once.
+//
+// Invariants:
+// - `busy` admits one append, truncate or fork at a time: whoever sets it
+//   owns `length` until it clears it (release), and the next owner's setting
+//   (acquire) sees what it stored.
+// - `drops` counts completed removals of tokens (a truncate, or the undo of
+//   a failed append), each bumped after every layer has published it and
+//   before the next operation can start. A snapshot pins the layers one by
+//   one; taking the shortest is enough while tokens are only added (every
+//   layer's first `min` tokens are the same tokens), but a removal followed
+//   by a new append at the same index between two pins would mix an old and
+//   a new token. A snapshot therefore pins again if `drops` changed.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include <asio/any_io_executor.hpp>
+
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/sequence_core.hpp"
+
+namespace ghostlink::detail {
+
+class sequence_core {
+ public:
+  sequence_core(asio::any_io_executor ex, const kv_cache_config& config, std::vector<std::shared_ptr<actor>> layers,
+                std::size_t length)
+      : executor(std::move(ex)), config(config), layers(std::move(layers)), length(length) {}
+
+  bool try_begin() noexcept { return !busy.exchange(true, std::memory_order_acquire); }
+  /// Records a completed removal (see `drops`); release: a snapshot that
+  /// pins an epoch published after it sees the count.
+  void dropped() noexcept { drops.fetch_add(1, std::memory_order_release); }
+  void end() noexcept { busy.store(false, std::memory_order_release); }
+
+  const asio::any_io_executor executor;
+  const kv_cache_config config;  // as the user gave it (the layers' may leave the budget to the pool)
+  const std::vector<std::shared_ptr<actor>> layers;
+  std::atomic<std::size_t> length;
+  std::atomic<bool> busy{false};
+  std::atomic<std::uint64_t> drops{0};
+};
+
+}  // namespace ghostlink::detail
