@@ -72,7 +72,7 @@ actor::actor(asio::any_io_executor ex, std::unique_ptr<working_state> state)
       state_(std::move(state)),
       pool_(state_->pool()),
       current_(state_->initial_epoch()),
-      published_length_(state_->length()),
+      published_size_(state_->size()),
       registry_(state_->registry()),
       id_(state_->owner()) {}
 
@@ -109,9 +109,9 @@ void actor::apply(request* const* batch, std::error_code* results, std::size_t n
 
 std::error_code actor::apply(request& r) {
   switch (r.kind()) {
-    case request_kind::initialize: return state_->initialize(r.length());
+    case request_kind::initialize: return state_->initialize(r.size());
     case request_kind::write_batch: return state_->write(r.entries());
-    case request_kind::truncate: return state_->truncate(r.length());
+    case request_kind::truncate: return state_->truncate(r.size());
     case request_kind::fork: return fork(r);
   }
   return {};
@@ -136,9 +136,9 @@ void actor::drain() {
   if (state_->has_changes()) {
     ref_ptr<epoch> published = state_->publish();
     const kv_event event{
-        .what = kv_event::kind::epoch_published, .cache = id_, .epoch = published->number, .size = published->length};
+        .what = kv_event::kind::epoch_published, .cache = id_, .epoch = published->number, .size = published->size};
     current_.publish(std::move(published));
-    published_length_.store(state_->length(), std::memory_order_release);
+    published_size_.store(state_->size(), std::memory_order_release);
     pool_->emit(event);
   }
   std::uint64_t applied = 0, cancelled = 0;
@@ -179,7 +179,7 @@ kv_cache_stats actor::stats() const noexcept {
   kv_cache_stats s;
   ref_ptr<epoch> latest = pin();
   s.epoch = latest->number;
-  s.size = latest->length;
+  s.size = latest->size;
   s.drains = drains_.load(std::memory_order_relaxed);
   s.requests_applied = applied_.load(std::memory_order_relaxed);
   s.requests_failed = failed_.load(std::memory_order_relaxed);

@@ -67,7 +67,7 @@ class actor : public std::enable_shared_from_this<actor> {
   /// executor the cache was made from, not the strand.
   const asio::any_io_executor& executor() const noexcept { return executor_; }
 
-  std::size_t size() const noexcept { return published_length_.load(std::memory_order_acquire); }
+  std::size_t size() const noexcept { return published_size_.load(std::memory_order_acquire); }
   ref_ptr<epoch> pin() const noexcept { return current_.pin(); }
   kv_cache_stats stats() const noexcept;
 
@@ -97,7 +97,7 @@ class actor : public std::enable_shared_from_this<actor> {
   const std::unique_ptr<working_state> state_;  // strand only
   const ref_ptr<block_pool> pool_;
   epoch_cell current_;
-  std::atomic<std::size_t> published_length_{0};
+  std::atomic<std::size_t> published_size_{0};
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
   std::atomic<std::uint64_t> drains_{0};
   std::atomic<std::uint64_t> applied_{0};

@@ -91,16 +91,16 @@ class epoch_registry : public ref_counted<epoch_registry> {
 
 /// One published state of a cache: what a snapshot pins.
 ///
-/// Tokens `[0, stored)` live in the table's blocks; tokens `[stored, length)`
+/// Tokens `[0, stored)` live in the table's blocks; tokens `[stored, size)`
 /// were made valid by initialize() or skipped by a write and read as zeros
 /// from `zeros`, a block that is never written. Keeping them out of the
 /// table is what lets the actor fill them in place later: no epoch reads
 /// those positions of any block.
 struct epoch : ref_counted<epoch> {
-  epoch(std::uint64_t number, std::size_t length, std::size_t stored, ref_ptr<block_table> table,
+  epoch(std::uint64_t number, std::size_t size, std::size_t stored, ref_ptr<block_table> table,
         ref_ptr<block> zeros, ref_ptr<const block_layout> layout, ref_ptr<epoch_registry> registry = {}) noexcept
       : number(number),
-        length(length),
+        size(size),
         stored(stored),
         table(std::move(table)),
         zeros(std::move(zeros)),
@@ -113,7 +113,7 @@ struct epoch : ref_counted<epoch> {
     delete e;
   }
 
-  /// The block holding token `index` (`index < length`); its position there
+  /// The block holding token `index` (`index < size`); its position there
   /// is `index % block_tokens`.
   const block& block_of(std::size_t index) const noexcept {
     return index < stored ? *table->entry(index / layout->block_tokens) : *zeros;
@@ -127,7 +127,7 @@ struct epoch : ref_counted<epoch> {
   }
 
   const std::uint64_t number;
-  const std::size_t length;
+  const std::size_t size;
   const std::size_t stored;
   const ref_ptr<block_table> table;
   const ref_ptr<block> zeros;
@@ -143,7 +143,7 @@ struct epoch_access {
   static pinned_epoch pin(ref_ptr<epoch> e) noexcept {
     if (e->registry) e->registry->snapshot_opened();
     const epoch* raw = e.detach();
-    return {raw, raw->number, raw->length, raw->layout->token_width};
+    return {raw, raw->number, raw->size, raw->layout->token_width};
   }
 };
 

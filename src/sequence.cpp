@@ -92,7 +92,7 @@ class fan_out {
   sequence_op* const op_;
   std::vector<std::optional<layer_part>> parts_;  // engaged: submitted in the current stage
   stage stage_;
-  const std::size_t index_;  // append: the token's index; truncate: the length kept
+  const std::size_t index_;  // append: the token's index; truncate: the size kept
   std::error_code failure_;  // undo_append: why the append failed
   std::atomic<std::size_t> remaining_{0};
 };
@@ -136,7 +136,7 @@ void fan_out::end_stage(queueing how) {
         const truncate_args drop{index_};
         return start([&](std::size_t) { return drop; }, {}, [&](std::size_t i) { return took[i]; });
       }
-      seq.length.store(index_ + 1, std::memory_order_release);
+      seq.size.store(index_ + 1, std::memory_order_release);
       seq.end();
       return complete({}, how);
     case stage::undo_append:
@@ -149,7 +149,7 @@ void fan_out::end_stage(queueing how) {
       // layer) until appends overwrite them.
       const bool any = std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return !p->result; });
       if (any) {
-        seq.length.store(index_, std::memory_order_release);
+        seq.size.store(index_, std::memory_order_release);
         seq.dropped();
       }
       seq.end();
@@ -207,7 +207,7 @@ void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
   if (std::error_code ec = check_append(seq.layers.size(), seq.config.token_width(), keys, values))
     return op->complete(ec, queueing::post);
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
-  const std::size_t index = seq.length.load(std::memory_order_relaxed);
+  const std::size_t index = seq.size.load(std::memory_order_relaxed);
   if (index >= seq.config.max_tokens_per_seq) {
     seq.end();
     return op->complete(kv_errc::index_out_of_range, queueing::post);
@@ -220,7 +220,7 @@ void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
 void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t n) {
   sequence_core& seq = *s;
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
-  if (n >= seq.length.load(std::memory_order_relaxed)) {
+  if (n >= seq.size.load(std::memory_order_relaxed)) {
     seq.end();
     return op->complete({}, queueing::post);
   }
@@ -230,7 +230,7 @@ void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, st
 void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op) {
   sequence_core& seq = *s;
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
-  fan_out_to_layers(s, op, stage::fork, seq.length.load(std::memory_order_relaxed),
+  fan_out_to_layers(s, op, stage::fork, seq.size.load(std::memory_order_relaxed),
                     [](std::size_t) { return fork_args{}; });
 }
 
@@ -261,7 +261,7 @@ std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size
 std::size_t num_layers(const sequence_core& s) noexcept { return s.layers.size(); }
 const kv_cache_config& config_of(const sequence_core& s) noexcept { return s.config; }
 const asio::any_io_executor& io_executor(const sequence_core& s) noexcept { return s.executor; }
-std::size_t size_of(const sequence_core& s) noexcept { return s.length.load(std::memory_order_acquire); }
+std::size_t size_of(const sequence_core& s) noexcept { return s.size.load(std::memory_order_acquire); }
 const std::shared_ptr<actor>& layer_of(const sequence_core& s, std::size_t i) noexcept { return s.layers[i]; }
 std::uint64_t removals(const sequence_core& s) noexcept { return s.drops.load(std::memory_order_acquire); }
 

@@ -1,11 +1,11 @@
 #pragma once
-// What the handles of one sequence share: its layers' actors and its length,
+// What the handles of one sequence share: its layers' actors and its size,
 // behind detail/sequence_core.hpp. The operations (sequence.cpp) fan one
 // request out to every layer's actor and complete the user's operation once.
 //
 // Invariants:
 // - `busy` admits one append, truncate or fork at a time: whoever sets it
-//   owns `length` until it clears it (release), and the next owner's setting
+//   owns `size` until it clears it (release), and the next owner's setting
 //   (acquire) sees what it stored.
 // - `drops` counts completed removals of tokens (a truncate, or the undo of
 //   a failed append), each bumped after every layer has published it and
@@ -33,8 +33,8 @@ namespace ghostlink::detail {
 class sequence_core {
  public:
   sequence_core(asio::any_io_executor ex, const kv_cache_config& config, std::vector<std::shared_ptr<actor>> layers,
-                std::size_t length)
-      : executor(std::move(ex)), config(config), layers(std::move(layers)), length(length) {}
+                std::size_t size)
+      : executor(std::move(ex)), config(config), layers(std::move(layers)), size(size) {}
 
   bool try_begin() noexcept { return !busy.exchange(true, std::memory_order_acquire); }
   /// Records a completed removal (see `drops`); release: a snapshot that
@@ -45,7 +45,7 @@ class sequence_core {
   const asio::any_io_executor executor;
   const kv_cache_config config;  // as the user gave it (the layers' may leave the budget to the pool)
   const std::vector<std::shared_ptr<actor>> layers;
-  std::atomic<std::size_t> length;
+  std::atomic<std::size_t> size;  // tokens of the last completed append, truncate or fork
   std::atomic<bool> busy{false};
   std::atomic<std::uint64_t> drops{0};
 };

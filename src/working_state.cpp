@@ -37,7 +37,7 @@ working_state::working_state(const working_state& parent, std::uint64_t next_epo
       owner_(block_pool::new_owner_id()),
       table_(ref_ptr<block_table>::adopt(new block_table(next_epoch))),
       zero_block_(parent.zero_block_),
-      length_(parent.length_),
+      size_(parent.size_),
       stored_(parent.stored_),
       next_epoch_(next_epoch),
       initialized_(parent.initialized_),
@@ -77,7 +77,7 @@ ref_ptr<epoch> working_state::publish() {
   // epoch::destroy deletes with a plain delete-expression, which matches
   // memory from metadata_new(sizeof(epoch)) (::operator new).
   void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
-  auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, length_, stored_, table_, zero_block_, layout_, registry_));
+  auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, size_, stored_, table_, zero_block_, layout_, registry_));
   ++next_epoch_;
   changed_ = false;
   return e;
@@ -101,20 +101,20 @@ std::error_code working_state::validate(std::span<const kv_write> entries) const
 
 std::error_code working_state::initialize(std::size_t asked) {
   if (asked == 0) return kv_errc::zero_length;
-  const std::size_t length = std::min(asked, config_.max_tokens_per_seq);
-  if (length > length_) {
+  const std::size_t size = std::min(asked, config_.max_tokens_per_seq);
+  if (size > size_) {
     if (!zero_block()) return kv_errc::capacity_exhausted;
-    length_ = length;
+    size_ = size;
     changed_ = true;
   }
   if (!initialized_) changed_ = initialized_ = true;
   return {};
 }
 
-std::error_code working_state::truncate(std::size_t length) {
-  if (length >= length_) return {};
+std::error_code working_state::truncate(std::size_t size) {
+  if (size >= size_) return {};
   const std::size_t bt = config_.block_tokens;
-  const std::size_t stored = std::min(stored_, length);
+  const std::size_t stored = std::min(stored_, size);
   const std::size_t blocks = ceil_div(stored, bt);
   if (blocks < table_->blocks) {
     // Drop the entries past the new end of the last kept chunk; whole
@@ -142,7 +142,7 @@ std::error_code working_state::truncate(std::size_t length) {
     if (last.owner() == owner_) last.set_materialized(std::min(last.materialized(), stored % bt));
   }
   stored_ = stored;
-  length_ = length;
+  size_ = size;
   changed_ = true;
   return {};
 }
@@ -190,7 +190,7 @@ std::error_code working_state::write(std::span<const kv_write> entries) {
     layout.codec.store(w.values, layout.values(blk, position));
     blk.set_materialized(std::max(blk.materialized(), position + 1));
   }
-  // Every position below the new stored length must read as its token: zero
+  // Every position below the new stored size must read as its token: zero
   // what was skipped in the blocks this write touched and in the old last
   // block (prepare() made both writable; the zero block is all zeros).
   auto complete = [&](std::size_t b) {
@@ -200,7 +200,7 @@ std::error_code working_state::write(std::span<const kv_write> entries) {
   if (stored > stored_ && stored_ % bt != 0) complete((stored_ - 1) / bt);
   for (const kv_write& w : entries) complete(w.index / bt);
   stored_ = stored;
-  length_ = std::max(length_, stored);
+  size_ = std::max(size_, stored);
   changed_ = true;
   return {};
 }

@@ -7,8 +7,8 @@
 // this object; they see the epochs publish() hands out.
 //
 // Invariants:
-// - Tokens [0, stored_) live in blocks; [stored_, length_) read as zeros
-//   (see epoch in storage.hpp). stored_ <= length_.
+// - Tokens [0, stored_) live in blocks; [stored_, size_) read as zeros
+//   (see epoch in storage.hpp). stored_ <= size_.
 // - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
 //   blocks of never-written tokens below stored_ are the zero block;
 //   entries past them are null or the zero block.
@@ -59,9 +59,9 @@ class working_state {
   ref_ptr<epoch> initial_epoch();
 
   // Each applies one request all-or-nothing: on error nothing changed.
-  std::error_code initialize(std::size_t length);
+  std::error_code initialize(std::size_t size);
   std::error_code write(std::span<const kv_write> entries);
-  std::error_code truncate(std::size_t length);
+  std::error_code truncate(std::size_t size);
   /// A new working state equal to this one, sharing every block
   /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.
   std::unique_ptr<working_state> fork();
@@ -73,7 +73,7 @@ class working_state {
   /// Freezes the working state into the next epoch (in the memory
   /// reserve_epoch() set aside, if any).
   ref_ptr<epoch> publish();
-  std::size_t length() const noexcept { return length_; }
+  std::size_t size() const noexcept { return size_; }
   const kv_cache_config& config() const noexcept { return config_; }
   const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
   /// The registry every epoch this state publishes joins.
@@ -123,7 +123,7 @@ class working_state {
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   ref_ptr<table_chunk> zero_chunk_;
   std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
-  std::size_t length_ = 0;
+  std::size_t size_ = 0;
   std::size_t stored_ = 0;
   std::uint64_t next_epoch_ = 0;
   void* spare_epoch_ = nullptr;  // raw memory for the next epoch

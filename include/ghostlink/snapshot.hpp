@@ -142,7 +142,7 @@ class basic_kv_snapshot {
 
  private:
   friend struct detail::cache_access;
-  explicit basic_kv_snapshot(detail::pinned_epoch e) noexcept : epoch_(std::move(e)), size_(epoch_.length()) {}
+  explicit basic_kv_snapshot(detail::pinned_epoch e) noexcept : epoch_(std::move(e)), size_(epoch_.size()) {}
 
   std::error_code check_range(std::size_t begin, std::size_t end) const noexcept {
     if (begin > end) return kv_errc::invalid_range;

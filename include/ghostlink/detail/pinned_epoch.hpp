@@ -24,27 +24,27 @@ struct stored_run {
 };
 
 /// Fills `out` with the runs of `e` that cover tokens `[first, end)` from
-/// `first` on (`first < end <= e`'s length), in order; returns how many (at
+/// `first` on (`first < end <= e`'s size), in order; returns how many (at
 /// least one). Tokens never written point into a block of zeros.
 std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std::span<stored_run> out) noexcept;
 /// Releases a pin taken by pin() (src/actor.hpp); may free the epoch.
 void unpin(const epoch& e) noexcept;
 
 /// A reference to one published epoch, counted in its cache's statistics
-/// while held; move-only. The number, length and width are copied out so a
+/// while held; move-only. The number, size and width are copied out so a
 /// reader asks src/ only where the runs are.
 class pinned_epoch {
  public:
   pinned_epoch() noexcept = default;
   pinned_epoch(pinned_epoch&& other) noexcept
-      : epoch_(std::exchange(other.epoch_, nullptr)), number_(other.number_), length_(other.length_),
+      : epoch_(std::exchange(other.epoch_, nullptr)), number_(other.number_), size_(other.size_),
         width_(other.width_) {}
   pinned_epoch& operator=(pinned_epoch&& other) noexcept {
     if (this != &other) {
       close();
       epoch_ = std::exchange(other.epoch_, nullptr);
       number_ = other.number_;
-      length_ = other.length_;
+      size_ = other.size_;
       width_ = other.width_;
     }
     return *this;
@@ -55,7 +55,7 @@ class pinned_epoch {
 
   explicit operator bool() const noexcept { return epoch_ != nullptr; }
   std::uint64_t number() const noexcept { return number_; }
-  std::size_t length() const noexcept { return length_; }
+  std::size_t size() const noexcept { return size_; }
   /// Elements per token's keys (or values).
   std::size_t width() const noexcept { return width_; }
   /// See stored_runs(); the epoch must be pinned.
@@ -65,15 +65,15 @@ class pinned_epoch {
 
  private:
   friend struct epoch_access;
-  pinned_epoch(const epoch* e, std::uint64_t number, std::size_t length, std::size_t width) noexcept
-      : epoch_(e), number_(number), length_(length), width_(width) {}
+  pinned_epoch(const epoch* e, std::uint64_t number, std::size_t size, std::size_t width) noexcept
+      : epoch_(e), number_(number), size_(size), width_(width) {}
   void close() noexcept {
     if (epoch_) unpin(*std::exchange(epoch_, nullptr));
   }
 
   const epoch* epoch_ = nullptr;
   std::uint64_t number_ = 0;
-  std::size_t length_ = 0;
+  std::size_t size_ = 0;
   std::size_t width_ = 0;
 };
 

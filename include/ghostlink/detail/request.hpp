@@ -17,13 +17,13 @@ class mailbox;
 /// The operations a layer's actor applies.
 enum class request_kind : unsigned char { initialize, write_batch, truncate, fork };
 
-/// The argument of an initialize request: the length asked for.
+/// The argument of an initialize request: the size asked for.
 struct initialize_args {
-  std::size_t length;
+  std::size_t size;
 };
-/// The argument of a truncate request: the length to keep.
+/// The argument of a truncate request: the size to keep.
 struct truncate_args {
-  std::size_t length;
+  std::size_t size;
 };
 /// The argument of a fork request.
 struct fork_args {};
@@ -33,8 +33,8 @@ struct fork_args {};
 class request : public operation {
  public:
   request_kind kind() const noexcept { return kind_; }
-  /// `initialize` and `truncate`: the length asked for.
-  std::size_t length() const noexcept { return length_; }
+  /// `initialize` and `truncate`: the size asked for.
+  std::size_t size() const noexcept { return size_; }
   /// `write_batch`: the entries, in order.
   std::span<const kv_write> entries() const noexcept { return entries_; }
 
@@ -43,9 +43,9 @@ class request : public operation {
 
  protected:
   request(finish_fn finish, initialize_args a) noexcept
-      : operation(finish), kind_(request_kind::initialize), length_(a.length) {}
+      : operation(finish), kind_(request_kind::initialize), size_(a.size) {}
   request(finish_fn finish, truncate_args a) noexcept
-      : operation(finish), kind_(request_kind::truncate), length_(a.length) {}
+      : operation(finish), kind_(request_kind::truncate), size_(a.size) {}
   request(finish_fn finish, fork_args) noexcept : operation(finish), kind_(request_kind::fork) {}
   request(finish_fn finish, std::span<const kv_write> entries) noexcept
       : operation(finish), kind_(request_kind::write_batch), entries_(entries) {}
@@ -55,7 +55,7 @@ class request : public operation {
 
  private:
   request_kind kind_;
-  std::size_t length_ = 0;
+  std::size_t size_ = 0;
   kv_write single_{};
   std::span<const kv_write> entries_;
   friend class mailbox;
