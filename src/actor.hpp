@@ -31,7 +31,6 @@
 #include "epoch_cell.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/layer_core.hpp"
-#include "ghostlink/detail/request.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/stats.hpp"
 

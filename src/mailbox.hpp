@@ -29,7 +29,7 @@
 #include <mutex>
 
 #include "concurrent_queue.hpp"
-#include "ghostlink/detail/request.hpp"
+#include "ghostlink/detail/layer_core.hpp"
 
 namespace ghostlink::detail {
 

@@ -14,7 +14,6 @@
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/completion.hpp"
 #include "ghostlink/detail/layer_core.hpp"
-#include "ghostlink/detail/request.hpp"
 
 namespace ghostlink {
 namespace detail {
