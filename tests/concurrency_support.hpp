@@ -7,6 +7,7 @@
 // never sleeps. State that handlers touch is declared before the thread pool,
 // so the pool joins before that state is destroyed.
 
+#include "common/str.hpp"
 #include "support.hpp"
 
 #include <cmath>
@@ -30,12 +31,7 @@ inline kv_cache_config paged_config(std::size_t max_tokens) {
   return c;
 }
 
-template <class... Args>
-inline std::string str(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
+using ghostlink::test::str;
 
 /// A token's keys (token_pattern) and values (their negation); tag 0 is a
 /// never-written token (zeros).

@@ -6,6 +6,7 @@
 // token_pattern(width, index, tag), values their negation; tag 0 means
 // zeros (a token made valid by initialize or skipped by a write).
 
+#include "common/reference.hpp"
 #include "concurrency_support.hpp"
 
 #include <algorithm>
@@ -25,30 +26,8 @@ using concurrency::mismatch_log;
 using concurrency::str;
 using concurrency::token_data;
 
-/// What a cache should hold: per token, the tag it was last written with;
-/// and `stored`, one past the last token written and not truncated since
-/// (tokens past it were only made valid by initialize, and need no block).
-struct model {
-  std::vector<int> tags;
-  std::size_t stored = 0;
-
-  std::size_t size() const { return tags.size(); }
-  void initialize(std::size_t n) {
-    if (n > tags.size()) tags.resize(n, 0);
-  }
-  void write(std::size_t index, int tag) {
-    if (index >= tags.size()) tags.resize(index + 1, 0);
-    tags[index] = tag;
-    stored = std::max(stored, index + 1);
-  }
-  void write(std::size_t begin, std::size_t end, int tag) {
-    for (std::size_t i = begin; i < end; ++i) write(i, tag);
-  }
-  void truncate(std::size_t n) {
-    if (n < tags.size()) tags.resize(n);
-    stored = std::min(stored, n);
-  }
-};
+/// What a cache should hold (see reference_cache).
+using model = reference_cache<int>;
 
 /// Blocks of `block_tokens` needed to hold `tokens` written tokens.
 inline std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {

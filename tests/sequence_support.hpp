@@ -4,6 +4,7 @@
 // token for every layer, and what a reader can observe of a sequence.
 
 #include "support.hpp"
+#include "common/str.hpp"
 
 #include <asio/io_context.hpp>
 
@@ -18,12 +19,7 @@
 
 namespace ghostlink::test::seq {
 
-template <class... Args>
-std::string str(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
+using ghostlink::test::str;
 
 inline std::uint32_t bits32(float f) { return std::bit_cast<std::uint32_t>(f); }
 
@@ -160,34 +156,8 @@ std::string diff_snapshot(const basic_sequence_snapshot<T>& snap, const std::vec
   return {};
 }
 
-/// Everything a reader can observe of a sequence: its size, its snapshot's,
-/// and each layer's own size and every float it holds.
-struct observed {
-  std::size_t size = 0, snapshot_size = 0;
-  std::vector<std::size_t> layer_sizes;
-  std::vector<std::vector<float>> keys, values;
-  bool operator==(const observed&) const = default;
-};
-
-template <class T>
-observed observe(const basic_sequence_kv_cache<T>& s) {
-  observed o{s.size(), s.snapshot().size(), {}, {}, {}};
-  for (std::size_t l = 0; l < s.num_layers(); ++l) {
-    const basic_kv_snapshot<T> snap = s.layer(l).snapshot();
-    kv_range r;
-    REQUIRE_FALSE(snap.read_range(0, snap.size(), r));
-    o.layer_sizes.push_back(snap.size());
-    o.keys.push_back(std::move(r.keys));
-    o.values.push_back(std::move(r.values));
-  }
-  return o;
-}
-
-inline std::ostream& operator<<(std::ostream& os, const observed& o) {
-  os << "size " << o.size << ", snapshot " << o.snapshot_size << ", layers";
-  for (std::size_t n : o.layer_sizes) os << ' ' << n;
-  return os;
-}
+using ghostlink::test::observe;
+using observed = ghostlink::test::observed_sequence;
 
 /// Runs `ctx` on this thread and one more until it runs out of work.
 inline void run_on_two_threads(asio::io_context& ctx) {

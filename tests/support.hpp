@@ -17,6 +17,7 @@
 #include <asio/use_future.hpp>
 
 #include "asio_compat.hpp"
+#include "common/observe.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -42,25 +43,6 @@ inline std::vector<float> token_pattern(std::size_t width, std::size_t index, in
   for (std::size_t lane = 0; lane < width; ++lane)
     v[lane] = static_cast<float>(index * 1000 + static_cast<std::size_t>(tag) * 100 + lane);
   return v;
-}
-
-/// Everything a reader can observe of a cache (epoch, size, every token),
-/// to compare before and after a failed operation.
-struct observed {
-  std::uint64_t epoch = 0;
-  std::size_t size = 0;
-  std::vector<float> keys, values;
-  bool operator==(const observed&) const = default;
-};
-
-inline observed observe(const layer_kv_cache& cache) {
-  const kv_snapshot snap = cache.snapshot();
-  observed o{snap.epoch(), snap.size(), {}, {}};
-  kv_range all;
-  REQUIRE_FALSE(snap.read_range(0, snap.size(), all));
-  o.keys = std::move(all.keys);
-  o.values = std::move(all.values);
-  return o;
 }
 
 /// A cache on `io` (which this thread runs) initialized to one token, so it

@@ -3,6 +3,7 @@
 // reports a difference: print it with the last operations, then abort() so
 // that libFuzzer (or the replay program) records the input.
 
+#include "common/str.hpp"
 #include "model.hpp"
 
 #include <ghostlink/element.hpp>
@@ -51,12 +52,7 @@ inline trace& current_trace() {
   return t;
 }
 
-template <class... Args>
-std::string str(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
+using ghostlink::test::str;
 
 [[noreturn]] inline void fail(const std::string& what) {
   const trace& t = current_trace();

@@ -6,6 +6,9 @@
 
 #include <ghostlink/kv_cache.hpp>
 
+#include "common/reference.hpp"
+#include "common/str.hpp"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -25,12 +28,7 @@ namespace stress {
 
 using namespace ghostlink;
 
-template <class... Args>
-std::string str(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
+using ghostlink::test::str;
 
 struct options {
   double seconds = 5;
@@ -180,10 +178,7 @@ struct token_buffer {
 
 /// What a cache holds after some prefix of its requests: per token, the tag
 /// of the request that wrote it last (0 for zeros). `tags.size()` is the size.
-struct state {
-  bool initialized = false;
-  std::vector<std::uint64_t> tags;
-};
+using state = ghostlink::test::reference_cache<std::uint64_t>;
 
 inline std::uint64_t content_hash(std::span<const std::uint64_t> tags) {
   std::uint64_t h = 0xcbf29ce484222325ULL ^ tags.size();

@@ -134,22 +134,16 @@ inline std::unique_ptr<planned> plan(state& s, const geometry& g, std::uint64_t 
     case planned::kind::batch:
       op->expected = expected_write_error(s, op->entries, g);
       if (!op->expected)
-        for (const kv_write& e : op->entries) {
-          const std::size_t at = e.index - g.base;
-          if (at >= s.tags.size()) s.tags.resize(at + 1, 0);
-          s.tags[at] = tag;
-        }
+        for (const kv_write& e : op->entries) s.write(e.index - g.base, tag);
       break;
     case planned::kind::initialize:
       if (op->n == 0)
         op->expected = kv_errc::zero_length;
-      else {
-        s.tags.resize(std::max(s.tags.size(), std::min(op->n, g.max_tokens)), 0);
-        s.initialized = true;
-      }
+      else
+        s.initialize(op->n, g.max_tokens);
       break;
     case planned::kind::truncate:
-      if (op->n < s.tags.size()) s.tags.resize(op->n);
+      s.truncate(op->n);
       break;
     case planned::kind::fork: break;
   }

@@ -1,0 +1,66 @@
+#pragma once
+// What a reader can observe of a layer cache or a sequence, to compare
+// before and after an operation that must change nothing.
+
+#include <ghostlink/kv_cache.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace ghostlink::test {
+
+/// A snapshot's epoch, size and every token's keys and values (widened to
+/// float).
+struct observed {
+  std::uint64_t epoch = 0;
+  std::size_t size = 0;
+  std::vector<float> keys, values;
+  bool operator==(const observed&) const = default;
+};
+
+/// What `snap` shows, its epoch left 0 (for caches whose epochs may
+/// legitimately move while their contents do not).
+template <storage_element T>
+observed contents(const basic_kv_snapshot<T>& snap) {
+  observed o{0, snap.size(), {}, {}};
+  kv_range all;
+  if (snap.read_range(0, snap.size(), all)) throw std::logic_error("read_range of a whole snapshot failed");
+  o.keys = std::move(all.keys);
+  o.values = std::move(all.values);
+  return o;
+}
+
+/// Everything a reader sees of `cache` now, its epoch included.
+template <storage_element T>
+observed observe(const basic_layer_kv_cache<T>& cache) {
+  const basic_kv_snapshot<T> snap = cache.snapshot();
+  observed o = contents(snap);
+  o.epoch = snap.epoch();
+  return o;
+}
+
+/// A sequence: its size, its snapshot's, and each layer's contents.
+struct observed_sequence {
+  std::size_t size = 0, snapshot_size = 0;
+  std::vector<observed> layers;
+  bool operator==(const observed_sequence&) const = default;
+};
+
+template <storage_element T>
+observed_sequence observe(const basic_sequence_kv_cache<T>& s) {
+  observed_sequence o{s.size(), s.snapshot().size(), {}};
+  for (std::size_t l = 0; l < s.num_layers(); ++l) o.layers.push_back(contents(s.layer(l).snapshot()));
+  return o;
+}
+
+inline std::ostream& operator<<(std::ostream& os, const observed_sequence& o) {
+  os << "size " << o.size << ", snapshot " << o.snapshot_size << ", layers";
+  for (const observed& l : o.layers) os << ' ' << l.size;
+  return os;
+}
+
+}  // namespace ghostlink::test
