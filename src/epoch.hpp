@@ -65,9 +65,15 @@ struct epoch;
 /// snapshot pins), oldest first, and the snapshots open on them: what
 /// stats() reports, so that a stalled reader holding memory shows. Epochs
 /// join when published (the actor) and leave when freed (any thread).
+///
+/// It also owns the cache's layout: every epoch holds its registry, so an
+/// epoch refers to the layout without a reference count of its own (no
+/// atomic per publication for it).
 class epoch_registry : public ref_counted<epoch_registry> {
  public:
+  explicit epoch_registry(ref_ptr<const block_layout> layout) noexcept : layout_(std::move(layout)) {}
   static void destroy(epoch_registry* r) noexcept { delete r; }
+  const block_layout& layout() const noexcept { return *layout_; }
 
   void add(epoch* e) noexcept;
   void remove(epoch* e) noexcept;
@@ -82,6 +88,7 @@ class epoch_registry : public ref_counted<epoch_registry> {
   std::size_t snapshots() const noexcept { return snapshots_.load(std::memory_order_relaxed); }
 
  private:
+  const ref_ptr<const block_layout> layout_;
   mutable std::mutex mutex_;
   epoch* oldest_ = nullptr;  // mutex_; a list through epoch::newer / epoch::older
   epoch* newest_ = nullptr;  // mutex_
@@ -98,13 +105,13 @@ class epoch_registry : public ref_counted<epoch_registry> {
 /// those positions of any block.
 struct epoch : ref_counted<epoch> {
   epoch(std::uint64_t number, std::size_t size, std::size_t stored, ref_ptr<block_table> table,
-        ref_ptr<block> zeros, ref_ptr<const block_layout> layout, ref_ptr<epoch_registry> registry = {}) noexcept
+        ref_ptr<block> zeros, const block_layout& layout, ref_ptr<epoch_registry> registry = {}) noexcept
       : number(number),
         size(size),
         stored(stored),
         table(std::move(table)),
         zeros(std::move(zeros)),
-        layout(std::move(layout)),
+        layout(&layout),
         registry(std::move(registry)) {
     if (this->registry) this->registry->add(this);
   }
@@ -131,7 +138,7 @@ struct epoch : ref_counted<epoch> {
   const std::size_t stored;
   const ref_ptr<block_table> table;
   const ref_ptr<block> zeros;
-  const ref_ptr<const block_layout> layout;
+  const block_layout* const layout;        // its registry's (or, without one, a test's)
   const ref_ptr<epoch_registry> registry;  // null only in tests of epochs alone
   epoch* older = nullptr;                  // the registry's list, under its mutex
   epoch* newer = nullptr;

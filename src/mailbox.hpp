@@ -5,7 +5,7 @@
 //
 // Invariants (mutex_ guards waiting_head_/waiting_tail_ and every change of
 // waiting_count_):
-// - queued_ counts slots reserved in queue_: a request reserves one before it
+// - queued_ counts places reserved in queue_: a request reserves one before it
 //   is enqueued and the drain releases one per request it dequeues, so
 //   queue_ never holds more than max_pending_ requests and its memory stays
 //   bounded by them. An unbounded mailbox (max_pending_ = SIZE_MAX) counts
@@ -17,7 +17,7 @@
 //   parked request is counted in the actor's pending_.
 // - Order: per thread, a queued request precedes any request parked after
 //   it. take() hands out parked requests only when, under mutex_, queued_ is
-//   zero: every request that reserved a slot before a park the take can see
+//   zero: every request that reserved a place before a park the take can see
 //   has then been dequeued already, into this batch or an earlier one.
 //   moodycamel's ConcurrentQueue keeps each producer thread's items in FIFO
 //   order; with the above, requests initiated from one thread apply in the

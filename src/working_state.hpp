@@ -8,7 +8,7 @@
 //
 // Invariants:
 // - Tokens [0, stored_) live in blocks; [stored_, size_) read as zeros
-//   (see epoch in storage.hpp). stored_ <= size_.
+//   (see epoch in epoch.hpp). stored_ <= size_.
 // - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
 //   blocks of never-written tokens below stored_ are the zero block;
 //   entries past them are null or the zero block.
@@ -118,7 +118,7 @@ class working_state {
   const ref_ptr<const block_layout> layout_;
   const ref_ptr<block_pool> pool_;
   const std::uint64_t owner_;  // this cache's blocks carry it
-  const ref_ptr<epoch_registry> registry_ = ref_ptr<epoch_registry>::adopt(new epoch_registry);
+  const ref_ptr<epoch_registry> registry_ = ref_ptr<epoch_registry>::adopt(new epoch_registry(layout_));
   ref_ptr<block_table> table_;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   ref_ptr<table_chunk> zero_chunk_;

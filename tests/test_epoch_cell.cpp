@@ -26,7 +26,7 @@ ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
   table->blocks = 1;
   static const auto layout = ref_ptr<const block_layout>::adopt(
       new block_layout({.num_heads = 1, .head_dim = 1, .block_tokens = 1}, codec_of<float>));
-  return ref_ptr<epoch>::adopt(new epoch(number, 1, 1, std::move(table), {}, layout));
+  return ref_ptr<epoch>::adopt(new epoch(number, 1, 1, std::move(table), {}, *layout));
 }
 
 }  // namespace

@@ -3,7 +3,7 @@
 // must show after each operation. Besides the documented semantics it
 // tracks block identities, because capacity_exhausted and the pool's
 // counters depend on which blocks exist; for that it mirrors the one policy
-// the budget depends on (src/page_writer.hpp): a write takes a new block
+// the budget depends on (src/working_state.hpp): a write takes a new block
 // unless it writes, into a block this cache made, a slot no published epoch
 // reads (a block's `readable` watermark, raised to what it holds whenever an
 // epoch is published, a fork taken or blocks dropped by a truncate). Tokens
@@ -94,7 +94,7 @@ struct mepoch {
 };
 
 /// A counted block: the pool it belongs to, the cache that made it (alone
-/// writes it), and the owner's slot counters (see storage.hpp's block).
+/// writes it), and the owner's position counters (see src/block.hpp's block).
 struct mblock {
   std::size_t pool = 0;
   std::uint64_t owner = 0;
@@ -137,7 +137,7 @@ inline std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % 
 
 class model {
  public:
-  /// page_writer.cpp's bound on a page table (chunks of 32 blocks): a
+  /// working_state.cpp's bound on a block table (chunks of 32 blocks): a
   /// write needing more fails with capacity_exhausted.
   static constexpr std::size_t max_table_chunks = std::size_t{1} << 26;
 
@@ -206,7 +206,7 @@ class model {
     // New chunks of the table start as a chunk of zero blocks.
     if (ceil_div(nblocks, 32) > ceil_div(old_blocks, 32) && !zero_block(c)) return kv_errc::capacity_exhausted;
 
-    // Blocks made writable, in page_writer::prepare's order: the old last
+    // Blocks made writable, in working_state::prepare's order: the old last
     // block (zeros go past the old end) unless it is the zero block, then
     // each entry's.
     struct call {

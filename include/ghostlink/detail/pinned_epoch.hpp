@@ -2,7 +2,7 @@
 // A reader's pin on one published epoch, what a snapshot holds, and the one
 // call the inlined read path makes into src/: where the stored runs of a
 // range of tokens are. The epoch itself (its block table, its layout) lives
-// in src/storage.hpp.
+// in src/epoch.hpp.
 
 #include <cstddef>
 #include <cstdint>
