@@ -104,7 +104,9 @@ class block_pool : public ref_counted<block_pool> {
 /// keeps private.
 struct pool_access {
   /// A handle on an existing pool (what a cache's `pool()` returns).
-  static kv_block_pool handle(ref_ptr<block_pool> state) noexcept { return {kv_block_pool::adopt_state{}, state.detach()}; }
+  static kv_block_pool handle(ref_ptr<block_pool> state) noexcept {
+    return {kv_block_pool::adopt_state{}, state.detach()};
+  }
   /// The pool a handle refers to.
   static ref_ptr<block_pool> state(const kv_block_pool& pool) noexcept {
     return ref_ptr<block_pool>::share(pool.state_);

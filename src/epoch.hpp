@@ -104,8 +104,8 @@ class epoch_registry : public ref_counted<epoch_registry> {
 /// table is what lets the actor fill them in place later: no epoch reads
 /// those positions of any block.
 struct epoch : ref_counted<epoch> {
-  epoch(std::uint64_t number, std::size_t size, std::size_t stored, ref_ptr<block_table> table,
-        ref_ptr<block> zeros, const block_layout& layout, ref_ptr<epoch_registry> registry = {}) noexcept
+  epoch(std::uint64_t number, std::size_t size, std::size_t stored, ref_ptr<block_table> table, ref_ptr<block> zeros,
+        const block_layout& layout, ref_ptr<epoch_registry> registry = {}) noexcept
       : number(number),
         size(size),
         stored(stored),

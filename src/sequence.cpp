@@ -59,13 +59,13 @@ class fan_out {
     std::size_t count = 0;
     for (std::size_t i = 0; i < parts_.size(); ++i) {
       if (!wanted(i)) continue;
-      parts_[i].emplace(*this, arg_of(i));
-      parts_[i]->watch(cancel);
+      parts_[i].emplace(*this, arg_of(i)).watch(cancel);
       ++count;
     }
     remaining_.store(count + 1, std::memory_order_relaxed);  // + 1: ours, while submitting
     for (std::size_t i = 0; i < parts_.size(); ++i)
-      if (parts_[i]) submit(*seq_->layers[i], &*parts_[i], urgency::batch);
+      // NOLINTNEXTLINE(bugprone-unchecked-optional-access): checked on the same line
+      if (parts_[i].has_value()) submit(*seq_->layers[i], &*parts_[i], urgency::batch);
     arrive(queueing::post);
   }
 
@@ -129,6 +129,7 @@ void fan_out::end_stage(queueing how) {
         // to, it stays where it was stored, hidden (other layers lack it)
         // until the next append overwrites it.
         std::vector<bool> took(parts_.size());
+        // NOLINTNEXTLINE(bugprone-unchecked-optional-access): every layer had a part in this stage
         for (std::size_t i = 0; i < parts_.size(); ++i) took[i] = !parts_[i]->result;
         for (auto& p : parts_) p.reset();
         stage_ = stage::undo_append;
@@ -162,6 +163,7 @@ void fan_out::end_stage(queueing how) {
         try {
           std::vector<std::shared_ptr<actor>> layers;
           layers.reserve(parts_.size());
+          // NOLINTNEXTLINE(bugprone-unchecked-optional-access): every layer had a part in this stage
           for (auto& p : parts_) layers.push_back(std::move(p->forked));
           op_->forked = std::make_shared<sequence_core>(seq.executor, seq.config, std::move(layers), index_);
         } catch (const std::bad_alloc&) {
@@ -213,8 +215,7 @@ void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
     return op->complete(kv_errc::index_out_of_range, queueing::post);
   }
   // Each layer's part writes one token (a request holds a single write).
-  fan_out_to_layers(s, op, stage::append, index,
-                    [&](std::size_t i) { return kv_write{index, keys[i], values[i]}; });
+  fan_out_to_layers(s, op, stage::append, index, [&](std::size_t i) { return kv_write{index, keys[i], values[i]}; });
 }
 
 void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t n) {
@@ -248,8 +249,8 @@ std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size
     shared = pool_access::state(*pool);
   } else {
     validate(config, codec.size);
-    shared = pool_access::state(kv_block_pool(2 * config.block_tokens * config.token_width() * codec.size,
-                                              {.max_blocks = config.max_blocks}));
+    shared = pool_access::state(
+        kv_block_pool(2 * config.block_tokens * config.token_width() * codec.size, {.max_blocks = config.max_blocks}));
     layer_config.max_blocks = kv_cache_config{}.max_blocks;
   }
   std::vector<std::shared_ptr<actor>> layers;

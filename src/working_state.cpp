@@ -21,8 +21,8 @@ std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0)
 
 }  // namespace
 
-working_state::working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout, ref_ptr<block_pool> pool,
-                             bool initialized)
+working_state::working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout,
+                             ref_ptr<block_pool> pool, bool initialized)
     : config_(config),
       layout_(std::move(layout)),
       pool_(std::move(pool)),
@@ -77,7 +77,8 @@ ref_ptr<epoch> working_state::publish() {
   // epoch::destroy deletes with a plain delete-expression, which matches
   // memory from metadata_new(sizeof(epoch)) (::operator new).
   void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
-  auto e = ref_ptr<epoch>::adopt(::new (memory) epoch(next_epoch_, size_, stored_, table_, zero_block_, *layout_, registry_));
+  auto e = ref_ptr<epoch>::adopt(::new (memory)
+                                     epoch(next_epoch_, size_, stored_, table_, zero_block_, *layout_, registry_));
   ++next_epoch_;
   changed_ = false;
   return e;
@@ -99,9 +100,9 @@ std::error_code working_state::validate(std::span<const kv_write> entries) const
   return {};
 }
 
-std::error_code working_state::initialize(std::size_t asked) {
-  if (asked == 0) return kv_errc::zero_length;
-  const std::size_t size = std::min(asked, config_.max_tokens_per_seq);
+std::error_code working_state::initialize(std::size_t size) {
+  if (size == 0) return kv_errc::zero_length;
+  size = std::min(size, config_.max_tokens_per_seq);
   if (size > size_) {
     if (!zero_block()) return kv_errc::capacity_exhausted;
     size_ = size;

@@ -3,8 +3,8 @@
 // helpers, blocking calls on a cache or sequence of any element type, one
 // token for every layer, and what a reader can observe of a sequence.
 
-#include "support.hpp"
 #include "common/str.hpp"
+#include "support.hpp"
 
 #include <asio/io_context.hpp>
 

@@ -287,7 +287,8 @@ void run(input& in, const std::uint8_t (&head)[7]) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace ghostlink::fuzz;
-  const std::size_t alive = ghostlink::detail::pools_alive(), unbalanced = ghostlink::detail::pools_destroyed_unbalanced();
+  const std::size_t alive = ghostlink::detail::pools_alive(),
+                    unbalanced = ghostlink::detail::pools_destroyed_unbalanced();
   input in(data, size);
   std::uint8_t head[7];
   for (std::uint8_t& b : head) b = in.byte();

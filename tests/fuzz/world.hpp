@@ -7,8 +7,8 @@
 #include "check.hpp"
 #include "model.hpp"
 
-#include "testing.hpp"
 #include <ghostlink/kv_cache.hpp>
+#include "testing.hpp"
 
 #include <asio/io_context.hpp>
 

@@ -142,9 +142,7 @@ inline std::unique_ptr<planned> plan(state& s, const geometry& g, std::uint64_t 
       else
         s.initialize(op->n, g.max_tokens);
       break;
-    case planned::kind::truncate:
-      s.truncate(op->n);
-      break;
+    case planned::kind::truncate: s.truncate(op->n); break;
     case planned::kind::fork: break;
   }
   if (op->expected) bump(g_figures.rejected);

@@ -160,8 +160,8 @@ int main(int argc, char** argv) try {
   print_figures(o, elapsed);
   std::cout << "  teardown: layer pool blocks_in_use " << pool_blocks_after << " (peak " << layer_peak
             << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak << "), pools alive "
-            << ghostlink::detail::pools_alive() << ", destroyed unbalanced " << ghostlink::detail::pools_destroyed_unbalanced()
-            << "\n";
+            << ghostlink::detail::pools_alive() << ", destroyed unbalanced "
+            << ghostlink::detail::pools_destroyed_unbalanced() << "\n";
   if (pool_blocks_after != 0 || seq_pool_blocks_after != 0)
     fail(str("blocks still in use after teardown: layer pool ", pool_blocks_after, ", sequence pool ",
              seq_pool_blocks_after));

@@ -37,7 +37,9 @@ class pinned_epoch {
  public:
   pinned_epoch() noexcept = default;
   pinned_epoch(pinned_epoch&& other) noexcept
-      : epoch_(std::exchange(other.epoch_, nullptr)), number_(other.number_), size_(other.size_),
+      : epoch_(std::exchange(other.epoch_, nullptr)),
+        number_(other.number_),
+        size_(other.size_),
         width_(other.width_) {}
   pinned_epoch& operator=(pinned_epoch&& other) noexcept {
     if (this != &other) {
