@@ -18,6 +18,7 @@
 #include <system_error>
 
 #include "actor.hpp"
+#include "block.hpp"
 #include "block_pool.hpp"
 #include "ghostlink/error.hpp"
 
@@ -249,8 +250,8 @@ std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size
     shared = pool_access::state(*pool);
   } else {
     validate(config, codec.size);
-    shared = pool_access::state(
-        kv_block_pool(2 * config.block_tokens * config.token_width() * codec.size, {.max_blocks = config.max_blocks}));
+    shared =
+        pool_access::state(kv_block_pool(block_layout(config, codec).block_bytes, {.max_blocks = config.max_blocks}));
     layer_config.max_blocks = kv_cache_config{}.max_blocks;
   }
   std::vector<std::shared_ptr<actor>> layers;

@@ -11,21 +11,10 @@
 #include <memory>
 #include <span>
 
-#include "ghostlink/detail/asio_config.hpp"
-
-#include <asio/any_io_executor.hpp>
-
-#include "ghostlink/config.hpp"
-#include "ghostlink/detail/completion.hpp"
-#include "ghostlink/element.hpp"
-
-namespace ghostlink {
-class kv_block_pool;
-}  // namespace ghostlink
+#include "ghostlink/detail/layer_core.hpp"  // the layers' actors, the pool, the completion piece
 
 namespace ghostlink::detail {
 
-class actor;
 class sequence_core;
 
 /// One append, truncate or fork of a sequence.
