@@ -10,7 +10,6 @@
 #include "common/str.hpp"
 #include "support.hpp"
 
-#include <cmath>
 #include <cstdint>
 #include <future>
 #include <latch>
@@ -33,25 +32,10 @@ inline kv_cache_config paged_config(std::size_t max_tokens) {
 
 using ghostlink::test::str;
 
-/// A token's keys (token_pattern) and values (their negation); tag 0 is a
-/// never-written token (zeros).
-struct token_data {
-  std::vector<float> keys, values;
-};
+using ghostlink::test::make_token;
+using ghostlink::test::token_data;
 
-inline token_data make_token(std::size_t width, std::size_t index, int tag) {
-  if (tag == 0) return {std::vector<float>(width, 0.0f), std::vector<float>(width, 0.0f)};
-  token_data t{token_pattern(width, index, tag), {}};
-  for (float k : t.keys) t.values.push_back(-k);
-  return t;
-}
-
-/// The tag token `index` was written with, decoded from its first key (0 for
-/// zeros). A torn or misplaced token decodes to something diff_token rejects.
-inline int tag_of(std::size_t index, std::span<const float> keys) {
-  if (keys[0] == 0.0f && keys[1] == 0.0f) return 0;
-  return static_cast<int>(std::lround((keys[0] - static_cast<float>(index * 1000)) / 100.0f));
-}
+using ghostlink::test::tag_of;
 
 /// "" if `keys`/`values` are exactly token `index` written with `tag`,
 /// otherwise the first float that differs.

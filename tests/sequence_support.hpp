@@ -65,14 +65,7 @@ std::error_code truncate(basic_layer_kv_cache<T>& c, std::size_t n) {
   return wait_ec([&](auto tk) { return c.async_truncate(n, tk); });
 }
 
-/// Lane `lane` of layer `layer`'s key for token `index` appended with `tag`
-/// (layer, tag and lane below 10): distinct for every (index, layer, tag,
-/// lane), with a fraction that 16-bit types must round. Values are the keys
-/// negated.
-inline float key_of(std::size_t layer, std::size_t index, int tag, std::size_t lane) {
-  const auto whole = index * 1000 + layer * 100 + static_cast<std::size_t>(tag) * 10 + lane;
-  return static_cast<float>(whole) + 1.0f / 3.0f;
-}
+using ghostlink::test::key_of;
 
 /// One token for every layer, as the spans async_append takes. Not copyable:
 /// the spans point into it.

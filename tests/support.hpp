@@ -18,6 +18,7 @@
 
 #include "asio_compat.hpp"
 #include "common/observe.hpp"
+#include "common/tokens.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -35,15 +36,6 @@ inline kv_cache_config small_config() {
 
 /// `width` copies of `x`.
 inline std::vector<float> filled(std::size_t width, float x) { return std::vector<float>(width, x); }
-
-/// A token whose every float is distinct and encodes (index, tag), so any
-/// misplaced or torn float shows up: value = index * 1000 + tag * 100 + lane.
-inline std::vector<float> token_pattern(std::size_t width, std::size_t index, int tag) {
-  std::vector<float> v(width);
-  for (std::size_t lane = 0; lane < width; ++lane)
-    v[lane] = static_cast<float>(index * 1000 + static_cast<std::size_t>(tag) * 100 + lane);
-  return v;
-}
 
 /// A cache on `io` (which this thread runs) initialized to one token, so it
 /// accepts writes; `io` is restarted, ready to run again.
