@@ -89,6 +89,15 @@ class block {
   /// place.
   std::size_t readable() const noexcept { return readable_; }
   void set_readable(std::size_t positions) noexcept { readable_ = positions; }
+  /// The owner's alone, on its strand: the number of the first epoch
+  /// published after the last truncate that cut into this block. Epochs
+  /// from it on read no position at or past materialized(); only older ones
+  /// may read [materialized(), readable()).
+  std::uint64_t rewound_epoch() const noexcept { return rewound_epoch_; }
+  void set_rewound_epoch(std::uint64_t number) noexcept { rewound_epoch_ = number; }
+  /// References held now. Acquire: once it reads 1, every use by a holder
+  /// that has let go happens-before what the caller does next.
+  std::uint32_t references() const noexcept { return refs_.load(std::memory_order_acquire); }
 
  private:
   block(block_pool& pool, std::uint64_t owner, budget b) noexcept;
@@ -101,6 +110,7 @@ class block {
   const std::uint64_t owner_;
   std::size_t materialized_ = 0;
   std::size_t readable_ = 0;
+  std::uint64_t rewound_epoch_ = 0;
 };
 
 inline std::byte* block_layout::keys(block& b, std::size_t position) const noexcept {

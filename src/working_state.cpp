@@ -140,7 +140,10 @@ std::error_code working_state::truncate(std::size_t size) {
   // again.
   if (stored % bt != 0) {
     block& last = *table_->entry(blocks - 1);
-    if (last.owner() == owner_) last.set_materialized(std::min(last.materialized(), stored % bt));
+    if (last.owner() == owner_ && last.materialized() > stored % bt) {
+      last.set_materialized(stored % bt);
+      last.set_rewound_epoch(next_epoch_);
+    }
   }
   stored_ = stored;
   size_ = size;
@@ -269,7 +272,7 @@ ref_ptr<block>& working_state::editable_entry(std::size_t b) {
 
 bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
   const ref_ptr<block>& current = table_->entry(b);
-  if (current && writable_in_place(*current, index % config_.block_tokens)) {
+  if (current && writable_in_place(b, *current, index % config_.block_tokens)) {
     if (touched_.empty() || touched_.back() != current.get()) touched_.push_back(current.get());
     return true;
   }
@@ -291,8 +294,19 @@ bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& un
   return true;
 }
 
-bool working_state::writable_in_place(const block& blk, std::size_t position) const noexcept {
-  return blk.owner() == owner_ && position >= blk.readable();
+bool working_state::writable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept {
+  if (blk.owner() != owner_) return false;
+  return position >= blk.readable() || rewritable_in_place(b, blk, position);
+}
+
+bool working_state::rewritable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept {
+  if (position < blk.materialized() || blk.rewound_epoch() >= next_epoch_) return false;
+  if (registry_->read().epochs_alive != 1) return false;  // an older epoch may read the position
+  // The working table's chunk holds one reference; the latest epoch's holds
+  // another only when the working chunk was copied since it was published.
+  // Any more is a fork's or another holder's.
+  const bool chunk_copied = table_->chunks[b / table_chunk::size]->born_epoch == next_epoch_;
+  return blk.references() == (chunk_copied ? 2u : 1u);
 }
 
 const ref_ptr<block>& working_state::zero_block() {

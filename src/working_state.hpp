@@ -18,8 +18,16 @@
 //   by another cache (shared by a fork) are never written and their owner's
 //   counters never read here: a copy takes the positions below stored_.
 // - A block is writable in place at position p only if this cache owns it
-//   and p >= its readable(): no published epoch of any cache reads the
-//   position. Anything else is copied first (copy-on-write).
+//   and no epoch of any cache that is still alive reads the position:
+//   - p >= its readable(): no published epoch ever read it (an append); or
+//   - a rewrite after a rollback: p >= its materialized() (the cache no
+//     longer holds p; a truncate cut it off), that truncate is published
+//     (rewound_epoch() < next_epoch_), the registry holds no epoch but the
+//     latest, and no one but this cache's table and latest epoch holds a
+//     reference to the block (no fork, no other holder).
+//   Anything else is copied first (copy-on-write): an overwrite of a token
+//   the cache holds always copies, as a snapshot may pin the latest epoch at
+//   any moment.
 // - readable() only grows, and covers every position a published epoch or
 //   a fork can read: seal() raises it for every block touched since the
 //   last seal, before an epoch is published or a fork shares the blocks.
@@ -105,7 +113,9 @@ class working_state {
   bool prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo);
   /// Makes block `b` writable at token `index`; records what it replaced.
   bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
-  bool writable_in_place(const block& blk, std::size_t position) const noexcept;
+  bool writable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;
+  /// The rewrite-after-rollback case of writable_in_place (see above).
+  bool rewritable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;
   const ref_ptr<block>& zero_block();
   /// Zero-fills `blk`'s positions from its materialized count up to `positions`.
   void materialize(block& blk, std::size_t positions) noexcept;

@@ -4,9 +4,12 @@
 // tracks block identities, because capacity_exhausted and the pool's
 // counters depend on which blocks exist; for that it mirrors the one policy
 // the budget depends on (src/working_state.hpp): a write takes a new block
-// unless it writes, into a block this cache made, a slot no published epoch
-// reads (a block's `readable` watermark, raised to what it holds whenever an
-// epoch is published, a fork taken or blocks dropped by a truncate). Tokens
+// unless it writes, into a block this cache made, a slot no live epoch
+// reads: one no published epoch ever read (a block's `readable` watermark,
+// raised to what it holds whenever an epoch is published, a fork taken or
+// blocks dropped by a truncate), or one a published truncate cut off, when
+// the cache's latest epoch is its only one alive and no other cache holds
+// the block (a rewrite after a rollback). Tokens
 // are recipes (token_float() makes their floats), so the model never stores
 // floats and its element type does not matter.
 
@@ -86,6 +89,7 @@ struct mwrite {
 
 /// A published epoch: what a snapshot pinning it shows.
 struct mepoch {
+  std::uint64_t owner = 0;  // the cache that published it
   std::uint64_t number = 0;
   std::size_t length = 0, stored = 0;
   std::vector<recipe> data;           // tokens [0, stored); the rest are zeros
@@ -99,6 +103,7 @@ struct mblock {
   std::size_t pool = 0;
   std::uint64_t owner = 0;
   std::size_t readable = 0, materialized = 0;
+  std::uint64_t rewound = 0;  // the first epoch published after the last truncate that cut into it
 };
 
 struct mpool {
@@ -225,7 +230,8 @@ class model {
     for (const call& k : calls) {
       if (std::find(fresh.begin(), fresh.end(), k.block) != fresh.end()) continue;  // new this write: ours
       const std::uint32_t id = table[k.block];
-      if (id != 0 && blocks_[id - 1].owner == c.owner && k.slot >= blocks_[id - 1].readable) {
+      if (id != 0 && blocks_[id - 1].owner == c.owner &&
+          (k.slot >= blocks_[id - 1].readable || rewritable(c, id, k.slot))) {
         in_place.push_back(k.block);
         continue;
       }
@@ -243,7 +249,7 @@ class model {
     for (std::size_t b = old_blocks; b < old_chunk_end && !c.has_zero; ++b)
       if (std::find(fresh.begin(), fresh.end(), b) == fresh.end() && !zero_block(c)) return kv_errc::capacity_exhausted;
     for (std::size_t b : fresh) {
-      blocks_.push_back({c.pool, c.owner, 0, 0});
+      blocks_.push_back({c.pool, c.owner, 0, 0, 0});
       table[b] = static_cast<std::uint32_t>(blocks_.size());
     }
     in_place.insert(in_place.end(), fresh.begin(), fresh.end());
@@ -272,8 +278,10 @@ class model {
     }
     if (stored % bt != 0) {
       const std::uint32_t id = c.table[nblocks - 1];
-      if (id != 0 && blocks_[id - 1].owner == c.owner)
-        blocks_[id - 1].materialized = std::min(blocks_[id - 1].materialized, stored % bt);
+      if (id != 0 && blocks_[id - 1].owner == c.owner && blocks_[id - 1].materialized > stored % bt) {
+        blocks_[id - 1].materialized = stored % bt;
+        blocks_[id - 1].rewound = c.next_epoch;
+      }
     }
     c.data.resize(stored);
     c.stored = stored;
@@ -322,6 +330,33 @@ class model {
   }
 
  private:
+  /// A rewrite after a rollback: `slot` of block `id` (owned by `c`) was
+  /// cut off by a truncate since published, `c` has no epoch alive but its
+  /// latest, and no other cache's table or epoch holds the block.
+  GHOSTLINK_FUZZ_QUIET bool rewritable(const mcache& c, std::uint32_t id, std::size_t slot) {
+    const mblock& b = blocks_[id - 1];
+    if (slot < b.materialized || b.rewound >= c.next_epoch) return false;
+    std::erase_if(caches_, [](const auto& w) { return w.expired(); });
+    std::erase_if(epochs_, [](const auto& w) { return w.expired(); });
+    const auto holds = [id](const std::vector<std::uint32_t>& ids) {
+      return std::find(ids.begin(), ids.end(), id) != ids.end();
+    };
+    std::size_t own_epochs = 0;
+    for (const auto& w : epochs_) {
+      const auto e = w.lock();
+      if (e->owner == c.owner)
+        ++own_epochs;
+      else if (holds(e->blocks))
+        return false;
+    }
+    if (own_epochs != 1) return false;
+    for (const auto& w : caches_) {
+      const auto other = w.lock();
+      if (other.get() != &c && holds(other->table)) return false;
+    }
+    return true;
+  }
+
   /// Of `n` requests mailed at once into an empty mailbox, how many wait for
   /// room (past max_pending).
   std::size_t past_bound(std::size_t n) const { return n > geometry_.max_pending ? n - geometry_.max_pending : 0; }
@@ -350,6 +385,7 @@ class model {
   void publish(mcache& c) {
     seal(c);
     auto e = std::make_shared<mepoch>();
+    e->owner = c.owner;
     e->number = c.next_epoch++;
     e->length = c.length;
     e->stored = c.stored;
