@@ -23,6 +23,12 @@ namespace {
 // burst of writers as one epoch, small enough to keep a drain short.
 constexpr std::size_t drain_capacity = 128;
 
+/// Adds to a counter only the drain writes (one writer: a load and a store,
+/// no read-modify-write); stats() reads it from any thread.
+void add(std::atomic<std::uint64_t>& counter, std::uint64_t n) noexcept {
+  counter.store(counter.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+}
+
 [[noreturn]] void throw_invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
 
 /// The pool a new cache of `layout` takes blocks from: `pool`, checked
@@ -146,14 +152,13 @@ void actor::drain() {
     applied += results[i] ? 0 : 1;
     cancelled += results[i] == asio::error::operation_aborted ? 1 : 0;
   }
-  drains_.fetch_add(1, std::memory_order_relaxed);
-  if (n > 0) {  // bucket i: [2^i, 2^(i+1)) requests
-    const std::size_t bucket = std::min<std::size_t>(std::bit_width(n) - 1, drain_sizes_.size() - 1);
-    drain_sizes_[bucket].fetch_add(1, std::memory_order_relaxed);
+  add(drains_, 1);
+  if (n > 0) add(drain_sizes_[std::min<std::size_t>(std::bit_width(n) - 1, drain_sizes_.size() - 1)], 1);
+  add(applied_, applied);
+  if (n != applied) {
+    add(failed_, n - applied - cancelled);
+    add(cancelled_, cancelled);
   }
-  applied_.fetch_add(applied, std::memory_order_relaxed);
-  failed_.fetch_add(n - applied - cancelled, std::memory_order_relaxed);
-  cancelled_.fetch_add(cancelled, std::memory_order_relaxed);
 
   // Handlers are queued only now, after the epoch holding their results is
   // published: that is what makes read-your-writes hold. A completion that

@@ -98,6 +98,7 @@ class actor : public std::enable_shared_from_this<actor> {
   epoch_cell current_;
   std::atomic<std::size_t> published_size_{0};
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
+  // Counters the drain alone writes (on the strand); stats() reads them.
   std::atomic<std::uint64_t> drains_{0};
   std::atomic<std::uint64_t> applied_{0};
   std::atomic<std::uint64_t> failed_{0};

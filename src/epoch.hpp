@@ -72,6 +72,9 @@ struct epoch;
 class epoch_registry : public ref_counted<epoch_registry> {
  public:
   explicit epoch_registry(ref_ptr<const block_layout> layout) noexcept : layout_(std::move(layout)) {}
+  epoch_registry(const epoch_registry&) = delete;
+  epoch_registry& operator=(const epoch_registry&) = delete;
+  ~epoch_registry() { ::operator delete(spare_.load(std::memory_order_acquire)); }
   static void destroy(epoch_registry* r) noexcept { delete r; }
   const block_layout& layout() const noexcept { return *layout_; }
 
@@ -87,6 +90,14 @@ class epoch_registry : public ref_counted<epoch_registry> {
   void snapshot_closed() noexcept { snapshots_.fetch_sub(1, std::memory_order_relaxed); }
   std::size_t snapshots() const noexcept { return snapshots_.load(std::memory_order_relaxed); }
 
+  /// The memory of a freed epoch, kept for the next one this cache
+  /// publishes (so a steady stream of publications allocates nothing), or
+  /// null. Any thread may give; only the actor takes.
+  void* take_spare_epoch() noexcept { return spare_.exchange(nullptr, std::memory_order_acquire); }
+  void give_spare_epoch(void* memory) noexcept {
+    ::operator delete(spare_.exchange(memory, std::memory_order_acq_rel));
+  }
+
  private:
   const ref_ptr<const block_layout> layout_;
   mutable std::mutex mutex_;
@@ -94,6 +105,7 @@ class epoch_registry : public ref_counted<epoch_registry> {
   epoch* newest_ = nullptr;  // mutex_
   std::size_t count_ = 0;    // mutex_
   std::atomic<std::size_t> snapshots_{0};
+  std::atomic<void*> spare_{nullptr};  // ::operator new(sizeof(epoch)) memory, or null
 };
 
 /// One published state of a cache: what a snapshot pins.
@@ -115,9 +127,18 @@ struct epoch : ref_counted<epoch> {
         registry(std::move(registry)) {
     if (this->registry) this->registry->add(this);
   }
+  /// Leaves the registry and gives the memory back to it for the next
+  /// epoch (memory from `::operator new(sizeof(epoch))`, as metadata_new
+  /// and the spare are).
   static void destroy(epoch* e) noexcept {
-    if (e->registry) e->registry->remove(e);
-    delete e;
+    ref_ptr<epoch_registry> registry = std::move(e->registry);
+    if (!registry) {
+      delete e;
+      return;
+    }
+    registry->remove(e);
+    e->~epoch();
+    registry->give_spare_epoch(e);
   }
 
   /// The block holding token `index` (`index < size`); its position there
@@ -139,7 +160,7 @@ struct epoch : ref_counted<epoch> {
   const ref_ptr<block_table> table;
   const ref_ptr<block> zeros;
   const block_layout* const layout;        // its registry's (or, without one, a test's)
-  const ref_ptr<epoch_registry> registry;  // null only in tests of epochs alone
+  ref_ptr<epoch_registry> registry;        // null only in tests of epochs alone; set once
   epoch* older = nullptr;                  // the registry's list, under its mutex
   epoch* newer = nullptr;
 };

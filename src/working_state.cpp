@@ -69,6 +69,8 @@ std::unique_ptr<working_state> working_state::fork() {
 }
 
 void working_state::reserve_epoch() {
+  if (spare_epoch_) return;
+  spare_epoch_ = registry_->take_spare_epoch();
   if (!spare_epoch_) spare_epoch_ = metadata_new(sizeof(epoch));
 }
 
@@ -160,7 +162,7 @@ std::error_code working_state::write(std::span<const kv_write> entries) {
 
   const std::size_t old_blocks = table_->blocks;
   const std::size_t old_touched = touched_.size();
-  undo_log undo;
+  undo_log& undo = undo_;  // empty between writes; its capacity is kept
   bool ok = false;
   try {
     // So that recording an undo step or a touched block cannot throw.
@@ -177,11 +179,13 @@ std::error_code working_state::write(std::span<const kv_write> entries) {
     touched_.resize(old_touched);
     for (auto& [index, old] : std::ranges::reverse_view(undo)) editable_entry(index) = std::move(old);
     if (table_->blocks != old_blocks) resize_table(old_blocks);
+    undo.clear();
     return kv_errc::capacity_exhausted;
   }
   // Blocks replaced by copies leave the table (and may be freed with the
   // undo log): forget them.
   for (const auto& replaced : undo) std::erase(touched_, replaced.second.get());
+  undo.clear();
 
   // Phase 2: copy the data in. Cannot fail.
   const std::size_t bt = config_.block_tokens;

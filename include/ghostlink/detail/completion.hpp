@@ -14,6 +14,7 @@
 #include <atomic>
 #include <memory>
 #include <system_error>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -22,7 +23,6 @@
 #include <asio/associated_allocator.hpp>
 #include <asio/associated_cancellation_slot.hpp>
 #include <asio/associated_executor.hpp>
-#include <asio/bind_allocator.hpp>
 #include <asio/cancellation_type.hpp>
 #include <asio/defer.hpp>
 #include <asio/execution/blocking.hpp>
@@ -79,6 +79,24 @@ auto completion_executor(const Handler& handler, const IoExecutor& io_ex) {
 /// `defer` from an initiating call: the caller may then block this thread.
 enum class queueing : bool { post, defer };
 
+/// A queued completion: calls the handler with its arguments. It carries the
+/// handler's allocator as a member type, not through `asio::bind_allocator`,
+/// so it has no associated executor of its own and Asio queues it without
+/// wrapping it in a second work-tracking dispatcher.
+template <class Handler, class Allocator, class... Args>
+struct completion_call {
+  using allocator_type = Allocator;
+  allocator_type get_allocator() const noexcept { return allocator; }
+  void operator()() {
+    if (auto slot = asio::get_associated_cancellation_slot(handler); slot.is_connected()) slot.clear();
+    std::apply([this](Args&... a) { std::move(handler)(std::move(a)...); }, args);
+  }
+
+  Handler handler;
+  Allocator allocator;
+  std::tuple<Args...> args;
+};
+
 /// Queues `handler(args...)` on the handler's associated executor (default
 /// `io_ex`; see completion_executor()); never runs it inline. Just before
 /// the call, on that executor (where Asio's conventions have cancellation
@@ -88,10 +106,7 @@ template <class Handler, class IoExecutor, class... Args>
 void post_completion(queueing how, Handler handler, const IoExecutor& io_ex, Args... args) {
   auto ex = completion_executor(handler, io_ex);
   auto alloc = handler_allocator(handler);
-  auto call = asio::bind_allocator(alloc, [h = std::move(handler), ... a = std::move(args)]() mutable {
-    if (auto slot = asio::get_associated_cancellation_slot(h); slot.is_connected()) slot.clear();
-    std::move(h)(std::move(a)...);
-  });
+  completion_call<Handler, decltype(alloc), Args...> call{std::move(handler), alloc, {std::move(args)...}};
   if (how == queueing::defer)
     asio::defer(ex, std::move(call));
   else
