@@ -3,6 +3,8 @@
 // baselines by direct call. Every implementation appends tokens 0..N-1 and
 // starts over: ghostlink and strand_only with a fresh cache per lap (a new
 // sequence), the locked baselines overwriting their one buffer in place.
+// "round robin": the same writes spread over 64 caches in turn (token i to
+// cache i % 64), as a decode step writes one token to each of many layers.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
@@ -10,7 +12,10 @@
 #include <asio/io_context.hpp>
 #include <asio/use_awaitable.hpp>
 
+#include <algorithm>
+#include <memory>
 #include <optional>
+#include <vector>
 
 #include "../baselines/locked_cache.hpp"
 #include "../baselines/strand_cache.hpp"
@@ -43,6 +48,66 @@ asio::awaitable<void> write_laps(asio::io_context& io, const options& o, outcome
     out.lat.add(s);
   }
   out.ops_per_s = double(i) / seconds_since(t0);
+}
+
+/// The round robin's caches: contexts of up to 1024 tokens, so that 64 of
+/// them stay within a few hundred MiB.
+kv_cache_config round_robin_config(const options& o) {
+  kv_cache_config c = o.config();
+  c.max_tokens_per_seq = std::min<std::size_t>(c.max_tokens_per_seq, 1024);
+  return c;
+}
+
+/// Round robin over `caches` caches: each write goes to the next cache.
+template <class Cache>
+asio::awaitable<void> round_robin_laps(asio::io_context& io, const options& o, std::size_t caches, outcome& out) {
+  const kv_cache_config config = round_robin_config(o);
+  const std::size_t tokens = config.max_tokens_per_seq;
+  const token t(config.token_width(), 1);
+  std::vector<Cache> all;
+  const auto t0 = clock_type::now();
+  std::size_t i = 0;
+  for (; seconds_since(t0) < o.seconds; ++i) {
+    const std::size_t index = i / caches % tokens;
+    if (i % (caches * tokens) == 0) {
+      all.clear();
+      for (std::size_t c = 0; c < caches; ++c) {
+        all.emplace_back(io.get_executor(), config);
+        co_await all.back().async_initialize(1, asio::use_awaitable);
+      }
+    }
+    const auto s = clock_type::now();
+    co_await all[i % caches].async_write(index, t.keys, t.values, asio::use_awaitable);
+    out.lat.add(s);
+  }
+  out.ops_per_s = double(i) / seconds_since(t0);
+}
+
+template <class Cache>
+outcome round_robin(const options& o, std::size_t caches) {
+  outcome out;
+  asio::io_context io;
+  asio::co_spawn(io, round_robin_laps<Cache>(io, o, caches, out), asio::detached);
+  io.run();
+  return out;
+}
+
+template <class Cache>
+outcome round_robin_direct(const options& o, std::size_t caches) {
+  outcome out;
+  const kv_cache_config config = round_robin_config(o);
+  const token t(config.token_width(), 1);
+  std::vector<std::unique_ptr<Cache>> all;
+  for (std::size_t c = 0; c < caches; ++c) {
+    all.push_back(std::make_unique<Cache>(config));
+    all.back()->initialize(1);
+  }
+  out.ops_per_s = ops_per_second(o.seconds, [&](std::size_t i) {
+    const auto s = clock_type::now();
+    all[i % caches]->write(i / caches % config.max_tokens_per_seq, t.keys, t.values);
+    out.lat.add(s);
+  });
+  return out;
 }
 
 template <class Cache>
@@ -91,6 +156,22 @@ void write_single(const options& o, report& out) {
     if (o.wants("rwlock")) record("rwlock", direct<rwlock_cache>(o));
     if (o.wants("mutex")) record("mutex", direct<mutex_cache>(o));
     if (o.wants("strand_only")) record("strand_only", through_actor<strand_cache>(o));
+
+    constexpr std::size_t caches = 64;
+    metric& rr = m["4 round robin"];
+    rr.name = "sequential writes, round robin over 64 caches";
+    rr.unit = "ops/s";
+    metric& rr99 = m["5 round robin p99"];
+    rr99 = p99;
+    rr99.values.clear();
+    rr99.name = "round robin write latency p99";
+    auto record_rr = [&](const std::string& impl, outcome r) {
+      rr.values[impl] = r.ops_per_s;
+      rr99.values[impl] = r.lat.p(0.99);
+    };
+    if (o.wants("ghostlink")) record_rr("ghostlink", round_robin<layer_kv_cache>(o, caches));
+    if (o.wants("rwlock")) record_rr("rwlock", round_robin_direct<rwlock_cache>(o, caches));
+    if (o.wants("mutex")) record_rr("mutex", round_robin_direct<mutex_cache>(o, caches));
   });
   out.add_note("write_single", "ghostlink and strand_only: co_await on a one-thread io_context (a full round "
                                "trip through the actor per write); rwlock and mutex: direct calls");

@@ -28,8 +28,14 @@ struct kv_pool_limits {
 /// one budget for all of them.
 ///
 /// A handle: copies share one pool. A cache takes a block when a write needs
-/// one (a new block of tokens, or a copy of a block shared with a fork or
-/// pinned by a snapshot); when the budget is spent that write fails with
+/// one: a new block of tokens, or a copy of a block some epoch or other
+/// cache may read at the written position (shared with a fork, pinned by a
+/// snapshot, or holding a token the cache still holds: an overwrite always
+/// copies, as a snapshot may pin the latest epoch at any moment). A rewrite
+/// of positions a published truncate cut off takes none when no older epoch
+/// of the cache is alive and no one else holds the block (see
+/// `basic_layer_kv_cache::async_truncate`). When the budget is spent a
+/// write that needs a block fails with
 /// `kv_errc::capacity_exhausted` and stores nothing. Blocks come back when no
 /// epoch needs them any more (a truncate, the last snapshot of an old epoch
 /// released, a cache destroyed) and go to a free list for reuse,

@@ -228,6 +228,15 @@ class basic_layer_kv_cache {
   /// changes nothing. Tokens written again later read as written, tokens
   /// skipped read as zeros.
   ///
+  /// Rewrite in place: once the truncate is published, a write into the
+  /// positions it cut off from the block it kept last writes into that block
+  /// in place, with no copy and no new block, when the cache has no older
+  /// epoch alive (no snapshot pins one) and no one else holds the block (no
+  /// fork). Otherwise it copies the block first, as does every overwrite of
+  /// a token the cache still holds: a snapshot may pin the latest epoch at
+  /// any moment. So a speculative rollback and rewrite costs no copy and
+  /// fits a full budget.
+  ///
   /// Completion signature: `void(std::error_code)`, after the result is
   /// published. Errors: `capacity_exhausted` if memory for a page table
   /// cannot be had (nothing is dropped then).
