@@ -21,9 +21,10 @@ void usage(int code) {
               "  --layers N --sequences N --steps N                   decode_step shape (default 32 x 16, 64)\n"
               "  --coroutines N --threads N                           write_concurrent/decode_step (default 64, 2)\n"
               "  --batch N           tokens per batched request in write_concurrent (default 32)\n"
+              "  --element T         float, half or bfloat16: storage of the decode scenarios (default float)\n"
               "  --only SCENARIO     one of read_under_write attention_read write_single write_concurrent\n"
-              "                      decode_step memory fork memory_waste storage_16bit\n"
-              "  --impl A,B          only these of ghostlink rwlock mutex strand_only (default: all)\n"
+              "                      decode_step decode_speculative memory fork memory_waste storage_16bit\n"
+              "  --impl A,B          only these of ghostlink rwlock_zero_copy rwlock mutex strand_only (default: all)\n"
               "  --json FILE         also write every figure as JSON\n");
   std::exit(code);  // NOLINT(concurrency-mt-unsafe): parsing the command line, before any thread starts
 }
@@ -65,6 +66,9 @@ options parse_options(int argc, char** argv) {
       o.only = value;
     } else if (flag == "--impl") {
       o.impls = value;
+    } else if (flag == "--element") {
+      if (value != "float" && value != "half" && value != "bfloat16") usage(2);
+      o.element = value;
     } else if (flag == "--json") {
       o.json = value;
     } else {
@@ -139,8 +143,8 @@ std::string human(double v) {
 }  // namespace
 
 void report::print() const {
-  std::printf("%-18s %-34s %10s %10s %10s %10s   %s\n", "scenario", "metric", "ghostlink", "rwlock", "mutex", "strand",
-              "ghostlink vs rwlock / mutex / strand (x better)");
+  std::printf("%-18s %-34s %10s %10s %10s %10s %10s   %s\n", "scenario", "metric", "ghostlink", "zero_copy", "rwlock",
+              "mutex", "strand", "ghostlink vs zero_copy / rwlock / mutex / strand (x better)");
   std::string last;
   for (const metric& m : metrics_) {
     std::printf("%-18s %-34s", m.scenario == last ? "" : m.scenario.c_str(), (m.name + " (" + m.unit + ")").c_str());

@@ -22,6 +22,7 @@ struct options {
   std::size_t layers = 32, sequences = 16, steps = 64;  // decode_step
   std::size_t coroutines = 64, threads = 2;             // write_concurrent, decode_step
   std::size_t batch = 32;                                // write_concurrent: tokens per batched request
+  std::string element = "float";                         // decode scenarios: float, half or bfloat16
   std::string only;          // run just this scenario
   std::string impls;         // comma-separated implementations to run (default: all)
   std::string json;          // also write the results here
@@ -92,7 +93,7 @@ class report {
 
 /// The implementations, in the order they appear in the table.
 inline const std::vector<std::string>& implementations() {
-  static const std::vector<std::string> names{"ghostlink", "rwlock", "mutex", "strand_only"};
+  static const std::vector<std::string> names{"ghostlink", "rwlock_zero_copy", "rwlock", "mutex", "strand_only"};
   return names;
 }
 

@@ -3,21 +3,28 @@
 // buffer per layer for keys and one for values, guarded by one lock. Reads
 // copy out under the lock (shared for std::shared_mutex), writes take it
 // exclusively. `rwlock` and `mutex` baselines differ only in the lock.
+// `rwlock_zero_copy` is the best lock design a team would write: the rwlock
+// cache read through visit_range(), which hands the kernel the buffer itself
+// under the shared lock, so nothing is copied.
 
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
 #include <shared_mutex>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include <ghostlink/config.hpp>
+#include <ghostlink/element.hpp>
 #include <ghostlink/error.hpp>
 #include <ghostlink/types.hpp>
 
 namespace ghostlink::bench {
 
-template <class Mutex>
+/// `T`: the stored element type (the seed's f32 by default; a 16-bit type
+/// converts on write, as ghostlink's 16-bit caches do).
+template <class Mutex, storage_element T = float>
 class locked_cache {
  public:
   explicit locked_cache(const kv_cache_config& config) : config_(config) {}
@@ -28,8 +35,8 @@ class locked_cache {
     if (seq_len == 0) return kv_errc::zero_length;
     std::unique_lock lock(mutex_);
     if (keys_.empty()) {
-      keys_.assign(config_.max_tokens_per_seq * config_.token_width(), 0.0f);
-      values_.assign(keys_.size(), 0.0f);
+      keys_.assign(config_.max_tokens_per_seq * config_.token_width(), T(0.0f));
+      values_.assign(keys_.size(), T(0.0f));
     }
     len_ = std::max(len_, std::min(seq_len, config_.max_tokens_per_seq));
     return {};
@@ -51,15 +58,23 @@ class locked_cache {
     std::unique_lock lock(mutex_);
     if (keys_.empty()) return kv_errc::not_initialized;
     for (const kv_write& w : entries) {
-      std::copy(w.keys.begin(), w.keys.end(), keys_.begin() + std::ptrdiff_t(w.index * width));
-      std::copy(w.values.begin(), w.values.end(), values_.begin() + std::ptrdiff_t(w.index * width));
+      convert<T, float>(w.keys, keys_.data() + w.index * width);
+      convert<T, float>(w.values, values_.data() + w.index * width);
       len_ = std::max(len_, w.index + 1);
     }
     return {};
   }
 
+  /// Drops tokens [n, size()) (the seed's truncate).
+  void truncate(std::size_t n) {
+    std::unique_lock lock(mutex_);
+    len_ = std::min(len_, n);
+  }
+
   /// Copies [begin, end) out under the (shared) lock, as the seed's read_range.
-  std::error_code read_range(std::size_t begin, std::size_t end, kv_range& out) const {
+  std::error_code read_range(std::size_t begin, std::size_t end, kv_range& out) const
+    requires std::is_same_v<T, float>
+  {
     if (begin > end) return kv_errc::invalid_range;
     const std::size_t width = config_.token_width();
     read_lock lock(mutex_);
@@ -68,6 +83,19 @@ class locked_cache {
     out.end = end;
     out.keys.assign(keys_.begin() + std::ptrdiff_t(begin * width), keys_.begin() + std::ptrdiff_t(end * width));
     out.values.assign(values_.begin() + std::ptrdiff_t(begin * width), values_.begin() + std::ptrdiff_t(end * width));
+    return {};
+  }
+
+  /// Calls `f(keys, values)` with tokens [begin, end) straight from the
+  /// buffers, under the (shared) lock: the zero-copy read.
+  template <class F>
+  std::error_code visit_range(std::size_t begin, std::size_t end, F&& f) const {
+    if (begin > end) return kv_errc::invalid_range;
+    const std::size_t width = config_.token_width();
+    read_lock lock(mutex_);
+    if (end > len_) return kv_errc::range_out_of_bounds;
+    const std::span<const T> k(keys_), v(values_);
+    f(k.subspan(begin * width, (end - begin) * width), v.subspan(begin * width, (end - begin) * width));
     return {};
   }
 
@@ -93,7 +121,7 @@ class locked_cache {
       std::conditional_t<std::is_same_v<Mutex, std::shared_mutex>, std::shared_lock<Mutex>, std::unique_lock<Mutex>>;
   const kv_cache_config config_;
   mutable Mutex mutex_;
-  std::vector<float> keys_, values_;
+  std::vector<T> keys_, values_;
   std::size_t len_ = 0;
 };
 

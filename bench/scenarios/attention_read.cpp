@@ -1,7 +1,9 @@
 // attention_read: per decode step, read tokens [0, R) and compute that
 // step's attention (q . k for every token, softmax, weighted sum of v).
 // ghostlink feeds the kernel straight from its blocks (for_each_block);
-// the baselines copy the range out first, as their read does.
+// rwlock_zero_copy straight from its buffer under the shared lock; the
+// other baselines copy the range out first, as their read does. With
+// --read-tokens 8192 this is attention_long.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/executor_work_guard.hpp>
@@ -60,6 +62,16 @@ void attention_read(const options& o, report& out) {
         keep(a.checksum());
       });
     };
+    if (o.wants("rwlock_zero_copy")) {
+      rwlock_cache c(o.config());
+      c.initialize(1);
+      fill(o, [&](std::size_t i, const token& t) { c.write(i, t.keys, t.values); });
+      rate.values["rwlock_zero_copy"] = ops_per_second(o.seconds, [&](std::size_t) {
+        attention a(o.heads, o.head_dim);
+        c.visit_range(0, o.read_tokens, [&](auto k, auto v) { a.add(o.read_tokens, k, v); });
+        keep(a.checksum());
+      });
+    }
     if (o.wants("rwlock")) {
       rwlock_cache c(o.config());
       rate.values["rwlock"] = locked(c);

@@ -1,10 +1,18 @@
-// decode_step: L layers x B sequences; each step appends one token to every
-// layer of every sequence and then runs that layer's attention over all of
-// its tokens. ghostlink: one coroutine per sequence on a T-thread pool,
-// co_await per append, attention from snapshot blocks. rwlock / mutex: the
-// seed's synchronous API driven directly from one thread (copying reads);
-// "rwlock_T_threads" runs the same with the sequences split over T threads.
-// strand_only: coroutines as ghostlink, reads copied through the strand.
+// decode_step: L layers x B sequences, each prefilled with S tokens
+// (untimed), then S decode steps (contexts S..2S). A step writes one token
+// to every layer of every sequence and runs each layer's attention over all
+// of that layer's tokens. Two ways to write a step:
+// - layer by layer: per layer, write its token, then attend (ghostlink: one
+//   co_await per layer cache);
+// - one append per step: every layer's token at once, then attend every
+//   layer (ghostlink: one sequence_kv_cache::async_append per step).
+// ghostlink: one coroutine per sequence on a T-thread pool, attention from
+// snapshot blocks. Every lock baseline is driven from T threads (the
+// sequences split over them): rwlock_zero_copy attends straight from the
+// buffer under the shared lock; rwlock and mutex copy the range out (the
+// seed's read_range). strand_only: coroutines as ghostlink, reads copied
+// through the strand. --element picks the storage type (the lock designs
+// store the same type).
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
@@ -24,14 +32,16 @@
 namespace ghostlink::bench {
 namespace {
 
+enum class shape { layer_by_layer, append_per_step };
+
 kv_cache_config decode_config(const options& o) {
   kv_cache_config c = o.config();
-  c.max_tokens_per_seq = o.steps;
+  c.max_tokens_per_seq = 2 * o.steps;
   return c;
 }
 
-/// Laps of `o.steps` steps over fresh caches until o.seconds; steps per
-/// second of decoding time (cache creation excluded).
+/// Laps (fresh caches, prefilled, then o.steps timed steps) until
+/// o.seconds of decoding; steps per second of decoding time.
 template <class Lap>
 double steps_per_second(const options& o, Lap lap) {
   double decoding = 0;
@@ -43,21 +53,87 @@ double steps_per_second(const options& o, Lap lap) {
   return double(steps) / decoding;
 }
 
-asio::awaitable<void> decode_ghostlink(const options& o, std::vector<layer_kv_cache>& layers,
-                                       const std::vector<token>& data) {
-  for (std::size_t step = 0; step < o.steps; ++step)
+template <storage_element T>
+void attend(const options& o, const basic_kv_snapshot<T>& snap) {
+  attention a(o.heads, o.head_dim);
+  snap.for_each_block(0, snap.size(), [&](std::size_t, std::size_t n, auto k, auto v) { a.add(n, k, v); });
+  keep(a.checksum());
+}
+
+template <storage_element T>
+asio::awaitable<void> layer_by_layer(const options& o, std::vector<basic_layer_kv_cache<T>>& layers,
+                                     const std::vector<token>& data) {
+  for (std::size_t step = o.steps; step < 2 * o.steps; ++step)
     for (auto& cache : layers) {
       co_await cache.async_write(step, data[step].keys, data[step].values, asio::use_awaitable);
-      attention a(o.heads, o.head_dim);
-      cache.snapshot().for_each_block(0, step + 1, [&](std::size_t, std::size_t n, auto k, auto v) { a.add(n, k, v); });
-      keep(a.checksum());
+      attend(o, cache.snapshot());
     }
 }
 
-asio::awaitable<void> decode_strand(const options& o, std::vector<std::unique_ptr<strand_cache>>& layers,
+/// Appends tokens [first, end) to `seq`, one append per token; attends
+/// after each when `decode`.
+template <storage_element T>
+asio::awaitable<void> append_per_step(const options& o, basic_sequence_kv_cache<T>& seq,
+                                      const std::vector<token>& data, std::size_t first, std::size_t end,
+                                      bool decode) {
+  std::vector<std::span<const float>> keys(o.layers), values(o.layers);
+  for (std::size_t step = first; step < end; ++step) {
+    for (std::size_t l = 0; l < o.layers; ++l) {
+      keys[l] = data[step].keys;
+      values[l] = data[step].values;
+    }
+    co_await seq.async_append(keys, values, asio::use_awaitable);
+    if (!decode) continue;
+    const auto snap = seq.snapshot();
+    for (std::size_t l = 0; l < o.layers; ++l) attend(o, snap.layer(l));
+  }
+}
+
+/// The prefill of one layer: tokens [0, o.steps).
+std::vector<kv_write> prefill(const options& o, const std::vector<token>& data) {
+  std::vector<kv_write> batch;
+  for (std::size_t i = 0; i < o.steps; ++i) batch.push_back({i, data[i].keys, data[i].values});
+  return batch;
+}
+
+template <storage_element T>
+double run_ghostlink(const options& o, const std::vector<token>& data, shape how) {
+  asio::thread_pool pool(o.threads);
+  const std::vector<kv_write> batch = prefill(o, data);
+  return steps_per_second(o, [&] {
+    std::vector<std::vector<basic_layer_kv_cache<T>>> layered(o.sequences);
+    std::vector<basic_sequence_kv_cache<T>> seqs;
+    std::vector<std::future<void>> ready;
+    for (std::size_t s = 0; s < o.sequences; ++s) {
+      if (how == shape::layer_by_layer) {
+        for (std::size_t l = 0; l < o.layers; ++l) {
+          layered[s].emplace_back(pool, decode_config(o));
+          layered[s].back().async_initialize(1, asio::use_future).get();
+          ready.push_back(layered[s].back().async_write_batch(batch, asio::use_future));
+        }
+      } else {
+        seqs.reserve(o.sequences);
+        seqs.emplace_back(pool, o.layers, decode_config(o));
+        ready.push_back(asio::co_spawn(pool, append_per_step(o, seqs.back(), data, 0, o.steps, false), asio::use_future));
+      }
+    }
+    for (auto& f : ready) f.get();
+    const auto t0 = clock_type::now();
+    std::vector<std::future<void>> running;
+    for (std::size_t s = 0; s < o.sequences; ++s)
+      running.push_back(how == shape::layer_by_layer
+                            ? asio::co_spawn(pool, layer_by_layer(o, layered[s], data), asio::use_future)
+                            : asio::co_spawn(pool, append_per_step(o, seqs[s], data, o.steps, 2 * o.steps, true),
+                                             asio::use_future));
+    for (auto& f : running) f.get();
+    return seconds_since(t0);
+  });
+}
+
+asio::awaitable<void> strand_decode(const options& o, std::vector<std::unique_ptr<strand_cache>>& layers,
                                     const std::vector<token>& data) {
   kv_range r;
-  for (std::size_t step = 0; step < o.steps; ++step)
+  for (std::size_t step = o.steps; step < 2 * o.steps; ++step)
     for (auto& cache : layers) {
       co_await cache->async_write(step, data[step].keys, data[step].values, asio::use_awaitable);
       co_await cache->async_read_range(0, step + 1, r, asio::use_awaitable);
@@ -67,88 +143,111 @@ asio::awaitable<void> decode_strand(const options& o, std::vector<std::unique_pt
     }
 }
 
-template <class Cache>
-double run_actor(const options& o, const std::vector<token>& data) {
+double run_strand(const options& o, const std::vector<token>& data) {
   asio::thread_pool pool(o.threads);
   return steps_per_second(o, [&] {
-    std::vector<std::vector<Cache>> seqs(o.sequences);
-    std::vector<std::vector<std::unique_ptr<strand_cache>>> strand_seqs(o.sequences);
-    std::vector<std::future<void>> init;
-    for (std::size_t s = 0; s < o.sequences; ++s)
+    std::vector<std::vector<std::unique_ptr<strand_cache>>> seqs(o.sequences);
+    for (auto& layers : seqs)
       for (std::size_t l = 0; l < o.layers; ++l) {
-        if constexpr (std::is_same_v<Cache, layer_kv_cache>) {
-          seqs[s].emplace_back(pool, decode_config(o));
-          init.push_back(seqs[s].back().async_initialize(1, asio::use_future));
-        } else {
-          strand_seqs[s].push_back(std::make_unique<strand_cache>(pool.get_executor(), decode_config(o)));
-          init.push_back(strand_seqs[s].back()->async_initialize(1, asio::use_future));
-        }
+        layers.push_back(std::make_unique<strand_cache>(pool.get_executor(), decode_config(o)));
+        layers.back()->async_initialize(1, asio::use_future).get();
+        for (std::size_t i = 0; i < o.steps; ++i)
+          layers.back()->async_write(i, data[i].keys, data[i].values, asio::use_future).get();
       }
-    for (auto& f : init) f.get();
     const auto t0 = clock_type::now();
     std::vector<std::future<void>> running;
-    for (std::size_t s = 0; s < o.sequences; ++s) {
-      if constexpr (std::is_same_v<Cache, layer_kv_cache>)
-        running.push_back(asio::co_spawn(pool, decode_ghostlink(o, seqs[s], data), asio::use_future));
-      else
-        running.push_back(asio::co_spawn(pool, decode_strand(o, strand_seqs[s], data), asio::use_future));
-    }
+    for (auto& layers : seqs) running.push_back(asio::co_spawn(pool, strand_decode(o, layers, data), asio::use_future));
     for (auto& f : running) f.get();
     return seconds_since(t0);
   });
 }
 
-/// The seed's API called directly; sequences split over `threads` threads.
+/// Attention over [0, n) of a lock design: zero-copy from the buffer, or
+/// through a copy (float storage only, as the seed's read_range).
 template <class Cache>
-double run_direct(const options& o, const std::vector<token>& data, std::size_t threads) {
+void attend_locked(const options& o, const Cache& cache, std::size_t n, bool zero_copy, kv_range& r) {
+  attention a(o.heads, o.head_dim);
+  if (zero_copy) {
+    cache.visit_range(0, n, [&](auto k, auto v) { a.add(n, k, v); });
+  } else {
+    if constexpr (requires { cache.read_range(0, n, r); }) {
+      cache.read_range(0, n, r);
+      a.add(n, r.keys, r.values);
+    }
+  }
+  keep(a.checksum());
+}
+
+/// A lock design called directly; sequences split over o.threads threads.
+template <class Cache>
+double run_locked(const options& o, const std::vector<token>& data, shape how, bool zero_copy) {
   return steps_per_second(o, [&] {
     std::vector<std::vector<std::unique_ptr<Cache>>> seqs(o.sequences);
     for (auto& layers : seqs)
       for (std::size_t l = 0; l < o.layers; ++l) {
         layers.push_back(std::make_unique<Cache>(decode_config(o)));
         layers.back()->initialize(1);
+        for (std::size_t i = 0; i < o.steps; ++i) layers.back()->write(i, data[i].keys, data[i].values);
       }
     auto decode = [&](std::size_t first_seq) {
       kv_range r;
-      for (std::size_t step = 0; step < o.steps; ++step)
-        for (std::size_t s = first_seq; s < o.sequences; s += threads)
-          for (auto& cache : seqs[s]) {
-            cache->write(step, data[step].keys, data[step].values);
-            cache->read_range(0, step + 1, r);
-            attention a(o.heads, o.head_dim);
-            a.add(step + 1, r.keys, r.values);
-            keep(a.checksum());
+      for (std::size_t step = o.steps; step < 2 * o.steps; ++step)
+        for (std::size_t s = first_seq; s < o.sequences; s += o.threads) {
+          if (how == shape::layer_by_layer) {
+            for (auto& cache : seqs[s]) {
+              cache->write(step, data[step].keys, data[step].values);
+              attend_locked(o, *cache, step + 1, zero_copy, r);
+            }
+          } else {
+            for (auto& cache : seqs[s]) cache->write(step, data[step].keys, data[step].values);
+            for (auto& cache : seqs[s]) attend_locked(o, *cache, step + 1, zero_copy, r);
           }
+        }
     };
     const auto t0 = clock_type::now();
     std::vector<std::thread> workers;
-    for (std::size_t t = 1; t < threads; ++t) workers.emplace_back(decode, t);
+    for (std::size_t t = 1; t < o.threads; ++t) workers.emplace_back(decode, t);
     decode(0);
     for (auto& w : workers) w.join();
     return seconds_since(t0);
   });
 }
 
+template <storage_element T>
+void run_all(const options& o, report& out) {
+  std::vector<token> data;
+  for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
+  out.run("decode_step", o, [&](std::map<std::string, metric>& m) {
+    for (shape how : {shape::layer_by_layer, shape::append_per_step}) {
+      metric& rate = m[how == shape::layer_by_layer ? "1 layer by layer" : "2 append per step"];
+      rate.name = how == shape::layer_by_layer ? "decode steps, layer by layer" : "decode steps, one append per step";
+      rate.unit = "steps/s";
+      if (o.wants("ghostlink")) rate.values["ghostlink"] = run_ghostlink<T>(o, data, how);
+      using rwlock_t = locked_cache<std::shared_mutex, T>;
+      if (o.wants("rwlock_zero_copy")) rate.values["rwlock_zero_copy"] = run_locked<rwlock_t>(o, data, how, true);
+      if constexpr (std::is_same_v<T, float>) {
+        if (how == shape::append_per_step) continue;
+        if (o.wants("rwlock")) rate.values["rwlock"] = run_locked<rwlock_cache>(o, data, how, false);
+        if (o.wants("mutex")) rate.values["mutex"] = run_locked<mutex_cache>(o, data, how, false);
+        if (o.wants("strand_only")) rate.values["strand_only"] = run_strand(o, data);
+      }
+    }
+  });
+  out.add_note("decode_step", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
+                                  " sequences, " + o.element + ", contexts " + std::to_string(o.steps) + ".." +
+                                  std::to_string(2 * o.steps) + " tokens per lap (prefill and cache creation not " +
+                                  "timed); every implementation on " + std::to_string(o.threads) + " threads");
+}
+
 }  // namespace
 
 void decode_step(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < o.steps; ++i) data.emplace_back(o.config().token_width(), i);
-  out.run("decode_step", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["steps"];
-    rate.name = "decode steps (all layers, all seqs)";
-    rate.unit = "steps/s";
-    if (o.wants("ghostlink")) rate.values["ghostlink"] = run_actor<layer_kv_cache>(o, data);
-    if (o.wants("rwlock")) {
-      rate.values["rwlock"] = run_direct<rwlock_cache>(o, data, 1);
-      rate.values["rwlock_" + std::to_string(o.threads) + "_threads"] = run_direct<rwlock_cache>(o, data, o.threads);
-    }
-    if (o.wants("mutex")) rate.values["mutex"] = run_direct<mutex_cache>(o, data, 1);
-    if (o.wants("strand_only")) rate.values["strand_only"] = run_actor<strand_cache>(o, data);
-  });
-  out.add_note("decode_step", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
-                                  " sequences, contexts growing 1.." + std::to_string(o.steps) +
-                                  " tokens per lap; cache creation not timed");
+  if (o.element == "half")
+    run_all<half>(o, out);
+  else if (o.element == "bfloat16")
+    run_all<bfloat16>(o, out);
+  else
+    run_all<float>(o, out);
 }
 
 }  // namespace ghostlink::bench
