@@ -10,24 +10,26 @@
 int main(int argc, char** argv) {
   using namespace ghostlink::bench;
   const options opts = parse_options(argc, argv);
-  const std::map<std::string, void (*)(const options&, report&)> scenarios{{"read_under_write", read_under_write},
-                                                                           {"attention_read", attention_read},
-                                                                           {"write_single", write_single},
-                                                                           {"write_concurrent", write_concurrent},
-                                                                           {"decode_step", decode_step},
-                                                                           {"decode_speculative", decode_speculative},
-                                                                           {"decode_with_offloader", decode_with_offloader},
-                                                                           {"memory", memory},
-                                                                           {"fork", fork},
-                                                                           {"memory_waste", memory_waste},
-                                                                           {"storage_16bit", storage_16bit}};
+  const std::map<std::string, void (*)(const options&, report&)> scenarios{
+      {"read_under_write", read_under_write},
+      {"attention_read", attention_read},
+      {"write_single", write_single},
+      {"write_concurrent", write_concurrent},
+      {"decode_step", decode_step},
+      {"decode_speculative", decode_speculative},
+      {"decode_with_offloader", decode_with_offloader},
+      {"memory", memory},
+      {"fork", fork},
+      {"memory_waste", memory_waste},
+      {"storage_16bit", storage_16bit}};
   if (!opts.only.empty() && !scenarios.contains(opts.only)) {
     std::fprintf(stderr, "unknown scenario %s\n", opts.only.c_str());
     return 2;
   }
   report out;
-  for (const char* name : {"read_under_write", "attention_read", "write_single", "write_concurrent", "decode_step",
-                           "decode_speculative", "decode_with_offloader", "memory", "fork", "memory_waste", "storage_16bit"})
+  for (const char* name :
+       {"read_under_write", "attention_read", "write_single", "write_concurrent", "decode_step", "decode_speculative",
+        "decode_with_offloader", "memory", "fork", "memory_waste", "storage_16bit"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",
               opts.tokens, opts.heads, opts.head_dim, opts.block_tokens, opts.runs, opts.quick ? ", --quick" : "");

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "attention.hpp"
@@ -25,6 +26,16 @@ struct token {
     }
   }
 };
+
+/// Runs `f(t)` for t in [0, threads): t = 0 on this thread, the others on
+/// threads of their own; returns when all are done.
+template <class F>
+void on_threads(std::size_t threads, F f) {
+  std::vector<std::thread> workers;
+  for (std::size_t t = 1; t < threads; ++t) workers.emplace_back(f, t);
+  f(0);
+  for (auto& w : workers) w.join();
+}
 
 /// Keeps a value alive for the optimiser.
 inline std::atomic<float> sink{0};

@@ -3,7 +3,11 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cstddef>
 #include <exception>
+#include <new>
+#include <type_traits>
+#include <utility>
 #include <ostream>
 
 #include <asio/defer.hpp>
@@ -22,6 +26,7 @@ namespace {
 // Requests one drain takes before it publishes: large enough to commit a
 // burst of writers as one epoch, small enough to keep a drain short.
 constexpr std::size_t drain_capacity = 128;
+static_assert(std::is_trivially_destructible_v<std::error_code>, "a drain's results are never destroyed");
 
 /// Adds to a counter only the drain writes (one writer: a load and a store,
 /// no read-modify-write); stats() reads it from any thread.
@@ -42,23 +47,32 @@ ref_ptr<block_pool> pool_for(const kv_cache_config& config, const block_layout& 
 
 }  // namespace
 
-/// A drain queued on the strand. Run, it drains; destroyed unrun (the
-/// execution context shut down with it queued), it discards the mailbox.
+/// A drain queued on the strand, maybe carrying the request that scheduled
+/// it (see actor.hpp). Run, it drains; destroyed unrun (the execution
+/// context shut down with it queued), it discards its request and the
+/// mailbox.
 class drain_op {
  public:
-  explicit drain_op(std::shared_ptr<actor> a) noexcept : actor_(std::move(a)) {}
-  drain_op(drain_op&&) noexcept = default;
+  drain_op(std::shared_ptr<actor> a, request* carried) noexcept : actor_(std::move(a)), carried_(carried) {}
+  drain_op(drain_op&& other) noexcept
+      : actor_(std::move(other.actor_)), carried_(std::exchange(other.carried_, nullptr)) {}
   drain_op& operator=(drain_op&&) = delete;
   ~drain_op() {
-    if (actor_) actor_->discard_mailbox();
+    if (!actor_) return;
+    if (carried_) {
+      actor_->mailbox_->release_carried();
+      carried_->discard();
+    }
+    actor_->discard_mailbox();
   }
   void operator()() {
     const std::shared_ptr<actor> a = std::move(actor_);
-    a->drain();
+    a->drain(std::exchange(carried_, nullptr));
   }
 
  private:
   std::shared_ptr<actor> actor_;
+  request* carried_;
 };
 
 std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
@@ -91,26 +105,42 @@ void actor::discard_mailbox() noexcept {
 }
 
 void actor::submit(request* r, urgency u) noexcept {
-  if (!mailbox_->push(r)) {
+  bool queued = false;
+  if (pending_.load(std::memory_order_relaxed) == 0 && mailbox_->reserve_carried()) {
+    std::int64_t idle = 0;
+    if (pending_.compare_exchange_strong(idle, 1, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+      schedule(u, r);  // no drain queued or running: the drain carries r
+      return;
+    }
+    queued = mailbox_->enqueue_carried(r);
+  } else {
+    queued = mailbox_->push(r);
+  }
+  if (!queued) {
     r->complete(kv_errc::capacity_exhausted, queueing::post);  // the mailbox could not grow
     return;
   }
   if (pending_.fetch_add(1, std::memory_order_acq_rel) != 0) return;  // a drain is queued or running
+  schedule(u, nullptr);
+}
+
+void actor::schedule(urgency u, request* carried) noexcept {
   if (u == urgency::now)
-    asio::dispatch(strand_, drain_op(shared_from_this()));
+    asio::dispatch(strand_, drain_op(shared_from_this(), carried));
   else
-    asio::post(strand_, drain_op(shared_from_this()));
+    asio::post(strand_, drain_op(shared_from_this(), carried));
 }
 
 void actor::apply(request* const* batch, std::error_code* results, std::size_t n) {
   try {
     state_->reserve_epoch();
   } catch (const std::bad_alloc&) {
-    for (std::size_t i = 0; i < n; ++i) results[i] = kv_errc::capacity_exhausted;
+    for (std::size_t i = 0; i < n; ++i) ::new (results + i) std::error_code(kv_errc::capacity_exhausted);
     return;
   }
   for (std::size_t i = 0; i < n; ++i)
-    results[i] = batch[i]->claim() ? apply(*batch[i]) : std::error_code(asio::error::operation_aborted);
+    ::new (results + i)
+        std::error_code(batch[i]->claim() ? apply(*batch[i]) : std::error_code(asio::error::operation_aborted));
 }
 
 std::error_code actor::apply(request& r) {
@@ -132,13 +162,26 @@ std::error_code actor::fork(request& r) noexcept {
   }
 }
 
-void actor::drain() {
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): take() fills the first n, the rest is never read
+void actor::drain(request* carried) {
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): the first n are filled, the rest is never read
   std::array<request*, drain_capacity> batch;
-  std::array<std::error_code, drain_capacity> results;
-  const std::size_t n = mailbox_->take(batch.data(), batch.size());
+  // Raw storage: apply() constructs the first n results (filling all of
+  // them each drain cost more than applying a one-token write).
+  alignas(std::error_code) std::array<std::byte, drain_capacity * sizeof(std::error_code)> raw_results;
+  std::error_code* const results = reinterpret_cast<std::error_code*>(raw_results.data());
+  std::size_t n = 0;
+  if (carried) {
+    mailbox_->release_carried();
+    batch[n++] = carried;
+  }
+  // Requests counted in pending_ beyond the carried one are in the mailbox;
+  // with none, skip it: one enqueued and not yet counted brings pending_
+  // up from zero afterwards (or finds it above zero, so that this drain
+  // defers the next) and is drained then.
+  if (!carried || pending_.load(std::memory_order_acquire) > 1)
+    n += mailbox_->take(batch.data() + n, batch.size() - n);
 
-  apply(batch.data(), results.data(), n);
+  apply(batch.data(), results, n);
   if (state_->has_changes()) {
     ref_ptr<epoch> published = state_->publish();
     const kv_event event{
@@ -176,7 +219,7 @@ void actor::drain() {
 
   const auto taken = static_cast<std::int64_t>(n);
   if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0)
-    asio::defer(strand_, drain_op(shared_from_this()));  // runs right after this drain
+    asio::defer(strand_, drain_op(shared_from_this(), nullptr));  // runs right after this drain
   if (first_error) std::rethrow_exception(first_error);
 }
 

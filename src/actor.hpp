@@ -15,6 +15,13 @@
 //   not counted it yet. A submitter that finds the count negative schedules
 //   nothing; the late submitter's own count then brings pending_ up from
 //   zero and schedules the drain that takes whatever was enqueued meanwhile.
+// - Carried requests: a submitter that finds pending_ at zero and raises it
+//   to one by CAS (so no drain is queued or running) hands its request to
+//   the drain it schedules instead of the queue; it still holds a place in
+//   the mailbox (mailbox::reserve_carried). The drain applies it first:
+//   every earlier request of the same thread was counted before it, so was
+//   drained already. Other threads' requests enqueued meanwhile are
+//   concurrent with it and drain after it.
 
 #include <array>
 #include <atomic>
@@ -78,9 +85,15 @@ class actor : public std::enable_shared_from_this<actor> {
 
  private:
   friend class drain_op;
-  void drain();
-  /// Applies `n` requests into `results`; if the next epoch cannot be
-  /// reserved, applies none and fails each with capacity_exhausted.
+  /// Queues a drain on the strand (dispatched when `u` is now), carrying
+  /// `carried` if not null.
+  void schedule(urgency u, request* carried) noexcept;
+  /// Applies `carried` (if not null), then what the mailbox holds, and
+  /// publishes.
+  void drain(request* carried);
+  /// Applies `n` requests, constructing their results in `results` (raw
+  /// storage for n); if the next epoch cannot be reserved, applies none and
+  /// fails each with capacity_exhausted.
   void apply(request* const* batch, std::error_code* results, std::size_t n);
   /// Applies one claimed request: the one place a request's kind decides
   /// what happens.

@@ -77,6 +77,10 @@ class epoch_registry : public ref_counted<epoch_registry> {
   ~epoch_registry() { ::operator delete(spare_.load(std::memory_order_acquire)); }
   static void destroy(epoch_registry* r) noexcept { delete r; }
   const block_layout& layout() const noexcept { return *layout_; }
+  /// The cache's block of zeros, once it has one: epochs point at it
+  /// without a reference count of their own (they hold the registry). Set
+  /// once, by the actor, before an epoch that reads it is published.
+  void set_zeros(ref_ptr<block> zeros) noexcept { zeros_ = std::move(zeros); }
 
   void add(epoch* e) noexcept;
   void remove(epoch* e) noexcept;
@@ -100,6 +104,7 @@ class epoch_registry : public ref_counted<epoch_registry> {
 
  private:
   const ref_ptr<const block_layout> layout_;
+  ref_ptr<block> zeros_;  // set once (set_zeros)
   mutable std::mutex mutex_;
   epoch* oldest_ = nullptr;  // mutex_; a list through epoch::newer / epoch::older
   epoch* newest_ = nullptr;  // mutex_
@@ -116,13 +121,13 @@ class epoch_registry : public ref_counted<epoch_registry> {
 /// table is what lets the actor fill them in place later: no epoch reads
 /// those positions of any block.
 struct epoch : ref_counted<epoch> {
-  epoch(std::uint64_t number, std::size_t size, std::size_t stored, ref_ptr<block_table> table, ref_ptr<block> zeros,
+  epoch(std::uint64_t number, std::size_t size, std::size_t stored, ref_ptr<block_table> table, const block* zeros,
         const block_layout& layout, ref_ptr<epoch_registry> registry = {}) noexcept
       : number(number),
         size(size),
         stored(stored),
         table(std::move(table)),
-        zeros(std::move(zeros)),
+        zeros(zeros),
         layout(&layout),
         registry(std::move(registry)) {
     if (this->registry) this->registry->add(this);
@@ -158,7 +163,7 @@ struct epoch : ref_counted<epoch> {
   const std::size_t size;
   const std::size_t stored;
   const ref_ptr<block_table> table;
-  const ref_ptr<block> zeros;
+  const block* const zeros;  // the registry's (or, without one, a test's): read only past `stored`
   const block_layout* const layout;        // its registry's (or, without one, a test's)
   ref_ptr<epoch_registry> registry;        // null only in tests of epochs alone; set once
   epoch* older = nullptr;                  // the registry's list, under its mutex

@@ -86,8 +86,30 @@ std::size_t mailbox::take(request** out, std::size_t n) noexcept {
   return taken;
 }
 
+bool mailbox::reserve_carried() noexcept {
+  if (!bounded()) {
+    carried_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  return waiting() == 0 && try_reserve();
+}
+
+void mailbox::release_carried() noexcept {
+  if (bounded())
+    queued_.fetch_sub(1, std::memory_order_acq_rel);
+  else
+    carried_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+bool mailbox::enqueue_carried(request* r) noexcept {
+  if (bounded()) return enqueue_reserved(r);
+  carried_.fetch_sub(1, std::memory_order_relaxed);
+  return queue_.enqueue(r);
+}
+
 std::size_t mailbox::queued() const noexcept {
-  return bounded() ? queued_.load(std::memory_order_relaxed) : queue_.size_approx();
+  return bounded() ? queued_.load(std::memory_order_relaxed)
+                   : queue_.size_approx() + carried_.load(std::memory_order_relaxed);
 }
 
 }  // namespace ghostlink::detail

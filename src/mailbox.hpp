@@ -53,6 +53,21 @@ class mailbox {
   /// many. One thread at a time (the actor's strand).
   std::size_t take(request** out, std::size_t n) noexcept;
 
+  // A request may bypass the queue when the actor is idle: the drain it
+  // schedules carries it (see actor.hpp). It holds a place as if queued
+  // (so bounds, order and queued() are as for a queued request) from
+  // reserve_carried() until release_carried() or enqueue_carried().
+
+  /// Sets aside a place for a carried request; false (nothing set aside)
+  /// when it must queue or park instead: requests wait for room, or the
+  /// queue is full.
+  bool reserve_carried() noexcept;
+  /// The drain took its carried request (or discarded it): frees the place.
+  void release_carried() noexcept;
+  /// Queues a request whose place reserve_carried() set aside, the drain it
+  /// was to ride not being scheduled; as push() otherwise.
+  bool enqueue_carried(request* r) noexcept;
+
   /// Requests in the queue now.
   std::size_t queued() const noexcept;
   /// Requests waiting for room now.
@@ -75,6 +90,7 @@ class mailbox {
   request* waiting_head_ = nullptr;
   request* waiting_tail_ = nullptr;
   std::atomic<std::size_t> waiting_count_{0};
+  std::atomic<std::size_t> carried_{0};  // unbounded only: carried requests (bounded ones hold a place in queued_)
   std::atomic<std::uint64_t> delayed_{0};
 };
 

@@ -42,6 +42,7 @@ working_state::working_state(const working_state& parent, std::uint64_t next_epo
       next_epoch_(next_epoch),
       initialized_(parent.initialized_),
       changed_(true) {
+  if (zero_block_) registry_->set_zeros(zero_block_);
   // Chunks belong to one cache: copy each (sharing its blocks), so neither
   // side ever edits a chunk the other reads.
   const block_table& from = *parent.table_;
@@ -80,7 +81,7 @@ ref_ptr<epoch> working_state::publish() {
   // memory from metadata_new(sizeof(epoch)) (::operator new).
   void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
   auto e = ref_ptr<epoch>::adopt(::new (memory)
-                                     epoch(next_epoch_, size_, stored_, table_, zero_block_, *layout_, registry_));
+                                     epoch(next_epoch_, size_, stored_, table_, zero_block_.get(), *layout_, registry_));
   ++next_epoch_;
   changed_ = false;
   return e;
@@ -162,7 +163,11 @@ std::error_code working_state::write(std::span<const kv_write> entries) {
 
   const std::size_t old_blocks = table_->blocks;
   const std::size_t old_touched = touched_.size();
-  undo_log& undo = undo_;  // empty between writes; its capacity is kept
+  // A one-token write (a decode step) replaces at most two blocks: the old
+  // last one and its own. Its undo log is a member kept between writes, so
+  // it allocates nothing; a batch gets one of its own, freed after.
+  undo_log batch_undo;
+  undo_log& undo = entries.size() == 1 ? undo_ : batch_undo;
   bool ok = false;
   try {
     // So that recording an undo step or a touched block cannot throw.
@@ -314,7 +319,10 @@ bool working_state::rewritable_in_place(std::size_t b, const block& blk, std::si
 }
 
 const ref_ptr<block>& working_state::zero_block() {
-  if (!zero_block_) zero_block_ = block::make_zeros(*pool_, config_.block_tokens);
+  if (!zero_block_) {
+    zero_block_ = block::make_zeros(*pool_, config_.block_tokens);
+    if (zero_block_) registry_->set_zeros(zero_block_);
+  }
   return zero_block_;
 }
 

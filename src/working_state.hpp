@@ -132,7 +132,7 @@ class working_state {
   ref_ptr<block_table> table_;
   ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
   ref_ptr<table_chunk> zero_chunk_;
-  undo_log undo_;                // a write's undo log; empty between writes
+  undo_log undo_;                // a one-token write's undo log; empty between writes
   std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
   std::size_t size_ = 0;
   std::size_t stored_ = 0;

@@ -135,10 +135,7 @@ double run_locked(const options& o, const std::vector<token>& data) {
         });
     };
     const auto t0 = clock_type::now();
-    std::vector<std::thread> workers;
-    for (std::size_t t = 1; t < o.threads; ++t) workers.emplace_back(decode, t);
-    decode(0);
-    for (auto& w : workers) w.join();
+    on_threads(o.threads, decode);
     decoding += seconds_since(t0);
     steps += done[0];
   }

@@ -73,9 +73,8 @@ asio::awaitable<void> layer_by_layer(const options& o, std::vector<basic_layer_k
 /// Appends tokens [first, end) to `seq`, one append per token; attends
 /// after each when `decode`.
 template <storage_element T>
-asio::awaitable<void> append_per_step(const options& o, basic_sequence_kv_cache<T>& seq,
-                                      const std::vector<token>& data, std::size_t first, std::size_t end,
-                                      bool decode) {
+asio::awaitable<void> append_per_step(const options& o, basic_sequence_kv_cache<T>& seq, const std::vector<token>& data,
+                                      std::size_t first, std::size_t end, bool decode) {
   std::vector<std::span<const float>> keys(o.layers), values(o.layers);
   for (std::size_t step = first; step < end; ++step) {
     for (std::size_t l = 0; l < o.layers; ++l) {
@@ -114,17 +113,18 @@ double run_ghostlink(const options& o, const std::vector<token>& data, shape how
       } else {
         seqs.reserve(o.sequences);
         seqs.emplace_back(pool, o.layers, decode_config(o));
-        ready.push_back(asio::co_spawn(pool, append_per_step(o, seqs.back(), data, 0, o.steps, false), asio::use_future));
+        ready.push_back(
+            asio::co_spawn(pool, append_per_step(o, seqs.back(), data, 0, o.steps, false), asio::use_future));
       }
     }
     for (auto& f : ready) f.get();
     const auto t0 = clock_type::now();
     std::vector<std::future<void>> running;
     for (std::size_t s = 0; s < o.sequences; ++s)
-      running.push_back(how == shape::layer_by_layer
-                            ? asio::co_spawn(pool, layer_by_layer(o, layered[s], data), asio::use_future)
-                            : asio::co_spawn(pool, append_per_step(o, seqs[s], data, o.steps, 2 * o.steps, true),
-                                             asio::use_future));
+      running.push_back(
+          how == shape::layer_by_layer
+              ? asio::co_spawn(pool, layer_by_layer(o, layered[s], data), asio::use_future)
+              : asio::co_spawn(pool, append_per_step(o, seqs[s], data, o.steps, 2 * o.steps, true), asio::use_future));
     for (auto& f : running) f.get();
     return seconds_since(t0);
   });
@@ -205,10 +205,7 @@ double run_locked(const options& o, const std::vector<token>& data, shape how, b
         }
     };
     const auto t0 = clock_type::now();
-    std::vector<std::thread> workers;
-    for (std::size_t t = 1; t < o.threads; ++t) workers.emplace_back(decode, t);
-    decode(0);
-    for (auto& w : workers) w.join();
+    on_threads(o.threads, decode);
     return seconds_since(t0);
   });
 }
@@ -233,8 +230,8 @@ void run_all(const options& o, report& out) {
       }
     }
   });
-  out.add_note("decode_step", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
-                                  " sequences, " + o.element + ", contexts " + std::to_string(o.steps) + ".." +
+  out.add_note("decode_step", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, " +
+                                  o.element + ", contexts " + std::to_string(o.steps) + ".." +
                                   std::to_string(2 * o.steps) + " tokens per lap (prefill and cache creation not " +
                                   "timed); every implementation on " + std::to_string(o.threads) + " threads");
 }

@@ -75,18 +75,36 @@ void offloader(std::size_t caches, const std::atomic<bool>& stop, Offload offloa
   bytes_per_s = bytes / seconds_since(t0);
 }
 
-/// Per-sequence token timestamps, merged into TPOTs at the end.
-struct token_clock {
+/// One sequence's decoding: when each of its tokens was done.
+struct progress {
   std::vector<clock_type::time_point> at;
   void tick() { at.push_back(clock_type::now()); }
-  void into(latencies& l) const {
-    for (std::size_t i = 1; i < at.size(); ++i)
-      l.ns.push_back(std::chrono::duration<double, std::nano>(at[i] - at[i - 1]).count());
-  }
 };
 
+/// The timed phase: starts the decoders (`start`), lets them run while the
+/// offloader runs, stops both and waits for them (`join`, then `off`);
+/// fills `out` from every sequence's progress.
+template <class Start, class Join>
+void timed_phase(const options& o, std::atomic<bool>& stop, std::thread& off, const std::vector<progress>& seqs,
+                 Start start, Join join, outcome& out) {
+  const auto t0 = clock_type::now();
+  start();
+  while (seconds_since(t0) < phase_seconds(o)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  stop = true;
+  join();
+  const double elapsed = seconds_since(t0);
+  off.join();
+  std::size_t tokens = 0;
+  for (const progress& p : seqs) {
+    tokens += p.at.size();
+    for (std::size_t i = 1; i < p.at.size(); ++i)
+      out.tpot.ns.push_back(std::chrono::duration<double, std::nano>(p.at[i] - p.at[i - 1]).count());
+  }
+  out.steps_per_s = double(tokens) / double(seqs.size()) / elapsed;
+}
+
 asio::awaitable<void> decode(const options& o, std::vector<layer_kv_cache>& layers, const std::vector<token>& data,
-                             const std::atomic<bool>& stop, token_clock& clock, std::size_t& steps) {
+                             const std::atomic<bool>& stop, progress& done) {
   for (std::size_t step = context; !stop.load(std::memory_order_relaxed) && step < context + decode_room; ++step) {
     for (auto& cache : layers) {
       const token& t = data[step % data.size()];
@@ -95,15 +113,15 @@ asio::awaitable<void> decode(const options& o, std::vector<layer_kv_cache>& laye
       cache.snapshot().for_each_block(0, step + 1, [&](std::size_t, std::size_t n, auto k, auto v) { a.add(n, k, v); });
       keep(a.checksum());
     }
-    clock.tick();
-    ++steps;
+    done.tick();
   }
 }
 
 outcome run_ghostlink(const options& o, const std::vector<token>& data) {
   asio::thread_pool pool(o.threads);
   std::vector<kv_write> prefill;
-  for (std::size_t i = 0; i < context; ++i) prefill.push_back({i, data[i % data.size()].keys, data[i % data.size()].values});
+  for (std::size_t i = 0; i < context; ++i)
+    prefill.push_back({i, data[i % data.size()].keys, data[i % data.size()].values});
   std::vector<std::vector<layer_kv_cache>> seqs(o.sequences);
   std::vector<std::future<void>> ready;
   for (auto& layers : seqs)
@@ -117,33 +135,30 @@ outcome run_ghostlink(const options& o, const std::vector<token>& data) {
   outcome out;
   std::atomic<bool> stop{false};
   std::thread off([&] {
-    offloader(o.sequences * o.layers, stop, [&](std::size_t i) {
-      const kv_snapshot snap = seqs[i / o.layers][i % o.layers].snapshot();
-      std::uint64_t h = 0;
-      snap.for_each_block(0, snap.size(), [&](std::size_t, std::size_t, auto k, auto v) {
-        h = checksum(v, checksum(k, h));
-      });
-      keep(float(h & 0xff));
-      return 2 * snap.size() * snap.token_width() * sizeof(float);
-    }, out.offloaded_bytes_per_s);
+    offloader(
+        o.sequences * o.layers, stop,
+        [&](std::size_t i) {
+          const kv_snapshot snap = seqs[i / o.layers][i % o.layers].snapshot();
+          std::uint64_t h = 0;
+          snap.for_each_block(0, snap.size(),
+                              [&](std::size_t, std::size_t, auto k, auto v) { h = checksum(v, checksum(k, h)); });
+          keep(float(h & 0xff));
+          return 2 * snap.size() * snap.token_width() * sizeof(float);
+        },
+        out.offloaded_bytes_per_s);
   });
-  std::vector<token_clock> clocks(o.sequences);
-  std::vector<std::size_t> steps(o.sequences, 0);
-  const auto t0 = clock_type::now();
+  std::vector<progress> done(o.sequences);
   std::vector<std::future<void>> running;
-  for (std::size_t s = 0; s < o.sequences; ++s)
-    running.push_back(asio::co_spawn(pool, decode(o, seqs[s], data, stop, clocks[s], steps[s]), asio::use_future));
-  while (seconds_since(t0) < phase_seconds(o)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  stop = true;
-  for (auto& f : running) f.get();
-  const double elapsed = seconds_since(t0);
-  off.join();
-  std::size_t total = 0;
-  for (std::size_t s = 0; s < o.sequences; ++s) {
-    total += steps[s];
-    clocks[s].into(out.tpot);
-  }
-  out.steps_per_s = double(total) / double(o.sequences) / elapsed;
+  timed_phase(
+      o, stop, off, done,
+      [&] {
+        for (std::size_t s = 0; s < o.sequences; ++s)
+          running.push_back(asio::co_spawn(pool, decode(o, seqs[s], data, stop, done[s]), asio::use_future));
+      },
+      [&] {
+        for (auto& f : running) f.get();
+      },
+      out);
   return out;
 }
 
@@ -160,15 +175,17 @@ outcome run_locked(const options& o, const std::vector<token>& data) {
   std::atomic<bool> stop{false};
   std::thread off([&] {
     kv_range copy;
-    offloader(o.sequences * o.layers, stop, [&](std::size_t i) {
-      rwlock_cache& c = *seqs[i / o.layers][i % o.layers];
-      c.read_range(0, c.size(), copy);  // copied out under the shared lock
-      keep(float(checksum(copy.values, checksum(copy.keys, 0)) & 0xff));
-      return (copy.keys.size() + copy.values.size()) * sizeof(float);
-    }, out.offloaded_bytes_per_s);
+    offloader(
+        o.sequences * o.layers, stop,
+        [&](std::size_t i) {
+          rwlock_cache& c = *seqs[i / o.layers][i % o.layers];
+          c.read_range(0, c.size(), copy);  // copied out under the shared lock
+          keep(float(checksum(copy.values, checksum(copy.keys, 0)) & 0xff));
+          return (copy.keys.size() + copy.values.size()) * sizeof(float);
+        },
+        out.offloaded_bytes_per_s);
   });
-  std::vector<token_clock> clocks(o.sequences);
-  std::vector<std::size_t> steps(o.sequences, 0);
+  std::vector<progress> done(o.sequences);
   auto decode_from = [&](std::size_t first_seq) {
     // Round robin over this thread's sequences, one step each, as the pool
     // interleaves ghostlink's coroutines.
@@ -181,24 +198,19 @@ outcome run_locked(const options& o, const std::vector<token>& data) {
           cache->visit_range(0, step + 1, [&](auto k, auto v) { a.add(step + 1, k, v); });
           keep(a.checksum());
         }
-        clocks[s].tick();
-        ++steps[s];
+        done[s].tick();
       }
   };
-  const auto t0 = clock_type::now();
   std::vector<std::thread> workers;
-  for (std::size_t t = 0; t < o.threads; ++t) workers.emplace_back(decode_from, t);
-  while (seconds_since(t0) < phase_seconds(o)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  stop = true;
-  for (auto& w : workers) w.join();
-  const double elapsed = seconds_since(t0);
-  off.join();
-  std::size_t total = 0;
-  for (std::size_t s = 0; s < o.sequences; ++s) {
-    total += steps[s];
-    clocks[s].into(out.tpot);
-  }
-  out.steps_per_s = double(total) / double(o.sequences) / elapsed;
+  timed_phase(
+      o, stop, off, done,
+      [&] {
+        for (std::size_t t = 0; t < o.threads; ++t) workers.emplace_back(decode_from, t);
+      },
+      [&] {
+        for (auto& w : workers) w.join();
+      },
+      out);
   return out;
 }
 
@@ -230,11 +242,12 @@ void decode_with_offloader(const options& o, report& out) {
     if (o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, data));
     if (o.wants("rwlock_zero_copy")) record("rwlock_zero_copy", run_locked(o, data));
   });
-  out.add_note("decode_with_offloader", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
-                                       " sequences, 2048-token contexts, " + std::to_string(o.threads) +
-                                       " decode threads + 1 offloader thread passing over every cache once a second; "
-                                       "the lock copies under its shared lock then checksums, ghostlink checksums "
-                                       "from a snapshot");
+  out.add_note("decode_with_offloader",
+               std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
+                   " sequences, 2048-token contexts, " + std::to_string(o.threads) +
+                   " decode threads + 1 offloader thread passing over every cache once a second; "
+                   "the lock copies under its shared lock then checksums, ghostlink checksums "
+                   "from a snapshot");
 }
 
 }  // namespace ghostlink::bench

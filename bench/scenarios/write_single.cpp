@@ -5,10 +5,16 @@
 // sequence), the locked baselines overwriting their one buffer in place.
 // "round robin": the same writes spread over 64 caches in turn (token i to
 // cache i % 64), as a decode step writes one token to each of many layers.
+// round_trip_floor: the contract's least round trip (dispatch onto a strand,
+// completion queued on the coroutine's executor with tracked work) with no
+// storage: the bound on any write through a strand-owned actor.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
+#include <asio/defer.hpp>
 #include <asio/detached.hpp>
+#include <asio/dispatch.hpp>
+#include <asio/strand.hpp>
 #include <asio/io_context.hpp>
 #include <asio/use_awaitable.hpp>
 
@@ -119,6 +125,43 @@ outcome through_actor(const options& o) {
   return out;
 }
 
+/// The contract's least round trip, with no storage behind it: dispatch
+/// onto a strand, then queue the completion on the handler's executor with
+/// its work tracked (what every ghostlink write must do at the least).
+template <class Token>
+auto async_round_trip(asio::strand<asio::any_io_executor>& strand, Token&& token) {
+  return asio::async_initiate<Token, void(std::error_code)>(
+      [&strand](auto handler) {
+        auto work = asio::prefer(asio::get_associated_executor(handler, strand.get_inner_executor()),
+                                 asio::execution::outstanding_work.tracked);
+        asio::dispatch(strand, [h = std::move(handler), work]() mutable {
+          asio::defer(work, [h = std::move(h)]() mutable { std::move(h)(std::error_code{}); });
+        });
+      },
+      token);
+}
+
+outcome round_trip_floor(const options& o) {
+  outcome out;
+  asio::io_context io;
+  auto strand = asio::make_strand(asio::any_io_executor(io.get_executor()));
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<void> {
+        const auto t0 = clock_type::now();
+        std::size_t i = 0;
+        for (; seconds_since(t0) < o.seconds; ++i) {
+          const auto s = clock_type::now();
+          co_await async_round_trip(strand, asio::use_awaitable);
+          out.lat.add(s);
+        }
+        out.ops_per_s = double(i) / seconds_since(t0);
+      },
+      asio::detached);
+  io.run();
+  return out;
+}
+
 template <class Cache>
 outcome direct(const options& o) {
   outcome out;
@@ -156,6 +199,7 @@ void write_single(const options& o, report& out) {
     if (o.wants("rwlock")) record("rwlock", direct<rwlock_cache>(o));
     if (o.wants("mutex")) record("mutex", direct<mutex_cache>(o));
     if (o.wants("strand_only")) record("strand_only", through_actor<strand_cache>(o));
+    if (o.wants("round_trip_floor")) record("round_trip_floor", round_trip_floor(o));
 
     constexpr std::size_t caches = 64;
     metric& rr = m["4 round robin"];
