@@ -6,9 +6,9 @@
 #include <cstddef>
 #include <exception>
 #include <new>
+#include <ostream>
 #include <type_traits>
 #include <utility>
-#include <ostream>
 
 #include <asio/defer.hpp>
 #include <asio/dispatch.hpp>
@@ -178,8 +178,7 @@ void actor::drain(request* carried) {
   // with none, skip it: one enqueued and not yet counted brings pending_
   // up from zero afterwards (or finds it above zero, so that this drain
   // defers the next) and is drained then.
-  if (!carried || pending_.load(std::memory_order_acquire) > 1)
-    n += mailbox_->take(batch.data() + n, batch.size() - n);
+  if (!carried || pending_.load(std::memory_order_acquire) > 1) n += mailbox_->take(batch.data() + n, batch.size() - n);
 
   apply(batch.data(), results, n);
   if (state_->has_changes()) {

@@ -80,8 +80,8 @@ ref_ptr<epoch> working_state::publish() {
   // epoch::destroy deletes with a plain delete-expression, which matches
   // memory from metadata_new(sizeof(epoch)) (::operator new).
   void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
-  auto e = ref_ptr<epoch>::adopt(::new (memory)
-                                     epoch(next_epoch_, size_, stored_, table_, zero_block_.get(), *layout_, registry_));
+  auto e = ref_ptr<epoch>::adopt(
+      ::new (memory) epoch(next_epoch_, size_, stored_, table_, zero_block_.get(), *layout_, registry_));
   ++next_epoch_;
   changed_ = false;
   return e;

@@ -14,8 +14,8 @@
 #include <asio/defer.hpp>
 #include <asio/detached.hpp>
 #include <asio/dispatch.hpp>
-#include <asio/strand.hpp>
 #include <asio/io_context.hpp>
+#include <asio/strand.hpp>
 #include <asio/use_awaitable.hpp>
 
 #include <algorithm>
