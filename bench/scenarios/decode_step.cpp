@@ -156,6 +156,7 @@ double run_strand(const options& o, const std::vector<token>& data) {
       }
     const auto t0 = clock_type::now();
     std::vector<std::future<void>> running;
+    running.reserve(seqs.size());
     for (auto& layers : seqs) running.push_back(asio::co_spawn(pool, strand_decode(o, layers, data), asio::use_future));
     for (auto& f : running) f.get();
     return seconds_since(t0);
