@@ -129,6 +129,7 @@ class basic_kv_snapshot {
       const std::size_t n = epoch_.runs(first, end, runs);
       for (std::size_t i = 0; i < n; ++i) {
         const detail::stored_run& r = runs[i];
+        if (i + 1 < n) detail::prefetch_run(runs[i + 1]);
         f(r.first, r.count, std::span<const T>(reinterpret_cast<const T*>(r.keys), r.count * width),
           std::span<const T>(reinterpret_cast<const T*>(r.values), r.count * width));
       }
