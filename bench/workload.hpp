@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include <ghostlink/types.hpp>
+
 #include "attention.hpp"
 #include "harness.hpp"
 
@@ -26,6 +28,16 @@ struct token {
     }
   }
 };
+
+/// A batch writing tokens [first, end), token i's data being
+/// data[i % data.size()] (a prefill, a run of drafts).
+inline std::vector<kv_write> writes_of(const std::vector<token>& data, std::size_t first, std::size_t end) {
+  std::vector<kv_write> batch;
+  batch.reserve(end - first);
+  for (std::size_t i = first; i < end; ++i)
+    batch.push_back({i, data[i % data.size()].keys, data[i % data.size()].values});
+  return batch;
+}
 
 /// Runs `f(t)` for t in [0, threads): t = 0 on this thread, the others on
 /// threads of their own; returns when all are done.

@@ -77,9 +77,10 @@ void working_state::reserve_epoch() {
 
 ref_ptr<epoch> working_state::publish() {
   seal();
-  // epoch::destroy deletes with a plain delete-expression, which matches
-  // memory from metadata_new(sizeof(epoch)) (::operator new).
-  void* memory = spare_epoch_ ? std::exchange(spare_epoch_, nullptr) : metadata_new(sizeof(epoch));
+  // ::operator new(sizeof(epoch)) memory, fresh or given back to the
+  // registry by an earlier epoch (epoch::destroy).
+  reserve_epoch();
+  void* memory = std::exchange(spare_epoch_, nullptr);
   auto e = ref_ptr<epoch>::adopt(
       ::new (memory) epoch(next_epoch_, size_, stored_, table_, zero_block_.get(), *layout_, registry_));
   ++next_epoch_;

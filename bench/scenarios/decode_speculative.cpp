@@ -36,30 +36,30 @@ kv_cache_config speculative_config(const options& o) {
 /// Tokens the target model rejects at step `step` of sequence `seq`: 1..3.
 std::size_t rejected(std::size_t seq, std::size_t step) { return 1 + (seq + step) % 3; }
 
-/// Runs the steps of one sequence; returns how many.
-template <class Cache, class Ops>
-std::size_t steps_of(const options& o, std::size_t seq, Ops&& ops) {
-  std::size_t size = o.steps, step = 0;
-  for (; size + drafts <= 2 * o.steps; ++step) {
-    const std::size_t kept = size + drafts - rejected(seq, step);
-    ops(size, kept);
+/// The steps of sequence `seq`: per step, the size it starts at and the
+/// tokens it keeps of the drafts (the target token goes at `kept`).
+struct step_plan {
+  std::size_t size, kept;
+};
+std::vector<step_plan> plan(const options& o, std::size_t seq) {
+  std::vector<step_plan> steps;
+  for (std::size_t size = o.steps; size + drafts <= 2 * o.steps;) {
+    const std::size_t kept = size + drafts - rejected(seq, steps.size());
+    steps.push_back({size, kept});
     size = kept + 1;
   }
-  return step;
+  return steps;
 }
 
 asio::awaitable<void> speculate(const options& o, std::size_t seq, std::vector<layer_kv_cache>& layers,
                                 const std::vector<token>& data, const std::vector<std::vector<kv_write>>& batches,
                                 std::size_t& steps) {
-  std::size_t size = o.steps;
-  for (std::size_t step = 0; size + drafts <= 2 * o.steps; ++step) {
-    const std::size_t kept = size + drafts - rejected(seq, step);
+  for (const step_plan& p : plan(o, seq)) {
     for (auto& cache : layers) {
-      co_await cache.async_write_batch(batches[size], asio::use_awaitable);
-      co_await cache.async_truncate(kept, asio::use_awaitable);
-      co_await cache.async_write(kept, data[kept].keys, data[kept].values, asio::use_awaitable);
+      co_await cache.async_write_batch(batches[p.size], asio::use_awaitable);
+      co_await cache.async_truncate(p.kept, asio::use_awaitable);
+      co_await cache.async_write(p.kept, data[p.kept].keys, data[p.kept].values, asio::use_awaitable);
     }
-    size = kept + 1;
     ++steps;
   }
 }
@@ -69,15 +69,18 @@ struct result {
   double copies_per_step = 0;
 };
 
+/// batches[i]: the drafts [i, i + 4), for every i a step may start at.
+std::vector<std::vector<kv_write>> draft_batches(const options& o, const std::vector<token>& data) {
+  std::vector<std::vector<kv_write>> batches(2 * o.steps);
+  for (std::size_t i = 0; i + drafts <= 2 * o.steps; ++i) batches[i] = writes_of(data, i, i + drafts);
+  return batches;
+}
+
 result run_ghostlink(const options& o, const std::vector<token>& data) {
   asio::thread_pool pool(o.threads);
   const kv_cache_config config = speculative_config(o);
-  // batches[i]: the drafts [i, i + 4).
-  std::vector<std::vector<kv_write>> batches(2 * o.steps);
-  for (std::size_t i = 0; i + drafts <= 2 * o.steps; ++i)
-    for (std::size_t d = 0; d < drafts; ++d) batches[i].push_back({i + d, data[i + d].keys, data[i + d].values});
-  std::vector<kv_write> prefill;
-  for (std::size_t i = 0; i < o.steps; ++i) prefill.push_back({i, data[i].keys, data[i].values});
+  const std::vector<std::vector<kv_write>> batches = draft_batches(o, data);
+  const std::vector<kv_write> prefill = writes_of(data, 0, o.steps);
 
   double decoding = 0;
   std::size_t steps = 0;
@@ -111,6 +114,7 @@ result run_ghostlink(const options& o, const std::vector<token>& data) {
 
 double run_locked(const options& o, const std::vector<token>& data) {
   const kv_cache_config config = speculative_config(o);
+  const std::vector<std::vector<kv_write>> batches = draft_batches(o, data);
   double decoding = 0;
   std::size_t steps = 0;
   while (decoding < o.seconds) {
@@ -123,16 +127,15 @@ double run_locked(const options& o, const std::vector<token>& data) {
       }
     std::vector<std::size_t> done(o.sequences, 0);
     auto decode = [&](std::size_t first_seq) {
-      std::vector<kv_write> batch(drafts);
       for (std::size_t s = first_seq; s < o.sequences; s += o.threads)
-        done[s] = steps_of<rwlock_cache>(o, s, [&](std::size_t size, std::size_t kept) {
-          for (std::size_t d = 0; d < drafts; ++d) batch[d] = {size + d, data[size + d].keys, data[size + d].values};
+        for (const step_plan& p : plan(o, s)) {
           for (auto& cache : seqs[s]) {
-            cache->write_batch(batch);
-            cache->truncate(kept);
-            cache->write(kept, data[kept].keys, data[kept].values);
+            cache->write_batch(batches[p.size]);
+            cache->truncate(p.kept);
+            cache->write(p.kept, data[p.kept].keys, data[p.kept].values);
           }
-        });
+          ++done[s];
+        }
     };
     const auto t0 = clock_type::now();
     on_threads(o.threads, decode);

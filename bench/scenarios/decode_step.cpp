@@ -88,17 +88,10 @@ asio::awaitable<void> append_per_step(const options& o, basic_sequence_kv_cache<
   }
 }
 
-/// The prefill of one layer: tokens [0, o.steps).
-std::vector<kv_write> prefill(const options& o, const std::vector<token>& data) {
-  std::vector<kv_write> batch;
-  for (std::size_t i = 0; i < o.steps; ++i) batch.push_back({i, data[i].keys, data[i].values});
-  return batch;
-}
-
 template <storage_element T>
 double run_ghostlink(const options& o, const std::vector<token>& data, shape how) {
   asio::thread_pool pool(o.threads);
-  const std::vector<kv_write> batch = prefill(o, data);
+  const std::vector<kv_write> batch = writes_of(data, 0, o.steps);
   return steps_per_second(o, [&] {
     std::vector<std::vector<basic_layer_kv_cache<T>>> layered(o.sequences);
     std::vector<basic_sequence_kv_cache<T>> seqs;

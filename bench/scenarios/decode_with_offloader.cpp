@@ -15,12 +15,12 @@
 #include <asio/use_future.hpp>
 
 #include <atomic>
-#include <bit>
-#include <cstring>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <thread>
+
+#include <xxhash.h>
 
 #include "../baselines/locked_cache.hpp"
 #include "../scenarios.hpp"
@@ -32,18 +32,10 @@ namespace {
 constexpr std::size_t context = 2048;
 constexpr std::size_t decode_room = 1024;  // steps a run may take (about 30 a second at the default shape)
 
-/// What both offloaders compute over the bytes they move: a 64-bit
-/// multiply-xorshift over 8-byte words.
-std::uint64_t checksum(std::span<const float> data, std::uint64_t h) {
-  const std::size_t words = data.size() / 2;
-  const auto* bytes = reinterpret_cast<const unsigned char*>(data.data());
-  for (std::size_t i = 0; i < words; ++i) {
-    std::uint64_t w = 0;
-    std::memcpy(&w, bytes + i * 8, 8);
-    h = (h ^ w) * 0x9e3779b97f4a7c15ULL;
-    h ^= h >> 29;
-  }
-  return h;
+/// What both offloaders compute over the bytes they move: XXH3, 64 bits,
+/// chained over the spans.
+std::uint64_t checksum(std::span<const float> data, std::uint64_t seed) {
+  return XXH3_64bits_withSeed(data.data(), data.size_bytes(), seed);
 }
 
 struct outcome {
@@ -119,9 +111,7 @@ asio::awaitable<void> decode(const options& o, std::vector<layer_kv_cache>& laye
 
 outcome run_ghostlink(const options& o, const std::vector<token>& data) {
   asio::thread_pool pool(o.threads);
-  std::vector<kv_write> prefill;
-  for (std::size_t i = 0; i < context; ++i)
-    prefill.push_back({i, data[i % data.size()].keys, data[i % data.size()].values});
+  const std::vector<kv_write> prefill = writes_of(data, 0, context);
   std::vector<std::vector<layer_kv_cache>> seqs(o.sequences);
   std::vector<std::future<void>> ready;
   for (auto& layers : seqs)
