@@ -15,6 +15,7 @@
 #include <asio/error.hpp>
 #include <asio/post.hpp>
 
+#include "fault_countdown.hpp"
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/error.hpp"
 #include "mailbox.hpp"
@@ -120,6 +121,7 @@ void actor::submit(request* r, urgency u) noexcept {
     r->complete(kv_errc::capacity_exhausted, queueing::post);  // the mailbox could not grow
     return;
   }
+  if (void (*hook)() = enqueued_hook.load(std::memory_order_relaxed)) hook();  // tests only
   if (pending_.fetch_add(1, std::memory_order_acq_rel) != 0) return;  // a drain is queued or running
   schedule(u, nullptr);
 }

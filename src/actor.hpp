@@ -15,13 +15,15 @@
 //   not counted it yet. A submitter that finds the count negative schedules
 //   nothing; the late submitter's own count then brings pending_ up from
 //   zero and schedules the drain that takes whatever was enqueued meanwhile.
-// - Carried requests: a submitter that finds pending_ at zero and raises it
-//   to one by CAS (so no drain is queued or running) hands its request to
-//   the drain it schedules instead of the queue; it still holds a place in
-//   the mailbox (mailbox::reserve_carried). The drain applies it first:
-//   every earlier request of the same thread was counted before it, so was
-//   drained already. Other threads' requests enqueued meanwhile are
-//   concurrent with it and drain after it.
+// - Carried requests: a submitter that finds the mailbox empty (it takes
+//   the first place, mailbox::reserve_carried) and raises pending_ from zero
+//   to one by CAS hands its request to the drain it schedules instead of
+//   the queue. The drain applies it first: every earlier request of the
+//   same thread left the mailbox before, taken by a drain that the strand
+//   runs before this one. (pending_ at zero alone would not do: while it is
+//   one short, an earlier request of this thread may wait in the mailbox.)
+//   Other threads' requests enqueued meanwhile are concurrent with it and
+//   drain after it.
 
 #include <array>
 #include <atomic>

@@ -1,6 +1,7 @@
 #pragma once
-// The counters behind the fault-injection hooks of src/testing.hpp: a
-// production allocation asks them whether to fail, and only tests set them.
+// The state behind the test hooks of src/testing.hpp: production code asks
+// it whether to fail (allocations) or to pause (a submit), and only tests
+// set it.
 
 #include <atomic>
 #include <cstddef>
@@ -19,5 +20,10 @@ inline std::size_t count_down(std::atomic<std::size_t>& counter) noexcept {
 /// metadata_new()'s countdown: the allocation that takes it from 1 to 0
 /// fails; 0 when no failure is pending.
 std::atomic<std::size_t>& metadata_countdown() noexcept;
+
+/// Called by actor::submit between queueing a request and counting it in
+/// the actor's pending_, when a test has set it (set_enqueued_hook); null
+/// otherwise.
+inline std::atomic<void (*)()> enqueued_hook{nullptr};
 
 }  // namespace ghostlink::detail

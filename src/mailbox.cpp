@@ -40,7 +40,7 @@ bool mailbox::try_reserve() noexcept {
 
 bool mailbox::enqueue_reserved(request* r) noexcept {
   if (queue_.enqueue(r)) return true;
-  if (bounded()) queued_.fetch_sub(1, std::memory_order_acq_rel);
+  queued_.fetch_sub(1, std::memory_order_acq_rel);
   return false;
 }
 
@@ -56,7 +56,10 @@ void mailbox::park(request* r) noexcept {
 }
 
 bool mailbox::push(request* r) noexcept {
-  if (!bounded()) return queue_.enqueue(r);
+  if (!bounded()) {
+    queued_.fetch_add(1, std::memory_order_acq_rel);
+    return enqueue_reserved(r);
+  }
   // Ordering rests on queued_ and the mutex (see the invariants).
   if (waiting() == 0 && try_reserve()) return enqueue_reserved(r);
   {
@@ -71,9 +74,8 @@ bool mailbox::push(request* r) noexcept {
 
 std::size_t mailbox::take(request** out, std::size_t n) noexcept {
   std::size_t taken = queue_.try_dequeue_bulk(out, n);
-  if (!bounded()) return taken;
   if (taken) queued_.fetch_sub(taken, std::memory_order_acq_rel);
-  if (taken == n || waiting() == 0) return taken;
+  if (!bounded() || taken == n || waiting() == 0) return taken;
   std::lock_guard lock(mutex_);
   if (!waiting_head_ || queued_.load(std::memory_order_acquire) != 0) return taken;  // queued requests go first
   while (taken < n && waiting_head_) {
@@ -87,29 +89,18 @@ std::size_t mailbox::take(request** out, std::size_t n) noexcept {
 }
 
 bool mailbox::reserve_carried() noexcept {
-  if (!bounded()) {
-    carried_.fetch_add(1, std::memory_order_relaxed);
-    return true;
-  }
-  return waiting() == 0 && try_reserve();
+  // Only into an empty mailbox: with no place held and none waiting, every
+  // request queued before was taken by a drain, which runs on the strand
+  // before the one a carried request rides.
+  if (waiting() != 0) return false;
+  std::size_t none = 0;
+  return queued_.compare_exchange_strong(none, 1, std::memory_order_acq_rel, std::memory_order_relaxed);
 }
 
-void mailbox::release_carried() noexcept {
-  if (bounded())
-    queued_.fetch_sub(1, std::memory_order_acq_rel);
-  else
-    carried_.fetch_sub(1, std::memory_order_relaxed);
-}
+void mailbox::release_carried() noexcept { queued_.fetch_sub(1, std::memory_order_acq_rel); }
 
-bool mailbox::enqueue_carried(request* r) noexcept {
-  if (bounded()) return enqueue_reserved(r);
-  carried_.fetch_sub(1, std::memory_order_relaxed);
-  return queue_.enqueue(r);
-}
+bool mailbox::enqueue_carried(request* r) noexcept { return enqueue_reserved(r); }
 
-std::size_t mailbox::queued() const noexcept {
-  return bounded() ? queued_.load(std::memory_order_relaxed)
-                   : queue_.size_approx() + carried_.load(std::memory_order_relaxed);
-}
+std::size_t mailbox::queued() const noexcept { return queued_.load(std::memory_order_relaxed); }
 
 }  // namespace ghostlink::detail

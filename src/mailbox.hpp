@@ -6,10 +6,11 @@
 // Invariants (mutex_ guards waiting_head_/waiting_tail_ and every change of
 // waiting_count_):
 // - queued_ counts places reserved in queue_: a request reserves one before it
-//   is enqueued and the drain releases one per request it dequeues, so
-//   queue_ never holds more than max_pending_ requests and its memory stays
-//   bounded by them. An unbounded mailbox (max_pending_ = SIZE_MAX) counts
-//   nothing and never congests.
+//   is enqueued (a carried request holds one too) and the drain releases one
+//   per request it dequeues, so a bounded queue_ never holds more than
+//   max_pending_ requests and its memory stays bounded by them. An unbounded
+//   mailbox (max_pending_ = SIZE_MAX) counts the same way and never
+//   congests.
 // - waiting_count_ is the length of the waiting list. While it is non-zero,
 //   every new request parks behind the waiting ones. Read without the lock
 //   it may be stale: a stale 0 only sends a request to try_reserve(), which
@@ -59,8 +60,9 @@ class mailbox {
   // reserve_carried() until release_carried() or enqueue_carried().
 
   /// Sets aside a place for a carried request; false (nothing set aside)
-  /// when it must queue or park instead: requests wait for room, or the
-  /// queue is full.
+  /// when it must queue or park instead: the mailbox holds a request (a
+  /// place is held or one waits for room), so an earlier request of this
+  /// thread may still be in it.
   bool reserve_carried() noexcept;
   /// The drain took its carried request (or discarded it): frees the place.
   void release_carried() noexcept;
@@ -90,7 +92,6 @@ class mailbox {
   request* waiting_head_ = nullptr;
   request* waiting_tail_ = nullptr;
   std::atomic<std::size_t> waiting_count_{0};
-  std::atomic<std::size_t> carried_{0};  // unbounded only: carried requests (bounded ones hold a place in queued_)
   std::atomic<std::uint64_t> delayed_{0};
 };
 

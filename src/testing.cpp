@@ -16,6 +16,8 @@ void fail_metadata_allocation(std::size_t after) noexcept {
 
 bool cancel_metadata_failure() noexcept { return metadata_countdown().exchange(0, std::memory_order_relaxed) != 0; }
 
+void set_enqueued_hook(void (*hook)()) noexcept { enqueued_hook.store(hook, std::memory_order_relaxed); }
+
 std::size_t pools_alive() noexcept { return block_pool::pools_alive(); }
 std::size_t pools_destroyed_unbalanced() noexcept { return block_pool::pools_destroyed_unbalanced(); }
 std::uint64_t mailbox_bytes_allocated() noexcept { return mailbox::bytes_allocated(); }

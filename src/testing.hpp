@@ -19,6 +19,12 @@ void fail_metadata_allocation(std::size_t after) noexcept;
 /// Disarms fail_metadata_allocation(); whether the failure was still pending.
 bool cancel_metadata_failure() noexcept;
 
+/// Calls `hook` in every submit that queues its request (not one that a
+/// drain carries), after queueing it and before counting it: a test holds a
+/// submitter there, so that a drain takes a request its submitter has not
+/// counted yet. Null removes it.
+void set_enqueued_hook(void (*hook)()) noexcept;
+
 /// Block pools alive in this process. Every block holds its pool, so none
 /// alive once every cache and snapshot is gone means no block leaked.
 std::size_t pools_alive() noexcept;

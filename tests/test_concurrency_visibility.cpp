@@ -3,6 +3,10 @@
 
 #include "concurrency_support.hpp"
 
+#include "testing.hpp"
+
+#include <condition_variable>
+
 using namespace ghostlink;
 using namespace ghostlink::test::concurrency;
 using ghostlink::test::run;
@@ -204,6 +208,93 @@ TEST_CASE("writes initiated from one thread apply in the order they were initiat
   kv_entry last;
   REQUIRE_FALSE(cache.snapshot().read_kv(index, last));
   CHECK(diff_token(index, last.keys, last.values, static_cast<int>(n)) == "");
+}
+
+namespace {
+
+/// Holds one chosen thread inside its submit, between queueing its request
+/// and counting it (detail::set_enqueued_hook), until released.
+struct submit_gate {
+  static inline submit_gate* active = nullptr;
+  static inline thread_local bool hold_here = false;
+
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool held = false, released = false;
+
+  submit_gate() {
+    active = this;
+    detail::set_enqueued_hook(&hook);
+  }
+  submit_gate(const submit_gate&) = delete;
+  submit_gate& operator=(const submit_gate&) = delete;
+  ~submit_gate() {
+    release();
+    detail::set_enqueued_hook(nullptr);
+    active = nullptr;
+  }
+  static void hook() {
+    if (!std::exchange(hold_here, false)) return;
+    std::unique_lock lock(active->mutex);
+    active->held = true;
+    active->changed.notify_all();
+    active->changed.wait(lock, [] { return active->released; });
+  }
+  void wait_held() {
+    std::unique_lock lock(mutex);
+    changed.wait(lock, [this] { return held; });
+  }
+  void release() {
+    std::lock_guard lock(mutex);
+    released = true;
+    changed.notify_all();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("one thread's writes apply in order after a drain took another thread's request before it was counted",
+          "[concurrency]") {
+  // The window: a request is queued, then counted. A drain that takes it in
+  // between leaves the actor's count of pending requests one short until its
+  // submitter counts it; this thread's next requests must still queue behind
+  // each other, not overtake an earlier one that waits in the mailbox.
+  const kv_cache_config config = small_config();
+  const std::size_t w = config.token_width();
+  std::vector<token_data> tags;  // tags[k] is token 0 written with tag k
+  for (int k = 0; k <= 4; ++k) tags.push_back(make_token(w, 0, k));
+  std::atomic<int> failures{0}, completions{0};
+  auto done = [&](std::error_code ec) {
+    failures += ec ? 1 : 0;
+    ++completions;
+  };
+  asio::io_context io;  // run only by this thread, when the test says
+  layer_kv_cache cache = ghostlink::test::initialized_cache(io, config);
+  submit_gate gate;
+
+  cache.async_write(0, tags[1].keys, tags[1].values, done);  // schedules a drain (not run yet)
+  cache.async_write(0, tags[1].keys, tags[1].values, done);  // queued behind it
+  std::thread other([&] {
+    submit_gate::hold_here = true;
+    cache.async_write(0, tags[1].keys, tags[1].values, done);  // queued, then held before it is counted
+  });
+  gate.wait_held();
+  io.poll();  // the drain takes all three, one of them not yet counted
+  io.restart();
+  REQUIRE(completions == 3);
+
+  cache.async_write(0, tags[2].keys, tags[2].values, done);  // first of this thread's next two
+  cache.async_write(0, tags[3].keys, tags[3].values, done);  // must apply after it
+  io.poll();  // runs what is ready, never waits for the held request
+  io.restart();
+  gate.release();
+  other.join();  // the held request is counted now
+  io.run();
+  REQUIRE(completions == 5);
+  CHECK(failures == 0);
+  kv_entry e;
+  REQUIRE_FALSE(cache.snapshot().read_kv(0, e));
+  CHECK(tag_of(0, e.keys) == 3);
 }
 
 TEST_CASE("epochs strictly increase with each publication and no reader sees one go back", "[concurrency]") {
