@@ -6,6 +6,8 @@
 # - clang-format-16 (.clang-format): every tracked *.hpp/*.cpp outside
 #   subprojects/ must be formatted; fix with
 #     git ls-files '*.hpp' '*.cpp' ':!:subprojects/' ':!:**/subprojects/**' | xargs clang-format-16 -i
+# - ASCII only: no source file holds a non-ASCII byte (which rules out
+#   look-alike identifiers; see .clang-tidy).
 # - clang-tidy-16 (.clang-tidy): no finding in any project .cpp file listed in
 #   BUILD_DIR/compile_commands.json, nor in the project headers they include
 #   (HeaderFilterRegex). Configure BUILD_DIR with Clang (CXX=clang++-16
@@ -45,6 +47,11 @@ for f in "${sources[@]}"; do
   clang-format-16 --dry-run --Werror "$f" >/dev/null 2>&1 || unformatted+=("$f")
 done
 for f in "${unformatted[@]}"; do echo "not formatted: $f (clang-format-16 -i $f)"; done
+non_ascii=()
+for f in "${sources[@]}"; do
+  LC_ALL=C grep -q '[^[:print:][:space:]]' "$f" && non_ascii+=("$f")
+done
+for f in "${non_ascii[@]}"; do echo "not ASCII: $f ($(LC_ALL=C grep -n -m 1 '[^[:print:][:space:]]' "$f" | cut -d: -f1))"; done
 
 # The project's .cpp files in the build's compile commands (each once).
 mapfile -t units < <(python3 - "$build/compile_commands.json" "$root" <<'PY'
@@ -81,9 +88,9 @@ if [[ $tidy_status -ne 0 && $findings -eq 0 ]]; then
 fi
 
 elapsed=$((SECONDS - start))
-if [[ ${#unformatted[@]} -eq 0 && $tidy_status -eq 0 ]]; then
+if [[ ${#unformatted[@]} -eq 0 && ${#non_ascii[@]} -eq 0 && $tidy_status -eq 0 ]]; then
   echo "check-style: OK: ${#sources[@]} files formatted, 0 clang-tidy findings in ${#units[@]} units (${elapsed} s)"
 else
-  echo "check-style: FAILED: ${#unformatted[@]} unformatted file(s), ${findings} clang-tidy finding(s) in ${#units[@]} units (${elapsed} s)"
+  echo "check-style: FAILED: ${#unformatted[@]} unformatted file(s), ${#non_ascii[@]} non-ASCII file(s), ${findings} clang-tidy finding(s) in ${#units[@]} units (${elapsed} s)"
   exit 1
 fi
