@@ -2,6 +2,7 @@
 // every cache and every snapshot checked token by token against a model.
 #include "pool_support.hpp"
 
+#include <array>
 #include <future>
 #include <string>
 
@@ -27,6 +28,24 @@ TEST_CASE("a fork holds its parent's tokens, size, config and pool, and numbers 
   CHECK(child_epoch > parent_epoch);
   child.write(6, 2);
   CHECK(child.cache.snapshot().epoch() > child_epoch);
+}
+
+TEST_CASE("a const handle initializes, writes, forks, truncates and reads its cache, as a const std::shared_ptr",
+          "[fork]") {
+  asio::thread_pool io(2);
+  const layer_kv_cache cache(io, small_config());  // e.g. a const member of the caller
+  const std::vector<float> t0 = ghostlink::test::token_pattern(cache.config().token_width(), 0, 7);
+  const std::vector<float> t1 = ghostlink::test::token_pattern(cache.config().token_width(), 1, 8);
+  const std::array<kv_write, 1> batch{{{1, t1, t1}}};
+  cache.async_initialize(1, asio::use_future).get();
+  cache.async_write(0, t0, t0, asio::use_future).get();
+  cache.async_write_batch(batch, asio::use_future).get();
+  const layer_kv_cache child = cache.async_fork(asio::use_future).get();
+  cache.async_truncate(1, asio::use_future).get();
+  CHECK(cache.size() == 1);
+  REQUIRE(child.size() == 2);
+  CHECK(child.async_read_kv(1, asio::use_future).get().keys == t1);
+  CHECK(cache.async_read_range(0, 1, asio::use_future).get().keys == t0);
 }
 
 TEST_CASE("after a fork, writes to either side are invisible to the other", "[fork]") {

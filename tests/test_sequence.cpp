@@ -32,6 +32,22 @@ TEST_CASE("append puts each layer's own token at index size() in every layer and
   f.check_contents();
 }
 
+TEST_CASE("a const sequence handle appends, forks and truncates its sequence, as a const std::shared_ptr",
+          "[sequence]") {
+  fixture f;
+  const sequence_kv_cache& seq = f.seq;  // e.g. a const member of the caller
+  const step first(layers, f.width, 0, 3), second(layers, f.width, 1, 4);
+  seq.async_append(first.key_spans, first.value_spans, asio::use_future).get();
+  seq.async_append(second.key_spans, second.value_spans, asio::use_future).get();
+  const sequence_kv_cache child = seq.async_fork(asio::use_future).get();
+  seq.async_truncate(1, asio::use_future).get();
+  CHECK(seq.size() == 1);
+  CHECK(child.size() == 2);
+  std::string d = diff_snapshot(child.snapshot(), {3, 4}) + diff_snapshot(seq.snapshot(), {3});
+  INFO(d);
+  CHECK(d.empty());
+}
+
 TEST_CASE("a sequence snapshot narrows every layer to the tokens all layers hold", "[sequence]") {
   fixture f;
   f.append_ok(1);

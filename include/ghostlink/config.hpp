@@ -17,7 +17,12 @@ struct kv_cache_config {
   /// Tokens one sequence may hold; writes at or past it fail with
   /// `kv_errc::index_out_of_range` and `initialize(n)` clamps `n` to it.
   std::size_t max_tokens_per_seq = 8192;
-  /// Attention heads per token.
+  /// Key/value heads per token: the heads the cache stores, which under
+  /// grouped-query attention (GQA) are fewer than the model's query heads
+  /// and under multi-query attention (MQA) are one. A Llama-3-8B layer, 32
+  /// query heads sharing 8 KV heads of 128 dims, is `num_heads = 8,
+  /// head_dim = 128`: each query head attends over the stored KV head of
+  /// its group (query head `q` reads KV head `q / (32 / 8)`).
   std::size_t num_heads = 4;
   /// Floats per head (the seed's `hidden_dim_per_head`).
   std::size_t head_dim = 64;

@@ -39,7 +39,10 @@ using default_completion_token = asio::use_awaitable_t<>;
 
 /// The key/value cache of one transformer layer for one sequence.
 ///
-/// A handle: copies share one actor and one storage. Writes are requests to
+/// A handle: copies share one actor and one storage, as copies of a
+/// `std::shared_ptr` share one object, so every operation is `const` (a
+/// `const` handle still writes to, truncates and forks its cache; only
+/// assignment changes a handle). Writes are requests to
 /// the actor, which runs on a strand of the executor the cache was made from,
 /// applies each request all-or-nothing and publishes everything applied in
 /// one mailbox drain as one new immutable epoch. Reads pin the latest epoch
@@ -176,7 +179,7 @@ class basic_layer_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
-  auto async_initialize(std::size_t seq_len, CompletionToken&& token = default_completion_token());
+  auto async_initialize(std::size_t seq_len, CompletionToken&& token = default_completion_token()) const;
 
   /// Writes one token's keys and values at `index`; size becomes
   /// `max(size, index + 1)` and skipped tokens read as zeros.
@@ -201,7 +204,7 @@ class basic_layer_kv_cache {
   ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
   auto async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
-                   CompletionToken&& token = default_completion_token());
+                   CompletionToken&& token = default_completion_token()) const;
 
   /// Writes every entry, in order (a later entry for an index wins), as one
   /// atomic request: every entry is validated first and a snapshot sees all
@@ -220,7 +223,7 @@ class basic_layer_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
-  auto async_write_batch(std::span<const kv_write> entries, CompletionToken&& token = default_completion_token());
+  auto async_write_batch(std::span<const kv_write> entries, CompletionToken&& token = default_completion_token()) const;
 
   /// Drops tokens `[n, size())` (a speculative-decoding rollback): size
   /// becomes `min(size(), n)`. Snapshots taken before keep seeing the old
@@ -250,7 +253,7 @@ class basic_layer_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
-  auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token());
+  auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token()) const;
 
   /// A new cache holding what this one holds once every request initiated
   /// before it is applied, sharing every block with it copy-on-write (prefix
@@ -275,7 +278,7 @@ class basic_layer_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<basic_layer_kv_cache<T>>`.
   template <class CompletionToken = default_completion_token>
-  auto async_fork(CompletionToken&& token = default_completion_token());
+  auto async_fork(CompletionToken&& token = default_completion_token()) const;
 
   /// Reads token `index` from the latest published epoch (not through the
   /// actor), as `snapshot().read_kv(index, entry)` does: the copy is made
@@ -294,7 +297,7 @@ class basic_layer_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<kv_entry>`.
   template <class CompletionToken = default_completion_token>
-  auto async_read_kv(std::size_t index, CompletionToken&& token = default_completion_token());
+  auto async_read_kv(std::size_t index, CompletionToken&& token = default_completion_token()) const;
 
   /// Reads tokens `[begin, end)` token-major from the latest published epoch
   /// (not through the actor), as `snapshot().read_range(begin, end, range)`
@@ -314,7 +317,7 @@ class basic_layer_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<kv_range>`.
   template <class CompletionToken = default_completion_token>
-  auto async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token = default_completion_token());
+  auto async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token = default_completion_token()) const;
 
   /// Prints the config and the length, never the buffers.
   friend std::ostream& operator<<(std::ostream& os, const basic_layer_kv_cache& cache) {

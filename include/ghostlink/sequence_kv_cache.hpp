@@ -66,7 +66,8 @@ class basic_sequence_snapshot {
 /// layer has applied it: one executor hop per operation, whatever the number
 /// of layers.
 ///
-/// A handle: copies share one sequence. Appends, truncates and forks of one
+/// A handle: copies share one sequence, as copies of a `std::shared_ptr`
+/// share one object, so every operation is `const`. Appends, truncates and forks of one
 /// sequence run one at a time, as writes to one Asio stream do: start the
 /// next when the previous has completed (a decode loop does). One started
 /// while another is in progress fails with `kv_errc::operation_in_progress`
@@ -189,7 +190,7 @@ class basic_sequence_kv_cache {
   template <class CompletionToken = default_completion_token>
   auto async_append(std::span<const std::span<const float>> keys_per_layer,
                     std::span<const std::span<const float>> values_per_layer,
-                    CompletionToken&& token = default_completion_token());
+                    CompletionToken&& token = default_completion_token()) const;
 
   /// Drops tokens `[n, size())` from every layer (speculative-decoding
   /// rollback); `n >= size()` changes nothing. Snapshots taken before keep
@@ -210,7 +211,7 @@ class basic_sequence_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
-  auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token());
+  auto async_truncate(std::size_t n, CompletionToken&& token = default_completion_token()) const;
 
   /// A new sequence sharing every block of every layer copy-on-write with
   /// this one (see `basic_layer_kv_cache::async_fork`), with the same pool.
@@ -228,7 +229,7 @@ class basic_sequence_kv_cache {
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<basic_sequence_kv_cache>`.
   template <class CompletionToken = default_completion_token>
-  auto async_fork(CompletionToken&& token = default_completion_token());
+  auto async_fork(CompletionToken&& token = default_completion_token()) const;
 
  private:
   friend struct detail::cache_access;

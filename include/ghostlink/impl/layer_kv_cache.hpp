@@ -83,7 +83,7 @@ struct initiate_read {
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
                                                                       detail::initialize_args{seq_len});
 }
@@ -91,41 +91,41 @@ auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionTo
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
-                                          CompletionToken&& token) {
+                                          CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
                                                                       kv_write{index, keys, values});
 }
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token, entries);
 }
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
                                                                       detail::truncate_args{n});
 }
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code, basic_layer_kv_cache)>(
       detail::initiate_request_with<detail::adopt_forked<basic_layer_kv_cache>>{core_}, token, detail::fork_args{});
 }
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code, kv_entry)>(
       detail::initiate_read<snapshot_type>{core_}, token, index);
 }
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) {
+auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code, kv_range)>(
       detail::initiate_read<snapshot_type>{core_}, token, begin, end);
 }

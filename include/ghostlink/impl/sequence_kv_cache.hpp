@@ -86,20 +86,20 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_append(std::span<const std::span<const float>> keys_per_layer,
                                               std::span<const std::span<const float>> values_per_layer,
-                                              CompletionToken&& token) {
+                                              CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_sequence_op<>{core_}, token,
                                                                       keys_per_layer, values_per_layer);
 }
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_sequence_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) {
+auto basic_sequence_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_sequence_op<>{core_}, token, n);
 }
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_sequence_kv_cache<T>::async_fork(CompletionToken&& token) {
+auto basic_sequence_kv_cache<T>::async_fork(CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code, basic_sequence_kv_cache)>(
       detail::initiate_sequence_op<detail::adopt_forked<basic_sequence_kv_cache>>{core_}, token);
 }
