@@ -16,6 +16,8 @@
 #include <new>
 #include <optional>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include "actor.hpp"
 #include "block.hpp"
@@ -49,8 +51,21 @@ enum class stage : unsigned char { append, undo_append, truncate, fork };
 
 class fan_out {
  public:
-  fan_out(std::shared_ptr<sequence_core> seq, sequence_op* op, stage s, std::size_t index)
-      : seq_(std::move(seq)), op_(op), parts_(seq_->layers.size()), stage_(s), index_(index) {}
+  fan_out(std::shared_ptr<sequence_core> seq, sequence_op* op, stage s, std::size_t index, std::size_t tokens,
+          std::vector<kv_write> writes)
+      : seq_(std::move(seq)),
+        op_(op),
+        parts_(seq_->layers.size()),
+        writes_(std::move(writes)),
+        stage_(s),
+        index_(index),
+        tokens_(tokens) {}
+
+  /// An append of several tokens: layer `i`'s writes (its part's entries,
+  /// which live as long as the fan-out).
+  std::span<const kv_write> writes_of(std::size_t i) const noexcept {
+    return std::span<const kv_write>(writes_).subspan(i * tokens_, tokens_);
+  }
 
   /// Submits the current stage's part `arg_of(i)` to layer `i` for every
   /// `i` that `wanted(i)` accepts, cancellable through `cancel`, then ends
@@ -92,8 +107,10 @@ class fan_out {
   const std::shared_ptr<sequence_core> seq_;
   sequence_op* const op_;
   std::vector<std::optional<layer_part>> parts_;  // engaged: submitted in the current stage
+  const std::vector<kv_write> writes_;             // an append of several tokens: tokens_ per layer, layer by layer
   stage stage_;
-  const std::size_t index_;  // append: the token's index; truncate: the size kept
+  const std::size_t index_;   // append: the first token's index; truncate: the size kept
+  const std::size_t tokens_;  // append: tokens appended
   std::error_code failure_;  // undo_append: why the append failed
   std::atomic<std::size_t> remaining_{0};
 };
@@ -138,7 +155,7 @@ void fan_out::end_stage(queueing how) {
         const truncate_args drop{index_};
         return start([&](std::size_t) { return drop; }, {}, [&](std::size_t i) { return took[i]; });
       }
-      seq.size.store(index_ + 1, std::memory_order_release);
+      seq.size.store(index_ + tokens_, std::memory_order_release);
       seq.end();
       return complete({}, how);
     case stage::undo_append:
@@ -176,30 +193,35 @@ void fan_out::end_stage(queueing how) {
   }
 }
 
-/// Starts stage `s` of `op` on every layer, layer `i` given `arg_of(i)`, or
-/// fails `op` with capacity_exhausted if the fan-out cannot be allocated.
-/// `busy` is set.
+/// Starts stage `s` of `op` on every layer, layer `i` given `arg_of(*fan,
+/// i)`, or fails `op` with capacity_exhausted if the fan-out cannot be
+/// allocated. `busy` is set. An append of `tokens` tokens passes their
+/// writes (`writes`, when more than one) for the fan-out to keep.
 template <class ArgOf>
 void fan_out_to_layers(const std::shared_ptr<sequence_core>& seq, sequence_op* op, stage s, std::size_t index,
-                       ArgOf arg_of) {
+                       ArgOf arg_of, std::size_t tokens = 0, std::vector<kv_write> writes = {}) {
   fan_out* fan = nullptr;
   try {
-    fan = new fan_out(seq, op, s, index);
+    fan = new fan_out(seq, op, s, index, tokens, std::move(writes));
   } catch (const std::bad_alloc&) {
     seq->end();
     return op->complete(kv_errc::capacity_exhausted, queueing::post);
   }
-  fan->start(arg_of, op->cancellation(), [](std::size_t) { return true; });
+  fan->start([&](std::size_t i) { return arg_of(*fan, i); }, op->cancellation(), [](std::size_t) { return true; });
 }
 
-std::error_code check_append(std::size_t layers, std::size_t width, std::span<const std::span<const float>> keys,
-                             std::span<const std::span<const float>> values) noexcept {
-  if (keys.size() != layers || values.size() != layers) return kv_errc::layer_mismatch;
+/// The tokens an append carries per layer (at least one, the same for
+/// every layer), or its error.
+std::pair<std::error_code, std::size_t> check_append(std::size_t layers, std::size_t width,
+                                                     std::span<const std::span<const float>> keys,
+                                                     std::span<const std::span<const float>> values) noexcept {
+  if (keys.size() != layers || values.size() != layers) return {kv_errc::layer_mismatch, 0};
+  const std::size_t floats = keys[0].size();
   for (std::size_t i = 0; i < layers; ++i) {
-    if (keys[i].size() != values[i].size()) return kv_errc::length_mismatch;
-    if (keys[i].size() != width) return kv_errc::width_mismatch;
+    if (keys[i].size() != values[i].size()) return {kv_errc::length_mismatch, 0};
+    if (keys[i].size() != floats || floats == 0 || floats % width != 0) return {kv_errc::width_mismatch, 0};
   }
-  return {};
+  return {{}, floats / width};
 }
 
 }  // namespace
@@ -207,16 +229,39 @@ std::error_code check_append(std::size_t layers, std::size_t width, std::span<co
 void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
                   std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values) {
   sequence_core& seq = *s;
-  if (std::error_code ec = check_append(seq.layers.size(), seq.config.token_width(), keys, values))
-    return op->complete(ec, queueing::post);
+  const std::size_t width = seq.config.token_width();
+  const auto [ec, tokens] = check_append(seq.layers.size(), width, keys, values);
+  if (ec) return op->complete(ec, queueing::post);
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
   const std::size_t index = seq.size.load(std::memory_order_relaxed);
-  if (index >= seq.config.max_tokens_per_seq) {
+  if (index >= seq.config.max_tokens_per_seq || tokens > seq.config.max_tokens_per_seq - index) {
     seq.end();
     return op->complete(kv_errc::index_out_of_range, queueing::post);
   }
-  // Each layer's part writes one token (a request holds a single write).
-  fan_out_to_layers(s, op, stage::append, index, [&](std::size_t i) { return kv_write{index, keys[i], values[i]}; });
+  if (tokens == 1) {  // a decode step: the request holds its single write
+    fan_out_to_layers(
+        s, op, stage::append, index,
+        [&](const fan_out&, std::size_t i) {
+          return kv_write{index, keys[i], values[i]};
+        },
+        1);
+    return;
+  }
+  // A prefill chunk: each layer's part is one batch of the tokens, kept by
+  // the fan-out until the parts complete.
+  std::vector<kv_write> writes;
+  try {
+    writes.reserve(seq.layers.size() * tokens);
+  } catch (const std::bad_alloc&) {
+    seq.end();
+    return op->complete(kv_errc::capacity_exhausted, queueing::post);
+  }
+  for (std::size_t i = 0; i < seq.layers.size(); ++i)
+    for (std::size_t t = 0; t < tokens; ++t)
+      writes.push_back({index + t, keys[i].subspan(t * width, width), values[i].subspan(t * width, width)});
+  fan_out_to_layers(
+      s, op, stage::append, index, [](const fan_out& fan, std::size_t i) { return fan.writes_of(i); }, tokens,
+      std::move(writes));
 }
 
 void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t n) {
@@ -226,14 +271,14 @@ void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, st
     seq.end();
     return op->complete({}, queueing::post);
   }
-  fan_out_to_layers(s, op, stage::truncate, n, [n](std::size_t) { return truncate_args{n}; });
+  fan_out_to_layers(s, op, stage::truncate, n, [n](const fan_out&, std::size_t) { return truncate_args{n}; });
 }
 
 void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op) {
   sequence_core& seq = *s;
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
   fan_out_to_layers(s, op, stage::fork, seq.size.load(std::memory_order_relaxed),
-                    [](std::size_t) { return fork_args{}; });
+                    [](const fan_out&, std::size_t) { return fork_args{}; });
 }
 
 // The rest of the untyped interface of detail/sequence_core.hpp.

@@ -67,17 +67,19 @@ std::error_code truncate(basic_layer_kv_cache<T>& c, std::size_t n) {
 
 using ghostlink::test::key_of;
 
-/// One token for every layer, as the spans async_append takes. Not copyable:
-/// the spans point into it.
+/// One token for every layer (or `tokens` of them, a prefill chunk: tokens
+/// `index`, `index + 1`, ... all with `tag`), as the spans async_append
+/// takes. Not copyable: the spans point into it.
 struct step {
-  step(std::size_t layers, std::size_t width, std::size_t index, int tag) {
+  step(std::size_t layers, std::size_t width, std::size_t index, int tag, std::size_t tokens = 1) {
     for (std::size_t l = 0; l < layers; ++l) {
-      keys.emplace_back(width);
-      values.emplace_back(width);
-      for (std::size_t lane = 0; lane < width; ++lane) {
-        keys[l][lane] = key_of(l, index, tag, lane);
-        values[l][lane] = -keys[l][lane];
-      }
+      keys.emplace_back(width * tokens);
+      values.emplace_back(width * tokens);
+      for (std::size_t t = 0; t < tokens; ++t)
+        for (std::size_t lane = 0; lane < width; ++lane) {
+          keys[l][t * width + lane] = key_of(l, index + t, tag, lane);
+          values[l][t * width + lane] = -keys[l][t * width + lane];
+        }
     }
     for (std::size_t l = 0; l < layers; ++l) {
       key_spans.emplace_back(keys[l]);

@@ -433,3 +433,110 @@ TEMPLATE_TEST_CASE("a sequence storing 16-bit elements keeps each layer's token 
   CHECK(seq.pool().block_bytes() == kv_block_pool::block_bytes_for<TestType>(config));
   CHECK(seq.pool().stats().bytes_in_use() == layers * blocks_for(n) * kv_block_pool::block_bytes_for<TestType>(config));
 }
+
+// Multi-token appends: a prefill chunk, one request per layer, all or nothing.
+
+TEST_CASE("a multi-token append puts its tokens in every layer as one request per layer and grows size by their count",
+          "[sequence][prefill]") {
+  fixture f;
+  f.append_ok(1);
+  std::vector<std::uint64_t> applied_before;
+  for (std::size_t l = 0; l < layers; ++l) applied_before.push_back(f.seq.layer(l).stats().requests_applied);
+  const std::size_t chunk = 6;  // from index 1: across two block boundaries (4 tokens a block)
+  const step st(layers, f.width, 1, 2, chunk);
+  REQUIRE_FALSE(append(f.seq, st));
+  f.tags.insert(f.tags.end(), chunk, 2);
+  CHECK(f.seq.size() == 1 + chunk);
+  for (std::size_t l = 0; l < layers; ++l) {
+    INFO("layer " << l);
+    CHECK(f.seq.layer(l).stats().requests_applied == applied_before[l] + 1);
+  }
+  f.check_contents();
+  f.append_ok(3);  // a one-token append goes on after it
+  f.check_contents();
+}
+
+TEST_CASE("a multi-token append not a whole number of tokens, or of another count in any layer, is width_mismatch",
+          "[sequence][prefill]") {
+  fixture f;
+  f.append_ok(1);
+  for (std::size_t bad_layer = 0; bad_layer < layers; ++bad_layer) {
+    step st(layers, f.width, 1, 2, 3);
+    INFO("layer " << bad_layer);
+    st.key_spans[bad_layer] = st.value_spans[bad_layer] = std::span(st.keys[bad_layer]).first(2 * f.width);
+    check_rejected(f, kv_errc::width_mismatch, [&] { return append(f.seq, st); });
+    st.key_spans[bad_layer] = st.value_spans[bad_layer] = std::span(st.keys[bad_layer]).first(2 * f.width + 1);
+    check_rejected(f, kv_errc::width_mismatch, [&] { return append(f.seq, st); });
+  }
+  f.check_contents();
+}
+
+TEST_CASE("a multi-token append that would pass max_tokens_per_seq is index_out_of_range and changes nothing",
+          "[sequence][prefill]") {
+  fixture f;
+  const std::size_t max = f.seq.config().max_tokens_per_seq;
+  const step most(layers, f.width, 0, 1, max - 2);
+  REQUIRE_FALSE(append(f.seq, most));
+  f.tags.assign(max - 2, 1);
+  const step three(layers, f.width, max - 2, 2, 3);
+  check_rejected(f, kv_errc::index_out_of_range, [&] { return append(f.seq, three); });
+  const step two(layers, f.width, max - 2, 3, 2);
+  REQUIRE_FALSE(append(f.seq, two));
+  f.tags.insert(f.tags.end(), 2, 3);
+  f.check_contents();
+}
+
+TEST_CASE("a multi-token append that runs out of pool blocks in any layer stores none of its tokens in any layer",
+          "[sequence][prefill]") {
+  const kv_cache_config config = small_config();  // 4 tokens a block
+  const kv_block_pool pool = kv_block_pool::for_caches<float>(config, {.max_blocks = 2 * layers});
+  fixture f(config, pool);
+  for (int t = 0; t < 4; ++t) f.append_ok(1);  // one block in every layer: three left for the pool
+  const step st(layers, f.width, 4, 2, 8);      // two more blocks in every layer
+  check_rejected(f, kv_errc::capacity_exhausted, [&] { return append(f.seq, st); });
+  INFO("blocks in use after the failed append: " << pool.stats().blocks_in_use);
+  CHECK(pool.stats().blocks_in_use == layers);
+  const step fits(layers, f.width, 4, 3, 4);  // one more block in every layer fits
+  REQUIRE_FALSE(append(f.seq, fits));
+  f.tags.insert(f.tags.end(), 4, 3);
+  f.check_contents();
+}
+
+TEST_CASE("concurrent snapshots show every token of a multi-token append or none of them",
+          "[sequence][prefill][concurrency]") {
+  constexpr std::size_t chunk = 3, chunks = 16, readers = 2;
+  constexpr std::size_t max_rounds = 2'000'000;  // per reader; a bound, far more than the writer needs
+  kv_cache_config config = small_config();
+  config.max_tokens_per_seq = chunk * chunks;
+  std::vector<int> tags(chunk * chunks);
+  for (std::size_t i = 0; i < tags.size(); ++i) tags[i] = 1 + static_cast<int>(i / chunk % 9);
+  shared_mismatches bad;
+  std::atomic<bool> writer_done{false};
+  std::atomic<std::size_t> snapshots{0};
+  fixture f(config);
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < readers; ++r)
+    threads.emplace_back([&, r] {
+      std::size_t rounds = 0;
+      for (bool finished = false; !finished && rounds < max_rounds; ++rounds) {
+        finished = writer_done.load(std::memory_order_acquire);
+        const auto snap = f.seq.snapshot();
+        if (snap.size() % chunk != 0) bad.add(str("reader ", r, ": snapshot of ", snap.size(), " tokens"));
+        if (std::string d = diff_snapshot(snap, tags); !d.empty()) bad.add(str("reader ", r, ": ", d));
+      }
+      snapshots += rounds;
+    });
+  std::size_t appended = 0;
+  for (std::size_t c = 0; c < chunks; ++c) {
+    const step st(layers, f.width, c * chunk, tags[c * chunk], chunk);
+    if (append(f.seq, st)) break;
+    ++appended;
+  }
+  writer_done.store(true, std::memory_order_release);
+  for (std::thread& t : threads) t.join();
+  CHECK(appended == chunks);
+  INFO(bad.log.count << " mismatch(es) in " << snapshots << " snapshots, first:\n" << bad.log.first);
+  CHECK(bad.log.count == 0);
+  f.tags = tags;
+  f.check_contents();
+}

@@ -162,28 +162,35 @@ class basic_sequence_kv_cache {
   /// completed meanwhile.
   snapshot_type snapshot() const;
 
-  /// Appends one token to every layer, at index `size()`: layer `i` gets
-  /// `keys_per_layer[i]` and `values_per_layer[i]` (`token_width()` floats
-  /// each). All or nothing: if any layer fails, the layers that took the
-  /// token drop it again before completion.
+  /// Appends one token, or `n` of them (a prefill chunk), to every layer
+  /// from index `size()` on: layer `i` gets `keys_per_layer[i]` and
+  /// `values_per_layer[i]`, `n * token_width()` floats each, token-major
+  /// (token `size()` first), with the same `n >= 1` for every layer. Each
+  /// layer applies its part as one request, so a 256-token chunk costs one
+  /// request per layer, not 256. All or nothing: if any layer fails, the
+  /// layers that took the tokens drop them again before completion, and no
+  /// snapshot shows some of the tokens without the rest.
   ///
   /// The spans (outer and inner) must stay valid until completion.
   /// Completion signature: `void(std::error_code)`, once every layer has
-  /// published the token. Errors: `layer_mismatch`, `length_mismatch`,
-  /// `width_mismatch` (checked first, for every layer), `index_out_of_range`
-  /// (`size() == max_tokens_per_seq`), `operation_in_progress`,
-  /// `capacity_exhausted` (no block left in the pool, or memory refused, in
-  /// any layer); `asio::error::operation_aborted` if cancelled before every
-  /// layer applied it. On error the sequence is as before: the layers that
-  /// took the token drop it again (without memory to, they keep it hidden
-  /// from snapshots until the next append overwrites it).
+  /// published the tokens. Errors: `layer_mismatch`, `length_mismatch`
+  /// (keys and values of a layer differ in length), `width_mismatch` (a
+  /// layer's length is not a whole, non-zero number of tokens, or not the
+  /// same number as layer 0's), checked first, for every layer;
+  /// `index_out_of_range` (`size() + n > max_tokens_per_seq`),
+  /// `operation_in_progress`, `capacity_exhausted` (no block left in the
+  /// pool, or memory refused, in any layer); `asio::error::operation_aborted`
+  /// if cancelled before every layer applied it. On error the sequence is as
+  /// before: the layers that took the tokens drop them again (without memory
+  /// to, they keep them hidden from snapshots until later appends overwrite
+  /// them).
   ///
   /// Handler: queued on its associated executor (without one, the executor
   /// the sequence was made from), never run inside this call, even when the
   /// operation fails at once. Cancellable (see Cancellation above).
   ///
-  /// @param keys_per_layer   one span of `token_width()` floats per layer.
-  /// @param values_per_layer one span of `token_width()` floats per layer.
+  /// @param keys_per_layer   one span of `n * token_width()` floats per layer.
+  /// @param values_per_layer one span of `n * token_width()` floats per layer.
   /// @param token            the completion token; none is needed to `co_await`.
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<void>`.

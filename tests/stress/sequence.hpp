@@ -129,13 +129,20 @@ inline void verify_settled(seq_target& t, rng& r) {
   bump(g_figures.writer_checks);
 }
 
-/// One token for every layer, encoded with `tag` at `index`.
+/// `count` tokens for every layer (one, or a prefill chunk), token `index +
+/// t` encoded with `tag`, each layer's tokens back to back.
 struct step_buffers {
-  std::vector<token_buffer> tokens;
+  std::vector<std::vector<float>> layer_keys, layer_values;
   std::vector<std::span<const float>> keys, values;
-  step_buffers(std::size_t layers, std::size_t width, std::uint64_t tag, std::size_t index) {
-    for (std::size_t l = 0; l < layers; ++l) tokens.emplace_back(width, tag, index, l);
-    for (const token_buffer& b : tokens) keys.emplace_back(b.keys), values.emplace_back(b.values);
+  step_buffers(std::size_t layers, std::size_t width, std::uint64_t tag, std::size_t index, std::size_t count = 1)
+      : layer_keys(layers), layer_values(layers) {
+    for (std::size_t l = 0; l < layers; ++l)
+      for (std::size_t t = 0; t < count; ++t) {
+        const token_buffer b(width, tag, index + t, l);
+        layer_keys[l].insert(layer_keys[l].end(), b.keys.begin(), b.keys.end());
+        layer_values[l].insert(layer_values[l].end(), b.values.begin(), b.values.end());
+      }
+    for (std::size_t l = 0; l < layers; ++l) keys.emplace_back(layer_keys[l]), values.emplace_back(layer_values[l]);
   }
 };
 
@@ -186,11 +193,12 @@ inline void adopt_child(seq_world& w, seq_target& parent, sequence_kv_cache chil
   });
 }
 
-/// Starts an append of token `s.tags.size()` (state published pending).
-inline std::size_t publish_append(seq_target& t, const state& s, std::uint64_t& tag) {
+/// Starts an append of `count` tokens from `s.tags.size()` on (state
+/// published pending).
+inline std::size_t publish_append(seq_target& t, const state& s, std::uint64_t& tag, std::size_t count = 1) {
   state next = s;
   tag = make_tag(t.gen, t.hist.count());
-  next.tags.push_back(tag);
+  next.tags.insert(next.tags.end(), count, tag);
   return t.hist.publish(std::move(next), outcome::pending);
 }
 
@@ -245,13 +253,17 @@ inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target>
     const std::size_t roll = r.below(100);
     if (roll < 62) {
       bump(g_figures.appends);
-      const bool full = s.tags.size() >= w.config.max_tokens_per_seq;
+      // One token mostly; a prefill chunk of 2-9 tokens a quarter of the time.
+      const std::size_t count = r.percent(25) ? r.between(2, 9) : 1;
+      const bool full = s.tags.size() + count > w.config.max_tokens_per_seq;
       std::uint64_t tag = make_tag(t->gen, t->hist.count());
-      const step_buffers step(seq_world::layers, w.config.token_width(), tag, s.tags.size());
-      const std::size_t p = full ? t->hist.publish(s) : publish_append(*t, s, tag);
+      const step_buffers step(seq_world::layers, w.config.token_width(), tag, s.tags.size(), count);
+      const std::size_t p = full ? t->hist.publish(s) : publish_append(*t, s, tag, count);
+      if (count > 1) bump(g_figures.chunk_appends);
       auto [ec] = co_await t->seq.async_append(step.keys, step.values, as_tuple(asio::use_awaitable));
       if (full) {
-        if (ec != kv_errc::index_out_of_range) fail(str(t->name, ": append to a full sequence: ", ec.message()));
+        if (ec != kv_errc::index_out_of_range)
+          fail(str(t->name, ": append of ", count, " past max_tokens_per_seq: ", ec.message()));
         t->hist.complete(p);
       } else {
         settle(*t, p, ec, {kv_errc::capacity_exhausted}, "append");
