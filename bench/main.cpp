@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
       {"decode_with_offloader", decode_with_offloader},
       {"memory", memory},
       {"fork", fork},
+      {"prefill", prefill},
       {"memory_waste", memory_waste},
       {"storage_16bit", storage_16bit}};
   if (!opts.only.empty() && !scenarios.contains(opts.only)) {
@@ -29,7 +30,7 @@ int main(int argc, char** argv) {
   report out;
   for (const char* name :
        {"read_under_write", "attention_read", "write_single", "write_concurrent", "decode_step", "decode_speculative",
-        "decode_with_offloader", "memory", "fork", "memory_waste", "storage_16bit"})
+        "decode_with_offloader", "memory", "fork", "prefill", "memory_waste", "storage_16bit"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",
               opts.tokens, opts.heads, opts.head_dim, opts.block_tokens, opts.runs, opts.quick ? ", --quick" : "");

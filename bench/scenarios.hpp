@@ -15,6 +15,7 @@ void decode_speculative(const options& opts, report& out);
 void decode_with_offloader(const options& opts, report& out);
 void memory(const options& opts, report& out);
 void fork(const options& opts, report& out);
+void prefill(const options& opts, report& out);
 void memory_waste(const options& opts, report& out);
 void storage_16bit(const options& opts, report& out);
 
