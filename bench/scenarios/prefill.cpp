@@ -34,7 +34,7 @@ struct prompt {
     }
   }
   /// Chunk `c`'s first token and token count.
-  std::size_t first(std::size_t c) const { return c * chunk_tokens; }
+  static std::size_t first(std::size_t c) { return c * chunk_tokens; }
   std::size_t count(std::size_t c) const { return std::min(chunk_tokens, tokens - first(c)); }
   std::size_t chunks() const { return (tokens + chunk_tokens - 1) / chunk_tokens; }
   std::span<const float> keys_of(std::size_t c) const {

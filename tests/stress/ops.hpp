@@ -152,13 +152,13 @@ inline std::unique_ptr<planned> plan(state& s, const geometry& g, std::uint64_t 
 /// Starts `op` (not a fork) on `cache` with `token`.
 template <class Token>
 auto start(const layer_kv_cache& cache, planned& op, Token&& token) {
-  layer_kv_cache c = cache;
   switch (op.op) {
     case planned::kind::write:
-      return c.async_write(op.entries[0].index, op.entries[0].keys, op.entries[0].values, std::forward<Token>(token));
-    case planned::kind::batch: return c.async_write_batch(op.entries, std::forward<Token>(token));
-    case planned::kind::initialize: return c.async_initialize(op.n, std::forward<Token>(token));
-    default: return c.async_truncate(op.n, std::forward<Token>(token));
+      return cache.async_write(op.entries[0].index, op.entries[0].keys, op.entries[0].values,
+                               std::forward<Token>(token));
+    case planned::kind::batch: return cache.async_write_batch(op.entries, std::forward<Token>(token));
+    case planned::kind::initialize: return cache.async_initialize(op.n, std::forward<Token>(token));
+    default: return cache.async_truncate(op.n, std::forward<Token>(token));
   }
 }
 
