@@ -142,6 +142,7 @@ TEST_CASE("copies of a cache used from different threads share one cache", "[con
   });
   a.join();
   b.join();
+  // NOLINTNEXTLINE(performance-unnecessary-copy-initialization): the copy is what is tested
   const layer_kv_cache copy = original;
   CHECK(copy.get_executor() == original.get_executor());
   CHECK(original.size() == n);
