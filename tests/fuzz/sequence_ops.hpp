@@ -34,10 +34,11 @@ inline const char* name(seq_kind k) {
 template <class T>
 struct seq_req {
   seq_kind kind{};
-  std::size_t n = 0;  // a truncate's length
+  std::size_t n = 0;       // a truncate's length
+  std::size_t tokens = 1;  // an append's tokens per layer (more than one: a prefill chunk)
   std::vector<std::vector<float>> bufs;
   std::vector<std::span<const float>> keys, values;  // per layer (their number is arbitrary)
-  std::vector<recipe> recipes;                       // per layer
+  std::vector<std::vector<recipe>> recipes;          // per layer, per token of its buffers (a part-token too)
 
   bool cancel_early = false;  // cancelled before any layer's actor runs
   bool cancel_late = false;   // cancelled after the handler ran
@@ -67,12 +68,29 @@ std::shared_ptr<seq_req<T>> decode_seq_req(world<T>& w, seq_kind kind, const mse
       case 11: nk = nv = 0; break;
       default: break;
     }
+    // Sometimes a prefill chunk of 2-4 tokens: whole tokens in front of the
+    // last one, whose lengths are picked as a single token's (maybe bad).
+    r->tokens = w.in.byte() % 8 == 7 ? 2 + w.in.byte() % 3 : 1;
     r->bufs.reserve(2 * std::max(nk, nv));
+    const std::size_t width = w.width();
     for (std::size_t i = 0; i < std::max(nk, nv); ++i) {
       const auto [k, v] = w.pick_lengths();
-      r->recipes.push_back(w.next_recipe());
-      r->bufs.push_back(world<T>::floats(r->recipes[i], k, false));
-      r->bufs.push_back(world<T>::floats(r->recipes[i], v, true));
+      // Every token's worth of floats (and a part-token at the end) gets a
+      // recipe of its own: with a width of 1, any length is whole tokens.
+      const std::size_t kl = (r->tokens - 1) * width + k, vl = (r->tokens - 1) * width + v;
+      std::vector<float> kb, vb;
+      r->recipes.emplace_back();
+      for (std::size_t at = 0; at < std::max(kl, vl); at += width) {
+        r->recipes.back().push_back(w.next_recipe());
+        const std::vector<float> kt =
+            world<T>::floats(r->recipes.back().back(), std::min(width, kl - std::min(kl, at)), false);
+        const std::vector<float> vt =
+            world<T>::floats(r->recipes.back().back(), std::min(width, vl - std::min(vl, at)), true);
+        kb.insert(kb.end(), kt.begin(), kt.end());
+        vb.insert(vb.end(), vt.begin(), vt.end());
+      }
+      r->bufs.push_back(std::move(kb));
+      r->bufs.push_back(std::move(vb));
       if (i < nk) r->keys.push_back(r->bufs[2 * i]);
       if (i < nv) r->values.push_back(r->bufs[2 * i + 1]);
     }
@@ -81,22 +99,33 @@ std::shared_ptr<seq_req<T>> decode_seq_req(world<T>& w, seq_kind kind, const mse
   return r;
 }
 
-/// The checks an append makes before it starts (for every layer).
+/// The checks an append makes before it starts (for every layer): each
+/// layer's keys and values of one length, a whole non-zero number of
+/// tokens, layer 0's number.
 template <class T>
 std::error_code check_append(const world<T>& w, const seq_req<T>& r, std::size_t layers) {
   if (r.keys.size() != layers || r.values.size() != layers) return kv_errc::layer_mismatch;
   for (std::size_t i = 0; i < layers; ++i) {
     if (r.keys[i].size() != r.values[i].size()) return kv_errc::length_mismatch;
-    if (r.keys[i].size() != w.width()) return kv_errc::width_mismatch;
+    if (r.keys[i].size() != r.keys[0].size() || r.keys[i].empty() || r.keys[i].size() % w.width() != 0)
+      return kv_errc::width_mismatch;
   }
   return {};
+}
+
+/// The tokens a well-formed append carries per layer.
+template <class T>
+std::size_t append_tokens(const world<T>& w, const seq_req<T>& r) {
+  return r.keys[0].size() / w.width();
 }
 
 /// Whether `r`, started on `q`, holds the sequence busy until it completes.
 template <class T>
 bool starts_busy(const world<T>& w, const seq_req<T>& r, const mseq& q) {
   switch (r.kind) {
-    case seq_kind::append: return !check_append(w, r, q.layers.size()) && q.length < w.max_tokens();
+    case seq_kind::append:
+      return !check_append(w, r, q.layers.size()) && q.length < w.max_tokens() &&
+             append_tokens(w, r) <= w.max_tokens() - q.length;
     case seq_kind::truncate: return r.n < q.length;
     default: return true;
   }
@@ -123,18 +152,21 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
   if (r.cancel_early) return model_cancelled(w.m, q);
   switch (r.kind) {
     case seq_kind::append: {
-      const std::size_t index = q.length;
+      const std::size_t index = q.length, tokens = append_tokens(w, r);
+      // Each layer applies the append's tokens as one request; each token
+      // has a recipe of its own.
       std::vector<std::error_code> errors;
+      std::vector<mwrite> writes(tokens);
       for (std::size_t i = 0; i < q.layers.size(); ++i) {
-        const mwrite one{index, w.width(), w.width(), r.recipes[i]};
-        errors.push_back(w.m.write(*q.layers[i], std::span(&one, 1)));
+        for (std::size_t t = 0; t < tokens; ++t) writes[t] = {index + t, w.width(), w.width(), r.recipes[i][t]};
+        errors.push_back(w.m.write(*q.layers[i], writes));
         w.m.end_drain(*q.layers[i], 1, errors.back() ? 1 : 0);
       }
       std::error_code first;
       for (std::error_code ec : errors)
         if (ec && !first) first = ec;
       if (!first) {
-        q.length = index + 1;
+        q.length = index + tokens;
         return {};
       }
       // The undo: layers that took the token drop it again.
