@@ -56,10 +56,6 @@ void mailbox::park(request* r) noexcept {
 }
 
 bool mailbox::push(request* r) noexcept {
-  if (!bounded()) {
-    queued_.fetch_add(1, std::memory_order_acq_rel);
-    return enqueue_reserved(r);
-  }
   // Ordering rests on queued_ and the mutex (see the invariants).
   if (waiting() == 0 && try_reserve()) return enqueue_reserved(r);
   {
@@ -75,7 +71,7 @@ bool mailbox::push(request* r) noexcept {
 std::size_t mailbox::take(request** out, std::size_t n) noexcept {
   std::size_t taken = queue_.try_dequeue_bulk(out, n);
   if (taken) queued_.fetch_sub(taken, std::memory_order_acq_rel);
-  if (!bounded() || taken == n || waiting() == 0) return taken;
+  if (taken == n || waiting() == 0) return taken;
   std::lock_guard lock(mutex_);
   if (!waiting_head_ || queued_.load(std::memory_order_acquire) != 0) return taken;  // queued requests go first
   while (taken < n && waiting_head_) {

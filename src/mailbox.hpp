@@ -9,8 +9,8 @@
 //   is enqueued (a carried request holds one too) and the drain releases one
 //   per request it dequeues, so a bounded queue_ never holds more than
 //   max_pending_ requests and its memory stays bounded by them. An unbounded
-//   mailbox (max_pending_ = SIZE_MAX) counts the same way and never
-//   congests.
+//   mailbox (max_pending_ = SIZE_MAX) is the same code with a bound it never
+//   reaches: it never parks.
 // - waiting_count_ is the length of the waiting list. While it is non-zero,
 //   every new request parks behind the waiting ones. Read without the lock
 //   it may be stale: a stale 0 only sends a request to try_reserve(), which
@@ -80,7 +80,6 @@ class mailbox {
   static std::uint64_t bytes_allocated() noexcept;
 
  private:
-  bool bounded() const noexcept { return max_pending_ != SIZE_MAX; }
   bool try_reserve() noexcept;
   bool enqueue_reserved(request* r) noexcept;
   void park(request* r) noexcept;  // mutex_ held

@@ -234,7 +234,7 @@ void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
   if (ec) return op->complete(ec, queueing::post);
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
   const std::size_t index = seq.size.load(std::memory_order_relaxed);
-  if (index >= seq.config.max_tokens_per_seq || tokens > seq.config.max_tokens_per_seq - index) {
+  if (tokens > seq.config.max_tokens_per_seq - index) {  // size() never passes max_tokens_per_seq
     seq.end();
     return op->complete(kv_errc::index_out_of_range, queueing::post);
   }

@@ -124,8 +124,7 @@ template <class T>
 bool starts_busy(const world<T>& w, const seq_req<T>& r, const mseq& q) {
   switch (r.kind) {
     case seq_kind::append:
-      return !check_append(w, r, q.layers.size()) && q.length < w.max_tokens() &&
-             append_tokens(w, r) <= w.max_tokens() - q.length;
+      return !check_append(w, r, q.layers.size()) && append_tokens(w, r) <= w.max_tokens() - q.length;
     case seq_kind::truncate: return r.n < q.length;
     default: return true;
   }
