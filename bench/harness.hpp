@@ -55,6 +55,17 @@ double ops_per_second(double seconds, Op op) {
   return double(i) / seconds_since(t0);
 }
 
+/// Calls `lap()`, which returns the seconds of it that count (untimed setup
+/// left out), until those add up to `seconds`; returns laps per counted
+/// second.
+template <class Lap>
+double laps_per_second(double seconds, Lap lap) {
+  double timed = 0;
+  std::size_t laps = 0;
+  for (; timed < seconds; ++laps) timed += lap();
+  return double(laps) / timed;
+}
+
 /// Latencies in nanoseconds; p(0.5), p(0.99).
 struct latencies {
   std::vector<double> ns;

@@ -300,18 +300,24 @@ TEST_CASE("a fork of an empty sequence accepts appends of its own", "[sequence]"
   f.check_contents();  // the parent stays empty
 }
 
-TEST_CASE("concurrent snapshots never show a partially appended token", "[sequence][concurrency]") {
+namespace {
+
+/// Appends 48 tokens, `chunk` per append, while 2 reader threads snapshot:
+/// every snapshot holds whole appends (a multiple of `chunk` tokens), exactly
+/// as appended, never fewer than size() showed before it, never shrinking.
+/// The writer appends the next chunk only once every reader has seen the
+/// last, so readers snapshot every length and race every append.
+void check_concurrent_snapshots(std::size_t chunk) {
   constexpr std::size_t tokens = 48, readers = 2;
   constexpr std::size_t max_rounds = 5'000'000;  // per reader; far more than the writer needs
   kv_cache_config config = small_config();
   config.max_tokens_per_seq = tokens;
   std::vector<int> tags(tokens);
-  for (std::size_t i = 0; i < tokens; ++i) tags[i] = 1 + static_cast<int>(i % 9);
+  for (std::size_t i = 0; i < tokens; ++i) tags[i] = 1 + static_cast<int>(i / chunk % 9);
   shared_mismatches bad;
   std::atomic<std::size_t> snapshots{0};
   // Each reader publishes the largest size it has seen (SIZE_MAX once it
-  // stops); the writer appends the next token only once every reader has
-  // seen the last, so readers snapshot every length and race every append.
+  // stops).
   std::array<std::atomic<std::size_t>, readers> seen{};
   std::atomic<bool> writer_done{false};
   fixture f(config);
@@ -326,6 +332,7 @@ TEST_CASE("concurrent snapshots never show a partially appended token", "[sequen
         if (snap.size() < completed)
           bad.add(str("reader ", r, ": snapshot ", snap.size(), " after size() ", completed));
         if (snap.size() < last) bad.add(str("reader ", r, ": snapshot shrank from ", last, " to ", snap.size()));
+        if (snap.size() % chunk != 0) bad.add(str("reader ", r, ": snapshot of ", snap.size(), " tokens"));
         if (finished && snap.size() != tokens) bad.add(str("reader ", r, ": final snapshot of ", snap.size()));
         if (std::string d = diff_snapshot(snap, tags); !d.empty()) bad.add(str("reader ", r, ": ", d));
         if (snap.size() > last) {
@@ -339,10 +346,10 @@ TEST_CASE("concurrent snapshots never show a partially appended token", "[sequen
       snapshots += rounds;
     });
   std::size_t appended = 0;
-  for (std::size_t i = 0; i < tokens; ++i) {
-    const step st(layers, f.width, i, tags[i]);
+  for (std::size_t i = 0; i < tokens; i += chunk) {
+    const step st(layers, f.width, i, tags[i], chunk);
     if (append(f.seq, st)) break;
-    ++appended;
+    appended += chunk;
     for (std::atomic<std::size_t>& s : seen)
       for (std::size_t v = s.load(std::memory_order_acquire); v < appended; v = s.load(std::memory_order_acquire))
         s.wait(v, std::memory_order_acquire);
@@ -354,6 +361,17 @@ TEST_CASE("concurrent snapshots never show a partially appended token", "[sequen
   CHECK(bad.log.count == 0);
   f.tags = tags;
   f.check_contents();
+}
+
+}  // namespace
+
+TEST_CASE("concurrent snapshots never show a partially appended token", "[sequence][concurrency]") {
+  check_concurrent_snapshots(1);
+}
+
+TEST_CASE("concurrent snapshots show every token of a multi-token append or none of them",
+          "[sequence][prefill][concurrency]") {
+  check_concurrent_snapshots(3);
 }
 
 TEST_CASE("a sequence snapshot never shows a token of one append in some layers and of another in the rest",
@@ -499,44 +517,5 @@ TEST_CASE("a multi-token append that runs out of pool blocks in any layer stores
   const step fits(layers, f.width, 4, 3, 4);  // one more block in every layer fits
   REQUIRE_FALSE(append(f.seq, fits));
   f.tags.insert(f.tags.end(), 4, 3);
-  f.check_contents();
-}
-
-TEST_CASE("concurrent snapshots show every token of a multi-token append or none of them",
-          "[sequence][prefill][concurrency]") {
-  constexpr std::size_t chunk = 3, chunks = 16, readers = 2;
-  constexpr std::size_t max_rounds = 2'000'000;  // per reader; a bound, far more than the writer needs
-  kv_cache_config config = small_config();
-  config.max_tokens_per_seq = chunk * chunks;
-  std::vector<int> tags(chunk * chunks);
-  for (std::size_t i = 0; i < tags.size(); ++i) tags[i] = 1 + static_cast<int>(i / chunk % 9);
-  shared_mismatches bad;
-  std::atomic<bool> writer_done{false};
-  std::atomic<std::size_t> snapshots{0};
-  fixture f(config);
-  std::vector<std::thread> threads;
-  for (std::size_t r = 0; r < readers; ++r)
-    threads.emplace_back([&, r] {
-      std::size_t rounds = 0;
-      for (bool finished = false; !finished && rounds < max_rounds; ++rounds) {
-        finished = writer_done.load(std::memory_order_acquire);
-        const auto snap = f.seq.snapshot();
-        if (snap.size() % chunk != 0) bad.add(str("reader ", r, ": snapshot of ", snap.size(), " tokens"));
-        if (std::string d = diff_snapshot(snap, tags); !d.empty()) bad.add(str("reader ", r, ": ", d));
-      }
-      snapshots += rounds;
-    });
-  std::size_t appended = 0;
-  for (std::size_t c = 0; c < chunks; ++c) {
-    const step st(layers, f.width, c * chunk, tags[c * chunk], chunk);
-    if (append(f.seq, st)) break;
-    ++appended;
-  }
-  writer_done.store(true, std::memory_order_release);
-  for (std::thread& t : threads) t.join();
-  CHECK(appended == chunks);
-  INFO(bad.log.count << " mismatch(es) in " << snapshots << " snapshots, first:\n" << bad.log.first);
-  CHECK(bad.log.count == 0);
-  f.tags = tags;
   f.check_contents();
 }

@@ -44,13 +44,7 @@ kv_cache_config decode_config(const options& o) {
 /// o.seconds of decoding; steps per second of decoding time.
 template <class Lap>
 double steps_per_second(const options& o, Lap lap) {
-  double decoding = 0;
-  std::size_t steps = 0;
-  while (decoding < o.seconds) {
-    decoding += lap();
-    steps += o.steps;
-  }
-  return double(steps) / decoding;
+  return double(o.steps) * laps_per_second(o.seconds, lap);
 }
 
 template <storage_element T>

@@ -45,19 +45,10 @@ struct prompt {
   }
 };
 
-/// Laps until `seconds` of timed prefill; prompts per second of that time.
-template <class Lap>
-double prompts_per_second(double seconds, Lap lap) {
-  double timed = 0;
-  std::size_t prompts = 0;
-  for (; timed < seconds; ++prompts) timed += lap();
-  return double(prompts) / timed;
-}
-
 double run_ghostlink(const options& o, const prompt& p) {
   asio::thread_pool threads(o.threads);
   const auto pool = kv_block_pool::for_caches(o.config());
-  const double rate = prompts_per_second(o.seconds, [&] {
+  const double rate = laps_per_second(o.seconds, [&] {
     const sequence_kv_cache seq(threads, o.layers, o.config(), pool);
     std::vector<std::span<const float>> keys(o.layers), values(o.layers);
     const auto t0 = clock_type::now();
@@ -75,7 +66,7 @@ double run_ghostlink(const options& o, const prompt& p) {
 }
 
 double run_memcpy(const options& o, const prompt& p) {
-  return prompts_per_second(o.seconds, [&] {
+  return laps_per_second(o.seconds, [&] {
     std::vector<std::unique_ptr<rwlock_cache>> layers;
     for (std::size_t l = 0; l < o.layers; ++l) {
       layers.push_back(std::make_unique<rwlock_cache>(o.config()));
