@@ -151,6 +151,7 @@ std::error_code actor::apply(request& r) {
     case request_kind::write_batch: return state_->write(r.entries());
     case request_kind::truncate: return state_->truncate(r.size());
     case request_kind::fork: return fork(r);
+    case request_kind::reserve: return state_->reserve(r.size(), r.tokens());
   }
   return {};
 }

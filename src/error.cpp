@@ -24,7 +24,10 @@ class kv_category_impl final : public std::error_category {
                "cache";
       case kv_errc::capacity_exhausted: return "no storage left under the configured block budget";
       case kv_errc::layer_mismatch: return "keys and values must be given for exactly num_layers() layers";
-      case kv_errc::operation_in_progress: return "another append, truncate or fork of this sequence is in progress";
+      case kv_errc::operation_in_progress:
+        return "another append, truncate, fork or step of this sequence (or write of this step's layer) is in progress";
+      case kv_errc::step_incomplete: return "a step can only commit once every layer has been written";
+      case kv_errc::step_closed: return "the step has already been committed or ended";
     }
     return "unknown ghostlink.kv error " + std::to_string(ev);
   }

@@ -1,14 +1,7 @@
-// A sequence's operations: one fan-out per operation hands each layer's
-// actor a request of its own and completes the user's operation once, when
-// the last layer's request has completed.
-//
-// Threads: a layer's request completes on that layer's strand, inside its
-// drain (or inside submit() when the mailbox could not grow), so the parts
-// of one operation complete on as many threads as there are layers. The
-// countdown `remaining` decides which one goes on: its acq_rel makes every
-// part's result visible to it. The initiating call holds one count of its
-// own while it submits, so no part can end the stage (and free the fan-out)
-// before the last submission has returned.
+// A sequence's operations: one fan-out per operation (fan_out.hpp) hands
+// each layer's actor a request of its own and completes the user's
+// operation once, when the last layer's request has completed. Steps are in
+// step.cpp; their begin and end are fan-out stages decided here.
 
 #include "sequence.hpp"
 
@@ -22,98 +15,11 @@
 #include "actor.hpp"
 #include "block.hpp"
 #include "block_pool.hpp"
+#include "fan_out.hpp"
 #include "ghostlink/error.hpp"
+#include "step.hpp"
 
 namespace ghostlink::detail {
-namespace {
-
-class fan_out;
-
-/// One layer's request of a sequence operation: its completion reports to
-/// the fan-out instead of running a handler.
-class layer_part final : public request {
- public:
-  template <class Arg>
-  layer_part(fan_out& fan, const Arg& arg) noexcept : request(&finish, arg), fan_(fan) {}
-
-  /// The layer's result, once finished.
-  std::error_code result;
-  /// True if the layer's actor destroyed the request unapplied.
-  bool discarded = false;
-
- private:
-  static void finish(operation* base, const std::error_code* ec, queueing how);
-  fan_out& fan_;
-};
-
-/// What an operation is doing now, and so what its last part decides.
-enum class stage : unsigned char { append, undo_append, truncate, fork };
-
-class fan_out {
- public:
-  fan_out(std::shared_ptr<sequence_core> seq, sequence_op* op, stage s, std::size_t index, std::size_t tokens,
-          std::vector<kv_write> writes)
-      : seq_(std::move(seq)),
-        op_(op),
-        parts_(seq_->layers.size()),
-        writes_(std::move(writes)),
-        stage_(s),
-        index_(index),
-        tokens_(tokens) {}
-
-  /// An append of several tokens: layer `i`'s writes (its part's entries,
-  /// which live as long as the fan-out).
-  std::span<const kv_write> writes_of(std::size_t i) const noexcept {
-    return std::span<const kv_write>(writes_).subspan(i * tokens_, tokens_);
-  }
-
-  /// Submits the current stage's part `arg_of(i)` to layer `i` for every
-  /// `i` that `wanted(i)` accepts, cancellable through `cancel`, then ends
-  /// the stage if every part already finished.
-  template <class ArgOf, class Wanted>
-  void start(ArgOf arg_of, const ref_ptr<cancel_state>& cancel, Wanted wanted) {
-    std::size_t count = 0;
-    for (std::size_t i = 0; i < parts_.size(); ++i) {
-      if (!wanted(i)) continue;
-      parts_[i].emplace(*this, arg_of(i)).watch(cancel);
-      ++count;
-    }
-    remaining_.store(count + 1, std::memory_order_relaxed);  // + 1: ours, while submitting
-    for (std::size_t i = 0; i < parts_.size(); ++i)
-      // NOLINTNEXTLINE(bugprone-unchecked-optional-access): checked on the same line
-      if (parts_[i].has_value()) submit(*seq_->layers[i], &*parts_[i], urgency::batch);
-    arrive(queueing::post);
-  }
-
-  /// One part (or the submitter) is done; the last one ends the stage.
-  void arrive(queueing how) {
-    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) end_stage(how);
-  }
-
- private:
-  std::error_code first_error() const noexcept {
-    for (const auto& p : parts_)
-      if (p && p->result) return p->result;
-    return {};
-  }
-  bool any_discarded() const noexcept {
-    return std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return p && p->discarded; });
-  }
-
-  void end_stage(queueing how);
-  /// Frees the fan-out, then completes the operation: the last thing done.
-  void complete(std::error_code ec, queueing how);
-
-  const std::shared_ptr<sequence_core> seq_;
-  sequence_op* const op_;
-  std::vector<std::optional<layer_part>> parts_;  // engaged: submitted in the current stage
-  const std::vector<kv_write> writes_;             // an append of several tokens: tokens_ per layer, layer by layer
-  stage stage_;
-  const std::size_t index_;   // append: the first token's index; truncate: the size kept
-  const std::size_t tokens_;  // append: tokens appended
-  std::error_code failure_;  // undo_append: why the append failed
-  std::atomic<std::size_t> remaining_{0};
-};
 
 void layer_part::finish(operation* base, const std::error_code* ec, queueing how) {
   auto* self = static_cast<layer_part*>(base);
@@ -128,15 +34,27 @@ void fan_out::complete(std::error_code ec, queueing how) {
   sequence_op* const op = op_;
   const bool discard = any_discarded();
   delete this;
+  if (!op) return;
   if (discard)
     op->discard();
   else
     op->complete(ec, how);
 }
 
+template <class Arg>
+void fan_out::undo(stage s, std::error_code ec, const Arg& drop) {
+  std::vector<bool> took(parts_.size());
+  for (std::size_t i = 0; i < parts_.size(); ++i) took[i] = parts_[i] && !parts_[i]->result;
+  for (auto& p : parts_) p.reset();
+  stage_ = s;
+  failure_ = ec;
+  start([&](std::size_t) { return drop; }, {}, [&](std::size_t i) { return took[i]; });
+}
+
 void fan_out::end_stage(queueing how) {
   sequence_core& seq = *seq_;
   if (any_discarded()) {  // an actor shut down with the operation in its mailbox
+    if (stage_ == stage::end_step) seq.bound.store(sequence_core::no_bound, std::memory_order_release);
     seq.end();
     return complete({}, how);
   }
@@ -146,14 +64,7 @@ void fan_out::end_stage(queueing how) {
         // Drop the token again from the layers that took it. Without memory
         // to, it stays where it was stored, hidden (other layers lack it)
         // until the next append overwrites it.
-        std::vector<bool> took(parts_.size());
-        // NOLINTNEXTLINE(bugprone-unchecked-optional-access): every layer had a part in this stage
-        for (std::size_t i = 0; i < parts_.size(); ++i) took[i] = !parts_[i]->result;
-        for (auto& p : parts_) p.reset();
-        stage_ = stage::undo_append;
-        failure_ = ec;
-        const truncate_args drop{index_};
-        return start([&](std::size_t) { return drop; }, {}, [&](std::size_t i) { return took[i]; });
+        return undo(stage::undo_append, ec, truncate_args{index_});
       }
       seq.size.store(index_ + tokens_, std::memory_order_release);
       seq.end();
@@ -166,7 +77,7 @@ void fan_out::end_stage(queueing how) {
       // One layer truncated is enough for the sequence to be: a layer that
       // could not keeps its extra tokens hidden (snapshots show the shortest
       // layer) until appends overwrite them.
-      const bool any = std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return !p->result; });
+      const bool any = any_applied();
       if (any) {
         seq.size.store(index_, std::memory_order_release);
         seq.dropped();
@@ -190,25 +101,33 @@ void fan_out::end_stage(queueing how) {
       }
       return complete(ec, how);  // the forks of layers that did fork go with the fan-out
     }
+    case stage::begin_step:
+      if (std::error_code ec = first_error()) return undo(stage::undo_begin_step, ec, reserve_args{index_, 0});
+      // The layers dropped any hidden token from index_ on (a snapshot that
+      // pinned one before must pin again); the step's tokens stay hidden
+      // until its commit. The sequence stays busy until the step ends.
+      seq.bound.store(index_, std::memory_order_release);
+      seq.dropped();
+      op_->step = std::move(step_);
+      return complete({}, how);
+    case stage::undo_begin_step:
+      seq.dropped();
+      seq.end();
+      return complete(failure_, how);
+    case stage::end_step:
+      // A layer that could not drop the tokens (no memory for its page
+      // table) keeps them hidden behind those that did; if none did, the
+      // bound stays, so no snapshot shows them.
+      if (any_applied()) {
+        seq.dropped();
+        seq.bound.store(sequence_core::no_bound, std::memory_order_release);
+      }
+      seq.end();
+      return complete({}, how);
   }
 }
 
-/// Starts stage `s` of `op` on every layer, layer `i` given `arg_of(*fan,
-/// i)`, or fails `op` with capacity_exhausted if the fan-out cannot be
-/// allocated. `busy` is set. An append of `tokens` tokens passes their
-/// writes (`writes`, when more than one) for the fan-out to keep.
-template <class ArgOf>
-void fan_out_to_layers(const std::shared_ptr<sequence_core>& seq, sequence_op* op, stage s, std::size_t index,
-                       ArgOf arg_of, std::size_t tokens = 0, std::vector<kv_write> writes = {}) {
-  fan_out* fan = nullptr;
-  try {
-    fan = new fan_out(seq, op, s, index, tokens, std::move(writes));
-  } catch (const std::bad_alloc&) {
-    seq->end();
-    return op->complete(kv_errc::capacity_exhausted, queueing::post);
-  }
-  fan->start([&](std::size_t i) { return arg_of(*fan, i); }, op->cancellation(), [](std::size_t) { return true; });
-}
+namespace {
 
 /// The tokens an append carries per layer (at least one, the same for
 /// every layer), or its error.
@@ -311,5 +230,6 @@ const asio::any_io_executor& io_executor(const sequence_core& s) noexcept { retu
 std::size_t size_of(const sequence_core& s) noexcept { return s.size.load(std::memory_order_acquire); }
 const std::shared_ptr<actor>& layer_of(const sequence_core& s, std::size_t i) noexcept { return s.layers[i]; }
 std::uint64_t removals(const sequence_core& s) noexcept { return s.drops.load(std::memory_order_acquire); }
+std::size_t visible_bound(const sequence_core& s) noexcept { return s.bound.load(std::memory_order_acquire); }
 
 }  // namespace ghostlink::detail

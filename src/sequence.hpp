@@ -14,6 +14,12 @@
 //   layer's first `min` tokens are the same tokens), but a removal followed
 //   by a new append at the same index between two pins would mix an old and
 //   a new token. A snapshot therefore pins again if `drops` changed.
+// - `bound` caps what a sequence snapshot shows. It is `no_bound` except
+//   while a step is open, when it is the step's first index: a step's
+//   tokens show once it commits, though every layer may hold them before.
+//   The step's begin sets it before any of its writes is submitted; its
+//   commit or end lifts it (release) after `size` is stored or the layers
+//   have dropped the tokens.
 
 #include <atomic>
 #include <cstddef>
@@ -42,12 +48,15 @@ class sequence_core {
   void dropped() noexcept { drops.fetch_add(1, std::memory_order_release); }
   void end() noexcept { busy.store(false, std::memory_order_release); }
 
+  static constexpr std::size_t no_bound = static_cast<std::size_t>(-1);
+
   const asio::any_io_executor executor;
   const kv_cache_config config;  // as the user gave it (the layers' may leave the budget to the pool)
   const std::vector<std::shared_ptr<actor>> layers;
   std::atomic<std::size_t> size;  // tokens of the last completed append, truncate or fork
   std::atomic<bool> busy{false};
   std::atomic<std::uint64_t> drops{0};
+  std::atomic<std::size_t> bound{no_bound};
 };
 
 }  // namespace ghostlink::detail

@@ -155,6 +155,50 @@ std::error_code working_state::truncate(std::size_t size) {
   return {};
 }
 
+std::error_code working_state::reserve(std::size_t index, std::size_t tokens) {
+  reserved_.clear();
+  if (tokens == 0) return truncate(index);
+  const std::size_t bt = config_.block_tokens;
+  // A block that already holds position `index` and takes the write in
+  // place needs no fresh one; every other block of [index, index + tokens)
+  // is a fresh one (a copy or a new block). Nothing but that write reaches
+  // the cache until then (its sequence is busy), and no epoch is published
+  // in between unless this truncates: what is writable in place now still
+  // is then. After a truncate, count conservatively.
+  std::size_t first = index / bt;
+  const std::size_t last = (index + tokens - 1) / bt;
+  const std::size_t kept = std::min(stored_, index);
+  if (index % bt != 0 && first < ceil_div(kept, bt) && size_ <= index) {
+    const ref_ptr<block>& blk = table_->entry(first);
+    if (blk && writable_in_place(first, *blk, index % bt)) ++first;
+  }
+  // A write past a partial last block below `index` zero-fills it (a copy
+  // if it is not writable in place): one more, to be safe.
+  const bool gap = kept < index && kept % bt != 0;
+  const std::size_t needed = last + 1 - first + (gap ? 1 : 0);
+  try {
+    if (!zero_chunk()) return kv_errc::capacity_exhausted;  // a table that grows takes whole zero chunks
+    std::vector<ref_ptr<block>> set_aside;
+    set_aside.reserve(needed);
+    for (std::size_t i = 0; i < needed; ++i) {
+      set_aside.push_back(block::make(*pool_, owner_));
+      if (!set_aside.back()) return kv_errc::capacity_exhausted;
+    }
+    if (std::error_code ec = truncate(index)) return ec;
+    reserved_ = std::move(set_aside);
+  } catch (const std::bad_alloc&) {
+    return kv_errc::capacity_exhausted;
+  }
+  return {};
+}
+
+ref_ptr<block> working_state::fresh_block() noexcept {
+  if (reserved_.empty()) return block::make(*pool_, owner_);
+  ref_ptr<block> b = std::move(reserved_.back());
+  reserved_.pop_back();
+  return b;
+}
+
 std::error_code working_state::write(std::span<const kv_write> entries) {
   if (std::error_code ec = validate(entries)) return ec;
   if (entries.empty()) return {};
@@ -188,6 +232,7 @@ std::error_code working_state::write(std::span<const kv_write> entries) {
     undo.clear();
     return kv_errc::capacity_exhausted;
   }
+  reserved_.clear();  // a reservation serves one write
   // Blocks replaced by copies leave the table (and may be freed with the
   // undo log): forget them.
   for (const auto& replaced : undo) std::erase(touched_, replaced.second.get());
@@ -286,7 +331,7 @@ bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& un
     if (touched_.empty() || touched_.back() != current.get()) touched_.push_back(current.get());
     return true;
   }
-  ref_ptr<block> fresh = block::make(*pool_, owner_);
+  ref_ptr<block> fresh = fresh_block();
   if (!fresh) return false;
   // Copy-on-write: the tokens this cache holds in the block (another
   // owner's counters are not ours to read).

@@ -35,6 +35,9 @@
 //   epoch and is never edited (it is copied first). Tables and chunks are
 //   never shared between caches; a fork copies them.
 // - apply() changes nothing visible unless it returns success.
+// - reserved_ holds fresh blocks of this cache that no table or epoch
+//   refers to, set aside by reserve() for the next write; the next write
+//   that succeeds frees what it did not use.
 
 #include <cstddef>
 #include <cstdint>
@@ -70,6 +73,12 @@ class working_state {
   std::error_code initialize(std::size_t size);
   std::error_code write(std::span<const kv_write> entries);
   std::error_code truncate(std::size_t size);
+  /// Drops the tokens from `index` on, frees the blocks set aside before,
+  /// and sets aside every block a write of tokens `[index, index + tokens)`
+  /// will need, so that it cannot fail for want of a block (a sequence
+  /// step's begin; with `tokens` 0, its undo). On error (capacity_exhausted)
+  /// nothing is set aside and nothing changed.
+  std::error_code reserve(std::size_t index, std::size_t tokens);
   /// A new working state equal to this one, sharing every block
   /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.
   std::unique_ptr<working_state> fork();
@@ -117,6 +126,9 @@ class working_state {
   /// The rewrite-after-rollback case of writable_in_place (see above).
   bool rewritable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;
   const ref_ptr<block>& zero_block();
+  /// A fresh block of this cache: one set aside by reserve(), else a new one
+  /// (null when the pool has none to give).
+  ref_ptr<block> fresh_block() noexcept;
   /// Zero-fills `blk`'s positions from its materialized count up to `positions`.
   void materialize(block& blk, std::size_t positions) noexcept;
   /// Raises readable() of every block touched since the last seal to what
@@ -134,6 +146,7 @@ class working_state {
   ref_ptr<table_chunk> zero_chunk_;
   undo_log undo_;                // a one-token write's undo log; empty between writes
   std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
+  std::vector<ref_ptr<block>> reserved_;  // set aside by reserve() for the next write
   std::size_t size_ = 0;
   std::size_t stored_ = 0;
   std::uint64_t next_epoch_ = 0;

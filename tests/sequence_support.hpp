@@ -115,6 +115,30 @@ std::pair<std::error_code, basic_sequence_kv_cache<T>> fork(basic_sequence_kv_ca
   }
 }
 
+// Blocking calls on a sequence's step.
+template <class T>
+std::pair<std::error_code, basic_sequence_step<T>> begin_step(const basic_sequence_kv_cache<T>& s, std::size_t n) {
+  using result = std::pair<std::error_code, basic_sequence_step<T>>;
+  try {
+    return result(std::error_code(), s.async_begin_step(n, asio::use_future).get());
+  } catch (const std::system_error& e) {
+    return result(e.code(), basic_sequence_step<T>());
+  }
+}
+/// Writes layer `l`'s part of `st` (its tokens) through `step`.
+template <class T>
+std::error_code write_layer(const basic_sequence_step<T>& open, std::size_t l, const step& st) {
+  return wait_ec([&](auto token) { return open.async_write(l, st.key_spans[l], st.value_spans[l], token); });
+}
+template <class T>
+std::error_code commit(const basic_sequence_step<T>& open) {
+  return wait_ec([&](auto token) { return open.async_commit(token); });
+}
+template <class T>
+std::error_code abandon(const basic_sequence_step<T>& open) {
+  return wait_ec([&](auto token) { return open.async_abandon(token); });
+}
+
 /// "" if `keys`/`values` are layer `layer`'s token `index` appended with
 /// `tag` (as stored in T, bit for bit), else the first float that differs.
 template <class T>

@@ -48,30 +48,6 @@ TEST_CASE("a const sequence handle appends, forks and truncates its sequence, as
   CHECK(d.empty());
 }
 
-TEST_CASE("a sequence snapshot narrows every layer to the tokens all layers hold", "[sequence]") {
-  fixture f;
-  f.append_ok(1);
-  f.append_ok(2);
-  // Written to layer 1 alone, past the sequence's bookkeeping.
-  layer_kv_cache layer1 = f.seq.layer(1);
-  const step extra(layers, f.width, 2, 5);
-  REQUIRE_FALSE(ghostlink::test::wait_ec(
-      [&](auto token) { return layer1.async_write(2, extra.keys[1], extra.values[1], token); }));
-  CHECK(f.seq.layer(1).size() == 3);
-  const ghostlink::sequence_snapshot snap = f.seq.snapshot();
-  INFO("sequence snapshot " << snap.size() << ", layer 1's own " << f.seq.layer(1).size());
-  CHECK(snap.size() == 2);
-  CHECK(snap.layer(1).size() == 2);
-  kv_entry e;
-  CHECK(snap.layer(1).read_kv(2, e) == kv_errc::index_out_of_range);
-  const std::string d = diff_snapshot(snap, f.tags);
-  INFO(d);
-  CHECK(d.empty());
-  // The next append lands at index 2 in every layer, over layer 1's stray token.
-  f.append_ok(3);
-  f.check_contents();
-}
-
 TEST_CASE("an append for the wrong number of layers is layer_mismatch and changes nothing", "[sequence]") {
   fixture f;
   f.append_ok(1);

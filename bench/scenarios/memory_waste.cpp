@@ -30,8 +30,11 @@ std::size_t sequences(const options& o) { return o.quick ? 16 : 256; }
 void memory_waste(const options& o, report& out) {
   const std::size_t width = o.config().token_width();
   const token t(width, 7);
-  std::vector<kv_write> batch;
-  for (std::size_t i = 0; i < o.tokens; ++i) batch.push_back({i, t.keys, t.values});
+  std::vector<float> keys, values;  // o.tokens of t, token-major
+  for (std::size_t i = 0; i < o.tokens; ++i) {
+    keys.insert(keys.end(), t.keys.begin(), t.keys.end());
+    values.insert(values.end(), t.values.begin(), t.values.end());
+  }
 
   out.run("memory_waste", o, [&](std::map<std::string, metric>& m) {
     std::mt19937_64 rng(42);
@@ -54,10 +57,14 @@ void memory_waste(const options& o, report& out) {
       const double before = heap_bytes();
       const auto pool = kv_block_pool::for_caches(o.config());
       std::vector<sequence_kv_cache> seqs;
+      // One append of n tokens per sequence; the spans live until io.run() returns.
+      std::vector<std::span<const float>> spans;
+      spans.reserve(2 * lengths.size());
       for (std::size_t n : lengths) {
         seqs.emplace_back(io, 1, o.config(), pool);
-        sequence_kv_cache::layer_type layer = seqs.back().layer(0);  // written directly: one batch per sequence
-        layer.async_write_batch(std::span(batch).first(n), [](std::error_code) {});
+        spans.push_back(std::span<const float>(keys).first(n * width));
+        spans.push_back(std::span<const float>(values).first(n * width));
+        seqs.back().async_append(std::span(spans).last(2).first(1), std::span(spans).last(1), [](std::error_code) {});
       }
       io.run();
       const double held = double(pool.stats().bytes_in_use());

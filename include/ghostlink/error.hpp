@@ -29,8 +29,12 @@ enum class kv_errc {
   buffer_too_small,     ///< an output span shorter than the data.
   invalid_config,       ///< a zero field in `kv_cache_config`.
   capacity_exhausted,   ///< no storage left under the configured budget.
-  layer_mismatch,       ///< a sequence append given keys or values for a number of layers other than `num_layers()`.
-  operation_in_progress,  ///< a sequence append, truncate or fork started while another is in progress.
+  layer_mismatch,  ///< a sequence append given keys or values for a number of layers other than `num_layers()`,
+                   ///< or a step's write to a layer past them.
+  operation_in_progress,  ///< a sequence append, truncate, fork or step started while another is in progress
+                          ///< (or a step's layer written a second time).
+  step_incomplete,        ///< a step committed before every layer was written.
+  step_closed,            ///< a step written or committed after its commit or its end.
 };
 
 /// The category of `kv_errc`; its name is `"ghostlink.kv"`.

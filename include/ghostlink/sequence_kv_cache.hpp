@@ -21,7 +21,8 @@
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/sequence_core.hpp"
 #include "ghostlink/element.hpp"
-#include "ghostlink/layer_kv_cache.hpp"
+#include "ghostlink/layer_kv_view.hpp"
+#include "ghostlink/sequence_step.hpp"
 #include "ghostlink/snapshot.hpp"
 
 namespace ghostlink {
@@ -29,16 +30,19 @@ namespace ghostlink {
 /// Per-layer snapshots of one sequence, all of one length.
 ///
 /// Each layer's snapshot is narrowed to `size()`: the tokens every layer
-/// held when they were pinned. Move-only; safe to read from many threads.
+/// held when they were pinned (and no open step's). Move-only; safe to read
+/// from many threads.
 template <storage_element T>
 class basic_sequence_snapshot {
  public:
   /// An empty snapshot: no layers, size 0 (as a moved-from one).
   basic_sequence_snapshot() = default;
-  /// Narrows `layers` to the shortest of them.
-  explicit basic_sequence_snapshot(std::vector<basic_kv_snapshot<T>> layers) noexcept : layers_(std::move(layers)) {
+  /// Narrows `layers` to the shortest of them, and to at most `bound` tokens.
+  explicit basic_sequence_snapshot(std::vector<basic_kv_snapshot<T>> layers,
+                                   std::size_t bound = static_cast<std::size_t>(-1)) noexcept
+      : layers_(std::move(layers)) {
     if (layers_.empty()) return;
-    size_ = layers_.front().size();
+    size_ = bound;
     for (const auto& l : layers_) size_ = std::min(size_, l.size());
     for (auto& l : layers_) l = std::move(l).prefix(size_);
   }
@@ -83,9 +87,14 @@ class basic_sequence_snapshot {
 /// only if no layer truncated (one is enough, as with a failure). Cancelled
 /// once every layer has applied, the operation completes normally.
 ///
-/// Layers accept writes from the start (no initialize is needed). Writing
-/// to a layer directly (through `layer(i)`) bypasses the sequence's
-/// bookkeeping; a snapshot then still shows only what every layer holds.
+/// Layers accept writes from the start (no initialize is needed), and only
+/// through the sequence: `layer(i)` is a read-only view.
+///
+/// The forward pass: a model computes layer l+1's keys and values only after
+/// layer l's attention has read layer l's cache, new token included. A step
+/// (`async_begin_step`) serves it: begin, then for each layer write its
+/// tokens and attend over `step.snapshot(l)`, then commit. See
+/// `basic_sequence_step`.
 ///
 /// Completion: as for `basic_layer_kv_cache`, every handler is queued on its
 /// associated executor (without one, the executor the sequence was made
@@ -101,10 +110,12 @@ class basic_sequence_kv_cache {
   using executor_type = asio::any_io_executor;
   /// The stored element type.
   using value_type = T;
-  /// The cache of one layer, as `layer()` returns it.
-  using layer_type = basic_layer_kv_cache<T>;
+  /// The read-only view of one layer, as `layer()` returns it.
+  using layer_type = basic_layer_kv_view<T>;
   /// What `snapshot()` returns.
   using snapshot_type = basic_sequence_snapshot<T>;
+  /// What `async_begin_step()` hands out.
+  using step_type = basic_sequence_step<T>;
 
   /// `num_layers` empty layers of `config` whose actors run on strands of
   /// `ex`, taking blocks from `pool` under its budget.
@@ -144,20 +155,20 @@ class basic_sequence_kv_cache {
   /// that layer's strand, it is no strand: a sequence's operations run on
   /// every layer's strand, and its handler on this executor.
   executor_type get_executor() const noexcept { return detail::io_executor(*core_); }
-  /// Tokens the sequence holds: those of its last completed append or
-  /// truncate (or fork).
+  /// Tokens the sequence holds: those of its last completed append,
+  /// truncate or step commit (or fork).
   std::size_t size() const noexcept { return detail::size_of(*core_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
-  /// A handle on layer `i`'s cache (`i < num_layers()`), for reads.
+  /// A read-only view of layer `i` (`i < num_layers()`).
   layer_type layer(std::size_t i) const noexcept {
-    return detail::cache_access::adopt<layer_type>(detail::layer_of(*core_, i));
+    return layer_type(detail::cache_access::adopt<basic_layer_kv_cache<T>>(detail::layer_of(*core_, i)));
   }
 
   /// Pins every layer's latest epoch, narrowed to the tokens all of them
   /// hold: every token it shows is from one append, and an append shows
   /// once every layer has published it (possibly just before its handler
-  /// runs and `size()` grows). Lock-free: never blocks or waits for an
+  /// runs and `size()` grows). An open step's tokens show from its commit. Lock-free: never blocks or waits for an
   /// actor; pins again only if a truncate or a failed append's undo
   /// completed meanwhile.
   snapshot_type snapshot() const;
@@ -237,6 +248,31 @@ class basic_sequence_kv_cache {
   ///         `asio::awaitable<basic_sequence_kv_cache>`.
   template <class CompletionToken = default_completion_token>
   auto async_fork(CompletionToken&& token = default_completion_token()) const;
+
+  /// Begins a step of `n` tokens at positions `[size(), size() + n)`: every
+  /// layer sets aside the blocks they need (so that no layer's write in the
+  /// step can fail for want of a block) and drops any token it kept hidden
+  /// from there on. The step (`basic_sequence_step`) is then written layer
+  /// by layer and committed, or ended unchanged; until then the sequence's
+  /// other operations fail with `operation_in_progress`.
+  ///
+  /// Completion signature: `void(std::error_code, step_type)`; on error the
+  /// step is empty and the sequence as before. Errors: `zero_length`
+  /// (`n == 0`), `index_out_of_range` (`size() + n > max_tokens_per_seq`),
+  /// `operation_in_progress`, `capacity_exhausted` (the pool cannot give
+  /// the blocks, in any layer); `asio::error::operation_aborted` if
+  /// cancelled before every layer set its blocks aside.
+  ///
+  /// Handler: queued on its associated executor (without one, the executor
+  /// the sequence was made from), never run inside this call. Cancellable
+  /// (see Cancellation above).
+  ///
+  /// @param n      tokens per layer: 1 for a decode step, more for a chunk.
+  /// @param token  the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`: by default an
+  ///         `asio::awaitable<step_type>`.
+  template <class CompletionToken = default_completion_token>
+  auto async_begin_step(std::size_t n, CompletionToken&& token = default_completion_token()) const;
 
  private:
   friend struct detail::cache_access;

@@ -43,6 +43,15 @@ observed observe(const basic_layer_kv_cache<T>& cache) {
   return o;
 }
 
+/// Everything a reader sees of a sequence's layer now, its epoch included.
+template <storage_element T>
+observed observe(const basic_layer_kv_view<T>& layer) {
+  const basic_kv_snapshot<T> snap = layer.snapshot();
+  observed o = contents(snap);
+  o.epoch = snap.epoch();
+  return o;
+}
+
 /// A sequence: its size, its snapshot's, and each layer's contents.
 struct observed_sequence {
   std::size_t size = 0, snapshot_size = 0;

@@ -43,7 +43,7 @@ enum op : std::uint8_t {
   op_seq,
   op_seq_double,
   op_seq_snapshot,
-  op_seq_adopt,
+  op_seq_step,
   op_seq_drop,
   op_new_seq,
   op_refuse_memory,
@@ -176,10 +176,7 @@ void step(world<T>& w) {
       current_trace().add("seq_snapshot", seq);
       hold_seq_snapshot(w, seq);
       break;
-    case op_seq_adopt:
-      current_trace().add("seq_adopt", seq, k / 4);
-      adopt_layer(w, seq, k / 4);
-      break;
+    case op_seq_step: run_step(w, seq); break;
     case op_seq_drop:
       current_trace().add("seq_drop", seq);
       w.seqs.erase(w.seqs.begin() + static_cast<std::ptrdiff_t>(seq));

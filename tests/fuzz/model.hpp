@@ -124,6 +124,7 @@ struct mcache {
   std::vector<recipe> data;            // [0, stored)
   std::vector<std::uint32_t> table;    // ceil(stored / block_tokens) block ids
   std::vector<std::uint32_t> touched;  // owned blocks written since the last seal
+  std::vector<std::uint32_t> reserved;  // fresh blocks set aside for the next write (a sequence step's)
   bool changed = false;
   std::uint64_t next_epoch = 0;
   std::shared_ptr<const mepoch> current;
@@ -176,7 +177,10 @@ class model {
       for (std::uint32_t id : ids)
         if (id != 0 && !mark_[id] && blocks_[id - 1].pool == pool) mark_[id] = 1, ++n;
     };
-    for (const auto& w : caches_) visit(w.lock()->table);
+    for (const auto& w : caches_) {
+      visit(w.lock()->table);
+      visit(w.lock()->reserved);
+    }
     for (const auto& w : epochs_) visit(w.lock()->blocks);
     return n;
   }
@@ -235,11 +239,16 @@ class model {
         in_place.push_back(k.block);
         continue;
       }
-      // Blocks taken before a failure stay counted in peak and cow_copies;
-      // the budget is reserved (peak counted) before the memory is asked for.
-      if (used >= p.max) return kv_errc::capacity_exhausted;
-      p.peak = std::max(p.peak, ++used);
-      if (!take_memory(c.pool)) return kv_errc::capacity_exhausted;
+      // A block set aside by reserve() first (counted already). Blocks
+      // taken before a failure stay counted in peak and cow_copies; the
+      // budget is reserved (peak counted) before the memory is asked for.
+      if (!c.reserved.empty()) {
+        c.reserved.pop_back();  // a fresh id stands for it below
+      } else {
+        if (used >= p.max) return kv_errc::capacity_exhausted;
+        p.peak = std::max(p.peak, ++used);
+        if (!take_memory(c.pool)) return kv_errc::capacity_exhausted;
+      }
       if (id != 0) ++p.cow;
       fresh.push_back(k.block);
     }
@@ -260,10 +269,45 @@ class model {
     }
     c.data.resize(stored);
     for (const mwrite& w : entries) c.data[w.index] = w.r;
+    c.reserved.clear();  // a reservation serves one write
     c.table = std::move(table);
     c.stored = stored;
     c.length = std::max(c.length, stored);
     c.changed = true;
+    return {};
+  }
+
+  /// working_state::reserve: drop the tokens from `index` on, free what was
+  /// set aside, and set aside the fresh blocks a write of `tokens` tokens
+  /// from `index` on takes (none for a block written in place).
+  std::error_code reserve(mcache& c, std::size_t index, std::size_t tokens) {
+    c.reserved.clear();
+    if (tokens == 0) return truncate(c, index);
+    const std::size_t bt = geometry_.block_tokens;
+    std::size_t first = index / bt;
+    const std::size_t last = (index + tokens - 1) / bt;
+    const std::size_t kept = std::min(c.stored, index);
+    if (index % bt != 0 && first < ceil_div(kept, bt) && c.length <= index) {
+      const std::uint32_t id = c.table[first];
+      if (id != 0 && blocks_[id - 1].owner == c.owner &&
+          (index % bt >= blocks_[id - 1].readable || rewritable(c, id, index % bt)))
+        ++first;
+    }
+    const bool gap = kept < index && kept % bt != 0;
+    const std::size_t needed = last + 1 - first + (gap ? 1 : 0);
+    if (!zero_block(c)) return kv_errc::capacity_exhausted;
+    mpool& p = pools[c.pool];
+    std::size_t used = in_use(c.pool);
+    for (std::size_t i = 0; i < needed; ++i) {
+      if (used >= p.max) return kv_errc::capacity_exhausted;
+      p.peak = std::max(p.peak, ++used);
+      if (!take_memory(c.pool)) return kv_errc::capacity_exhausted;
+    }
+    truncate(c, index);
+    for (std::size_t i = 0; i < needed; ++i) {
+      blocks_.push_back({c.pool, c.owner, 0, 0, 0});
+      c.reserved.push_back(static_cast<std::uint32_t>(blocks_.size()));
+    }
     return {};
   }
 

@@ -1,8 +1,8 @@
 #pragma once
 // Sequence operations: append, truncate and fork (one at a time, or a second
 // started before the first completes, which must fail with
-// operation_in_progress and change nothing), snapshots, and a sequence's
-// layers handed out as layer caches (direct writes bypass the sequence).
+// operation_in_progress and change nothing), snapshots, and steps (begin,
+// write layer by layer in any order, commit, abandon or drop).
 // A lone operation may be cancelled through its handler's slot before any
 // layer's actor runs (every layer's request must then abort, the operation
 // complete with operation_aborted and nothing change) or after it completed
@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -297,14 +298,137 @@ void hold_seq_snapshot(world<T>& w, std::size_t k) {
   w.seq_snaps.push_back(std::move(s));
 }
 
-/// Hands out layer `i` of sequence `k` as a layer cache (its config is the
-/// sequence's without a budget: the pool holds it).
+/// The model of a step's begin on `q`: every layer, in order, sets aside
+/// the step's blocks; if one cannot, those that did free them again.
 template <class T>
-void adopt_layer(world<T>& w, std::size_t k, std::size_t i) {
-  if (w.caches.size() >= world<T>::max_caches) return;
-  const auto& s = w.seqs[k];
-  i %= s.m->layers.size();
-  w.caches.push_back({s.real.layer(i), s.m->layers[i], w.geometry});
+std::error_code model_begin_step(world<T>& w, mseq& q, std::size_t tokens) {
+  if (tokens == 0) return kv_errc::zero_length;
+  if (tokens > w.max_tokens() - q.length) return kv_errc::index_out_of_range;
+  std::vector<std::error_code> errors;
+  for (const auto& l : q.layers) {
+    errors.push_back(w.m.reserve(*l, q.length, tokens));
+    w.m.end_drain(*l, 1, errors.back() ? 1 : 0);
+  }
+  const auto failed = std::find_if(errors.begin(), errors.end(), [](std::error_code ec) { return bool(ec); });
+  if (failed == errors.end()) return {};
+  for (std::size_t i = 0; i < q.layers.size(); ++i) {
+    if (errors[i]) continue;
+    w.m.reserve(*q.layers[i], q.length, 0);
+    w.m.end_drain(*q.layers[i], 1, 0);
+  }
+  return *failed;
+}
+
+/// Runs `start(handler)` for an operation completing with an error code
+/// alone, to completion, and checks its result against `want`.
+template <class T, class Start>
+void expect_completion(world<T>& w, Start start, std::error_code want, const std::string& what) {
+  std::optional<std::error_code> got;
+  start([&got](std::error_code ec) { got = ec; });
+  if (got) fail(what + ": completed inside the initiating call");
+  w.run_to_completion([&] { return got.has_value(); }, what.c_str());
+  expect_ec(*got, want, what);
+}
+
+/// A step on sequence `k`: a begin of 1-3 tokens (sometimes 0, or past the
+/// end), then each layer written in an order the input picks (a bad write,
+/// an early commit or another operation of the sequence sometimes in
+/// between, each failing and changing nothing), each layer's snapshot
+/// checked after its write, and the sequence's checked to show none of it;
+/// then a commit, an `async_abandon` or the handle dropped.
+template <class T>
+void run_step(world<T>& w, std::size_t k) {
+  const basic_sequence_kv_cache<T> seq = w.seqs[k].real;
+  const std::shared_ptr<mseq> q = w.seqs[k].m;
+  const std::uint8_t b = w.in.byte();
+  std::size_t tokens = b % 8 == 7 ? 0 : 1 + b % 3;
+  if (b / 8 % 8 == 7) tokens = w.max_tokens() - q->length + 1;
+  const unsigned ending = b / 64;  // 0, 3: commit; 1: async_abandon; 2: the handle dropped
+  current_trace().add("seq_step", k, tokens, ending);
+  const std::string what = str("step on sequence ", k);
+
+  std::optional<std::error_code> begun;
+  basic_sequence_step<T> step;
+  seq.async_begin_step(tokens, [&](std::error_code ec, basic_sequence_step<T> s) {
+    begun = ec;
+    step = std::move(s);
+  });
+  if (begun) fail(what + ": begin completed inside the initiating call");
+  const std::error_code want = model_begin_step(w, *q, tokens);
+  w.run_to_completion([&] { return begun.has_value(); }, "step begin");
+  expect_ec(*begun, want, what + ": begin");
+  if (step.valid() != !want) fail(what + (want ? ": failed begin handed out a step" : ": begin gave no step"));
+  if (want) return;
+
+  const std::size_t index = q->length, width = w.width(), layers = q->layers.size();
+  std::vector<std::size_t> order(layers);
+  for (std::size_t i = 0; i < layers; ++i) order[i] = i;
+  for (std::size_t i = 0; i + 1 < layers; ++i) std::swap(order[i], order[i + w.in.byte() % (layers - i)]);
+  const auto write = [&](std::size_t l, std::span<const float> keys, std::span<const float> values) {
+    return [&step, l, keys, values](auto handler) { step.async_write(l, keys, values, std::move(handler)); };
+  };
+  for (std::size_t l : order) {
+    std::vector<recipe> recipes;
+    std::vector<float> keys, values;
+    for (std::size_t t = 0; t < tokens; ++t) {
+      recipes.push_back(w.next_recipe());
+      const auto kt = world<T>::floats(recipes.back(), width, false), vt = world<T>::floats(recipes.back(), width, true);
+      keys.insert(keys.end(), kt.begin(), kt.end());
+      values.insert(values.end(), vt.begin(), vt.end());
+    }
+    switch (w.in.byte() % 16) {  // sometimes something that must fail first
+      case 0: expect_completion(w, write(layers, keys, values), kv_errc::layer_mismatch, what + ": write"); break;
+      case 1:
+        expect_completion(w, write(l, std::span(keys).first(keys.size() - 1), values), kv_errc::length_mismatch,
+                          what + ": write");
+        break;
+      case 2:
+        expect_completion(w, write(l, std::span(keys).first(width * (tokens - 1)),
+                                   std::span(values).first(width * (tokens - 1))),
+                          kv_errc::width_mismatch, what + ": write");
+        break;
+      case 3:
+        expect_completion(w, [&](auto h) { step.async_commit(std::move(h)); }, kv_errc::step_incomplete,
+                          what + ": early commit");
+        break;
+      case 4:
+        expect_completion(w, [&](auto h) { seq.async_truncate(0, std::move(h)); }, kv_errc::operation_in_progress,
+                          what + ": truncate while open");
+        break;
+      default: break;
+    }
+    std::vector<mwrite> entries;
+    for (std::size_t t = 0; t < tokens; ++t) entries.push_back({index + t, width, width, recipes[t]});
+    const std::error_code written = w.m.write(*q->layers[l], entries);
+    w.m.end_drain(*q->layers[l], 1, written ? 1 : 0);
+    expect_completion(w, write(l, keys, values), written, str(what, ": write of layer ", l));
+    if (written) fail(what + ": a write the model refused after the begin set its blocks aside");
+    const mcache& c = *q->layers[l];
+    check_snapshot(step.snapshot(l), c.current.get(), c.current->length, width, {"step snapshot of layer", l});
+    expect_eq(seq.size(), index, what + ": size() while open");
+    if (seq.snapshot().size() > index) fail(what + ": the sequence's snapshot shows the open step");
+  }
+  switch (ending) {
+    case 1:
+      for (const auto& l : q->layers) {
+        w.m.reserve(*l, index, 0);
+        w.m.end_drain(*l, 1, 0);
+      }
+      expect_completion(w, [&](auto h) { step.async_abandon(std::move(h)); }, {}, what + ": abandon");
+      break;
+    case 2:
+      for (const auto& l : q->layers) {
+        w.m.reserve(*l, index, 0);
+        w.m.end_drain(*l, 1, 0);
+      }
+      step = {};
+      w.run_to_completion([] { return true; }, "dropped step");
+      break;
+    default:
+      expect_completion(w, [&](auto h) { step.async_commit(std::move(h)); }, {}, what + ": commit");
+      q->length = index + tokens;
+      break;
+  }
 }
 
 }  // namespace ghostlink::fuzz

@@ -27,4 +27,14 @@ struct adopt_forked {
   }
 };
 
+/// Turns a finished step begin (a sequence's operation, whose `step` field
+/// holds the step) into the step handle the handler receives.
+template <class Handle>
+struct adopt_step {
+  template <class Op>
+  Handle operator()(Op& op) const noexcept {
+    return cache_access::adopt<Handle>(std::move(op.step));
+  }
+};
+
 }  // namespace ghostlink::detail

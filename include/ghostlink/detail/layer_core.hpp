@@ -31,7 +31,7 @@ class actor;
 class mailbox;
 
 /// The operations a layer's actor applies.
-enum class request_kind : unsigned char { initialize, write_batch, truncate, fork };
+enum class request_kind : unsigned char { initialize, write_batch, truncate, fork, reserve };
 
 /// The argument of an initialize request: the size asked for.
 struct initialize_args {
@@ -43,14 +43,24 @@ struct truncate_args {
 };
 /// The argument of a fork request.
 struct fork_args {};
+/// The argument of a reserve request (a sequence step's begin, or its end
+/// with `tokens` 0): drop any token from `index` on, and set aside the
+/// blocks a write of `tokens` tokens from `index` on needs, for the cache's
+/// next write (freeing any set aside before).
+struct reserve_args {
+  std::size_t index;
+  std::size_t tokens;
+};
 
 /// One request to a layer's actor. A single write is a batch of one (held in
 /// the request), so the actor has one write path.
 class request : public operation {
  public:
   request_kind kind() const noexcept { return kind_; }
-  /// `initialize` and `truncate`: the size asked for.
+  /// `initialize` and `truncate`: the size asked for; `reserve`: the index.
   std::size_t size() const noexcept { return size_; }
+  /// `reserve`: the tokens to set blocks aside for.
+  std::size_t tokens() const noexcept { return tokens_; }
   /// `write_batch`: the entries, in order.
   std::span<const kv_write> entries() const noexcept { return entries_; }
 
@@ -63,6 +73,8 @@ class request : public operation {
   request(finish_fn finish, truncate_args a) noexcept
       : operation(finish), kind_(request_kind::truncate), size_(a.size) {}
   request(finish_fn finish, fork_args) noexcept : operation(finish), kind_(request_kind::fork) {}
+  request(finish_fn finish, reserve_args a) noexcept
+      : operation(finish), kind_(request_kind::reserve), size_(a.index), tokens_(a.tokens) {}
   request(finish_fn finish, std::span<const kv_write> entries) noexcept
       : operation(finish), kind_(request_kind::write_batch), entries_(entries) {}
   request(finish_fn finish, const kv_write& single) noexcept
@@ -72,6 +84,7 @@ class request : public operation {
  private:
   request_kind kind_;
   std::size_t size_ = 0;
+  std::size_t tokens_ = 0;
   kv_write single_{};
   std::span<const kv_write> entries_;
   friend class mailbox;

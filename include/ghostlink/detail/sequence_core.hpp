@@ -16,12 +16,15 @@
 namespace ghostlink::detail {
 
 class sequence_core;
+class step_core;
 
-/// One append, truncate or fork of a sequence.
+/// One append, truncate, fork or step operation of a sequence.
 class sequence_op : public operation {
  public:
   /// A fork's new sequence, set by the core when the fork succeeds.
   std::shared_ptr<sequence_core> forked;
+  /// A begun step, set by the core when the begin succeeds.
+  std::shared_ptr<step_core> step;
 
  protected:
   explicit sequence_op(finish_fn finish) noexcept : operation(finish) {}
@@ -49,6 +52,9 @@ const std::shared_ptr<actor>& layer_of(const sequence_core& s, std::size_t i) no
 /// Completed removals of tokens (truncates, undone appends), read with
 /// acquire: a snapshot pins again if it changed while it pinned the layers.
 std::uint64_t removals(const sequence_core& s) noexcept;
+/// The most tokens a snapshot may show (acquire): an open step's first
+/// index, else no bound (the largest size_t).
+std::size_t visible_bound(const sequence_core& s) noexcept;
 
 /// Each takes ownership of `op` and completes it exactly once, never inside
 /// this call. They throw only if queueing an early completion does.
@@ -56,5 +62,19 @@ void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
                   std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values);
 void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t n);
 void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op);
+void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t tokens);
+void start_step_write(const std::shared_ptr<step_core>& step, sequence_op* op, std::size_t layer,
+                      std::span<const float> keys, std::span<const float> values);
+void start_commit(const std::shared_ptr<step_core>& step, sequence_op* op);
+void start_abandon(const std::shared_ptr<step_core>& step, sequence_op* op);
+
+/// Ends an open step unchanged (its tokens dropped from every layer, in the
+/// background); nothing once committed or ended.
+void abandon(step_core& step) noexcept;
+/// The step's first token (its sequence's size when it began).
+std::size_t step_index(const step_core& step) noexcept;
+/// The step's tokens per layer.
+std::size_t step_tokens(const step_core& step) noexcept;
+const std::shared_ptr<sequence_core>& sequence_of(const step_core& step) noexcept;
 
 }  // namespace ghostlink::detail

@@ -19,12 +19,18 @@
 namespace ghostlink {
 namespace detail {
 
+/// Which initiation a sequence step's begin and commit are.
+struct begin_step_t {};
+struct commit_t {};
+struct abandon_t {};
+
 /// Starts a sequence operation: stores the handler in a sequence_op and
 /// hands it to the core. `MakeResult` (if not void) makes the handler's
 /// second argument.
 template <class MakeResult = void>
 struct initiate_sequence_op {
   std::shared_ptr<sequence_core> target;
+  std::shared_ptr<step_core> step = {};  // a step's operations: the step
 
   /// The executor the sequence was made from, as Asio's initiations expose theirs.
   using executor_type = asio::any_io_executor;
@@ -51,7 +57,26 @@ struct initiate_sequence_op {
   void operator()(Handler&& handler) const {
     start_fork(target, make(std::forward<Handler>(handler)));
   }
+  template <class Handler>
+  void operator()(Handler&& handler, begin_step_t, std::size_t tokens) const {
+    start_begin_step(target, make(std::forward<Handler>(handler)), tokens);
+  }
+  template <class Handler>
+  void operator()(Handler&& handler, std::size_t layer, std::span<const float> keys,
+                  std::span<const float> values) const {
+    start_step_write(step, make(std::forward<Handler>(handler)), layer, keys, values);
+  }
+  template <class Handler>
+  void operator()(Handler&& handler, commit_t) const {
+    start_commit(step, make(std::forward<Handler>(handler)));
+  }
+  template <class Handler>
+  void operator()(Handler&& handler, abandon_t) const {
+    start_abandon(step, make(std::forward<Handler>(handler)));
+  }
 };
+
+
 
 }  // namespace detail
 
@@ -70,16 +95,18 @@ auto basic_sequence_kv_cache<T>::snapshot() const -> snapshot_type {
   const std::size_t n = detail::num_layers(*core_);
   std::vector<basic_kv_snapshot<T>> layers;
   layers.reserve(n);
+  std::size_t bound = 0;
   // Lock-free: a retry means a removal completed meanwhile (see removals()).
   for (std::uint64_t removals = detail::removals(*core_);;) {
     for (std::size_t i = 0; i < n; ++i)
       layers.push_back(detail::cache_access::adopt<basic_kv_snapshot<T>>(detail::pin(*detail::layer_of(*core_, i))));
+    bound = detail::visible_bound(*core_);
     const std::uint64_t now = detail::removals(*core_);
     if (now == removals) break;
     removals = now;
     layers.clear();
   }
-  return snapshot_type(std::move(layers));
+  return snapshot_type(std::move(layers), bound);
 }
 
 template <storage_element T>
@@ -102,6 +129,35 @@ template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_fork(CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code, basic_sequence_kv_cache)>(
       detail::initiate_sequence_op<detail::adopt_forked<basic_sequence_kv_cache>>{core_}, token);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_begin_step(std::size_t n, CompletionToken&& token) const {
+  return asio::async_initiate<CompletionToken, void(std::error_code, step_type)>(
+      detail::initiate_sequence_op<detail::adopt_step<step_type>>{core_}, token, detail::begin_step_t{}, n);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_step<T>::async_write(std::size_t layer, std::span<const float> keys,
+                                         std::span<const float> values, CompletionToken&& token) const {
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+      detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, layer, keys, values);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_step<T>::async_commit(CompletionToken&& token) const {
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+      detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, detail::commit_t{});
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_step<T>::async_abandon(CompletionToken&& token) const {
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+      detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, detail::abandon_t{});
 }
 
 }  // namespace ghostlink

@@ -1,0 +1,130 @@
+// A sequence's step: its begin (a fan-out stage, decided in sequence.cpp),
+// its writes (one request to one layer each), its commit (no request at
+// all: every layer already holds the tokens) and its end.
+
+#include "step.hpp"
+
+#include <new>
+#include <system_error>
+#include <utility>
+
+#include "ghostlink/error.hpp"
+
+namespace ghostlink::detail {
+
+step_part::step_part(std::shared_ptr<step_core> step, std::size_t layer, sequence_op* op) noexcept
+    : request(&finish, step->writes_of(layer)), step_(std::move(step)), layer_(layer), op_(op) {}
+
+void step_part::finish(operation* base, const std::error_code* ec, queueing how) {
+  auto* self = static_cast<step_part*>(base);
+  sequence_op* const op = self->op_;
+  std::shared_ptr<step_core> step = std::move(self->step_);  // the part dies below; the step lives on to here
+  const bool written = ec && !*ec;
+  step->written_[self->layer_].store(written ? step_core::layer_state::written : step_core::layer_state::unwritten,
+                                     std::memory_order_release);
+  step->parts_[self->layer_].reset();  // self is gone
+  if (ec)
+    op->complete(*ec, how);
+  else
+    op->discard();
+}
+
+step_core::step_core(std::shared_ptr<sequence_core> s, std::size_t first, std::size_t n)
+    : seq(std::move(s)),
+      index(first),
+      tokens(n),
+      writes_(seq->layers.size() * n),
+      parts_(seq->layers.size()),
+      written_(new std::atomic<layer_state>[seq->layers.size()]),
+      end_(new fan_out(seq, nullptr, stage::end_step, first, 0)) {
+  for (std::size_t l = 0; l < seq->layers.size(); ++l) written_[l].store(layer_state::unwritten);
+}
+
+step_core::~step_core() { delete end_; }
+
+std::span<const kv_write> step_core::writes_of(std::size_t layer) const noexcept {
+  return std::span<const kv_write>(writes_).subspan(layer * tokens, tokens);
+}
+
+void step_core::write(sequence_op* op, std::size_t layer, std::span<const float> keys,
+                      std::span<const float> values) {
+  const std::size_t width = seq->config.token_width();
+  if (phase_.load(std::memory_order_acquire) != phase::open) return op->complete(kv_errc::step_closed, queueing::post);
+  if (layer >= seq->layers.size()) return op->complete(kv_errc::layer_mismatch, queueing::post);
+  if (keys.size() != values.size()) return op->complete(kv_errc::length_mismatch, queueing::post);
+  if (keys.size() != tokens * width) return op->complete(kv_errc::width_mismatch, queueing::post);
+  auto unwritten = layer_state::unwritten;
+  if (!written_[layer].compare_exchange_strong(unwritten, layer_state::writing, std::memory_order_acquire))
+    return op->complete(kv_errc::operation_in_progress, queueing::post);
+  for (std::size_t t = 0; t < tokens; ++t)
+    writes_[layer * tokens + t] = {index + t, keys.subspan(t * width, width), values.subspan(t * width, width)};
+  step_part& part = parts_[layer].emplace(shared_from_this(), layer, op);
+  part.watch(op->cancellation());
+  submit(*seq->layers[layer], &part, urgency::batch);
+}
+
+void step_core::commit(sequence_op* op) {
+  auto open = phase::open;
+  if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel))
+    return op->complete(kv_errc::step_closed, queueing::post);
+  for (std::size_t l = 0; l < seq->layers.size(); ++l) {
+    if (written_[l].load(std::memory_order_acquire) != layer_state::written) {
+      phase_.store(phase::open, std::memory_order_release);
+      return op->complete(kv_errc::step_incomplete, queueing::post);
+    }
+  }
+  // Every layer published the tokens (acquire above): they are the
+  // sequence's now. No layer needs a request: their reservations went with
+  // their writes.
+  seq->size.store(index + tokens, std::memory_order_release);
+  seq->bound.store(sequence_core::no_bound, std::memory_order_release);
+  seq->end();
+  op->complete({}, queueing::post);
+}
+
+void step_core::abandon(sequence_op* op) noexcept {
+  auto open = phase::open;
+  if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel)) {
+    if (op) op->complete(kv_errc::step_closed, queueing::post);
+    return;
+  }
+  fan_out* end = std::exchange(end_, nullptr);
+  end->set_operation(op);
+  end->start([this](std::size_t) { return reserve_args{index, 0}; }, {}, [](std::size_t) { return true; });
+}
+
+// The step's part of the untyped interface of detail/sequence_core.hpp.
+
+void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t tokens) {
+  sequence_core& seq = *s;
+  if (tokens == 0) return op->complete(kv_errc::zero_length, queueing::post);
+  if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
+  const std::size_t index = seq.size.load(std::memory_order_relaxed);
+  if (tokens > seq.config.max_tokens_per_seq - index) {  // size() never passes max_tokens_per_seq
+    seq.end();
+    return op->complete(kv_errc::index_out_of_range, queueing::post);
+  }
+  std::shared_ptr<step_core> step;
+  try {
+    step = std::make_shared<step_core>(s, index, tokens);
+  } catch (const std::bad_alloc&) {
+    seq.end();
+    return op->complete(kv_errc::capacity_exhausted, queueing::post);
+  }
+  fan_out_to_layers(
+      s, op, stage::begin_step, index, [&](const fan_out&, std::size_t) { return reserve_args{index, tokens}; },
+      tokens, {}, std::move(step));
+}
+
+void start_step_write(const std::shared_ptr<step_core>& step, sequence_op* op, std::size_t layer,
+                      std::span<const float> keys, std::span<const float> values) {
+  step->write(op, layer, keys, values);
+}
+void start_commit(const std::shared_ptr<step_core>& step, sequence_op* op) { step->commit(op); }
+void abandon(step_core& step) noexcept { step.abandon(nullptr); }
+void start_abandon(const std::shared_ptr<step_core>& step, sequence_op* op) { step->abandon(op); }
+std::size_t step_index(const step_core& step) noexcept { return step.index; }
+std::size_t step_tokens(const step_core& step) noexcept { return step.tokens; }
+const std::shared_ptr<sequence_core>& sequence_of(const step_core& step) noexcept { return step.seq; }
+
+}  // namespace ghostlink::detail
