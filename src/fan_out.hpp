@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <memory>
 #include <new>
@@ -60,9 +61,13 @@ enum class stage : unsigned char {
 
 class fan_out {
  public:
-  /// `op` may be null (an abandoned step's end: nothing to complete).
+  /// `op` may be null (an abandoned step's end: nothing to complete). An
+  /// append or a step's begin of `tokens` tokens passes their `ids` (none:
+  /// no_token_id for each), which the token-id layer stores.
+  /// Throws std::bad_alloc.
   fan_out(std::shared_ptr<sequence_core> seq, sequence_op* op, stage s, std::size_t index, std::size_t tokens,
-          std::vector<kv_write> writes = {}, std::shared_ptr<step_core> step = {})
+          std::vector<kv_write> writes = {}, std::shared_ptr<step_core> step = {},
+          std::span<const token_id> ids = {})
       : seq_(std::move(seq)),
         op_(op),
         parts_(seq_->layers.size()),
@@ -70,7 +75,20 @@ class fan_out {
         step_(std::move(step)),
         stage_(s),
         index_(index),
-        tokens_(tokens) {}
+        tokens_(tokens) {
+    if (s != stage::append && s != stage::begin_step) return;
+    ids_.resize(tokens);
+    id_writes_.resize(tokens);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      ids_[t] = std::bit_cast<float>(ids.empty() ? no_token_id : ids[t]);
+      id_writes_[t] = {index + t, std::span<const float>(&ids_[t], 1), std::span<const float>(&ids_[t], 1)};
+    }
+  }
+
+  /// The writes of the token-id layer: one id per token.
+  std::span<const kv_write> id_writes() const noexcept { return id_writes_; }
+  /// The token-id layer's index among the parts (after the model's layers).
+  std::size_t ids_layer() const noexcept { return seq_->ids_layer(); }
 
   /// An append of several tokens: layer `i`'s writes (its part's entries,
   /// which live as long as the fan-out).
@@ -78,15 +96,19 @@ class fan_out {
     return std::span<const kv_write>(writes_).subspan(i * tokens_, tokens_);
   }
 
-  /// Submits the current stage's part `arg_of(i)` to layer `i` for every
-  /// `i` that `wanted(i)` accepts, cancellable through `cancel`, then ends
-  /// the stage if every part already finished.
-  template <class ArgOf, class Wanted>
-  void start(ArgOf arg_of, const ref_ptr<cancel_state>& cancel, Wanted wanted) {
+  /// Submits the current stage's part `arg_of(i)` to model layer `i` and
+  /// `id_arg` to the token-id layer, for every `i` that `wanted(i)` accepts,
+  /// cancellable through `cancel`, then ends the stage if every part already
+  /// finished.
+  template <class ArgOf, class IdArg, class Wanted>
+  void start(ArgOf arg_of, const IdArg& id_arg, const ref_ptr<cancel_state>& cancel, Wanted wanted) {
     std::size_t count = 0;
     for (std::size_t i = 0; i < parts_.size(); ++i) {
       if (!wanted(i)) continue;
-      parts_[i].emplace(*this, arg_of(i)).watch(cancel);
+      if (i == ids_layer())
+        parts_[i].emplace(*this, id_arg).watch(cancel);
+      else
+        parts_[i].emplace(*this, arg_of(i)).watch(cancel);
       ++count;
     }
     remaining_.store(count + 1, std::memory_order_relaxed);  // + 1: ours, while submitting
@@ -131,6 +153,8 @@ class fan_out {
   sequence_op* op_;
   std::vector<std::optional<layer_part>> parts_;  // engaged: submitted in the current stage
   const std::vector<kv_write> writes_;             // an append of several tokens: tokens_ per layer, layer by layer
+  std::vector<float> ids_;                          // an append or begin: its token ids, bit for bit
+  std::vector<kv_write> id_writes_;                 // the token-id layer's writes of ids_
   std::shared_ptr<step_core> step_;                // begin_step: the step begun
   stage stage_;
   const std::size_t index_;   // append, step: the first token's index; truncate: the size kept
@@ -144,18 +168,19 @@ class fan_out {
 /// allocated. `busy` is set. An append of `tokens` tokens passes their
 /// writes (`writes`, when more than one) for the fan-out to keep; a step's
 /// begin passes its step.
-template <class ArgOf>
+template <class ArgOf, class IdArgOf>
 void fan_out_to_layers(const std::shared_ptr<sequence_core>& seq, sequence_op* op, stage s, std::size_t index,
-                       ArgOf arg_of, std::size_t tokens = 0, std::vector<kv_write> writes = {},
-                       std::shared_ptr<step_core> step = {}) {
+                       ArgOf arg_of, IdArgOf id_arg_of, std::size_t tokens = 0, std::vector<kv_write> writes = {},
+                       std::shared_ptr<step_core> step = {}, std::span<const token_id> ids = {}) {
   fan_out* fan = nullptr;
   try {
-    fan = new fan_out(seq, op, s, index, tokens, std::move(writes), std::move(step));
+    fan = new fan_out(seq, op, s, index, tokens, std::move(writes), std::move(step), ids);
   } catch (const std::bad_alloc&) {
     seq->end();
     return op->complete(kv_errc::capacity_exhausted, queueing::post);
   }
-  fan->start([&](std::size_t i) { return arg_of(*fan, i); }, op->cancellation(), [](std::size_t) { return true; });
+  fan->start([&](std::size_t i) { return arg_of(*fan, i); }, id_arg_of(*fan), op->cancellation(),
+             [](std::size_t) { return true; });
 }
 
 }  // namespace ghostlink::detail

@@ -48,7 +48,7 @@ void fan_out::undo(stage s, std::error_code ec, const Arg& drop) {
   for (auto& p : parts_) p.reset();
   stage_ = s;
   failure_ = ec;
-  start([&](std::size_t) { return drop; }, {}, [&](std::size_t i) { return took[i]; });
+  start([&](std::size_t) { return drop; }, drop, {}, [&](std::size_t i) { return took[i]; });
 }
 
 void fan_out::end_stage(queueing how) {
@@ -146,11 +146,13 @@ std::pair<std::error_code, std::size_t> check_append(std::size_t layers, std::si
 }  // namespace
 
 void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
-                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values) {
+                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
+                  std::span<const token_id> ids) {
   sequence_core& seq = *s;
   const std::size_t width = seq.config.token_width();
-  const auto [ec, tokens] = check_append(seq.layers.size(), width, keys, values);
+  const auto [ec, tokens] = check_append(seq.model_layers(), width, keys, values);
   if (ec) return op->complete(ec, queueing::post);
+  if (!ids.empty() && ids.size() != tokens) return op->complete(kv_errc::length_mismatch, queueing::post);
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
   const std::size_t index = seq.size.load(std::memory_order_relaxed);
   if (tokens > seq.config.max_tokens_per_seq - index) {  // size() never passes max_tokens_per_seq
@@ -163,24 +165,24 @@ void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
         [&](const fan_out&, std::size_t i) {
           return kv_write{index, keys[i], values[i]};
         },
-        1);
+        [](const fan_out& fan) { return fan.id_writes()[0]; }, 1, {}, {}, ids);
     return;
   }
   // A prefill chunk: each layer's part is one batch of the tokens, kept by
   // the fan-out until the parts complete.
   std::vector<kv_write> writes;
   try {
-    writes.reserve(seq.layers.size() * tokens);
+    writes.reserve(seq.model_layers() * tokens);
   } catch (const std::bad_alloc&) {
     seq.end();
     return op->complete(kv_errc::capacity_exhausted, queueing::post);
   }
-  for (std::size_t i = 0; i < seq.layers.size(); ++i)
+  for (std::size_t i = 0; i < seq.model_layers(); ++i)
     for (std::size_t t = 0; t < tokens; ++t)
       writes.push_back({index + t, keys[i].subspan(t * width, width), values[i].subspan(t * width, width)});
   fan_out_to_layers(
-      s, op, stage::append, index, [](const fan_out& fan, std::size_t i) { return fan.writes_of(i); }, tokens,
-      std::move(writes));
+      s, op, stage::append, index, [](const fan_out& fan, std::size_t i) { return fan.writes_of(i); },
+      [](const fan_out& fan) { return fan.id_writes(); }, tokens, std::move(writes), {}, ids);
 }
 
 void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t n) {
@@ -190,14 +192,17 @@ void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, st
     seq.end();
     return op->complete({}, queueing::post);
   }
-  fan_out_to_layers(s, op, stage::truncate, n, [n](const fan_out&, std::size_t) { return truncate_args{n}; });
+  fan_out_to_layers(
+      s, op, stage::truncate, n, [n](const fan_out&, std::size_t) { return truncate_args{n}; },
+      [n](const fan_out&) { return truncate_args{n}; });
 }
 
 void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op) {
   sequence_core& seq = *s;
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
-  fan_out_to_layers(s, op, stage::fork, seq.size.load(std::memory_order_relaxed),
-                    [](const fan_out&, std::size_t) { return fork_args{}; });
+  fan_out_to_layers(
+      s, op, stage::fork, seq.size.load(std::memory_order_relaxed), [](const fan_out&, std::size_t) { return fork_args{}; },
+      [](const fan_out&) { return fork_args{}; });
 }
 
 // The rest of the untyped interface of detail/sequence_core.hpp.
@@ -219,17 +224,24 @@ std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size
     layer_config.max_blocks = kv_cache_config{}.max_blocks;
   }
   std::vector<std::shared_ptr<actor>> layers;
-  layers.reserve(num_layers);
+  layers.reserve(num_layers + 1);
   for (std::size_t i = 0; i < num_layers; ++i) layers.push_back(actor::make(ex, layer_config, codec, shared, true));
+  // The token ids: one float per token (an id's bits), in blocks of a pool
+  // of their own, outside the budget of the model's keys and values.
+  const kv_cache_config ids_config{
+      .max_tokens_per_seq = config.max_tokens_per_seq, .num_heads = 1, .head_dim = 1, .block_tokens = 256};
+  auto ids_pool = pool_access::state(kv_block_pool(block_layout(ids_config, codec_of<float>).block_bytes));
+  layers.push_back(actor::make(ex, ids_config, codec_of<float>, std::move(ids_pool), true));
   return std::make_shared<sequence_core>(std::move(ex), config, std::move(layers), 0);
 }
 
-std::size_t num_layers(const sequence_core& s) noexcept { return s.layers.size(); }
+std::size_t num_layers(const sequence_core& s) noexcept { return s.model_layers(); }
 const kv_cache_config& config_of(const sequence_core& s) noexcept { return s.config; }
 const asio::any_io_executor& io_executor(const sequence_core& s) noexcept { return s.executor; }
 std::size_t size_of(const sequence_core& s) noexcept { return s.size.load(std::memory_order_acquire); }
 const std::shared_ptr<actor>& layer_of(const sequence_core& s, std::size_t i) noexcept { return s.layers[i]; }
 std::uint64_t removals(const sequence_core& s) noexcept { return s.drops.load(std::memory_order_acquire); }
+const std::shared_ptr<actor>& ids_of(const sequence_core& s) noexcept { return s.layers.back(); }
 std::size_t visible_bound(const sequence_core& s) noexcept { return s.bound.load(std::memory_order_acquire); }
 
 }  // namespace ghostlink::detail

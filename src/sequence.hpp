@@ -42,6 +42,11 @@ class sequence_core {
                 std::size_t size)
       : executor(std::move(ex)), config(config), layers(std::move(layers)), size(size) {}
 
+  /// The model's layers; `layers` holds one more, last: the token ids'.
+  std::size_t model_layers() const noexcept { return layers.size() - 1; }
+  /// The token-id layer's index in `layers`.
+  std::size_t ids_layer() const noexcept { return layers.size() - 1; }
+
   bool try_begin() noexcept { return !busy.exchange(true, std::memory_order_acquire); }
   /// Records a completed removal (see `drops`); release: a snapshot that
   /// pins an epoch published after it sees the count.
@@ -52,6 +57,8 @@ class sequence_core {
 
   const asio::any_io_executor executor;
   const kv_cache_config config;  // as the user gave it (the layers' may leave the budget to the pool)
+  // The model's layers, then one layer of token ids (one float per token,
+  // an id's bits), which every operation treats as one more layer.
   const std::vector<std::shared_ptr<actor>> layers;
   std::atomic<std::size_t> size;  // tokens of the last completed append, truncate or fork
   std::atomic<bool> busy{false};

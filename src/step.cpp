@@ -33,11 +33,11 @@ step_core::step_core(std::shared_ptr<sequence_core> s, std::size_t first, std::s
     : seq(std::move(s)),
       index(first),
       tokens(n),
-      writes_(seq->layers.size() * n),
-      parts_(seq->layers.size()),
-      written_(new std::atomic<layer_state>[seq->layers.size()]),
+      writes_(seq->model_layers() * n),
+      parts_(seq->model_layers()),
+      written_(new std::atomic<layer_state>[seq->model_layers()]),
       end_(new fan_out(seq, nullptr, stage::end_step, first, 0)) {
-  for (std::size_t l = 0; l < seq->layers.size(); ++l) written_[l].store(layer_state::unwritten);
+  for (std::size_t l = 0; l < seq->model_layers(); ++l) written_[l].store(layer_state::unwritten);
 }
 
 step_core::~step_core() { delete end_; }
@@ -46,11 +46,11 @@ std::span<const kv_write> step_core::writes_of(std::size_t layer) const noexcept
   return std::span<const kv_write>(writes_).subspan(layer * tokens, tokens);
 }
 
-void step_core::write(sequence_op* op, std::size_t layer, std::span<const float> keys,
-                      std::span<const float> values) {
+void step_core::write(sequence_op* op, std::size_t layer, std::span<const float> keys, std::span<const float> values,
+                      urgency u) {
   const std::size_t width = seq->config.token_width();
   if (phase_.load(std::memory_order_acquire) != phase::open) return op->complete(kv_errc::step_closed, queueing::post);
-  if (layer >= seq->layers.size()) return op->complete(kv_errc::layer_mismatch, queueing::post);
+  if (layer >= seq->model_layers()) return op->complete(kv_errc::layer_mismatch, queueing::post);
   if (keys.size() != values.size()) return op->complete(kv_errc::length_mismatch, queueing::post);
   if (keys.size() != tokens * width) return op->complete(kv_errc::width_mismatch, queueing::post);
   auto unwritten = layer_state::unwritten;
@@ -60,14 +60,14 @@ void step_core::write(sequence_op* op, std::size_t layer, std::span<const float>
     writes_[layer * tokens + t] = {index + t, keys.subspan(t * width, width), values.subspan(t * width, width)};
   step_part& part = parts_[layer].emplace(shared_from_this(), layer, op);
   part.watch(op->cancellation());
-  submit(*seq->layers[layer], &part, urgency::batch);
+  submit(*seq->layers[layer], &part, u);
 }
 
 void step_core::commit(sequence_op* op) {
   auto open = phase::open;
   if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel))
     return op->complete(kv_errc::step_closed, queueing::post);
-  for (std::size_t l = 0; l < seq->layers.size(); ++l) {
+  for (std::size_t l = 0; l < seq->model_layers(); ++l) {
     if (written_[l].load(std::memory_order_acquire) != layer_state::written) {
       phase_.store(phase::open, std::memory_order_release);
       return op->complete(kv_errc::step_incomplete, queueing::post);
@@ -90,14 +90,17 @@ void step_core::abandon(sequence_op* op) noexcept {
   }
   fan_out* end = std::exchange(end_, nullptr);
   end->set_operation(op);
-  end->start([this](std::size_t) { return reserve_args{index, 0}; }, {}, [](std::size_t) { return true; });
+  const reserve_args drop{index, 0};
+  end->start([drop](std::size_t) { return drop; }, drop, {}, [](std::size_t) { return true; });
 }
 
 // The step's part of the untyped interface of detail/sequence_core.hpp.
 
-void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t tokens) {
+void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t tokens,
+                      std::span<const token_id> ids) {
   sequence_core& seq = *s;
   if (tokens == 0) return op->complete(kv_errc::zero_length, queueing::post);
+  if (!ids.empty() && ids.size() != tokens) return op->complete(kv_errc::length_mismatch, queueing::post);
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
   const std::size_t index = seq.size.load(std::memory_order_relaxed);
   if (tokens > seq.config.max_tokens_per_seq - index) {  // size() never passes max_tokens_per_seq
@@ -111,14 +114,16 @@ void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, 
     seq.end();
     return op->complete(kv_errc::capacity_exhausted, queueing::post);
   }
+  // The model's layers set blocks aside; the token-id layer stores the ids
+  // at once (the sequence's snapshots show them with the step's commit).
   fan_out_to_layers(
       s, op, stage::begin_step, index, [&](const fan_out&, std::size_t) { return reserve_args{index, tokens}; },
-      tokens, {}, std::move(step));
+      [](const fan_out& fan) { return fan.id_writes(); }, tokens, {}, std::move(step), ids);
 }
 
 void start_step_write(const std::shared_ptr<step_core>& step, sequence_op* op, std::size_t layer,
-                      std::span<const float> keys, std::span<const float> values) {
-  step->write(op, layer, keys, values);
+                      std::span<const float> keys, std::span<const float> values, urgency u) {
+  step->write(op, layer, keys, values, u);
 }
 void start_commit(const std::shared_ptr<step_core>& step, sequence_op* op) { step->commit(op); }
 void abandon(step_core& step) noexcept { step.abandon(nullptr); }

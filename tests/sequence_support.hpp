@@ -116,8 +116,9 @@ std::pair<std::error_code, basic_sequence_kv_cache<T>> fork(basic_sequence_kv_ca
 }
 
 // Blocking calls on a sequence's step.
-template <class T>
-std::pair<std::error_code, basic_sequence_step<T>> begin_step(const basic_sequence_kv_cache<T>& s, std::size_t n) {
+/// `n`: a number of tokens, or their ids (a span of token_id).
+template <class T, class N>
+std::pair<std::error_code, basic_sequence_step<T>> begin_step(const basic_sequence_kv_cache<T>& s, N n) {
   using result = std::pair<std::error_code, basic_sequence_step<T>>;
   try {
     return result(std::error_code(), s.async_begin_step(n, asio::use_future).get());

@@ -329,11 +329,15 @@ TEST_CASE("layers of a step written from two threads at once; concurrent snapsho
       std::vector<int> tags(snap.size());
       for (std::size_t i = 0; i < tags.size(); ++i) tags[i] = static_cast<int>(i) + 1;
       if (std::string d = diff_snapshot(snap, tags); !d.empty()) bad.add(d);
+      const std::vector<token_id> ids = snap.token_ids();
+      for (std::size_t i = 0; i < ids.size(); ++i)
+        if (ids[i] != static_cast<token_id>(100 + i)) bad.add(str("token ", i, " has id ", ids[i]));
       looked.fetch_add(1, std::memory_order_relaxed);
     }
   });
   for (std::size_t i = 0; i < steps; ++i) {
-    auto [ec, open] = begin_step(f.seq, 1);
+    const token_id id[] = {static_cast<token_id>(100 + i)};
+    auto [ec, open] = begin_step(f.seq, std::span<const token_id>(id));
     REQUIRE_FALSE(ec);
     const step st(layers, f.width, i, static_cast<int>(i) + 1);
     // Layer 0 from this thread, layers 1 and 2 from another, at once.
@@ -358,4 +362,59 @@ TEST_CASE("layers of a step written from two threads at once; concurrent snapsho
   CHECK(bad.log.count == 0);
   CHECK(looked.load() > 0);
   f.check_contents();
+}
+
+TEST_CASE("token ids are stored once per token with appends and steps, kept by fork and truncate, returned by "
+          "snapshots",
+          "[step][token_ids]") {
+  fixture f;
+  const step chunk(layers, f.width, 0, 1, 2), plain(layers, f.width, 2, 2), stepped(layers, f.width, 3, 3);
+  const std::vector<token_id> chunk_ids = {10, 11}, step_ids = {12};
+  REQUIRE_FALSE(wait_ec([&](auto token) {
+    return f.seq.async_append(std::span<const token_id>(chunk_ids), chunk.key_spans, chunk.value_spans, token);
+  }));
+  REQUIRE_FALSE(append(f.seq, plain));  // no ids: no_token_id
+  {
+    auto [ec, open] = begin_step(f.seq, std::span<const token_id>(step_ids));
+    REQUIRE_FALSE(ec);
+    CHECK(open.size() == 1);
+    CHECK(f.seq.snapshot().token_ids() == std::vector<token_id>{10, 11, no_token_id});  // not before the commit
+    for (std::size_t l = 0; l < layers; ++l) REQUIRE_FALSE(write_layer(open, l, stepped));
+    REQUIRE_FALSE(commit(open));
+  }
+  f.tags = {1, 1, 2, 3};
+  f.check_contents();
+  const auto snap = f.seq.snapshot();
+  CHECK(snap.token_ids() == std::vector<token_id>{10, 11, no_token_id, 12});
+  CHECK(snap.token_id_at(1) == 11);
+  CHECK(snap.token_id_at(4) == no_token_id);  // past size()
+
+  SECTION("a fork keeps them; a truncate drops them with their tokens") {
+    auto [ec, child] = fork(f.seq);
+    REQUIRE_FALSE(ec);
+    REQUIRE_FALSE(truncate(f.seq, 2));
+    CHECK(f.seq.snapshot().token_ids() == std::vector<token_id>{10, 11});
+    CHECK(child.snapshot().token_ids() == std::vector<token_id>{10, 11, no_token_id, 12});
+    CHECK(snap.token_ids() == std::vector<token_id>{10, 11, no_token_id, 12});  // an older snapshot keeps its own
+  }
+  SECTION("an abandoned step's ids go with it") {
+    const std::vector<token_id> dropped = {77, 78};
+    auto [ec, open] = begin_step(f.seq, std::span<const token_id>(dropped));
+    REQUIRE_FALSE(ec);
+    REQUIRE_FALSE(abandon(open));
+    const step next(layers, f.width, 4, 5);
+    REQUIRE_FALSE(append(f.seq, next));
+    CHECK(f.seq.snapshot().token_ids() == std::vector<token_id>{10, 11, no_token_id, 12, no_token_id});
+  }
+  SECTION("ids of another count than the tokens fail with length_mismatch and change nothing") {
+    const std::vector<token_id> three = {1, 2, 3};
+    const step two(layers, f.width, 4, 5, 2);
+    check_rejected(f, kv_errc::length_mismatch, [&] {
+      return wait_ec([&](auto token) {
+        return f.seq.async_append(std::span<const token_id>(three), two.key_spans, two.value_spans, token);
+      });
+    });
+    CHECK(f.seq.snapshot().token_ids() == std::vector<token_id>{10, 11, no_token_id, 12});
+    check_rejected(f, kv_errc::zero_length, [&] { return begin_step(f.seq, std::span<const token_id>()).first; });
+  }
 }

@@ -5,7 +5,11 @@
 // - layer by layer: per layer, write its token, then attend (ghostlink: one
 //   co_await per layer cache);
 // - one append per step: every layer's token at once, then attend every
-//   layer (ghostlink: one sequence_kv_cache::async_append per step).
+//   layer (ghostlink: one sequence_kv_cache::async_append per step);
+// - through a step (decode_layer_order, a forward pass): per layer, write
+//   its token, then attend over it (ghostlink: one sequence step per decode
+//   step, async_write and snapshot(l) per layer, async_commit at the end;
+//   the lock designs as layer by layer).
 // ghostlink: one coroutine per sequence on a T-thread pool, attention from
 // snapshot blocks. Every lock baseline is driven from T threads (the
 // sequences split over them): rwlock_zero_copy attends straight from the
@@ -32,7 +36,7 @@
 namespace ghostlink::bench {
 namespace {
 
-enum class shape { layer_by_layer, append_per_step };
+enum class shape { layer_by_layer, append_per_step, through_step };
 
 kv_cache_config decode_config(const options& o) {
   kv_cache_config c = o.config();
@@ -82,6 +86,20 @@ asio::awaitable<void> append_per_step(const options& o, basic_sequence_kv_cache<
   }
 }
 
+/// Decode steps [o.steps, 2 * o.steps) of `seq` through sequence steps:
+/// each layer's token written, then attended with the step's snapshot.
+template <storage_element T>
+asio::awaitable<void> step_by_step(const options& o, basic_sequence_kv_cache<T>& seq, const std::vector<token>& data) {
+  for (std::size_t step = o.steps; step < 2 * o.steps; ++step) {
+    const auto open = co_await seq.async_begin_step(1, asio::use_awaitable);
+    for (std::size_t l = 0; l < o.layers; ++l) {
+      co_await open.async_write(l, data[step].keys, data[step].values, asio::use_awaitable);
+      attend(o, open.snapshot(l));
+    }
+    co_await open.async_commit(asio::use_awaitable);
+  }
+}
+
 template <storage_element T>
 double run_ghostlink(const options& o, const std::vector<token>& data, shape how) {
   asio::thread_pool pool(o.threads);
@@ -107,11 +125,15 @@ double run_ghostlink(const options& o, const std::vector<token>& data, shape how
     for (auto& f : ready) f.get();
     const auto t0 = clock_type::now();
     std::vector<std::future<void>> running;
-    for (std::size_t s = 0; s < o.sequences; ++s)
-      running.push_back(
-          how == shape::layer_by_layer
-              ? asio::co_spawn(pool, layer_by_layer(o, layered[s], data), asio::use_future)
-              : asio::co_spawn(pool, append_per_step(o, seqs[s], data, o.steps, 2 * o.steps, true), asio::use_future));
+    for (std::size_t s = 0; s < o.sequences; ++s) {
+      if (how == shape::layer_by_layer)
+        running.push_back(asio::co_spawn(pool, layer_by_layer(o, layered[s], data), asio::use_future));
+      else if (how == shape::through_step)
+        running.push_back(asio::co_spawn(pool, step_by_step(o, seqs[s], data), asio::use_future));
+      else
+        running.push_back(
+            asio::co_spawn(pool, append_per_step(o, seqs[s], data, o.steps, 2 * o.steps, true), asio::use_future));
+    }
     for (auto& f : running) f.get();
     return seconds_since(t0);
   });
@@ -181,7 +203,7 @@ double run_locked(const options& o, const std::vector<token>& data, shape how, b
       kv_range r;
       for (std::size_t step = o.steps; step < 2 * o.steps; ++step)
         for (std::size_t s = first_seq; s < o.sequences; s += o.threads) {
-          if (how == shape::layer_by_layer) {
+          if (how != shape::append_per_step) {
             for (auto& cache : seqs[s]) {
               cache->write(step, data[step].keys, data[step].values);
               attend_locked(o, *cache, step + 1, zero_copy, r);
@@ -224,7 +246,36 @@ void run_all(const options& o, report& out) {
                                   "timed); every implementation on " + std::to_string(o.threads) + " threads");
 }
 
+template <storage_element T>
+void run_layer_order(const options& o, report& out) {
+  std::vector<token> data;
+  for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
+  out.run("decode_layer_order", o, [&](std::map<std::string, metric>& m) {
+    metric& rate = m["steps"];
+    rate.name = "decode steps, layer by layer through a step";
+    rate.unit = "steps/s";
+    if (o.wants("ghostlink")) rate.values["ghostlink"] = run_ghostlink<T>(o, data, shape::through_step);
+    using rwlock_t = locked_cache<std::shared_mutex, T>;
+    if (o.wants("rwlock_zero_copy"))
+      rate.values["rwlock_zero_copy"] = run_locked<rwlock_t>(o, data, shape::through_step, true);
+  });
+  out.add_note("decode_layer_order", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
+                                         " sequences, " + o.element + ", contexts " + std::to_string(o.steps) + ".." +
+                                         std::to_string(2 * o.steps) +
+                                         "; ghostlink: begin, per layer write then attend over step.snapshot(l), "
+                                         "commit; rwlock_zero_copy: per layer write then attend under the shared lock");
+}
+
 }  // namespace
+
+void decode_layer_order(const options& o, report& out) {
+  if (o.element == "half")
+    run_layer_order<half>(o, out);
+  else if (o.element == "bfloat16")
+    run_layer_order<bfloat16>(o, out);
+  else
+    run_layer_order<float>(o, out);
+}
 
 void decode_step(const options& o, report& out) {
   if (o.element == "half")

@@ -4,7 +4,9 @@
 /// sequence's key/value cache across every layer of a model.
 
 #include <cstddef>
+#include <bit>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <system_error>
@@ -37,14 +39,19 @@ class basic_sequence_snapshot {
  public:
   /// An empty snapshot: no layers, size 0 (as a moved-from one).
   basic_sequence_snapshot() = default;
-  /// Narrows `layers` to the shortest of them, and to at most `bound` tokens.
+  /// Narrows `layers` (and the token ids' snapshot, if any: one float per
+  /// token, an id's bits) to the shortest of them, and to at most `bound`
+  /// tokens.
   explicit basic_sequence_snapshot(std::vector<basic_kv_snapshot<T>> layers,
-                                   std::size_t bound = static_cast<std::size_t>(-1)) noexcept
-      : layers_(std::move(layers)) {
+                                   std::size_t bound = static_cast<std::size_t>(-1),
+                                   std::optional<basic_kv_snapshot<float>> ids = std::nullopt) noexcept
+      : layers_(std::move(layers)), ids_(std::move(ids)) {
     if (layers_.empty()) return;
     size_ = bound;
     for (const auto& l : layers_) size_ = std::min(size_, l.size());
+    if (ids_) size_ = std::min(size_, ids_->size());
     for (auto& l : layers_) l = std::move(l).prefix(size_);
+    if (ids_) ids_ = std::move(*ids_).prefix(size_);
   }
 
   /// Tokens every layer's snapshot shows.
@@ -57,8 +64,26 @@ class basic_sequence_snapshot {
   /// Layer `i`'s snapshot (`i < num_layers()`), narrowed to `size()`.
   const basic_kv_snapshot<T>& layer(std::size_t i) const noexcept { return layers_[i]; }
 
+  /// Token `i`'s id (`i < size()`): the one its append or step was given,
+  /// else `no_token_id`. `no_token_id` too past `size()`.
+  token_id token_id_at(std::size_t i) const noexcept {
+    float bits[1] = {};
+    if (!ids_ || ids_->read_kv(i, bits, bits)) return no_token_id;
+    return std::bit_cast<token_id>(bits[0]);
+  }
+  /// Every token's id, token 0 first: `size()` of them (see `token_id_at`).
+  std::vector<token_id> token_ids() const {
+    std::vector<token_id> out(size(), no_token_id);
+    if (ids_)
+      (void)ids_->for_each_block(0, size(), [&](std::size_t first, std::size_t n, auto keys, auto) {
+        for (std::size_t t = 0; t < n; ++t) out[first + t] = std::bit_cast<token_id>(keys[t]);
+      });
+    return out;
+  }
+
  private:
   std::vector<basic_kv_snapshot<T>> layers_;
+  std::optional<basic_kv_snapshot<float>> ids_;  // the token ids (a sequence's snapshots have them)
   std::size_t size_ = 0;  // meaningful while layers_ is not empty
 };
 
@@ -210,6 +235,17 @@ class basic_sequence_kv_cache {
                     std::span<const std::span<const float>> values_per_layer,
                     CompletionToken&& token = default_completion_token()) const;
 
+  /// As above, storing `ids` with the tokens, one per token (snapshots
+  /// return them: `token_ids()`; forks and truncates keep them with their
+  /// tokens). The tokens are `ids.size()`; each layer's keys and values
+  /// hold as many. Errors: as above, and `length_mismatch` if the layers'
+  /// tokens are not `ids.size()`. The span must stay valid until
+  /// completion.
+  template <class CompletionToken = default_completion_token>
+  auto async_append(std::span<const token_id> ids, std::span<const std::span<const float>> keys_per_layer,
+                    std::span<const std::span<const float>> values_per_layer,
+                    CompletionToken&& token = default_completion_token()) const;
+
   /// Drops tokens `[n, size())` from every layer (speculative-decoding
   /// rollback); `n >= size()` changes nothing. Snapshots taken before keep
   /// their data. Completion signature: `void(std::error_code)`. Errors:
@@ -273,6 +309,12 @@ class basic_sequence_kv_cache {
   ///         `asio::awaitable<step_type>`.
   template <class CompletionToken = default_completion_token>
   auto async_begin_step(std::size_t n, CompletionToken&& token = default_completion_token()) const;
+
+  /// As above, for `ids.size()` tokens whose ids are `ids` (stored with the
+  /// tokens at the commit, as `async_append` stores them). The span must
+  /// stay valid until completion.
+  template <class CompletionToken = default_completion_token>
+  auto async_begin_step(std::span<const token_id> ids, CompletionToken&& token = default_completion_token()) const;
 
  private:
   friend struct detail::cache_access;

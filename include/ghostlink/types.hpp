@@ -4,10 +4,17 @@
 /// read range.
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
 namespace ghostlink {
+
+/// A token's id in the model's vocabulary, as a sequence stores it with the
+/// token (see `basic_sequence_kv_cache::async_append`).
+using token_id = std::int32_t;
+/// The id of a token appended without one.
+inline constexpr token_id no_token_id = -1;
 
 /// One token of an `async_write_batch`. The spans are the caller's and must
 /// stay valid until the batch completes.

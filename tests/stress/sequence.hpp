@@ -245,6 +245,46 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
     settle(t, pb, ecs[1], {kv_errc::operation_in_progress}, "conflicting truncate");
 }
 
+/// An append of `step`'s `count` tokens through a step: begin, each layer
+/// written in a random order and its own snapshot checked (the sequence's
+/// readers must not see the tokens: nothing is published yet), then the
+/// state published pending and committed; a tenth of the time abandoned
+/// instead (nothing is published: no reader may ever see its tokens).
+inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uint64_t tag,
+                                         const step_buffers& step, std::size_t count, rng& r) {
+  bump(g_figures.steps);
+  auto [ec, open] = co_await t.seq.async_begin_step(count, as_tuple(asio::use_awaitable));
+  if (ec == kv_errc::capacity_exhausted) {
+    bump(g_figures.append_capacity_failures);
+    co_return;
+  }
+  if (ec) co_return fail(str(t.name, ": step begin of ", count, ": ", ec.message()));
+  std::vector<std::size_t> order(seq_world::layers);
+  for (std::size_t l = 0; l < order.size(); ++l) order[l] = l;
+  for (std::size_t l = 0; l + 1 < order.size(); ++l) std::swap(order[l], order[l + r.below(order.size() - l)]);
+  std::vector<std::uint64_t> want = s.tags, seen;
+  want.insert(want.end(), count, tag);
+  for (std::size_t l : order) {
+    auto [wec] = co_await open.async_write(l, step.keys[l], step.values[l], as_tuple(asio::use_awaitable));
+    if (wec) co_return fail(str(t.name, ": step write of layer ", l, ": ", wec.message()));
+    const std::string error = decode_all(open.snapshot(l), l, seen);
+    if (!error.empty() || seen != want)
+      co_return fail(str(t.name, ": step snapshot of layer ", l, " after its write: ", error.empty() ? "" : error,
+                         seen.size(), " tokens, ", want.size(), " expected"));
+  }
+  if (r.percent(10)) {
+    bump(g_figures.steps_abandoned);
+    auto [aec] = co_await open.async_abandon(as_tuple(asio::use_awaitable));
+    if (aec) fail(str(t.name, ": step abandon: ", aec.message()));
+    co_return;
+  }
+  std::uint64_t published_tag = 0;
+  const std::size_t p = publish_append(t, s, published_tag, count);
+  if (published_tag != tag) co_return fail(str(t.name, ": step tag ", tag_name(tag), " is not the next state's"));
+  auto [cec] = co_await open.async_commit(as_tuple(asio::use_awaitable));
+  settle(t, p, cec, {}, "step commit");
+}
+
 inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target> t, rng r) {
   w.live.add(t);
   std::deque<std::shared_ptr<seq_target>> frozen;
@@ -258,8 +298,13 @@ inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target>
       const bool full = s.tags.size() + count > w.config.max_tokens_per_seq;
       std::uint64_t tag = make_tag(t->gen, t->hist.count());
       const step_buffers step(seq_world::layers, w.config.token_width(), tag, s.tags.size(), count);
-      const std::size_t p = full ? t->hist.publish(s) : publish_append(*t, s, tag, count);
       if (count > 1) bump(g_figures.chunk_appends);
+      if (!full && r.percent(30)) {
+        co_await step_append(*t, s, tag, step, count, r);
+        verify_settled(*t, r);
+        continue;
+      }
+      const std::size_t p = full ? t->hist.publish(s) : publish_append(*t, s, tag, count);
       auto [ec] = co_await t->seq.async_append(step.keys, step.values, as_tuple(asio::use_awaitable));
       if (full) {
         if (ec != kv_errc::index_out_of_range)

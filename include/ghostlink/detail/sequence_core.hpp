@@ -49,6 +49,8 @@ const asio::any_io_executor& io_executor(const sequence_core& s) noexcept;
 std::size_t size_of(const sequence_core& s) noexcept;
 /// Layer `i`'s actor.
 const std::shared_ptr<actor>& layer_of(const sequence_core& s, std::size_t i) noexcept;
+/// The actor of the sequence's token ids: one float per token, an id's bits.
+const std::shared_ptr<actor>& ids_of(const sequence_core& s) noexcept;
 /// Completed removals of tokens (truncates, undone appends), read with
 /// acquire: a snapshot pins again if it changed while it pinned the layers.
 std::uint64_t removals(const sequence_core& s) noexcept;
@@ -59,12 +61,14 @@ std::size_t visible_bound(const sequence_core& s) noexcept;
 /// Each takes ownership of `op` and completes it exactly once, never inside
 /// this call. They throw only if queueing an early completion does.
 void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
-                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values);
+                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
+                  std::span<const token_id> ids);
 void start_truncate(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t n);
 void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op);
-void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t tokens);
+void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t tokens,
+                      std::span<const token_id> ids);
 void start_step_write(const std::shared_ptr<step_core>& step, sequence_op* op, std::size_t layer,
-                      std::span<const float> keys, std::span<const float> values);
+                      std::span<const float> keys, std::span<const float> values, urgency u);
 void start_commit(const std::shared_ptr<step_core>& step, sequence_op* op);
 void start_abandon(const std::shared_ptr<step_core>& step, sequence_op* op);
 

@@ -15,6 +15,7 @@
 #include "ghostlink/detail/completion.hpp"
 #include "ghostlink/detail/layer_core.hpp"
 #include "ghostlink/detail/sequence_core.hpp"
+#include "ghostlink/layer_kv_cache.hpp"  // resumes_coroutine
 
 namespace ghostlink {
 namespace detail {
@@ -46,8 +47,8 @@ struct initiate_sequence_op {
 
   template <class Handler>
   void operator()(Handler&& handler, std::span<const std::span<const float>> keys,
-                  std::span<const std::span<const float>> values) const {
-    start_append(target, make(std::forward<Handler>(handler)), keys, values);
+                  std::span<const std::span<const float>> values, std::span<const token_id> ids) const {
+    start_append(target, make(std::forward<Handler>(handler)), keys, values, ids);
   }
   template <class Handler>
   void operator()(Handler&& handler, std::size_t n) const {
@@ -58,13 +59,15 @@ struct initiate_sequence_op {
     start_fork(target, make(std::forward<Handler>(handler)));
   }
   template <class Handler>
-  void operator()(Handler&& handler, begin_step_t, std::size_t tokens) const {
-    start_begin_step(target, make(std::forward<Handler>(handler)), tokens);
+  void operator()(Handler&& handler, begin_step_t, std::size_t tokens, std::span<const token_id> ids) const {
+    start_begin_step(target, make(std::forward<Handler>(handler)), tokens, ids);
   }
   template <class Handler>
   void operator()(Handler&& handler, std::size_t layer, std::span<const float> keys,
                   std::span<const float> values) const {
-    start_step_write(step, make(std::forward<Handler>(handler)), layer, keys, values);
+    // As a layer's write: a coroutine's drain is best started at once.
+    const urgency u = resumes_coroutine<std::decay_t<Handler>>::value ? urgency::now : urgency::batch;
+    start_step_write(step, make(std::forward<Handler>(handler)), layer, keys, values, u);
   }
   template <class Handler>
   void operator()(Handler&& handler, commit_t) const {
@@ -96,17 +99,19 @@ auto basic_sequence_kv_cache<T>::snapshot() const -> snapshot_type {
   std::vector<basic_kv_snapshot<T>> layers;
   layers.reserve(n);
   std::size_t bound = 0;
+  basic_kv_snapshot<float> ids;
   // Lock-free: a retry means a removal completed meanwhile (see removals()).
   for (std::uint64_t removals = detail::removals(*core_);;) {
     for (std::size_t i = 0; i < n; ++i)
       layers.push_back(detail::cache_access::adopt<basic_kv_snapshot<T>>(detail::pin(*detail::layer_of(*core_, i))));
+    ids = detail::cache_access::adopt<basic_kv_snapshot<float>>(detail::pin(*detail::ids_of(*core_)));
     bound = detail::visible_bound(*core_);
     const std::uint64_t now = detail::removals(*core_);
     if (now == removals) break;
     removals = now;
     layers.clear();
   }
-  return snapshot_type(std::move(layers), bound);
+  return snapshot_type(std::move(layers), bound, std::move(ids));
 }
 
 template <storage_element T>
@@ -115,7 +120,18 @@ auto basic_sequence_kv_cache<T>::async_append(std::span<const std::span<const fl
                                               std::span<const std::span<const float>> values_per_layer,
                                               CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_sequence_op<>{core_}, token,
-                                                                      keys_per_layer, values_per_layer);
+                                                                      keys_per_layer, values_per_layer,
+                                                                      std::span<const token_id>());
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_append(std::span<const token_id> ids,
+                                              std::span<const std::span<const float>> keys_per_layer,
+                                              std::span<const std::span<const float>> values_per_layer,
+                                              CompletionToken&& token) const {
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_sequence_op<>{core_}, token,
+                                                                      keys_per_layer, values_per_layer, ids);
 }
 
 template <storage_element T>
@@ -135,7 +151,16 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_begin_step(std::size_t n, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code, step_type)>(
-      detail::initiate_sequence_op<detail::adopt_step<step_type>>{core_}, token, detail::begin_step_t{}, n);
+      detail::initiate_sequence_op<detail::adopt_step<step_type>>{core_}, token, detail::begin_step_t{}, n,
+      std::span<const token_id>());
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_begin_step(std::span<const token_id> ids, CompletionToken&& token) const {
+  return asio::async_initiate<CompletionToken, void(std::error_code, step_type)>(
+      detail::initiate_sequence_op<detail::adopt_step<step_type>>{core_}, token, detail::begin_step_t{}, ids.size(),
+      ids);
 }
 
 template <storage_element T>
