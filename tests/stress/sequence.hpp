@@ -53,6 +53,9 @@ struct seq_world {
   std::vector<claim> open_claims;  // readers' unresolved claims at their end
 };
 
+/// The token id a step stores with a token of `tag`.
+inline token_id id_of(std::uint64_t tag) { return static_cast<token_id>(tag & 0x7fffffff); }
+
 /// Pins the sequence and checks every layer shows the same tokens, each
 /// from one append, equal to a state at least as new as every completed
 /// operation. "" or what differed; `found` gets the matching states.
@@ -79,6 +82,11 @@ inline std::string verify(seq_target& t, rng& r, sequence_kv_cache::snapshot_typ
     if (l > 0) error = decode_all(snap.layer(l), l, other);  // spot_reads checks against this layer's own tags
     if (error.empty()) error = spot_reads(snap.layer(l), l, l == 0 ? tags : other, r);
   }
+  // A token's id (given only by steps, see step_append) belongs to its tag.
+  const std::vector<token_id> ids = snap.token_ids();
+  for (std::size_t i = 0; error.empty() && i < ids.size() && i < tags.size(); ++i)
+    if (ids[i] != no_token_id && ids[i] != id_of(tags[i]))
+      error = str("token ", i, " (", tag_name(tags[i]), ") has id ", ids[i], ", not ", id_of(tags[i]));
   if (error.empty()) error = match(t.hist, lo, hi, tags, found);
   return error.empty() ? error : str(t.name, " snapshot of ", snap.size(), " tokens: ", error);
 }
@@ -245,7 +253,8 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
     settle(t, pb, ecs[1], {kv_errc::operation_in_progress}, "conflicting truncate");
 }
 
-/// An append of `step`'s `count` tokens through a step: begin, each layer
+/// An append of `step`'s `count` tokens through a step, with their ids
+/// (id_of(tag)): begin, each layer
 /// written in a random order and its own snapshot checked (the sequence's
 /// readers must not see the tokens: nothing is published yet), then the
 /// state published pending and committed; a tenth of the time abandoned
@@ -253,7 +262,8 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
 inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uint64_t tag,
                                          const step_buffers& step, std::size_t count, rng& r) {
   bump(g_figures.steps);
-  auto [ec, open] = co_await t.seq.async_begin_step(count, as_tuple(asio::use_awaitable));
+  const std::vector<token_id> ids(count, id_of(tag));
+  auto [ec, open] = co_await t.seq.async_begin_step(std::span<const token_id>(ids), as_tuple(asio::use_awaitable));
   if (ec == kv_errc::capacity_exhausted) {
     bump(g_figures.append_capacity_failures);
     co_return;
