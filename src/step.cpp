@@ -94,7 +94,94 @@ void step_core::abandon(sequence_op* op) noexcept {
   end->start([drop](std::size_t) { return drop; }, drop, {}, [](std::size_t) { return true; });
 }
 
+namespace {
+
+class batch_write;
+
+/// One step's write within a batch: its completion reports to the batch.
+class batch_member final : public sequence_op {
+ public:
+  batch_member() noexcept : sequence_op(&finish) {}
+  batch_write* batch = nullptr;
+  std::size_t index = 0;
+
+ private:
+  static void finish(operation* base, const std::error_code* ec, queueing how);
+};
+
+/// A write of one layer across a batch of steps: one member per step, and
+/// the user's operation completed once, by the last member to finish (the
+/// initiating call holds one count of its own while it starts them, as a
+/// fan-out does).
+class batch_write {
+ public:
+  batch_write(batch_op* op, std::size_t steps) : op_(op), members_(new batch_member[steps]), remaining_(steps + 1) {
+    op_->results.assign(steps, {});
+    for (std::size_t i = 0; i < steps; ++i) {
+      members_[i].batch = this;
+      members_[i].index = i;
+      members_[i].watch(op_->cancellation());
+    }
+  }
+
+  void start(std::span<step_core* const> steps, std::size_t layer, std::span<const std::span<const float>> keys,
+             std::span<const std::span<const float>> values, urgency u) {
+    for (std::size_t i = 0; i < steps.size(); ++i) steps[i]->write(&members_[i], layer, keys[i], values[i], u);
+    arrive(queueing::post);
+  }
+
+  void finished(std::size_t i, const std::error_code* ec, queueing how) {
+    if (ec)
+      op_->results[i] = *ec;
+    else
+      discarded_.store(true, std::memory_order_relaxed);
+    arrive(how);
+  }
+
+ private:
+  void arrive(queueing how) {
+    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    batch_op* const op = op_;
+    const bool discard = discarded_.load(std::memory_order_relaxed);
+    delete this;
+    if (discard) return op->discard();
+    std::error_code first;
+    for (const std::error_code& ec : op->results)
+      if (ec) {
+        first = ec;
+        break;
+      }
+    op->complete(first, how);
+  }
+
+  batch_op* const op_;
+  std::unique_ptr<batch_member[]> members_;
+  std::atomic<std::size_t> remaining_;
+  std::atomic<bool> discarded_{false};
+};
+
+void batch_member::finish(operation* base, const std::error_code* ec, queueing how) {
+  auto* self = static_cast<batch_member*>(base);
+  self->batch->finished(self->index, ec, how);
+}
+
+}  // namespace
+
 // The step's part of the untyped interface of detail/sequence_core.hpp.
+
+void start_write_layer(std::span<step_core* const> steps, batch_op* op, std::size_t layer,
+                       std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
+                       urgency u) {
+  if (keys.size() != steps.size() || values.size() != steps.size())
+    return op->complete(kv_errc::length_mismatch, queueing::post);
+  batch_write* batch = nullptr;
+  try {
+    batch = new batch_write(op, steps.size());
+  } catch (const std::bad_alloc&) {
+    return op->complete(kv_errc::capacity_exhausted, queueing::post);
+  }
+  batch->start(steps, layer, keys, values, u);
+}
 
 void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, std::size_t tokens,
                       std::span<const token_id> ids) {

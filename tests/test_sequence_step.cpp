@@ -8,6 +8,8 @@
 #include <asio/io_context.hpp>
 
 #include <atomic>
+#include <future>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -416,5 +418,84 @@ TEST_CASE("token ids are stored once per token with appends and steps, kept by f
     });
     CHECK(f.seq.snapshot().token_ids() == std::vector<token_id>{10, 11, no_token_id, 12});
     check_rejected(f, kv_errc::zero_length, [&] { return begin_step(f.seq, std::span<const token_id>()).first; });
+  }
+}
+
+namespace {
+
+/// Writes layer `l` of every step of `open` in one batched call (step `i`
+/// from `tokens[i]`); the first error and every step's result.
+std::pair<std::error_code, std::vector<std::error_code>> write_batch(std::span<const sequence_kv_cache::step_type> open,
+                                                                     std::size_t l, std::span<const step* const> tokens) {
+  std::vector<std::span<const float>> keys, values;
+  for (const step* st : tokens) {
+    keys.push_back(st->key_spans[l]);
+    values.push_back(st->value_spans[l]);
+  }
+  auto result = std::make_shared<std::promise<std::pair<std::error_code, std::vector<std::error_code>>>>();
+  auto done = result->get_future();
+  sequence_kv_cache::step_type::async_write_layer(open, l, keys, values,
+                                                  [result](std::error_code ec, std::vector<std::error_code> each) {
+                                                    result->set_value({ec, std::move(each)});
+                                                  });
+  return done.get();
+}
+
+}  // namespace
+
+TEST_CASE("one call writes a layer of a decode batch's steps and completes once, with each sequence's result",
+          "[step][batch]") {
+  asio::thread_pool threads{2};
+  constexpr std::size_t batch = 4;
+  std::vector<sequence_kv_cache> seqs;
+  for (std::size_t b = 0; b < batch; ++b) seqs.emplace_back(threads, layers, small_config());
+  const std::size_t width = seqs[0].config().token_width();
+  std::vector<std::unique_ptr<step>> tokens;
+  std::vector<const step*> token_ptrs;
+  std::vector<sequence_kv_cache::step_type> open;
+  for (std::size_t b = 0; b < batch; ++b) {
+    tokens.push_back(std::make_unique<step>(layers, width, 0, static_cast<int>(b) + 1));
+    token_ptrs.push_back(tokens.back().get());
+    auto [ec, s] = begin_step(seqs[b], 1);
+    REQUIRE_FALSE(ec);
+    open.push_back(std::move(s));
+  }
+  SECTION("every layer written in one call per layer; each step reads its own write") {
+    for (std::size_t l = 0; l < layers; ++l) {
+      const auto [ec, each] = write_batch(open, l, token_ptrs);
+      CHECK_FALSE(ec);
+      CHECK(each == std::vector<std::error_code>(batch));
+      for (std::size_t b = 0; b < batch; ++b) CHECK(open[b].snapshot(l).size() == 1);
+    }
+    for (std::size_t b = 0; b < batch; ++b) {
+      REQUIRE_FALSE(commit(open[b]));
+      CHECK(diff_snapshot(seqs[b].snapshot(), {static_cast<int>(b) + 1}).empty());
+    }
+  }
+  SECTION("a step that cannot take the write reports its own error; the others are written") {
+    for (std::size_t l = 0; l < layers; ++l) REQUIRE_FALSE(write_layer(open[2], l, *tokens[2]));
+    REQUIRE_FALSE(commit(open[2]));  // closed: its batched write fails
+    const auto [ec, each] = write_batch(open, 0, token_ptrs);
+    CHECK(ec == kv_errc::step_closed);
+    REQUIRE(each.size() == batch);
+    for (std::size_t b = 0; b < batch; ++b) CHECK(each[b] == (b == 2 ? std::error_code(kv_errc::step_closed) : std::error_code()));
+    for (std::size_t b : {0, 1, 3}) CHECK(open[b].snapshot(0).size() == 1);
+  }
+  SECTION("keys or values for another number of steps fail with length_mismatch and write nothing") {
+    const auto [ec, each] = write_batch(open, 0, std::span(token_ptrs).first(batch - 1));
+    CHECK(ec == kv_errc::length_mismatch);
+    CHECK(each.empty());
+    for (std::size_t b = 0; b < batch; ++b) CHECK(open[b].snapshot(0).size() == 0);
+  }
+  SECTION("two batches of different layers from two threads at once") {
+    std::pair<std::error_code, std::vector<std::error_code>> other_result;
+    std::thread other([&] { other_result = write_batch(open, 1, token_ptrs); });
+    const auto mine = write_batch(open, 0, token_ptrs);
+    other.join();
+    CHECK_FALSE(mine.first);
+    CHECK_FALSE(other_result.first);
+    REQUIRE_FALSE(write_batch(open, 2, token_ptrs).first);
+    for (std::size_t b = 0; b < batch; ++b) REQUIRE_FALSE(commit(open[b]));
+    for (std::size_t b = 0; b < batch; ++b) CHECK(diff_snapshot(seqs[b].snapshot(), {static_cast<int>(b) + 1}).empty());
   }
 }

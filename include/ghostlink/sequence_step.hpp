@@ -145,6 +145,33 @@ class basic_sequence_step {
   template <class CompletionToken = default_completion_token>
   auto async_abandon(CompletionToken&& token = default_completion_token()) const;
 
+  /// Writes layer `layer` of every step of `steps`, one open step per
+  /// sequence of a decode batch: step `i`'s tokens from `keys[i]` and
+  /// `values[i]`, as `steps[i].async_write(layer, keys[i], values[i])`
+  /// would, all started at once, and completes once when every write has
+  /// completed. The steps may belong to any sequences (each once); their
+  /// layers' actors apply the writes in parallel.
+  ///
+  /// Completion signature: `void(std::error_code, std::vector<std::error_code>)`:
+  /// the first step's error in order (none if every write succeeded), then
+  /// every step's own result, in the order of `steps`. Errors: as
+  /// `async_write` for each step; `length_mismatch` (and no write) if `keys`
+  /// or `values` do not hold one span per step, `capacity_exhausted` if the
+  /// results cannot be allocated. Cancellable: the handler's slot reaches
+  /// every write. The spans must stay valid until completion. An empty batch
+  /// completes with no error and no result.
+  ///
+  /// @param steps  open steps, of different sequences.
+  /// @param layer  the layer, below each step's `num_layers()`.
+  /// @param keys   one span of `size() * token_width()` floats per step.
+  /// @param values one span of `size() * token_width()` floats per step.
+  /// @param token  the completion token; none is needed to `co_await`.
+  template <class CompletionToken = default_completion_token>
+  static auto async_write_layer(std::span<const basic_sequence_step> steps, std::size_t layer,
+                                std::span<const std::span<const float>> keys,
+                                std::span<const std::span<const float>> values,
+                                CompletionToken&& token = default_completion_token());
+
   /// As `async_abandon()`, in the background, and the handle is left empty.
   void abandon() noexcept {
     if (core_) detail::abandon(*core_);

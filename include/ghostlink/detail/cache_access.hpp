@@ -14,6 +14,11 @@ struct cache_access {
   static Handle adopt(Core core) noexcept {
     return core ? Handle(std::move(core)) : Handle();
   }
+  /// The core a handle holds.
+  template <class Handle>
+  static const auto& core_of(const Handle& h) noexcept {
+    return h.core_;
+  }
 };
 
 /// Turns a finished fork operation (a layer's request or a sequence's

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <system_error>
+#include <vector>
 
 #include "ghostlink/detail/layer_core.hpp"  // the layers' actors, the pool, the completion piece
 
@@ -29,6 +31,23 @@ class sequence_op : public operation {
  protected:
   explicit sequence_op(finish_fn finish) noexcept : operation(finish) {}
   ~sequence_op() = default;
+};
+
+/// One write of a layer across a batch of steps (one per sequence): it
+/// completes once every step's write has, with each one's result.
+class batch_op : public operation {
+ public:
+  /// Each step's result, in the order of the steps.
+  std::vector<std::error_code> results;
+
+ protected:
+  explicit batch_op(finish_fn finish) noexcept : operation(finish) {}
+  ~batch_op() = default;
+};
+
+/// Turns a finished batch_op into the handler's second argument.
+struct take_results {
+  std::vector<std::error_code> operator()(batch_op& op) const noexcept { return std::move(op.results); }
 };
 
 /// `num_layers` empty layers of `config` on strands of `ex`, accepting
@@ -70,6 +89,11 @@ void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, 
 void start_step_write(const std::shared_ptr<step_core>& step, sequence_op* op, std::size_t layer,
                       std::span<const float> keys, std::span<const float> values, urgency u);
 void start_commit(const std::shared_ptr<step_core>& step, sequence_op* op);
+/// Writes layer `layer` of every step of `steps` (step `i` from `keys[i]`,
+/// `values[i]`), completing `op` once, when every write has completed.
+void start_write_layer(std::span<step_core* const> steps, batch_op* op, std::size_t layer,
+                       std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
+                       urgency u);
 void start_abandon(const std::shared_ptr<step_core>& step, sequence_op* op);
 
 /// Ends an open step unchanged (its tokens dropped from every layer, in the

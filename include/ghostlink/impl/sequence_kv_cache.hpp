@@ -4,12 +4,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <span>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <asio/async_result.hpp>
+#include <asio/system_executor.hpp>
 
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/completion.hpp"
@@ -80,6 +82,29 @@ struct initiate_sequence_op {
 };
 
 
+
+/// Starts a write of one layer across a batch of steps.
+struct initiate_write_layer {
+  template <class Handler, class Step>
+  void operator()(Handler&& handler, std::span<const Step> steps, std::size_t layer,
+                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values) const {
+    using handler_type = std::decay_t<Handler>;
+    using op = handler_op<batch_op, handler_type, asio::any_io_executor, take_results>;
+    const asio::any_io_executor io_ex = steps.empty() ? asio::any_io_executor(asio::system_executor())
+                                                      : io_executor(*sequence_of(*cache_access::core_of(steps[0])));
+    handler_type h(std::forward<Handler>(handler));
+    batch_op* started = op::make(std::move(h), io_ex);
+    std::vector<step_core*> cores;
+    try {
+      cores.reserve(steps.size());
+    } catch (const std::bad_alloc&) {
+      return started->complete(kv_errc::capacity_exhausted, queueing::post);
+    }
+    for (const Step& s : steps) cores.push_back(cache_access::core_of(s).get());
+    const urgency u = resumes_coroutine<handler_type>::value ? urgency::now : urgency::batch;
+    start_write_layer(cores, started, layer, keys, values, u);
+  }
+};
 
 }  // namespace detail
 
@@ -176,6 +201,16 @@ template <class CompletionToken>
 auto basic_sequence_step<T>::async_commit(CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(
       detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, detail::commit_t{});
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_step<T>::async_write_layer(std::span<const basic_sequence_step> steps, std::size_t layer,
+                                               std::span<const std::span<const float>> keys,
+                                               std::span<const std::span<const float>> values,
+                                               CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(std::error_code, std::vector<std::error_code>)>(
+      detail::initiate_write_layer{}, token, steps, layer, keys, values);
 }
 
 template <storage_element T>
