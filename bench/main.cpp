@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
       {"write_concurrent", write_concurrent},
       {"decode_step", decode_step},
       {"decode_layer_order", decode_layer_order},
+      {"batched_step", batched_step},
       {"decode_speculative", decode_speculative},
       {"decode_with_offloader", decode_with_offloader},
       {"memory", memory},
@@ -30,7 +31,8 @@ int main(int argc, char** argv) {
   }
   report out;
   for (const char* name :
-       {"read_under_write", "attention_read", "write_single", "write_concurrent", "decode_step", "decode_layer_order", "decode_speculative",
+       {"read_under_write", "attention_read", "write_single", "write_concurrent", "decode_step", "decode_layer_order", "batched_step",
+        "decode_speculative",
         "decode_with_offloader", "memory", "fork", "prefill", "memory_waste", "storage_16bit"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",

@@ -12,6 +12,7 @@ void write_single(const options& opts, report& out);
 void write_concurrent(const options& opts, report& out);
 void decode_step(const options& opts, report& out);
 void decode_layer_order(const options& opts, report& out);
+void batched_step(const options& opts, report& out);
 void decode_speculative(const options& opts, report& out);
 void decode_with_offloader(const options& opts, report& out);
 void memory(const options& opts, report& out);

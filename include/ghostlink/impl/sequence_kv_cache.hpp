@@ -101,8 +101,9 @@ struct initiate_write_layer {
       return started->complete(kv_errc::capacity_exhausted, queueing::post);
     }
     for (const Step& s : steps) cores.push_back(cache_access::core_of(s).get());
-    const urgency u = resumes_coroutine<handler_type>::value ? urgency::now : urgency::batch;
-    start_write_layer(cores, started, layer, keys, values, u);
+    // Posted, not dispatched: the layers' drains run in parallel on the
+    // executor's threads instead of one by one inside this call.
+    start_write_layer(cores, started, layer, keys, values, urgency::batch);
   }
 };
 
