@@ -66,8 +66,7 @@ class fan_out {
   /// no_token_id for each), which the token-id layer stores.
   /// Throws std::bad_alloc.
   fan_out(std::shared_ptr<sequence_core> seq, sequence_op* op, stage s, std::size_t index, std::size_t tokens,
-          std::vector<kv_write> writes = {}, std::shared_ptr<step_core> step = {},
-          std::span<const token_id> ids = {})
+          std::vector<kv_write> writes = {}, std::shared_ptr<step_core> step = {}, std::span<const token_id> ids = {})
       : seq_(std::move(seq)),
         op_(op),
         parts_(seq_->layers.size()),

@@ -201,8 +201,8 @@ void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op) {
   sequence_core& seq = *s;
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
   fan_out_to_layers(
-      s, op, stage::fork, seq.size.load(std::memory_order_relaxed), [](const fan_out&, std::size_t) { return fork_args{}; },
-      [](const fan_out&) { return fork_args{}; });
+      s, op, stage::fork, seq.size.load(std::memory_order_relaxed),
+      [](const fan_out&, std::size_t) { return fork_args{}; }, [](const fan_out&) { return fork_args{}; });
 }
 
 // The rest of the untyped interface of detail/sequence_core.hpp.

@@ -204,7 +204,10 @@ void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, 
   // The model's layers set blocks aside; the token-id layer stores the ids
   // at once (the sequence's snapshots show them with the step's commit).
   fan_out_to_layers(
-      s, op, stage::begin_step, index, [&](const fan_out&, std::size_t) { return reserve_args{index, tokens}; },
+      s, op, stage::begin_step, index,
+      [&](const fan_out&, std::size_t) {
+        return reserve_args{index, tokens};
+      },
       [](const fan_out& fan) { return fan.id_writes(); }, tokens, {}, std::move(step), ids);
 }
 

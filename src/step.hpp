@@ -53,8 +53,7 @@ class step_core : public std::enable_shared_from_this<step_core> {
   /// Layer `layer`'s writes (its part's entries).
   std::span<const kv_write> writes_of(std::size_t layer) const noexcept;
 
-  void write(sequence_op* op, std::size_t layer, std::span<const float> keys, std::span<const float> values,
-             urgency u);
+  void write(sequence_op* op, std::size_t layer, std::span<const float> keys, std::span<const float> values, urgency u);
   void commit(sequence_op* op);
   /// Ends an open step unchanged: every layer drops the step's tokens, then
   /// the sequence is free again and `op` (if any) completes. Once closed,

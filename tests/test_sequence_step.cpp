@@ -34,8 +34,8 @@ std::string diff_layer(const kv_snapshot& snap, std::size_t l, const std::vector
   if (std::error_code ec = snap.read_range(0, snap.size(), r)) return ec.message();
   const std::size_t w = snap.token_width();
   for (std::size_t i = 0; i < tags.size(); ++i) {
-    std::string d = diff_token<float>(l, i, tags[i], std::span(r.keys).subspan(i * w, w),
-                                      std::span(r.values).subspan(i * w, w));
+    std::string d =
+        diff_token<float>(l, i, tags[i], std::span(r.keys).subspan(i * w, w), std::span(r.values).subspan(i * w, w));
     if (!d.empty()) return d;
   }
   return {};
@@ -426,7 +426,8 @@ namespace {
 /// Writes layer `l` of every step of `open` in one batched call (step `i`
 /// from `tokens[i]`); the first error and every step's result.
 std::pair<std::error_code, std::vector<std::error_code>> write_batch(std::span<const sequence_kv_cache::step_type> open,
-                                                                     std::size_t l, std::span<const step* const> tokens) {
+                                                                     std::size_t l,
+                                                                     std::span<const step* const> tokens) {
   std::vector<std::span<const float>> keys, values;
   for (const step* st : tokens) {
     keys.push_back(st->key_spans[l]);
@@ -478,7 +479,8 @@ TEST_CASE("one call writes a layer of a decode batch's steps and completes once,
     const auto [ec, each] = write_batch(open, 0, token_ptrs);
     CHECK(ec == kv_errc::step_closed);
     REQUIRE(each.size() == batch);
-    for (std::size_t b = 0; b < batch; ++b) CHECK(each[b] == (b == 2 ? std::error_code(kv_errc::step_closed) : std::error_code()));
+    for (std::size_t b = 0; b < batch; ++b)
+      CHECK(each[b] == (b == 2 ? std::error_code(kv_errc::step_closed) : std::error_code()));
     for (std::size_t b : {0, 1, 3}) CHECK(open[b].snapshot(0).size() == 1);
   }
   SECTION("keys or values for another number of steps fail with length_mismatch and write nothing") {

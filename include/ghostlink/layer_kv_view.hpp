@@ -65,7 +65,8 @@ class basic_layer_kv_view {
   }
   /// As `basic_layer_kv_cache::async_read_range`.
   template <class CompletionToken = default_completion_token>
-  auto async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token = default_completion_token()) const {
+  auto async_read_range(std::size_t begin, std::size_t end,
+                        CompletionToken&& token = default_completion_token()) const {
     return cache_.async_read_range(begin, end, std::forward<CompletionToken>(token));
   }
 

@@ -3,8 +3,8 @@
 /// `basic_sequence_kv_cache<T>` (`sequence_kv_cache` for float storage): one
 /// sequence's key/value cache across every layer of a model.
 
-#include <cstddef>
 #include <bit>
+#include <cstddef>
 #include <memory>
 #include <optional>
 #include <span>

@@ -372,7 +372,8 @@ void run_step(world<T>& w, std::size_t k) {
     std::vector<float> keys, values;
     for (std::size_t t = 0; t < tokens; ++t) {
       recipes.push_back(w.next_recipe());
-      const auto kt = world<T>::floats(recipes.back(), width, false), vt = world<T>::floats(recipes.back(), width, true);
+      const auto kt = world<T>::floats(recipes.back(), width, false),
+                 vt = world<T>::floats(recipes.back(), width, true);
       keys.insert(keys.end(), kt.begin(), kt.end());
       values.insert(values.end(), vt.begin(), vt.end());
     }
@@ -383,17 +384,18 @@ void run_step(world<T>& w, std::size_t k) {
                           what + ": write");
         break;
       case 2:
-        expect_completion(w, write(l, std::span(keys).first(width * (tokens - 1)),
-                                   std::span(values).first(width * (tokens - 1))),
-                          kv_errc::width_mismatch, what + ": write");
+        expect_completion(
+            w, write(l, std::span(keys).first(width * (tokens - 1)), std::span(values).first(width * (tokens - 1))),
+            kv_errc::width_mismatch, what + ": write");
         break;
       case 3:
-        expect_completion(w, [&](auto h) { step.async_commit(std::move(h)); }, kv_errc::step_incomplete,
-                          what + ": early commit");
+        expect_completion(
+            w, [&](auto h) { step.async_commit(std::move(h)); }, kv_errc::step_incomplete, what + ": early commit");
         break;
       case 4:
-        expect_completion(w, [&](auto h) { seq.async_truncate(0, std::move(h)); }, kv_errc::operation_in_progress,
-                          what + ": truncate while open");
+        expect_completion(
+            w, [&](auto h) { seq.async_truncate(0, std::move(h)); }, kv_errc::operation_in_progress,
+            what + ": truncate while open");
         break;
       default: break;
     }
@@ -414,7 +416,8 @@ void run_step(world<T>& w, std::size_t k) {
         w.m.reserve(*l, index, 0);
         w.m.end_drain(*l, 1, 0);
       }
-      expect_completion(w, [&](auto h) { step.async_abandon(std::move(h)); }, {}, what + ": abandon");
+      expect_completion(
+          w, [&](auto h) { step.async_abandon(std::move(h)); }, {}, what + ": abandon");
       break;
     case 2:
       for (const auto& l : q->layers) {
@@ -425,7 +428,8 @@ void run_step(world<T>& w, std::size_t k) {
       w.run_to_completion([] { return true; }, "dropped step");
       break;
     default:
-      expect_completion(w, [&](auto h) { step.async_commit(std::move(h)); }, {}, what + ": commit");
+      expect_completion(
+          w, [&](auto h) { step.async_commit(std::move(h)); }, {}, what + ": commit");
       q->length = index + tokens;
       break;
   }

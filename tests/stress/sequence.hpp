@@ -259,8 +259,8 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
 /// readers must not see the tokens: nothing is published yet), then the
 /// state published pending and committed; a tenth of the time abandoned
 /// instead (nothing is published: no reader may ever see its tokens).
-inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uint64_t tag,
-                                         const step_buffers& step, std::size_t count, rng& r) {
+inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uint64_t tag, const step_buffers& step,
+                                         std::size_t count, rng& r) {
   bump(g_figures.steps);
   const std::vector<token_id> ids(count, id_of(tag));
   auto [ec, open] = co_await t.seq.async_begin_step(std::span<const token_id>(ids), as_tuple(asio::use_awaitable));

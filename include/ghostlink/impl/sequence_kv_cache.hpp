@@ -81,8 +81,6 @@ struct initiate_sequence_op {
   }
 };
 
-
-
 /// Starts a write of one layer across a batch of steps.
 struct initiate_write_layer {
   template <class Handler, class Step>
@@ -145,9 +143,8 @@ template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_append(std::span<const std::span<const float>> keys_per_layer,
                                               std::span<const std::span<const float>> values_per_layer,
                                               CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_sequence_op<>{core_}, token,
-                                                                      keys_per_layer, values_per_layer,
-                                                                      std::span<const token_id>());
+  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+      detail::initiate_sequence_op<>{core_}, token, keys_per_layer, values_per_layer, std::span<const token_id>());
 }
 
 template <storage_element T>
@@ -191,8 +188,8 @@ auto basic_sequence_kv_cache<T>::async_begin_step(std::span<const token_id> ids,
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_sequence_step<T>::async_write(std::size_t layer, std::span<const float> keys,
-                                         std::span<const float> values, CompletionToken&& token) const {
+auto basic_sequence_step<T>::async_write(std::size_t layer, std::span<const float> keys, std::span<const float> values,
+                                         CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(std::error_code)>(
       detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, layer, keys, values);
 }
