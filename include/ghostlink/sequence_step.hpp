@@ -71,7 +71,9 @@ class basic_sequence_step {
     }
     return *this;
   }
+  /// Not copyable: a step has one owner, which commits or ends it.
   basic_sequence_step(const basic_sequence_step&) = delete;
+  /// Not copyable: a step has one owner, which commits or ends it.
   basic_sequence_step& operator=(const basic_sequence_step&) = delete;
   /// Ends the step if still open (as `abandon()`).
   ~basic_sequence_step() { abandon(); }

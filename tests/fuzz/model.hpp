@@ -15,6 +15,7 @@
 
 #include <ghostlink/config.hpp>
 #include <ghostlink/error.hpp>
+#include <ghostlink/types.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -132,10 +133,11 @@ struct mcache {
   std::size_t queued = 0, waiting = 0;  // requests in the mailbox, and waiting for room (after an abandon)
 };
 
-/// One sequence: its layers and its length.
+/// One sequence: its layers, its length and its tokens' ids.
 struct mseq {
   std::vector<std::shared_ptr<mcache>> layers;
   std::size_t length = 0;
+  std::vector<token_id> ids;  // one per token, [0, length)
   std::size_t pool = 0;
 };
 

@@ -167,6 +167,7 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
         if (ec && !first) first = ec;
       if (!first) {
         q.length = index + tokens;
+        q.ids.resize(q.length, no_token_id);  // appends here carry no ids
         return {};
       }
       // The undo: layers that took the token drop it again.
@@ -183,11 +184,13 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
         w.m.end_drain(*l, 1, 0);
       }
       q.length = r.n;
+      q.ids.resize(r.n);
       return {};
     default: {
       r.child_model = std::make_shared<mseq>();
       r.child_model->pool = q.pool;
       r.child_model->length = q.length;
+      r.child_model->ids = q.ids;
       for (const auto& l : q.layers) {
         r.child_model->layers.push_back(w.m.fork(*l));
         w.m.end_drain(*l, 1, 0);
@@ -290,7 +293,8 @@ void run_seq(world<T>& w, std::size_t k, bool second) {
 template <class T>
 void hold_seq_snapshot(world<T>& w, std::size_t k) {
   if (w.seq_snaps.size() >= world<T>::max_seq_snaps) w.seq_snaps.erase(w.seq_snaps.begin());
-  typename world<T>::seq_snap_slot s{w.seqs[k].real.snapshot(), {}, std::numeric_limits<std::size_t>::max()};
+  typename world<T>::seq_snap_slot s{w.seqs[k].real.snapshot(), {}, std::numeric_limits<std::size_t>::max(),
+                                     w.seqs[k].m->ids};
   for (const auto& l : w.seqs[k].m->layers) {
     s.m.push_back(l->current);
     s.shown = std::min(s.shown, l->current->length);
@@ -341,18 +345,27 @@ void run_step(world<T>& w, std::size_t k) {
   const basic_sequence_kv_cache<T> seq = w.seqs[k].real;
   const std::shared_ptr<mseq> q = w.seqs[k].m;
   const std::uint8_t b = w.in.byte();
-  std::size_t tokens = b % 8 == 7 ? 0 : 1 + b % 3;
+  std::size_t tokens = b % 8 == 7 ? 0 : 1 + b % 3;  // with ids, 0 tokens is an empty span of ids
   if (b / 8 % 8 == 7) tokens = w.max_tokens() - q->length + 1;
   const unsigned ending = b / 64;  // 0, 3: commit; 1: async_abandon; 2: the handle dropped
   current_trace().add("seq_step", k, tokens, ending);
   const std::string what = str("step on sequence ", k);
 
+  // Half the time with token ids (as many as the tokens, but for a 0-token
+  // begin: none), from the input.
+  std::vector<token_id> ids;
+  const bool with_ids = tokens <= 3 && w.in.byte() % 2 == 1;
+  for (std::size_t t = 0; with_ids && t < tokens; ++t) ids.push_back(static_cast<token_id>(w.in.byte()) - 1);
   std::optional<std::error_code> begun;
   basic_sequence_step<T> step;
-  seq.async_begin_step(tokens, [&](std::error_code ec, basic_sequence_step<T> s) {
+  auto on_begun = [&](std::error_code ec, basic_sequence_step<T> s) {
     begun = ec;
     step = std::move(s);
-  });
+  };
+  if (with_ids)
+    seq.async_begin_step(std::span<const token_id>(ids), on_begun);
+  else
+    seq.async_begin_step(tokens, on_begun);
   if (begun) fail(what + ": begin completed inside the initiating call");
   const std::error_code want = model_begin_step(w, *q, tokens);
   w.run_to_completion([&] { return begun.has_value(); }, "step begin");
@@ -431,6 +444,8 @@ void run_step(world<T>& w, std::size_t k) {
       expect_completion(
           w, [&](auto h) { step.async_commit(std::move(h)); }, {}, what + ": commit");
       q->length = index + tokens;
+      q->ids.insert(q->ids.end(), ids.begin(), ids.end());
+      if (ids.empty()) q->ids.resize(q->length, no_token_id);
       break;
   }
 }

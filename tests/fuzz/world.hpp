@@ -56,6 +56,7 @@ struct world {
     basic_sequence_snapshot<T> real;
     std::vector<std::shared_ptr<const mepoch>> m;
     std::size_t shown = 0;
+    std::vector<token_id> ids;  // the model's ids when pinned
   };
 
   // Caps keep every input's run short; a fork past the cap is made, checked
@@ -207,7 +208,7 @@ struct world {
     expect_eq(s.real.num_layers(), q.layers.size(), what, "num_layers()");
     if (!(s.real.config() == s.config)) fail(str(what, ": config() differs from the one it was made with"));
     if (!(s.real.pool() == pools[q.pool])) fail(str(what, ": pool() is not the pool it was made on"));
-    seq_snap_slot snap{s.real.snapshot(), {}, std::numeric_limits<std::size_t>::max()};
+    seq_snap_slot snap{s.real.snapshot(), {}, std::numeric_limits<std::size_t>::max(), q.ids};
     for (const auto& l : q.layers) {
       snap.m.push_back(l->current);
       snap.shown = std::min(snap.shown, l->current->length);
@@ -219,6 +220,9 @@ struct world {
     expect_eq(s.real.num_layers(), s.m.size(), what, "num_layers()");
     expect_eq(s.real.size(), s.shown, what, "size()");
     expect_eq(s.real.empty(), s.shown == 0, what, "empty()");
+    const std::vector<token_id> ids = s.real.token_ids();
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      expect_eq(ids[i], i < s.ids.size() ? s.ids[i] : no_token_id, what, "token_ids()");
     for (std::size_t i = 0; i < s.m.size(); ++i) {
       what.part = "layer";
       what.part_index = i;
