@@ -44,7 +44,9 @@ void fan_out::complete(std::error_code ec, queueing how) {
 template <class Arg>
 void fan_out::undo(stage s, std::error_code ec, const Arg& drop) {
   std::vector<bool> took(parts_.size());
-  for (std::size_t i = 0; i < parts_.size(); ++i) took[i] = parts_[i] && !parts_[i]->result;
+  for (std::size_t i = 0; i < parts_.size(); ++i)
+    // NOLINTNEXTLINE(bugprone-unchecked-optional-access): checked on the same line
+    took[i] = parts_[i].has_value() && !parts_[i]->result;
   for (auto& p : parts_) p.reset();
   stage_ = s;
   failure_ = ec;

@@ -29,8 +29,8 @@ void step_part::finish(operation* base, const std::error_code* ec, queueing how)
     op->discard();
 }
 
-step_core::step_core(std::shared_ptr<sequence_core> s, std::size_t first, std::size_t n)
-    : seq(std::move(s)),
+step_core::step_core(std::shared_ptr<sequence_core> sequence, std::size_t first, std::size_t n)
+    : seq(std::move(sequence)),
       index(first),
       tokens(n),
       writes_(seq->model_layers() * n),

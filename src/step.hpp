@@ -45,7 +45,7 @@ class step_core : public std::enable_shared_from_this<step_core> {
 
   /// Allocates everything the step will need, its end included. Throws
   /// std::bad_alloc.
-  step_core(std::shared_ptr<sequence_core> seq, std::size_t index, std::size_t tokens);
+  step_core(std::shared_ptr<sequence_core> sequence, std::size_t first, std::size_t n);
   ~step_core();
   step_core(const step_core&) = delete;
   step_core& operator=(const step_core&) = delete;

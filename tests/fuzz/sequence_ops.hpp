@@ -293,8 +293,8 @@ void run_seq(world<T>& w, std::size_t k, bool second) {
 template <class T>
 void hold_seq_snapshot(world<T>& w, std::size_t k) {
   if (w.seq_snaps.size() >= world<T>::max_seq_snaps) w.seq_snaps.erase(w.seq_snaps.begin());
-  typename world<T>::seq_snap_slot s{w.seqs[k].real.snapshot(), {}, std::numeric_limits<std::size_t>::max(),
-                                     w.seqs[k].m->ids};
+  typename world<T>::seq_snap_slot s{
+      w.seqs[k].real.snapshot(), {}, std::numeric_limits<std::size_t>::max(), w.seqs[k].m->ids};
   for (const auto& l : w.seqs[k].m->layers) {
     s.m.push_back(l->current);
     s.shown = std::min(s.shown, l->current->length);
