@@ -147,6 +147,25 @@ std::pair<std::error_code, std::size_t> check_append(std::size_t layers, std::si
 
 }  // namespace
 
+std::optional<std::size_t> begin_adding(sequence_core& seq, sequence_op* op, std::size_t tokens,
+                                        std::span<const token_id> ids) {
+  if (!ids.empty() && ids.size() != tokens) {
+    op->complete(kv_errc::length_mismatch, queueing::post);
+    return std::nullopt;
+  }
+  if (!seq.try_begin()) {
+    op->complete(kv_errc::operation_in_progress, queueing::post);
+    return std::nullopt;
+  }
+  const std::size_t index = seq.size.load(std::memory_order_relaxed);
+  if (tokens > seq.config.max_tokens_per_seq - index) {  // size() never passes max_tokens_per_seq
+    seq.end();
+    op->complete(kv_errc::index_out_of_range, queueing::post);
+    return std::nullopt;
+  }
+  return index;
+}
+
 void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
                   std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
                   std::span<const token_id> ids) {
@@ -154,13 +173,9 @@ void start_append(const std::shared_ptr<sequence_core>& s, sequence_op* op,
   const std::size_t width = seq.config.token_width();
   const auto [ec, tokens] = check_append(seq.model_layers(), width, keys, values);
   if (ec) return op->complete(ec, queueing::post);
-  if (!ids.empty() && ids.size() != tokens) return op->complete(kv_errc::length_mismatch, queueing::post);
-  if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
-  const std::size_t index = seq.size.load(std::memory_order_relaxed);
-  if (tokens > seq.config.max_tokens_per_seq - index) {  // size() never passes max_tokens_per_seq
-    seq.end();
-    return op->complete(kv_errc::index_out_of_range, queueing::post);
-  }
+  const std::optional<std::size_t> first = begin_adding(seq, op, tokens, ids);
+  if (!first) return;
+  const std::size_t index = *first;
   if (tokens == 1) {  // a decode step: the request holds its single write
     fan_out_to_layers(
         s, op, stage::append, index,

@@ -25,6 +25,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
@@ -65,5 +67,13 @@ class sequence_core {
   std::atomic<std::uint64_t> drops{0};
   std::atomic<std::size_t> bound{no_bound};
 };
+
+/// Starts an operation adding `tokens` tokens (an append, a step's begin)
+/// with `ids` (none, or one per token): sets `busy` and returns the index of
+/// the first token; or, completing `op` with its error (length_mismatch,
+/// operation_in_progress, index_out_of_range) and leaving `busy` as it was,
+/// returns nothing.
+std::optional<std::size_t> begin_adding(sequence_core& seq, sequence_op* op, std::size_t tokens,
+                                        std::span<const token_id> ids);
 
 }  // namespace ghostlink::detail

@@ -187,13 +187,9 @@ void start_begin_step(const std::shared_ptr<sequence_core>& s, sequence_op* op, 
                       std::span<const token_id> ids) {
   sequence_core& seq = *s;
   if (tokens == 0) return op->complete(kv_errc::zero_length, queueing::post);
-  if (!ids.empty() && ids.size() != tokens) return op->complete(kv_errc::length_mismatch, queueing::post);
-  if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
-  const std::size_t index = seq.size.load(std::memory_order_relaxed);
-  if (tokens > seq.config.max_tokens_per_seq - index) {  // size() never passes max_tokens_per_seq
-    seq.end();
-    return op->complete(kv_errc::index_out_of_range, queueing::post);
-  }
+  const std::optional<std::size_t> first = begin_adding(seq, op, tokens, ids);
+  if (!first) return;
+  const std::size_t index = *first;
   std::shared_ptr<step_core> step;
   try {
     step = std::make_shared<step_core>(s, index, tokens);

@@ -34,19 +34,12 @@ observed contents(const basic_kv_snapshot<T>& snap) {
   return o;
 }
 
-/// Everything a reader sees of `cache` now, its epoch included.
-template <storage_element T>
-observed observe(const basic_layer_kv_cache<T>& cache) {
-  const basic_kv_snapshot<T> snap = cache.snapshot();
-  observed o = contents(snap);
-  o.epoch = snap.epoch();
-  return o;
-}
-
-/// Everything a reader sees of a sequence's layer now, its epoch included.
-template <storage_element T>
-observed observe(const basic_layer_kv_view<T>& layer) {
-  const basic_kv_snapshot<T> snap = layer.snapshot();
+/// Everything a reader sees of `cache` now (a layer cache, or a sequence's
+/// read-only view of a layer), its epoch included.
+template <class Cache>
+  requires requires(const Cache& c) { c.snapshot().epoch(); }
+observed observe(const Cache& cache) {
+  const auto snap = cache.snapshot();
   observed o = contents(snap);
   o.epoch = snap.epoch();
   return o;
