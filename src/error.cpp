@@ -28,6 +28,8 @@ class kv_category_impl final : public std::error_category {
         return "another append, truncate, fork or step of this sequence (or write of this step's layer) is in progress";
       case kv_errc::step_incomplete: return "a step can only commit once every layer has been written";
       case kv_errc::step_closed: return "the step has already been committed or ended";
+      case kv_errc::invalid_shape:
+        return "invalid attention shape: every field must be non-zero and query heads a multiple of KV heads";
     }
     return "unknown ghostlink.kv error " + std::to_string(ev);
   }

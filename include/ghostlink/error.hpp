@@ -35,6 +35,7 @@ enum class kv_errc {
                           ///< (or a step's layer written a second time).
   step_incomplete,        ///< a step committed before every layer was written.
   step_closed,            ///< a step written or committed after its commit or its end.
+  invalid_shape,          ///< an `attention_shape` with a zero field, or query heads not a multiple of KV heads.
 };
 
 /// The category of `kv_errc`; its name is `"ghostlink.kv"`.

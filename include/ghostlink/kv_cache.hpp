@@ -9,6 +9,7 @@
 /// config, errors, statistics and events. Names in `ghostlink::detail` are
 /// internals, with no stability promise.
 
+#include "ghostlink/attend.hpp"
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/element.hpp"

@@ -1,0 +1,140 @@
+#pragma once
+/// @file
+/// `ghostlink::attend`: a reference attention kernel over a snapshot's
+/// blocks and a step's pending tokens.
+
+#include <cstddef>
+#include <span>
+#include <system_error>
+
+#include "ghostlink/element.hpp"
+#include "ghostlink/error.hpp"
+#include "ghostlink/snapshot.hpp"
+
+namespace ghostlink {
+
+/// The heads of an attention over a cache's tokens: `query_heads` query
+/// heads read `kv_heads` stored heads of `head_dim` elements, in groups
+/// (grouped-query attention): query head `q` reads KV head
+/// `q / (query_heads / kv_heads)`. Multi-head attention has
+/// `query_heads == kv_heads`, multi-query attention `kv_heads == 1`.
+struct attention_shape {
+  /// Query heads per query row: a non-zero multiple of `kv_heads`.
+  std::size_t query_heads = 0;
+  /// Stored heads per token: the cache's `num_heads`.
+  std::size_t kv_heads = 0;
+  /// Elements per head: the cache's `head_dim`.
+  std::size_t head_dim = 0;
+  /// The logits' scale; 0 stands for `1 / sqrt(head_dim)`.
+  float scale = 0.0f;
+};
+
+/// Tokens to attend after a snapshot's: a step's keys and values as the
+/// forward pass computed them, before (or while) its write publishes them.
+/// Token-major, `kv_heads * head_dim` floats per token, the same count in
+/// both; they follow the snapshot's tokens, at positions `snapshot.size()`
+/// on.
+struct pending_tokens {
+  /// The tokens' keys.
+  std::span<const float> keys;
+  /// The tokens' values.
+  std::span<const float> values;
+};
+
+namespace detail {
+
+/// The kernel's state for one call (attend.cpp): validated arguments, the
+/// running maxima and sums, and the run loops for each element type.
+class attention_pass {
+ public:
+  /// Checks the arguments against `width` (the snapshot's token width, 0
+  /// for an empty snapshot) and `stored` tokens; then clears `out`.
+  std::error_code begin(const attention_shape& shape, std::size_t width, std::size_t stored, pending_tokens pending,
+                        std::span<const float> queries, std::span<float> out) noexcept;
+  /// Attends `count` stored tokens from position `first`.
+  void add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept;
+  void add(std::size_t first, std::size_t count, const half* keys, const half* values) noexcept;
+  void add(std::size_t first, std::size_t count, const bfloat16* keys, const bfloat16* values) noexcept;
+  /// Attends the pending tokens (rounded to `T` first, as a write to a `T`
+  /// cache stores them), then normalises the output.
+  template <storage_element T>
+  void finish() noexcept;
+
+ private:
+  attention_shape shape_{};
+  std::size_t rows_ = 0, stored_ = 0, total_ = 0;
+  pending_tokens pending_{};
+  const float* queries_ = nullptr;
+  float* out_ = nullptr;
+};
+
+extern template void attention_pass::finish<float>() noexcept;
+extern template void attention_pass::finish<half>() noexcept;
+extern template void attention_pass::finish<bfloat16>() noexcept;
+
+}  // namespace detail
+
+/// The attention of `queries` over every token of `snapshot` followed by
+/// the `pending` tokens: `softmax(scale * q . k) . v` per query head, over
+/// the KV head of its group, into `out`.
+///
+/// A reference kernel: exact online softmax in one pass over the
+/// snapshot's stored runs (no copy; 16-bit elements are widened as they are
+/// loaded), vectorised with AVX2, FMA and F16C when the processor has them
+/// (chosen at run time) and portable code otherwise, with float
+/// accumulation. Engines with their own kernels (paged attention on a GPU,
+/// say) read `for_each_block` themselves; this one is what ghostlink's
+/// example and benchmarks use, and a baseline to check a kernel against.
+///
+/// `queries` holds `R` rows of `query_heads * head_dim` floats, and `out`
+/// receives as many. The rows are the last `R` positions of the tokens
+/// attended, in order, each causal: row `r` attends the first
+/// `snapshot.size() + pending - R + r + 1` tokens. One row is a decode
+/// step's query over everything up to its own token; a prefill step's `n`
+/// rows over its `n` pending tokens are the causal prefill.
+///
+/// Pending tokens are rounded to `T` first, as the step's write will store
+/// them, so the result is what attending after the write would give (up to
+/// the order of the sums). A forward pass can thus start layer `l`'s write
+/// and attend `step.snapshot(l)` with the layer's own tokens pending,
+/// without waiting for the write, and await its writes once, by the commit.
+///
+/// Thread-safe: calls share nothing but the snapshot, which is immutable.
+/// Does not allocate after a thread's first calls (its scratch is kept per
+/// thread).
+///
+/// @return `invalid_shape` if a field of `shape` is zero or `query_heads`
+///         is not a multiple of `kv_heads`; `width_mismatch` if
+///         `kv_heads * head_dim` is not the snapshot's token width, the
+///         pending tokens are not whole tokens, or `queries` is not whole
+///         rows (or empty); `length_mismatch` if the pending keys and values
+///         differ in size; `index_out_of_range` if there are more rows than
+///         tokens; `buffer_too_small` if `out` is shorter than `queries`.
+///         On error `out` is unchanged.
+template <storage_element T>
+std::error_code attend(const basic_kv_snapshot<T>& snapshot, std::span<const float> queries, std::span<float> out,
+                       const attention_shape& shape, pending_tokens pending = {}) noexcept {
+  detail::attention_pass pass;
+  if (auto ec = pass.begin(shape, snapshot.token_width(), snapshot.size(), pending, queries, out)) return ec;
+  (void)snapshot.for_each_block(0, snapshot.size(), [&](std::size_t first, std::size_t count,
+                                                        std::span<const T> keys, std::span<const T> values) {
+    pass.add(first, count, keys.data(), values.data());
+  });
+  pass.finish<T>();
+  return {};
+}
+
+/// As `attend` over a snapshot, over `keys.size() / (kv_heads * head_dim)`
+/// contiguous tokens instead (a copied range, say), token-major.
+/// @return as above, and `width_mismatch` if `keys` is not whole tokens,
+///         `length_mismatch` if `keys` and `values` differ in size.
+std::error_code attend(std::span<const float> keys, std::span<const float> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept;
+/// As above, over `half` tokens.
+std::error_code attend(std::span<const half> keys, std::span<const half> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept;
+/// As above, over `bfloat16` tokens.
+std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values,
+                       std::span<const float> queries, std::span<float> out, const attention_shape& shape) noexcept;
+
+}  // namespace ghostlink

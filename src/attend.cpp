@@ -1,0 +1,314 @@
+// ghostlink::attend: online softmax over runs of stored tokens, in chunks.
+//
+// A chunk is up to `chunk_tokens` consecutive tokens of one run that a query
+// row may see. For each KV head the chunk's logits are computed for every
+// query head of its group (the key is read once per query head, from L1),
+// then each query head takes the chunk's maximum, rescales its output and
+// sum once if the maximum grew, and adds every token's weighted value. One
+// exp per token and head, and one rescale per chunk rather than per token.
+//
+// Two instruction sets, chosen once per call: AVX2 + FMA + F16C when the
+// processor has them and head_dim is a multiple of 8 (16-bit elements are
+// widened in registers as they are loaded), else portable code the compiler
+// vectorises (16-bit chunks widened to floats first).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "ghostlink/attend.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GHOSTLINK_ATTEND_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace ghostlink::detail {
+namespace {
+
+constexpr std::size_t chunk_tokens = 64;
+
+/// One thread's scratch: kept between calls so a call does not allocate.
+struct scratch {
+  std::vector<float> max, sum;        // per row and query head
+  std::vector<float> logits;          // per query head of a group, per chunk token
+  std::vector<float> wide_k, wide_v;  // the portable path's widened 16-bit chunk
+  std::vector<std::uint16_t> pending_k, pending_v;  // pending tokens rounded to 16 bits
+};
+thread_local scratch tls;
+
+/// What one chunk's loop needs, fixed for a call.
+struct pass_args {
+  std::size_t kv_heads, group, dim, width;
+  float scale;
+};
+
+/// Turns one query head's chunk logits `l` into weights against the
+/// running maximum (raised to the chunk's if it is higher) and adds them to
+/// the running sum. Returns the factor the head's output must be scaled by
+/// first: 1 unless the maximum rose over tokens already attended.
+inline float weigh(float* l, std::size_t n, float& max, float& sum) {
+  float m = max, factor = 1.0f;
+  for (std::size_t t = 0; t < n; ++t) m = std::max(m, l[t]);
+  if (m > max) {
+    if (sum != 0.0f) factor = std::exp(max - m);
+    sum *= factor;
+    max = m;
+  }
+  for (std::size_t t = 0; t < n; ++t) sum += (l[t] = std::exp(l[t] - m));
+  return factor;
+}
+
+// --- portable ---------------------------------------------------------------
+
+/// q . k with eight partial sums, so the compiler vectorises it without
+/// reassociating floating point.
+float dot_portable(const float* q, const float* k, std::size_t dim) {
+  float part[8] = {};
+  std::size_t i = 0;
+  for (; i + 8 <= dim; i += 8)
+    for (std::size_t j = 0; j < 8; ++j) part[j] += q[i + j] * k[i + j];
+  float s = 0;
+  for (; i < dim; ++i) s += q[i] * k[i];
+  for (float p : part) s += p;
+  return s;
+}
+
+void chunk_portable(const pass_args& a, const float* keys, const float* values, std::size_t n, const float* q,
+                    float* o, float* max, float* sum, float* logits) {
+  for (std::size_t g = 0; g < a.kv_heads; ++g) {
+    for (std::size_t j = 0; j < a.group; ++j) {
+      const float* qh = q + (g * a.group + j) * a.dim;
+      for (std::size_t t = 0; t < n; ++t)
+        logits[j * chunk_tokens + t] = dot_portable(qh, keys + t * a.width + g * a.dim, a.dim) * a.scale;
+    }
+    for (std::size_t j = 0; j < a.group; ++j) {
+      const std::size_t h = g * a.group + j;
+      float* w = logits + j * chunk_tokens;
+      float* oh = o + h * a.dim;
+      if (const float f = weigh(w, n, max[h], sum[h]); f != 1.0f)
+        for (std::size_t i = 0; i < a.dim; ++i) oh[i] *= f;
+      for (std::size_t t = 0; t < n; ++t) {
+        const float* vt = values + t * a.width + g * a.dim;
+        for (std::size_t i = 0; i < a.dim; ++i) oh[i] += w[t] * vt[i];
+      }
+    }
+  }
+}
+
+// --- AVX2 + FMA + F16C -------------------------------------------------------
+
+#if GHOSTLINK_ATTEND_AVX2
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const bfloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, const T* k, std::size_t dim) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  std::size_t i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), acc1);
+  }
+  if (i < dim) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc0);
+  const __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
+                                                          std::size_t n, const float* q, float* o, float* max,
+                                                          float* sum, float* logits) {
+  for (std::size_t g = 0; g < a.kv_heads; ++g) {
+    for (std::size_t j = 0; j < a.group; ++j) {
+      const float* qh = q + (g * a.group + j) * a.dim;
+      for (std::size_t t = 0; t < n; ++t)
+        logits[j * chunk_tokens + t] = dot_avx2(qh, keys + t * a.width + g * a.dim, a.dim) * a.scale;
+    }
+    for (std::size_t j = 0; j < a.group; ++j) {
+      const std::size_t h = g * a.group + j;
+      float* w = logits + j * chunk_tokens;
+      float* oh = o + h * a.dim;
+      if (const float f = weigh(w, n, max[h], sum[h]); f != 1.0f) {
+        const __m256 fs = _mm256_set1_ps(f);
+        for (std::size_t i = 0; i < a.dim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
+      }
+      for (std::size_t t = 0; t < n; ++t) {
+        const T* vt = values + t * a.width + g * a.dim;
+        const __m256 ws = _mm256_set1_ps(w[t]);
+        for (std::size_t i = 0; i < a.dim; i += 8)
+          _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(vt + i), _mm256_loadu_ps(oh + i)));
+      }
+    }
+  }
+}
+
+bool use_avx2(std::size_t dim) {
+  static const bool cpu = has_avx2_fma_f16c();
+  return cpu && dim % 8 == 0;
+}
+#endif
+
+/// Every chunk of `count` tokens from position `first` that each row sees.
+template <class T>
+void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, const float* queries, float* out,
+             std::size_t first, std::size_t count, const T* keys, const T* values) {
+  const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim,
+                    shape.kv_heads * shape.head_dim, shape.scale};
+  const std::size_t row_width = shape.query_heads * shape.head_dim;
+  scratch& s = tls;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t limit = total - rows + r + 1;  // row r sees positions below it
+    if (first >= limit) continue;
+    const std::size_t n = std::min(count, limit - first);
+    const float* q = queries + r * row_width;
+    float* o = out + r * row_width;
+    float* max = s.max.data() + r * shape.query_heads;
+    float* sum = s.sum.data() + r * shape.query_heads;
+    for (std::size_t c = 0; c < n; c += chunk_tokens) {
+      const std::size_t cn = std::min(chunk_tokens, n - c);
+      const T* k = keys + c * a.width;
+      const T* v = values + c * a.width;
+#if GHOSTLINK_ATTEND_AVX2
+      if (use_avx2(a.dim)) {
+        chunk_avx2(a, k, v, cn, q, o, max, sum, s.logits.data());
+        continue;
+      }
+#endif
+      if constexpr (std::is_same_v<T, float>) {
+        chunk_portable(a, k, v, cn, q, o, max, sum, s.logits.data());
+      } else {
+        widen(k, cn * a.width, s.wide_k.data());
+        widen(v, cn * a.width, s.wide_v.data());
+        chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum, s.logits.data());
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::error_code attention_pass::begin(const attention_shape& shape, std::size_t width, std::size_t stored,
+                                      pending_tokens pending, std::span<const float> queries,
+                                      std::span<float> out) noexcept {
+  if (shape.query_heads == 0 || shape.kv_heads == 0 || shape.head_dim == 0 || shape.query_heads % shape.kv_heads != 0)
+    return kv_errc::invalid_shape;
+  const std::size_t kv_width = shape.kv_heads * shape.head_dim, row_width = shape.query_heads * shape.head_dim;
+  if (width != 0 && width != kv_width) return kv_errc::width_mismatch;
+  if (pending.keys.size() != pending.values.size()) return kv_errc::length_mismatch;
+  if (pending.keys.size() % kv_width != 0) return kv_errc::width_mismatch;
+  if (queries.empty() || queries.size() % row_width != 0) return kv_errc::width_mismatch;
+  const std::size_t rows = queries.size() / row_width, total = stored + pending.keys.size() / kv_width;
+  if (rows > total) return kv_errc::index_out_of_range;
+  if (out.size() < queries.size()) return kv_errc::buffer_too_small;
+  try {
+    scratch& s = tls;
+    const std::size_t heads = rows * shape.query_heads;
+    s.max.assign(heads, -INFINITY);
+    s.sum.assign(heads, 0.0f);
+    s.logits.resize(std::max(s.logits.size(), shape.query_heads / shape.kv_heads * chunk_tokens));
+    s.wide_k.resize(std::max(s.wide_k.size(), chunk_tokens * kv_width));
+    s.wide_v.resize(s.wide_k.size());
+    s.pending_k.resize(std::max(s.pending_k.size(), pending.keys.size()));
+    s.pending_v.resize(s.pending_k.size());
+  } catch (const std::bad_alloc&) {
+    return kv_errc::capacity_exhausted;
+  }
+  shape_ = shape;
+  if (shape_.scale == 0.0f) shape_.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  rows_ = rows;
+  stored_ = stored;
+  total_ = total;
+  pending_ = pending;
+  queries_ = queries.data();
+  out_ = out.data();
+  std::fill_n(out_, queries.size(), 0.0f);
+  return {};
+}
+
+void attention_pass::add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept {
+  add_run(shape_, rows_, total_, queries_, out_, first, count, keys, values);
+}
+void attention_pass::add(std::size_t first, std::size_t count, const half* keys, const half* values) noexcept {
+  add_run(shape_, rows_, total_, queries_, out_, first, count, keys, values);
+}
+void attention_pass::add(std::size_t first, std::size_t count, const bfloat16* keys, const bfloat16* values) noexcept {
+  add_run(shape_, rows_, total_, queries_, out_, first, count, keys, values);
+}
+
+template <storage_element T>
+void attention_pass::finish() noexcept {
+  const std::size_t kv_width = shape_.kv_heads * shape_.head_dim, pending = pending_.keys.size() / kv_width;
+  if (pending != 0) {
+    if constexpr (std::is_same_v<T, float>) {
+      add(stored_, pending, pending_.keys.data(), pending_.values.data());
+    } else {
+      // Rounded as a write to a T cache stores them (a 16-bit T is a
+      // trivial 2-byte value, held in the scratch's 16-bit words).
+      static_assert(sizeof(T) == sizeof(std::uint16_t) && std::is_trivially_copyable_v<T>);
+      scratch& s = tls;
+      T* k = reinterpret_cast<T*>(s.pending_k.data());
+      T* v = reinterpret_cast<T*>(s.pending_v.data());
+      convert<T, float>(pending_.keys, k);
+      convert<T, float>(pending_.values, v);
+      add(stored_, pending, k, v);
+    }
+  }
+  const scratch& s = tls;
+  for (std::size_t h = 0; h < rows_ * shape_.query_heads; ++h) {
+    const float inv = 1.0f / s.sum[h];
+    for (std::size_t i = 0; i < shape_.head_dim; ++i) out_[h * shape_.head_dim + i] *= inv;
+  }
+}
+
+template void attention_pass::finish<float>() noexcept;
+template void attention_pass::finish<half>() noexcept;
+template void attention_pass::finish<bfloat16>() noexcept;
+
+}  // namespace ghostlink::detail
+
+namespace ghostlink {
+namespace {
+
+template <storage_element T>
+std::error_code attend_span(std::span<const T> keys, std::span<const T> values, std::span<const float> queries,
+                            std::span<float> out, const attention_shape& shape) noexcept {
+  if (keys.size() != values.size()) return kv_errc::length_mismatch;
+  const std::size_t width = shape.kv_heads * shape.head_dim;
+  if (width != 0 && keys.size() % width != 0) return kv_errc::width_mismatch;
+  detail::attention_pass pass;
+  if (auto ec = pass.begin(shape, width, width ? keys.size() / width : 0, {}, queries, out)) return ec;
+  pass.add(0, keys.size() / width, keys.data(), values.data());
+  pass.finish<T>();
+  return {};
+}
+
+}  // namespace
+
+std::error_code attend(std::span<const float> keys, std::span<const float> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept {
+  return attend_span(keys, values, queries, out, shape);
+}
+std::error_code attend(std::span<const half> keys, std::span<const half> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept {
+  return attend_span(keys, values, queries, out, shape);
+}
+std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values,
+                       std::span<const float> queries, std::span<float> out, const attention_shape& shape) noexcept {
+  return attend_span(keys, values, queries, out, shape);
+}
+
+}  // namespace ghostlink
