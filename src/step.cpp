@@ -27,6 +27,7 @@ void step_part::finish(operation* base, const std::error_code* ec, queueing how)
     op->complete(*ec, how);
   else
     op->discard();
+  step->settle();
 }
 
 step_core::step_core(std::shared_ptr<sequence_core> sequence, std::size_t first, std::size_t n)
@@ -49,13 +50,20 @@ std::span<const kv_write> step_core::writes_of(std::size_t layer) const noexcept
 void step_core::write(sequence_op* op, std::size_t layer, std::span<const float> keys, std::span<const float> values,
                       urgency u) {
   const std::size_t width = seq->config.token_width();
-  if (phase_.load(std::memory_order_acquire) != phase::open) return op->complete(kv_errc::step_closed, queueing::post);
+  switch (phase_.load(std::memory_order_acquire)) {
+    case phase::open: break;
+    case phase::committing: return op->complete(kv_errc::operation_in_progress, queueing::post);
+    case phase::closed: return op->complete(kv_errc::step_closed, queueing::post);
+  }
   if (layer >= seq->model_layers()) return op->complete(kv_errc::layer_mismatch, queueing::post);
   if (keys.size() != values.size()) return op->complete(kv_errc::length_mismatch, queueing::post);
   if (keys.size() != tokens * width) return op->complete(kv_errc::width_mismatch, queueing::post);
+  in_flight_.fetch_add(1, std::memory_order_acq_rel);
   auto unwritten = layer_state::unwritten;
-  if (!written_[layer].compare_exchange_strong(unwritten, layer_state::writing, std::memory_order_acquire))
-    return op->complete(kv_errc::operation_in_progress, queueing::post);
+  if (!written_[layer].compare_exchange_strong(unwritten, layer_state::writing, std::memory_order_acq_rel)) {
+    op->complete(kv_errc::operation_in_progress, queueing::post);
+    return settle();
+  }
   for (std::size_t t = 0; t < tokens; ++t)
     writes_[layer * tokens + t] = {index + t, keys.subspan(t * width, width), values.subspan(t * width, width)};
   step_part& part = parts_[layer].emplace(shared_from_this(), layer, op);
@@ -64,34 +72,69 @@ void step_core::write(sequence_op* op, std::size_t layer, std::span<const float>
 }
 
 void step_core::commit(sequence_op* op) {
-  auto open = phase::open;
-  if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel))
-    return op->complete(kv_errc::step_closed, queueing::post);
+  auto expected = phase::open;
+  if (!phase_.compare_exchange_strong(expected, phase::committing, std::memory_order_acq_rel))
+    return op->complete(expected == phase::committing ? kv_errc::operation_in_progress : kv_errc::step_closed,
+                        queueing::post);
+  parked_ = op;
+  if ((in_flight_.fetch_or(parked, std::memory_order_acq_rel) & ~parked) != 0) return;  // the last write concludes
+  std::size_t idle = parked;
+  if (in_flight_.compare_exchange_strong(idle, 0, std::memory_order_acq_rel)) conclude(op);
+  // else a write that began after the count was read settles and concludes
+}
+
+void step_core::settle() noexcept {
+  if (in_flight_.fetch_sub(1, std::memory_order_acq_rel) != (parked | 1)) return;
+  std::size_t idle = parked;
+  if (in_flight_.compare_exchange_strong(idle, 0, std::memory_order_acq_rel)) conclude(parked_);
+}
+
+void step_core::conclude(sequence_op* op) noexcept {
   for (std::size_t l = 0; l < seq->model_layers(); ++l) {
     if (written_[l].load(std::memory_order_acquire) != layer_state::written) {
-      phase_.store(phase::open, std::memory_order_release);
+      phase_.store(phase::open);
+      if (abandon_requested_.load()) end(nullptr);
       return op->complete(kv_errc::step_incomplete, queueing::post);
     }
   }
   // Every layer published the tokens (acquire above): they are the
   // sequence's now. No layer needs a request: their reservations went with
   // their writes.
+  phase_.store(phase::closed, std::memory_order_release);
   seq->size.store(index + tokens, std::memory_order_release);
   seq->bound.store(sequence_core::no_bound, std::memory_order_release);
   seq->end();
   op->complete({}, queueing::post);
 }
 
-void step_core::abandon(sequence_op* op) noexcept {
+bool step_core::end(sequence_op* op) noexcept {
   auto open = phase::open;
-  if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel)) {
-    if (op) op->complete(kv_errc::step_closed, queueing::post);
-    return;
-  }
+  if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel)) return false;
   fan_out* end = std::exchange(end_, nullptr);
   end->set_operation(op);
   const reserve_args drop{index, 0};
   end->start([drop](std::size_t) { return drop; }, drop, {}, [](std::size_t) { return true; });
+  return true;
+}
+
+void step_core::abandon(sequence_op* op) noexcept {
+  // Bounded: each retry follows a change of phase, which goes one way but
+  // for a failed commit's return to open.
+  for (;;) {
+    switch (phase_.load()) {
+      case phase::open:
+        if (end(op)) return;
+        continue;
+      case phase::committing:
+        if (op) return op->complete(kv_errc::operation_in_progress, queueing::post);
+        abandon_requested_.store(true);
+        if (phase_.load() != phase::open) return;  // that commit's failure ends the step, or it commits
+        continue;
+      case phase::closed:
+        if (op) op->complete(kv_errc::step_closed, queueing::post);
+        return;
+    }
+  }
 }
 
 namespace {

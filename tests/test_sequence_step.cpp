@@ -501,3 +501,167 @@ TEST_CASE("one call writes a layer of a decode batch's steps and completes once,
     for (std::size_t b = 0; b < batch; ++b) CHECK(diff_snapshot(seqs[b].snapshot(), {static_cast<int>(b) + 1}).empty());
   }
 }
+
+namespace {
+
+/// A step of `tokens` begun on `seq`, whose `io` is run on this thread.
+sequence_kv_cache::step_type begun(asio::io_context& io, sequence_kv_cache& seq, std::size_t tokens) {
+  std::optional<sequence_kv_cache::step_type> open;
+  seq.async_begin_step(tokens, [&](std::error_code ec, auto s) {
+    REQUIRE_FALSE(ec);
+    open = std::move(s);
+  });
+  io.restart();
+  io.run();
+  REQUIRE(open.has_value());
+  return std::move(*open);
+}
+
+/// Starts every layer's write of `st` through `open`, not awaited; layer
+/// `cancelled` (if below `layers`) is cancelled before its actor takes it.
+/// `done` counts the writes that succeeded; `signal` must outlive them.
+void start_writes(const sequence_kv_cache::step_type& open, const step& st, int& done,
+                  asio::cancellation_signal& signal, std::size_t cancelled = layers) {
+  for (std::size_t l = 0; l < layers; ++l) {
+    auto handler = [&done, l, cancelled](std::error_code ec) {
+      CHECK(ec == (l == cancelled ? std::error_code(asio::error::operation_aborted) : std::error_code()));
+      if (!ec) ++done;
+    };
+    if (l == cancelled)
+      open.async_write(l, st.key_spans[l], st.value_spans[l], asio::bind_cancellation_slot(signal.slot(), handler));
+    else
+      open.async_write(l, st.key_spans[l], st.value_spans[l], handler);
+  }
+  signal.emit(asio::cancellation_type::terminal);
+}
+
+}  // namespace
+
+TEST_CASE("a commit waits for the step's writes in flight: a forward pass awaits its writes once", "[step]") {
+  asio::io_context io;  // not run until the commit has been started
+  sequence_kv_cache seq(io, layers, small_config());
+  const step st(layers, seq.config().token_width(), 0, 6, 2);
+  auto open = begun(io, seq, 2);
+  int writes = 0;
+  asio::cancellation_signal signal;
+  start_writes(open, st, writes, signal);
+  std::optional<std::error_code> committed;
+  std::vector<std::size_t> published_at_commit;  // each layer's tokens when the commit completes
+  open.async_commit([&](std::error_code ec) {
+    committed = ec;
+    for (std::size_t l = 0; l < layers; ++l) published_at_commit.push_back(open.snapshot(l).size());
+  });
+  CHECK_FALSE(committed.has_value());
+  CHECK(open.snapshot(0).size() == 0);  // nothing ran yet: the writes are in flight
+
+  // While the commit waits, the step's writes, commits and abandons are refused.
+  std::vector<std::error_code> refused;
+  const auto note = [&](std::error_code ec) { refused.push_back(ec); };
+  open.async_write(0, st.key_spans[0], st.value_spans[0], note);
+  open.async_commit(note);
+  open.async_abandon(note);
+  io.restart();
+  io.run();
+  CHECK(refused == std::vector<std::error_code>(3, kv_errc::operation_in_progress));
+  REQUIRE(committed == std::error_code());
+  CHECK(published_at_commit == std::vector<std::size_t>(layers, 2));  // every write was done with its spans
+  CHECK(writes == static_cast<int>(layers));
+  CHECK(seq.size() == 2);
+  CHECK(diff_snapshot(seq.snapshot(), {6, 6}).empty());
+}
+
+TEST_CASE("a commit whose waited-for write fails completes with step_incomplete; the step stays open", "[step]") {
+  asio::io_context io;
+  sequence_kv_cache seq(io, layers, small_config());
+  const std::size_t width = seq.config().token_width();
+  const step st(layers, width, 0, 5);
+  auto open = begun(io, seq, 1);
+  int writes = 0;
+  asio::cancellation_signal signal;
+  start_writes(open, st, writes, signal, 1);
+  std::optional<std::error_code> committed;
+  open.async_commit([&](std::error_code ec) { committed = ec; });
+  io.restart();
+  io.run();
+  CHECK(writes == static_cast<int>(layers) - 1);
+  CHECK(committed == kv_errc::step_incomplete);
+  CHECK(seq.size() == 0);
+  CHECK(seq.layer(1).size() == 0);
+
+  // Layer 1 written again, the step commits.
+  open.async_write(1, st.key_spans[1], st.value_spans[1], [](std::error_code ec) { CHECK_FALSE(ec); });
+  committed.reset();
+  open.async_commit([&](std::error_code ec) { committed = ec; });
+  io.restart();
+  io.run();
+  CHECK(committed == std::error_code());
+  CHECK(diff_snapshot(seq.snapshot(), {5}).empty());
+}
+
+TEST_CASE("a step destroyed while its commit waits is committed, or ended if that commit fails", "[step]") {
+  asio::io_context io;
+  sequence_kv_cache seq(io, layers, small_config());
+  const std::size_t width = seq.config().token_width();
+  const step st(layers, width, 0, 3);
+  const bool fails = GENERATE(false, true);
+  INFO((fails ? "a write fails" : "every write succeeds"));
+  asio::cancellation_signal signal;
+  {
+    auto open = begun(io, seq, 1);
+    int writes = 0;
+    start_writes(open, st, writes, signal, fails ? 0 : layers);
+    open.async_commit([fails](std::error_code ec) {
+      CHECK(ec == (fails ? std::error_code(kv_errc::step_incomplete) : std::error_code()));
+    });
+  }  // the handle goes while the commit waits
+  io.restart();
+  io.run();
+  if (!fails) {
+    CHECK(diff_snapshot(seq.snapshot(), {3}).empty());
+    return;
+  }
+  // Ended: every layer dropped the token, and the sequence is free.
+  CHECK(seq.size() == 0);
+  for (std::size_t l = 0; l < layers; ++l) CHECK(seq.layer(l).size() == 0);
+  const step next(layers, width, 0, 4);
+  std::optional<std::error_code> appended;
+  seq.async_append(next.key_spans, next.value_spans, [&](std::error_code ec) { appended = ec; });
+  io.restart();
+  io.run();
+  CHECK(appended == std::error_code());
+  CHECK(diff_snapshot(seq.snapshot(), {4}).empty());
+}
+
+TEST_CASE("forward passes on two threads start their writes unawaited and await them once, by the commit",
+          "[step][concurrency]") {
+  asio::thread_pool pool{2};
+  std::vector<sequence_kv_cache> seqs;
+  for (int i = 0; i < 2; ++i) seqs.emplace_back(pool, layers, small_config());
+  const std::size_t width = seqs[0].config().token_width(), steps = 10;
+  std::atomic<int> failures{0};
+  std::thread drivers[2];
+  for (int d = 0; d < 2; ++d)
+    drivers[d] = std::thread([&, d] {
+      auto& seq = seqs[static_cast<std::size_t>(d)];
+      for (std::size_t i = 0; i < steps; ++i) {
+        const step st(layers, width, i, 1 + d);
+        auto [ec, open] = begin_step(seq, 1);
+        if (ec) {
+          ++failures;
+          return;
+        }
+        for (std::size_t l = 0; l < layers; ++l)
+          open.async_write(l, st.key_spans[l], st.value_spans[l], [&](std::error_code e) {
+            if (e) ++failures;
+          });
+        if (commit(open)) ++failures;  // st's spans are free once it completes
+      }
+    });
+  for (auto& d : drivers) d.join();
+  CHECK(failures == 0);
+  for (int d = 0; d < 2; ++d) {
+    const auto& seq = seqs[static_cast<std::size_t>(d)];
+    CHECK(seq.size() == steps);
+    CHECK(diff_snapshot(seq.snapshot(), std::vector<int>(steps, 1 + d)).empty());
+  }
+}

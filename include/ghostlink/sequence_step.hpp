@@ -112,7 +112,8 @@ class basic_sequence_step {
   /// once the layer has published the tokens (`snapshot(layer)` then shows
   /// them). Errors: `layer_mismatch` (`layer >= num_layers()`),
   /// `length_mismatch`, `width_mismatch`, `operation_in_progress` (the
-  /// layer's write is in progress or done), `step_closed` (after the commit),
+  /// layer's write is in progress or done, or a commit is waiting),
+  /// `step_closed` (after the commit),
   /// `capacity_exhausted` only if memory for a page table was refused;
   /// `asio::error::operation_aborted` if cancelled before the layer's actor
   /// took it. On error the layer is as before, and may be written again.
@@ -126,11 +127,20 @@ class basic_sequence_step {
                    CompletionToken&& token = default_completion_token()) const;
 
   /// Makes the step's tokens part of the sequence: `size()` grows by
-  /// `size()` and sequence snapshots show them, all at once. Completion
-  /// signature: `void(std::error_code)`. Errors: `step_incomplete` (a layer
-  /// is not written yet, or its write is still in progress: the step stays
-  /// open), `step_closed` (committed before). No layer's actor is involved:
-  /// the commit completes without a round trip through the layers.
+  /// `size()` and sequence snapshots show them, all at once. The commit
+  /// first waits for every layer's write still in flight, so a forward pass
+  /// may start its writes without awaiting them (with `asio::detached`, say)
+  /// and await them all at once, here: when the commit completes, every
+  /// write started before it has finished with its spans (which may then
+  /// be released) and has its handler queued.
+  /// Completion signature: `void(std::error_code)`. Errors:
+  /// `step_incomplete` (a layer is unwritten once those writes have
+  /// settled: never written, or its write failed; the step stays open),
+  /// `operation_in_progress` (another commit is waiting), `step_closed`
+  /// (committed or ended before). While it waits, the step's writes and
+  /// `async_abandon()` fail with `operation_in_progress`; destroying the
+  /// handle meanwhile ends the step if the commit then fails. No layer's
+  /// actor is involved: the commit needs no round trip through the layers.
   ///
   /// @param token  the completion token; none is needed to `co_await`.
   template <class CompletionToken = default_completion_token>
@@ -139,7 +149,8 @@ class basic_sequence_step {
   /// Ends the step unless committed: every layer drops its tokens and the
   /// sequence is as before the step. Completion signature:
   /// `void(std::error_code)`, once the sequence is free for its next
-  /// operation. Errors: `step_closed` (committed or ended before). Not
+  /// operation. Errors: `step_closed` (committed or ended before),
+  /// `operation_in_progress` (a commit is waiting for the writes). Not
   /// cancellable. The handle stays valid; its writes and commits then fail
   /// with `step_closed`.
   ///
