@@ -1,15 +1,27 @@
-// A simulated decode loop: several sequences, each a coroutine on a thread
-// pool, each with its own stack of layer caches. Every step appends the new
-// token's keys and values to every layer (co_await async_write_batch), then
-// computes that step's attention output for every layer and head straight
-// from a snapshot's blocks (for_each_block, no copy). At the end a
-// single-threaded reference recomputes every output from the raw inputs and
-// the program fails if any differs.
+// A real decoder on ghostlink: a small Llama-style model (tiny_llama.hpp,
+// random weights from a fixed seed) serving several sequences at once, each
+// a coroutine on a thread pool with its KV in a ghostlink sequence cache.
 //
-//   serving_loop [--sequences N] [--layers N] [--steps N] [--threads N]
+// Every forward pass is one step (async_begin_step): layer by layer it
+// computes the new tokens' queries, keys and values, starts the layer's
+// write without awaiting it, and attends (ghostlink::attend) over the
+// layer's tokens before the step with its own tokens pending; the commit
+// awaits the writes once. The prompt is one step of many tokens (a causal
+// prefill); each decoded token is one step. Sequence 0 is forked after its
+// prompt into a parallel sample; sequence 1 decodes speculatively: now and
+// then it verifies three drafted tokens in one step, keeps those the model
+// agrees with and truncates the rest away.
+//
+// At the end every generated position's logits are checked against a
+// recompute of the whole sequence that uses no cache, and the cache's token
+// ids against the tokens generated; any mismatch fails the program.
+//
+//   serving_loop [--sequences N] [--layers N] [--prompt N] [--steps N] [--threads N]
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/this_coro.hpp>
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 #include <asio/use_future.hpp>
@@ -17,199 +29,268 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <exception>
 #include <future>
+#include <memory>
+#include <random>
 #include <string>
+#include <system_error>
 #include <vector>
+
+#include "tiny_llama.hpp"
 
 namespace {
 
-struct shape {
-  std::size_t sequences = 8, layers = 4, steps = 192, threads = 2;
-  std::size_t heads = 4, head_dim = 64;
-  std::size_t width() const { return heads * head_dim; }
+using ghostlink::token_id;
+using clock_type = std::chrono::steady_clock;
+using use_awaitable_t = asio::use_awaitable_t<>;
+constexpr use_awaitable_t awaitable;
+
+struct options {
+  std::size_t sequences = 8, layers = 8, prompt = 32, steps = 128, threads = 2;
 };
 
-/// Deterministic inputs: the same (sequence, layer, step, kind) always gives
-/// the same vector, so the reference can regenerate what was written.
-enum class kind : std::uint64_t { query = 1, key = 2, value = 3 };
-
-std::vector<float> input(const shape& s, std::size_t seq, std::size_t layer, std::size_t step, kind k) {
-  std::vector<float> v(s.width());
-  std::uint64_t x =
-      (seq * 1000003 + layer * 10007 + step * 101 + static_cast<std::uint64_t>(k)) * 0x9E3779B97F4A7C15ull;
-  for (float& f : v) {
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    f = static_cast<float>(static_cast<double>(x >> 40) / double(1ull << 24) * 2.0 - 1.0);
-  }
-  return v;
-}
-
-/// softmax(q . k_j / sqrt(d)) . v_j over tokens j, one head, in one pass
-/// with a running maximum (online softmax).
-struct head_accumulator {
-  float max = -INFINITY, sum = 0;
-  std::vector<float> out;
-
-  explicit head_accumulator(std::size_t dim) : out(dim, 0.0f) {}
-  void add(const float* q, const float* k, const float* v, std::size_t dim) {
-    float dot = 0;
-    for (std::size_t i = 0; i < dim; ++i) dot += q[i] * k[i];
-    const float logit = dot / std::sqrt(float(dim));
-    const float new_max = std::max(max, logit);
-    const float scale = std::exp(max - new_max), w = std::exp(logit - new_max);
-    for (std::size_t i = 0; i < dim; ++i) out[i] = out[i] * scale + w * v[i];
-    sum = sum * scale + w;
-    max = new_max;
-  }
-  void finish() {
-    for (float& o : out) o /= sum;
-  }
+/// What one sequence generated: its tokens, the logits that chose each
+/// token after the prompt (`logits[i]` at position `prompt - 1 + i`), and
+/// its timings.
+struct record {
+  std::string name;
+  std::vector<token_id> tokens;
+  std::vector<std::vector<float>> logits;
+  std::vector<double> step_seconds;  // each single-token decode step
+  std::size_t drafted = 0, accepted = 0, rollbacks = 0;
+  ghostlink::sequence_kv_cache cache;
 };
 
-/// Attention output of one layer for query `q` over every token in `snap`.
-std::vector<float> attend(const shape& s, const ghostlink::kv_snapshot& snap, const std::vector<float>& q) {
-  std::vector<head_accumulator> heads(s.heads, head_accumulator(s.head_dim));
-  const auto ec = snap.for_each_block(
-      0, snap.size(), [&](std::size_t, std::size_t count, std::span<const float> k, std::span<const float> v) {
-        for (std::size_t t = 0; t < count; ++t)
-          for (std::size_t h = 0; h < s.heads; ++h) {
-            const std::size_t at = t * s.width() + h * s.head_dim;
-            heads[h].add(q.data() + h * s.head_dim, k.data() + at, v.data() + at, s.head_dim);
-          }
-      });
-  if (ec) throw std::system_error(ec);
-  std::vector<float> out;
-  for (auto& h : heads) {
-    h.finish();
-    out.insert(out.end(), h.out.begin(), h.out.end());
-  }
-  return out;
-}
+/// Runs tokens through the model as steps of one ghostlink sequence.
+class decoder {
+ public:
+  decoder(const tiny_llama::model& m, ghostlink::sequence_kv_cache seq) : m_(m), seq_(std::move(seq)) {}
 
-/// The same attention, single-threaded, from regenerated inputs and a plain
-/// two-pass softmax.
-std::vector<float> reference(const shape& s, std::size_t seq, std::size_t layer, std::size_t step) {
-  const auto q = input(s, seq, layer, step, kind::query);
-  std::vector<std::vector<float>> keys, values;
-  for (std::size_t j = 0; j <= step; ++j) {
-    keys.push_back(input(s, seq, layer, j, kind::key));
-    values.push_back(input(s, seq, layer, j, kind::value));
-  }
-  std::vector<float> out(s.width(), 0.0f);
-  for (std::size_t h = 0; h < s.heads; ++h) {
-    const std::size_t base = h * s.head_dim;
-    std::vector<double> logits(step + 1);
-    for (std::size_t j = 0; j <= step; ++j) {
-      double dot = 0;
-      for (std::size_t i = 0; i < s.head_dim; ++i) dot += double(q[base + i]) * keys[j][base + i];
-      logits[j] = dot / std::sqrt(double(s.head_dim));
+  const ghostlink::sequence_kv_cache& sequence() const { return seq_; }
+
+  /// The logits of each of `ids`, fed at positions `sequence().size()` on,
+  /// which become part of the sequence.
+  asio::awaitable<std::vector<std::vector<float>>> forward(std::vector<token_id> ids) {
+    const tiny_llama::dims& d = m_.shape();
+    const std::size_t n = ids.size(), qw = d.q_width(), kvw = d.kv_width();
+    auto step = co_await seq_.async_begin_step(std::span<const token_id>(ids), awaitable);
+
+    std::vector<std::vector<float>> x(n, std::vector<float>(d.model));
+    for (std::size_t t = 0; t < n; ++t) m_.embed(ids[t], x[t].data());
+    // Each layer's keys and values stay here until the commit has awaited their writes.
+    std::vector<std::vector<float>> keys(d.layers, std::vector<float>(n * kvw)), values = keys;
+    std::vector<float> q(n * qw), attn(n * qw);
+    tiny_llama::token_scratch s(d);
+    const ghostlink::attention_shape shape{.query_heads = d.query_heads, .kv_heads = d.kv_heads, .head_dim = d.head_dim};
+    for (std::size_t l = 0; l < d.layers; ++l) {
+      for (std::size_t t = 0; t < n; ++t)
+        m_.qkv(l, x[t].data(), step.index() + t, &q[t * qw], &keys[l][t * kvw], &values[l][t * kvw], s);
+      step.async_write(l, keys[l], values[l], asio::detached);
+      if (auto ec = ghostlink::attend(step.snapshot_before(l), q, attn, shape, {keys[l], values[l]}))
+        throw std::system_error(ec);
+      for (std::size_t t = 0; t < n; ++t) m_.finish_layer(l, &attn[t * qw], x[t].data(), s);
     }
-    const double max = *std::max_element(logits.begin(), logits.end());
-    double sum = 0;
-    for (double& l : logits) sum += (l = std::exp(l - max));
-    for (std::size_t j = 0; j <= step; ++j)
-      for (std::size_t i = 0; i < s.head_dim; ++i) out[base + i] += float(logits[j] / sum * values[j][base + i]);
+    co_await step.async_commit(awaitable);  // every layer's write, awaited once
+
+    std::vector<std::vector<float>> logits(n, std::vector<float>(d.vocab));
+    for (std::size_t t = 0; t < n; ++t) m_.logits(x[t].data(), logits[t].data(), s);
+    co_return logits;
   }
-  return out;
+
+ private:
+  const tiny_llama::model& m_;
+  ghostlink::sequence_kv_cache seq_;
+};
+
+token_id greedy(const std::vector<float>& logits) {
+  return static_cast<token_id>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
-/// One sequence's decode loop. outputs[layer][step] receives that step's
-/// attention output.
-asio::awaitable<void> decode(const shape& s, std::size_t seq, std::vector<ghostlink::layer_kv_cache>& layers,
-                             std::vector<std::vector<std::vector<float>>>& outputs) {
-  for (auto& cache : layers) co_await cache.async_initialize(1, asio::use_awaitable);
-  for (std::size_t step = 0; step < s.steps; ++step) {
-    for (std::size_t l = 0; l < s.layers; ++l) {
-      const auto k = input(s, seq, l, step, kind::key), v = input(s, seq, l, step, kind::value);
-      const ghostlink::kv_write token[] = {{step, k, v}};
-      co_await layers[l].async_write_batch(token, asio::use_awaitable);
-      // Read-your-writes: the snapshot includes the token just written.
-      outputs[l][step] = attend(s, layers[l].snapshot(), input(s, seq, l, step, kind::query));
+/// A draw from softmax(logits / 0.8).
+token_id sample(const std::vector<float>& logits, std::mt19937_64& rng) {
+  const float top = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> w(logits.size());
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = std::exp((logits[i] - top) / 0.8);
+  return static_cast<token_id>(std::discrete_distribution<std::size_t>(w.begin(), w.end())(rng));
+}
+
+/// Decodes `r` until it holds `length` tokens (a speculative round may pass
+/// it by up to three).
+asio::awaitable<void> decode(decoder& dec, record& r, std::size_t length, std::uint64_t seed, bool speculative) {
+  std::mt19937_64 rng(seed);
+  for (std::size_t round = 0; r.tokens.size() < length; ++round) {
+    const token_id next = speculative ? greedy(r.logits.back()) : sample(r.logits.back(), rng);
+    if (speculative && round % 8 == 7) {
+      // Draft the three tokens that followed the last three (a prompt-lookup
+      // draft), verify them with `next` in one step of four causal rows,
+      // keep the drafts the model agrees with and roll back the rest.
+      const std::size_t at = r.tokens.size();
+      std::vector<token_id> ids(1, next);  // (no initializer list: GCC 12 rejects one in a coroutine)
+      ids.insert(ids.end(), r.tokens.end() - 3, r.tokens.end());
+      const auto rows = co_await dec.forward(ids);
+      r.tokens.push_back(next);
+      r.logits.push_back(rows[0]);
+      std::size_t kept = 0;
+      while (kept < 3 && greedy(rows[kept]) == ids[kept + 1]) {
+        ++kept;
+        r.tokens.push_back(ids[kept]);
+        r.logits.push_back(rows[kept]);
+      }
+      r.drafted += 3;
+      r.accepted += kept;
+      if (kept < 3) {
+        co_await dec.sequence().async_truncate(at + 1 + kept, awaitable);
+        ++r.rollbacks;
+      }
+      continue;
     }
+    const auto start = clock_type::now();
+    const auto rows = co_await dec.forward(std::vector<token_id>(1, next));
+    r.step_seconds.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
+    r.tokens.push_back(next);
+    r.logits.push_back(rows[0]);
   }
 }
 
-shape parse(int argc, char** argv) {
-  shape s;
-  for (int i = 1; i + 1 < argc; i += 2) {
+/// Serves sequence `i`: prefill its prompt, then decode. Sequence 0 also
+/// forks into `child` after the prompt and decodes it on its own coroutine.
+asio::awaitable<void> serve(const tiny_llama::model& m, const options& o, std::size_t i, record& r, record* child,
+                            std::promise<void>* child_done) {
+  decoder dec(m, r.cache);
+  std::mt19937_64 prompt_rng(100 + i);
+  for (std::size_t t = 0; t < o.prompt; ++t)
+    r.tokens.push_back(static_cast<token_id>(prompt_rng() % m.shape().vocab));
+  const auto rows = co_await dec.forward(r.tokens);  // the prefill: one step, causal
+  r.logits.push_back(rows.back());
+  const std::size_t length = o.prompt + o.steps;
+  if (child) {
+    child->cache = co_await r.cache.async_fork(awaitable);  // shares the prompt's blocks
+    child->tokens = r.tokens;
+    child->logits = r.logits;
+    auto ex = co_await asio::this_coro::executor;
+    asio::co_spawn(
+        ex,
+        [&m, child, length]() -> asio::awaitable<void> {
+          decoder forked(m, child->cache);
+          co_await decode(forked, *child, length, 7777, false);
+        },
+        [child_done](std::exception_ptr e) {
+          if (e)
+            child_done->set_exception(e);
+          else
+            child_done->set_value();
+        });
+  }
+  co_await decode(dec, r, length, 1 + i, i == 1);
+}
+
+/// Positions whose logits differ from the cacheless recompute, and the
+/// largest difference.
+std::pair<std::size_t, double> check(const tiny_llama::model& m, const options& o, const record& r) {
+  const auto expected = tiny_llama::recompute(m, r.tokens, o.prompt - 1);
+  std::size_t bad = expected.size() == r.logits.size() ? 0 : 1;
+  double worst = 0;
+  for (std::size_t p = 0; p < std::min(expected.size(), r.logits.size()); ++p) {
+    bool differs = false;
+    for (std::size_t v = 0; v < expected[p].size(); ++v) {
+      const double diff = std::abs(double(expected[p][v]) - r.logits[p][v]);
+      worst = std::max(worst, diff);
+      differs |= diff > 1e-3 * (1.0 + std::abs(double(expected[p][v])));
+    }
+    bad += differs;
+  }
+  if (r.cache.size() != r.tokens.size() || r.cache.snapshot().token_ids() != r.tokens) ++bad;
+  return {bad, worst};
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
+    if (i + 1 >= argc) throw std::invalid_argument("missing value for " + flag);
     const std::size_t value = std::strtoull(argv[i + 1], nullptr, 10);
     if (value == 0) throw std::invalid_argument("values must be positive: " + flag);
     if (flag == "--sequences")
-      s.sequences = value;
+      o.sequences = value;
     else if (flag == "--layers")
-      s.layers = value;
+      o.layers = value;
+    else if (flag == "--prompt")
+      o.prompt = value;
     else if (flag == "--steps")
-      s.steps = value;
+      o.steps = value;
     else if (flag == "--threads")
-      s.threads = value;
+      o.threads = value;
     else
       throw std::invalid_argument("unknown flag " + flag);
   }
-  return s;
+  if (o.prompt < 3) throw std::invalid_argument("--prompt must be at least 3 (the speculative draft reads 3 tokens)");
+  return o;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(p * double(v.size())))];
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const shape s = parse(argc, argv);
-  asio::thread_pool pool(s.threads);
-  const ghostlink::kv_cache_config config{.max_tokens_per_seq = s.steps, .num_heads = s.heads, .head_dim = s.head_dim};
+  const options o = parse(argc, argv);
+  tiny_llama::dims dims;
+  dims.layers = o.layers;
+  const tiny_llama::model model(dims);
+  asio::thread_pool pool(o.threads);
+  const ghostlink::kv_cache_config config{.max_tokens_per_seq = o.prompt + o.steps + 4,
+                                          .num_heads = dims.kv_heads,
+                                          .head_dim = dims.head_dim};
 
-  std::vector<std::vector<ghostlink::layer_kv_cache>> caches(s.sequences);
-  std::vector<std::vector<std::vector<std::vector<float>>>> outputs(
-      s.sequences, std::vector<std::vector<std::vector<float>>>(s.layers, std::vector<std::vector<float>>(s.steps)));
-  for (auto& layers : caches)
-    for (std::size_t l = 0; l < s.layers; ++l) layers.emplace_back(pool, config);
+  std::vector<std::unique_ptr<record>> records;
+  for (std::size_t i = 0; i < o.sequences; ++i)
+    records.push_back(std::make_unique<record>(record{"sequence " + std::to_string(i), {}, {}, {}, 0, 0, 0,
+                                                      ghostlink::sequence_kv_cache(pool, dims.layers, config)}));
+  records.push_back(std::make_unique<record>(record{"sequence 0's fork", {}, {}, {}, 0, 0, 0, {}}));
+  std::promise<void> child_done;
 
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = clock_type::now();
   std::vector<std::future<void>> running;
-  for (std::size_t seq = 0; seq < s.sequences; ++seq)
-    running.push_back(asio::co_spawn(pool, decode(s, seq, caches[seq], outputs[seq]), asio::use_future));
+  for (std::size_t i = 0; i < o.sequences; ++i)
+    running.push_back(asio::co_spawn(
+        pool, serve(model, o, i, *records[i], i == 0 ? records.back().get() : nullptr, &child_done),
+        asio::use_future));
   for (auto& r : running) r.get();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  child_done.get_future().get();
+  const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
 
-  std::uint64_t epochs = 0;
-  std::size_t bytes = 0;
-  for (auto& layers : caches)
-    for (auto& cache : layers) {
-      const auto st = cache.stats();
-      epochs += st.epoch;
-      bytes += st.bytes_in_use;
-    }
-
+  std::size_t generated = 0, bad = 0, drafted = 0, accepted = 0, rollbacks = 0;
+  std::vector<double> steps;
   double worst = 0;
-  std::size_t mismatches = 0;
-  for (std::size_t seq = 0; seq < s.sequences; ++seq)
-    for (std::size_t l = 0; l < s.layers; ++l)
-      for (std::size_t step = 0; step < s.steps; ++step) {
-        const auto expected = reference(s, seq, l, step);
-        for (std::size_t i = 0; i < expected.size(); ++i) {
-          const double diff = std::abs(double(expected[i]) - outputs[seq][l][step][i]);
-          worst = std::max(worst, diff);
-          if (diff > 1e-4) ++mismatches;
-        }
-      }
+  for (const auto& r : records) {
+    generated += r->tokens.size() - o.prompt;
+    steps.insert(steps.end(), r->step_seconds.begin(), r->step_seconds.end());
+    drafted += r->drafted;
+    accepted += r->accepted;
+    rollbacks += r->rollbacks;
+    const auto [b, w] = check(model, o, *r);
+    if (b) std::fprintf(stderr, "serving_loop: %s: %zu positions differ from the recompute\n", r->name.c_str(), b);
+    bad += b;
+    worst = std::max(worst, w);
+  }
 
-  const double tokens = double(s.sequences * s.steps);
-  std::printf("serving_loop: %zu sequences x %zu layers x %zu steps on %zu threads\n", s.sequences, s.layers, s.steps,
-              s.threads);
-  std::printf("  decode:     %.0f tokens/s (%.0f layer-token writes/s, attention included) in %.3f s\n",
-              tokens / seconds, tokens * double(s.layers) / seconds, seconds);
-  std::printf("  epochs:     %llu published across %zu layer caches\n", static_cast<unsigned long long>(epochs),
-              s.sequences * s.layers);
-  std::printf("  stored:     %.2f MiB in blocks (%.2f MiB of keys and values written)\n",
-              static_cast<double>(bytes) / 1048576.0,
-              tokens * double(s.layers * s.width() * 2 * sizeof(float)) / 1048576.0);
-  std::printf("  reference:  %s (max abs diff %.2e over %zu outputs)\n", mismatches ? "MISMATCH" : "match", worst,
-              s.sequences * s.layers * s.steps);
-  return mismatches ? 1 : 0;
+  std::printf("serving_loop: %zu sequences + 1 fork, %zu-layer model (%zu query / %zu KV heads of %zu), %zu-token "
+              "prompts, %zu tokens each, %zu threads\n",
+              o.sequences, dims.layers, dims.query_heads, dims.kv_heads, dims.head_dim, o.prompt, o.steps, o.threads);
+  std::printf("  decode:      %.0f tokens/s (%zu tokens in %.3f s, prefill included)\n", double(generated) / seconds,
+              generated, seconds);
+  std::printf("  per token:   p50 %.3f ms, p99 %.3f ms (one decode step of one sequence)\n",
+              percentile(steps, 0.50) * 1e3, percentile(steps, 0.99) * 1e3);
+  std::printf("  speculative: %zu of %zu drafted tokens kept, %zu rollbacks\n", accepted, drafted, rollbacks);
+  std::printf("  recompute:   %s (max abs logit diff %.2e, every generated position of every sequence)\n",
+              bad ? "MISMATCH" : "match", worst);
+  return bad ? 1 : 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "serving_loop: %s\n", e.what());
   return 2;

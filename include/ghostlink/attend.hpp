@@ -96,7 +96,7 @@ extern template void attention_pass::finish<bfloat16>() noexcept;
 /// Pending tokens are rounded to `T` first, as the step's write will store
 /// them, so the result is what attending after the write would give (up to
 /// the order of the sums). A forward pass can thus start layer `l`'s write
-/// and attend `step.snapshot(l)` with the layer's own tokens pending,
+/// and attend `step.snapshot_before(l)` with the layer's own tokens pending,
 /// without waiting for the write, and await its writes once, by the commit.
 ///
 /// Thread-safe: calls share nothing but the snapshot, which is immutable.

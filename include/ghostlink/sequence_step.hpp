@@ -104,6 +104,13 @@ class basic_sequence_step {
         .prefix(index() + size());
   }
 
+  /// Layer `layer`'s tokens before the step (`layer < num_layers()`): its
+  /// latest epoch narrowed to `index()` tokens, whether or not the layer's
+  /// write has published the step's. What a forward pass attends with the
+  /// step's tokens pending (`ghostlink::attend`), so that it need not wait
+  /// for the write. Lock-free, as `snapshot()`.
+  snapshot_type snapshot_before(std::size_t layer) const noexcept { return snapshot(layer).prefix(index()); }
+
   /// Writes layer `layer`'s `size()` tokens: `keys` and `values` hold
   /// `size() * token_width()` floats each, token-major (token `index()`
   /// first). Each layer is written once per step, as one request to its
