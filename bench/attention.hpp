@@ -1,23 +1,27 @@
 #pragma once
-// The attention kernel every implementation's reads feed, identically:
-// softmax(q . k / sqrt(d)) . v per head over the tokens fed to it, in one
-// pass (online softmax), as a decode step does with the cache.
+// The attention every implementation's reads feed, identically: `attention`
+// runs ghostlink::attend (one query row, softmax(q . k / sqrt(d)) . v per
+// head) over a snapshot's blocks (ghostlink) or over a contiguous range (a
+// baseline's buffer or copy).
 //
-// Two code paths, chosen once per process and the same for every
-// implementation and element type: AVX2+FMA with F16C where the processor
-// has them (16-bit elements are widened in registers as they are loaded,
-// as an inference kernel would), else portable code the compiler
-// vectorises (16-bit tokens widened to floats first by ghostlink::convert).
+// `per_token_kernel` is the benchmark's kernel before ghostlink::attend: an
+// online softmax that rescales every head's output at every token, AVX2 +
+// FMA + F16C where the processor has them, else portable code the compiler
+// vectorises. The attend scenario measures ghostlink::attend against it.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <span>
+#include <stdexcept>
+#include <system_error>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include <ghostlink/attend.hpp>
 #include <ghostlink/element.hpp>
+#include <ghostlink/snapshot.hpp>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GHOSTLINK_BENCH_AVX2 1
@@ -26,16 +30,69 @@
 
 namespace ghostlink::bench {
 
+/// Lane `i` of every benchmark's query.
+inline float query_value(std::size_t i) { return float(i % 11) / 11.0f - 0.5f; }
+
+/// One decode step's attention over what an implementation reads.
 class attention {
  public:
   attention(std::size_t heads, std::size_t head_dim)
+      : shape_{.query_heads = heads, .kv_heads = heads, .head_dim = head_dim},
+        query_(heads * head_dim),
+        out_(heads * head_dim) {
+    for (std::size_t i = 0; i < query_.size(); ++i) query_[i] = query_value(i);
+  }
+
+  /// Over every token of `snap`, from its blocks.
+  template <storage_element T>
+  void over(const basic_kv_snapshot<T>& snap) {
+    if (!snap.empty()) check(ghostlink::attend(snap, query_, out_, shape_));
+  }
+  /// Over every token of `snap`, then the `pending` ones.
+  template <storage_element T>
+  void over(const basic_kv_snapshot<T>& snap, pending_tokens pending) {
+    check(ghostlink::attend(snap, query_, out_, shape_, pending));
+  }
+  /// Over the first `n` tokens of `snap`.
+  template <storage_element T>
+  void over(basic_kv_snapshot<T>&& snap, std::size_t n) {
+    over(std::move(snap).prefix(n));
+  }
+  /// Over contiguous tokens, token-major.
+  template <storage_element T>
+  void over(std::span<const T> keys, std::span<const T> values) {
+    if (!keys.empty()) check(ghostlink::attend(keys, values, query_, out_, shape_));
+  }
+  void over(const std::vector<float>& keys, const std::vector<float>& values) {
+    over(std::span<const float>(keys), std::span<const float>(values));
+  }
+
+  /// A value that depends on every output, so no work is optimised away.
+  float checksum() const {
+    float s = 0;
+    for (float x : out_) s += x;
+    return s;
+  }
+
+ private:
+  static void check(std::error_code ec) {
+    if (ec) throw std::system_error(ec, "ghostlink::attend");
+  }
+  attention_shape shape_;
+  std::vector<float> query_, out_;
+};
+
+
+class per_token_kernel {
+ public:
+  per_token_kernel(std::size_t heads, std::size_t head_dim)
       : heads_(heads),
         dim_(head_dim),
         query_(heads * head_dim),
         max_(heads, -INFINITY),
         sum_(heads, 0.0f),
         out_(heads * head_dim, 0.0f) {
-    for (std::size_t i = 0; i < query_.size(); ++i) query_[i] = float(i % 11) / 11.0f - 0.5f;
+    for (std::size_t i = 0; i < query_.size(); ++i) query_[i] = query_value(i);
   }
 
   /// Feeds `count` tokens, token-major, `heads * head_dim` elements each.

@@ -13,10 +13,12 @@ int main(int argc, char** argv) {
   const std::map<std::string, void (*)(const options&, report&)> scenarios{
       {"read_under_write", read_under_write},
       {"attention_read", attention_read},
+      {"attend", attend_kernel},
       {"write_single", write_single},
       {"write_concurrent", write_concurrent},
       {"decode_step", decode_step},
       {"decode_layer_order", decode_layer_order},
+      {"decode_pending", decode_pending},
       {"batched_step", batched_step},
       {"decode_speculative", decode_speculative},
       {"decode_with_offloader", decode_with_offloader},
@@ -30,8 +32,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   report out;
-  for (const char* name : {"read_under_write", "attention_read", "write_single", "write_concurrent", "decode_step",
-                           "decode_layer_order", "batched_step", "decode_speculative", "decode_with_offloader",
+  for (const char* name : {"read_under_write", "attention_read", "attend", "write_single", "write_concurrent",
+                           "decode_step", "decode_layer_order", "decode_pending", "batched_step", "decode_speculative", "decode_with_offloader",
                            "memory", "fork", "prefill", "memory_waste", "storage_16bit"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",

@@ -8,10 +8,12 @@ namespace ghostlink::bench {
 
 void read_under_write(const options& opts, report& out);
 void attention_read(const options& opts, report& out);
+void attend_kernel(const options& opts, report& out);
 void write_single(const options& opts, report& out);
 void write_concurrent(const options& opts, report& out);
 void decode_step(const options& opts, report& out);
 void decode_layer_order(const options& opts, report& out);
+void decode_pending(const options& opts, report& out);
 void batched_step(const options& opts, report& out);
 void decode_speculative(const options& opts, report& out);
 void decode_with_offloader(const options& opts, report& out);

@@ -1,10 +1,11 @@
 // ghostlink::attend: online softmax over runs of stored tokens, in chunks.
 //
 // A chunk is up to `chunk_tokens` consecutive tokens of one run that a query
-// row may see. For each KV head the chunk's logits are computed for every
-// query head of its group (the key is read once per query head, from L1),
-// then each query head takes the chunk's maximum, rescales its output and
-// sum once if the maximum grew, and adds every token's weighted value. One
+// row may see, in three passes: every query head's logit of every token
+// (each token's keys read in order, a KV head's once per query head of its
+// group, from L1), then per query head the chunk's maximum, one rescale of
+// its output and sum if the maximum grew, and the weights; then every
+// token's values, in order, weighted into every query head's output. One
 // exp per token and head, and one rescale per chunk rather than per token.
 //
 // Two instruction sets, chosen once per call: AVX2 + FMA + F16C when the
@@ -35,7 +36,7 @@ constexpr std::size_t chunk_tokens = 64;
 /// One thread's scratch: kept between calls so a call does not allocate.
 struct scratch {
   std::vector<float> max, sum;        // per row and query head
-  std::vector<float> logits;          // per query head of a group, per chunk token
+  std::vector<float> logits;          // per query head, per chunk token
   std::vector<float> wide_k, wide_v;  // the portable path's widened 16-bit chunk
   std::vector<std::uint16_t> pending_k, pending_v;  // pending tokens rounded to 16 bits
 };
@@ -80,24 +81,20 @@ float dot_portable(const float* q, const float* k, std::size_t dim) {
 
 void chunk_portable(const pass_args& a, const float* keys, const float* values, std::size_t n, const float* q,
                     float* o, float* max, float* sum, float* logits) {
-  for (std::size_t g = 0; g < a.kv_heads; ++g) {
-    for (std::size_t j = 0; j < a.group; ++j) {
-      const float* qh = q + (g * a.group + j) * a.dim;
-      for (std::size_t t = 0; t < n; ++t)
-        logits[j * chunk_tokens + t] = dot_portable(qh, keys + t * a.width + g * a.dim, a.dim) * a.scale;
-    }
-    for (std::size_t j = 0; j < a.group; ++j) {
-      const std::size_t h = g * a.group + j;
-      float* w = logits + j * chunk_tokens;
+  const std::size_t heads = a.kv_heads * a.group;
+  for (std::size_t t = 0; t < n; ++t)
+    for (std::size_t h = 0; h < heads; ++h)
+      logits[h * chunk_tokens + t] = dot_portable(q + h * a.dim, keys + t * a.width + h / a.group * a.dim, a.dim) * a.scale;
+  for (std::size_t h = 0; h < heads; ++h)
+    if (const float f = weigh(logits + h * chunk_tokens, n, max[h], sum[h]); f != 1.0f)
+      for (std::size_t i = 0; i < a.dim; ++i) o[h * a.dim + i] *= f;
+  for (std::size_t t = 0; t < n; ++t)
+    for (std::size_t h = 0; h < heads; ++h) {
+      const float w = logits[h * chunk_tokens + t];
+      const float* vt = values + t * a.width + h / a.group * a.dim;
       float* oh = o + h * a.dim;
-      if (const float f = weigh(w, n, max[h], sum[h]); f != 1.0f)
-        for (std::size_t i = 0; i < a.dim; ++i) oh[i] *= f;
-      for (std::size_t t = 0; t < n; ++t) {
-        const float* vt = values + t * a.width + g * a.dim;
-        for (std::size_t i = 0; i < a.dim; ++i) oh[i] += w[t] * vt[i];
-      }
+      for (std::size_t i = 0; i < a.dim; ++i) oh[i] += w * vt[i];
     }
-  }
 }
 
 // --- AVX2 + FMA + F16C -------------------------------------------------------
@@ -132,28 +129,24 @@ template <class T>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
                                                           std::size_t n, const float* q, float* o, float* max,
                                                           float* sum, float* logits) {
-  for (std::size_t g = 0; g < a.kv_heads; ++g) {
-    for (std::size_t j = 0; j < a.group; ++j) {
-      const float* qh = q + (g * a.group + j) * a.dim;
-      for (std::size_t t = 0; t < n; ++t)
-        logits[j * chunk_tokens + t] = dot_avx2(qh, keys + t * a.width + g * a.dim, a.dim) * a.scale;
+  const std::size_t heads = a.kv_heads * a.group;
+  for (std::size_t t = 0; t < n; ++t)
+    for (std::size_t h = 0; h < heads; ++h)
+      logits[h * chunk_tokens + t] = dot_avx2(q + h * a.dim, keys + t * a.width + h / a.group * a.dim, a.dim) * a.scale;
+  for (std::size_t h = 0; h < heads; ++h)
+    if (const float f = weigh(logits + h * chunk_tokens, n, max[h], sum[h]); f != 1.0f) {
+      const __m256 fs = _mm256_set1_ps(f);
+      for (std::size_t i = 0; i < a.dim; i += 8)
+        _mm256_storeu_ps(o + h * a.dim + i, _mm256_mul_ps(fs, _mm256_loadu_ps(o + h * a.dim + i)));
     }
-    for (std::size_t j = 0; j < a.group; ++j) {
-      const std::size_t h = g * a.group + j;
-      float* w = logits + j * chunk_tokens;
+  for (std::size_t t = 0; t < n; ++t)
+    for (std::size_t h = 0; h < heads; ++h) {
+      const __m256 ws = _mm256_set1_ps(logits[h * chunk_tokens + t]);
+      const T* vt = values + t * a.width + h / a.group * a.dim;
       float* oh = o + h * a.dim;
-      if (const float f = weigh(w, n, max[h], sum[h]); f != 1.0f) {
-        const __m256 fs = _mm256_set1_ps(f);
-        for (std::size_t i = 0; i < a.dim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
-      }
-      for (std::size_t t = 0; t < n; ++t) {
-        const T* vt = values + t * a.width + g * a.dim;
-        const __m256 ws = _mm256_set1_ps(w[t]);
-        for (std::size_t i = 0; i < a.dim; i += 8)
-          _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(vt + i), _mm256_loadu_ps(oh + i)));
-      }
+      for (std::size_t i = 0; i < a.dim; i += 8)
+        _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(vt + i), _mm256_loadu_ps(oh + i)));
     }
-  }
 }
 
 bool use_avx2(std::size_t dim) {
@@ -219,7 +212,7 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
     const std::size_t heads = rows * shape.query_heads;
     s.max.assign(heads, -INFINITY);
     s.sum.assign(heads, 0.0f);
-    s.logits.resize(std::max(s.logits.size(), shape.query_heads / shape.kv_heads * chunk_tokens));
+    s.logits.resize(std::max(s.logits.size(), shape.query_heads * chunk_tokens));
     s.wide_k.resize(std::max(s.wide_k.size(), chunk_tokens * kv_width));
     s.wide_v.resize(s.wide_k.size());
     s.pending_k.resize(std::max(s.pending_k.size(), pending.keys.size()));

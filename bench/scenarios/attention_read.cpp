@@ -46,8 +46,7 @@ void attention_read(const options& o, report& out) {
       io.run();
       rate.values["ghostlink"] = ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
-        cache.snapshot().for_each_block(0, o.read_tokens,
-                                        [&](std::size_t, std::size_t n, auto k, auto v) { a.add(n, k, v); });
+        a.over(cache.snapshot(), o.read_tokens);
         keep(a.checksum());
       });
     }
@@ -58,7 +57,7 @@ void attention_read(const options& o, report& out) {
       return ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
         cache.read_range(0, o.read_tokens, r);
-        a.add(o.read_tokens, r.keys, r.values);
+        a.over(r.keys, r.values);
         keep(a.checksum());
       });
     };
@@ -68,7 +67,7 @@ void attention_read(const options& o, report& out) {
       fill(o, [&](std::size_t i, const token& t) { c.write(i, t.keys, t.values); });
       rate.values["rwlock_zero_copy"] = ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
-        c.visit_range(0, o.read_tokens, [&](auto k, auto v) { a.add(o.read_tokens, k, v); });
+        c.visit_range(0, o.read_tokens, [&](auto k, auto v) { a.over(k, v); });
         keep(a.checksum());
       });
     }
@@ -94,7 +93,7 @@ void attention_read(const options& o, report& out) {
       rate.values["strand_only"] = ops_per_second(o.seconds, [&](std::size_t) {
         attention a(o.heads, o.head_dim);
         cache.async_read_range(0, o.read_tokens, r, asio::use_future).get();
-        a.add(o.read_tokens, r.keys, r.values);
+        a.over(r.keys, r.values);
         keep(a.checksum());
       });
       work.reset();

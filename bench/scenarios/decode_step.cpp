@@ -9,7 +9,11 @@
 // - through a step (decode_layer_order, a forward pass): per layer, write
 //   its token, then attend over it (ghostlink: one sequence step per decode
 //   step, async_write and snapshot(l) per layer, async_commit at the end;
-//   the lock designs as layer by layer).
+//   the lock designs as layer by layer);
+// - with pending tokens (decode_pending): through a step, but per layer its
+//   write is started unawaited and the attention runs over the layer's
+//   tokens before the step with the new token pending (ghostlink::attend);
+//   the commit awaits every write at once.
 // ghostlink: one coroutine per sequence on a T-thread pool, attention from
 // snapshot blocks. Every lock baseline is driven from T threads (the
 // sequences split over them): rwlock_zero_copy attends straight from the
@@ -20,6 +24,7 @@
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 #include <asio/use_future.hpp>
@@ -36,7 +41,7 @@
 namespace ghostlink::bench {
 namespace {
 
-enum class shape { layer_by_layer, append_per_step, through_step };
+enum class shape { layer_by_layer, append_per_step, through_step, pending };
 
 kv_cache_config decode_config(const options& o) {
   kv_cache_config c = o.config();
@@ -54,7 +59,7 @@ double steps_per_second(const options& o, Lap lap) {
 template <storage_element T>
 void attend(const options& o, const basic_kv_snapshot<T>& snap) {
   attention a(o.heads, o.head_dim);
-  snap.for_each_block(0, snap.size(), [&](std::size_t, std::size_t n, auto k, auto v) { a.add(n, k, v); });
+  a.over(snap);
   keep(a.checksum());
 }
 
@@ -100,6 +105,22 @@ asio::awaitable<void> step_by_step(const options& o, basic_sequence_kv_cache<T>&
   }
 }
 
+/// As step_by_step, attending with each layer's token pending and awaiting
+/// the writes once, by the commit.
+template <storage_element T>
+asio::awaitable<void> step_pending(const options& o, basic_sequence_kv_cache<T>& seq, const std::vector<token>& data) {
+  attention a(o.heads, o.head_dim);
+  for (std::size_t step = o.steps; step < 2 * o.steps; ++step) {
+    const auto open = co_await seq.async_begin_step(1, asio::use_awaitable);
+    for (std::size_t l = 0; l < o.layers; ++l) {
+      open.async_write(l, data[step].keys, data[step].values, asio::detached);
+      a.over(open.snapshot_before(l), {data[step].keys, data[step].values});
+      keep(a.checksum());
+    }
+    co_await open.async_commit(asio::use_awaitable);
+  }
+}
+
 template <storage_element T>
 double run_ghostlink(const options& o, const std::vector<token>& data, shape how) {
   asio::thread_pool pool(o.threads);
@@ -130,6 +151,8 @@ double run_ghostlink(const options& o, const std::vector<token>& data, shape how
         running.push_back(asio::co_spawn(pool, layer_by_layer(o, layered[s], data), asio::use_future));
       else if (how == shape::through_step)
         running.push_back(asio::co_spawn(pool, step_by_step(o, seqs[s], data), asio::use_future));
+      else if (how == shape::pending)
+        running.push_back(asio::co_spawn(pool, step_pending(o, seqs[s], data), asio::use_future));
       else
         running.push_back(
             asio::co_spawn(pool, append_per_step(o, seqs[s], data, o.steps, 2 * o.steps, true), asio::use_future));
@@ -147,7 +170,7 @@ asio::awaitable<void> strand_decode(const options& o, std::vector<std::unique_pt
       co_await cache->async_write(step, data[step].keys, data[step].values, asio::use_awaitable);
       co_await cache->async_read_range(0, step + 1, r, asio::use_awaitable);
       attention a(o.heads, o.head_dim);
-      a.add(step + 1, r.keys, r.values);
+      a.over(r.keys, r.values);
       keep(a.checksum());
     }
 }
@@ -178,11 +201,11 @@ template <class Cache>
 void attend_locked(const options& o, const Cache& cache, std::size_t n, bool zero_copy, kv_range& r) {
   attention a(o.heads, o.head_dim);
   if (zero_copy) {
-    cache.visit_range(0, n, [&](auto k, auto v) { a.add(n, k, v); });
+    cache.visit_range(0, n, [&](auto k, auto v) { a.over(k, v); });
   } else {
     if constexpr (requires { cache.read_range(0, n, r); }) {
       cache.read_range(0, n, r);
-      a.add(n, r.keys, r.values);
+      a.over(r.keys, r.values);
     }
   }
   keep(a.checksum());
@@ -266,7 +289,47 @@ void run_layer_order(const options& o, report& out) {
                                          "commit; rwlock_zero_copy: per layer write then attend under the shared lock");
 }
 
+template <storage_element T>
+void run_pending(const options& o, report& out) {
+  std::vector<token> data;
+  for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
+  out.run("decode_pending", o, [&](std::map<std::string, metric>& m) {
+    metric& rate = m["1 steps"];
+    rate.name = "decode steps";
+    rate.unit = "steps/s";
+    metric& tpot = m["2 tpot"];
+    tpot.name = "time per output token (mean)";
+    tpot.unit = "us";
+    tpot.higher_is_better = false;
+    const auto add = [&](const char* name, double steps_per_s) {
+      rate.values[name] = steps_per_s;
+      tpot.values[name] = 1e6 / steps_per_s;  // each sequence makes one token per step
+    };
+    if (o.wants("ghostlink")) {
+      add("ghostlink", run_ghostlink<T>(o, data, shape::pending));
+      add("await_each_layer", run_ghostlink<T>(o, data, shape::through_step));
+    }
+    using rwlock_t = locked_cache<std::shared_mutex, T>;
+    if (o.wants("rwlock_zero_copy")) add("rwlock_zero_copy", run_locked<rwlock_t>(o, data, shape::through_step, true));
+  });
+  out.add_note("decode_pending", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
+                                     " sequences, " + o.element + ", contexts " + std::to_string(o.steps) + ".." +
+                                     std::to_string(2 * o.steps) +
+                                     "; ghostlink: per layer start the write, attend over snapshot_before(l) with "
+                                     "the token pending, one commit awaits the writes; await_each_layer: "
+                                     "decode_layer_order's ghostlink (co_await each layer's write, then attend)");
+}
+
 }  // namespace
+
+void decode_pending(const options& o, report& out) {
+  if (o.element == "half")
+    run_pending<half>(o, out);
+  else if (o.element == "bfloat16")
+    run_pending<bfloat16>(o, out);
+  else
+    run_pending<float>(o, out);
+}
 
 void decode_layer_order(const options& o, report& out) {
   if (o.element == "half")

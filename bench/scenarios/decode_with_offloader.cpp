@@ -102,7 +102,7 @@ asio::awaitable<void> decode(const options& o, std::vector<layer_kv_cache>& laye
       const token& t = data[step % data.size()];
       co_await cache.async_write(step, t.keys, t.values, asio::use_awaitable);
       attention a(o.heads, o.head_dim);
-      cache.snapshot().for_each_block(0, step + 1, [&](std::size_t, std::size_t n, auto k, auto v) { a.add(n, k, v); });
+      a.over(cache.snapshot(), step + 1);
       keep(a.checksum());
     }
     done.tick();
@@ -185,7 +185,7 @@ outcome run_locked(const options& o, const std::vector<token>& data) {
           const token& t = data[step % data.size()];
           cache->write(step, t.keys, t.values);
           attention a(o.heads, o.head_dim);
-          cache->visit_range(0, step + 1, [&](auto k, auto v) { a.add(step + 1, k, v); });
+          cache->visit_range(0, step + 1, [&](auto k, auto v) { a.over(k, v); });
           keep(a.checksum());
         }
         done[s].tick();
