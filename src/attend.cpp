@@ -1,12 +1,11 @@
-// ghostlink::attend: online softmax over runs of stored tokens, in chunks.
+// ghostlink::attend: online softmax over runs of stored tokens.
 //
-// A chunk is up to `chunk_tokens` consecutive tokens of one run that a query
-// row may see, in three passes: every query head's logit of every token
-// (each token's keys read in order, a KV head's once per query head of its
-// group, from L1), then per query head the chunk's maximum, one rescale of
-// its output and sum if the maximum grew, and the weights; then every
-// token's values, in order, weighted into every query head's output. One
-// exp per token and head, and one rescale per chunk rather than per token.
+// One pass, token by token, each token's keys and values read in order
+// (a KV head's once per query head of its group, from L1). Per query head
+// the running maximum rises only when a logit exceeds it, and only then is
+// the output rescaled: one exp per token and head, where a textbook online
+// softmax takes two and rescales at every token. Runs are taken in chunks
+// of at most `chunk_tokens`, the size of the portable path's scratch.
 //
 // Two instruction sets, chosen once per call: AVX2 + FMA + F16C when the
 // processor has them and head_dim is a multiple of 8 (16-bit elements are
@@ -36,7 +35,6 @@ constexpr std::size_t chunk_tokens = 64;
 /// One thread's scratch: kept between calls so a call does not allocate.
 struct scratch {
   std::vector<float> max, sum;        // per row and query head
-  std::vector<float> logits;          // per query head, per chunk token
   std::vector<float> wide_k, wide_v;  // the portable path's widened 16-bit chunk
   std::vector<std::uint16_t> pending_k, pending_v;  // pending tokens rounded to 16 bits
 };
@@ -48,19 +46,21 @@ struct pass_args {
   float scale;
 };
 
-/// Turns one query head's chunk logits `l` into weights against the
-/// running maximum (raised to the chunk's if it is higher) and adds them to
-/// the running sum. Returns the factor the head's output must be scaled by
-/// first: 1 unless the maximum rose over tokens already attended.
-inline float weigh(float* l, std::size_t n, float& max, float& sum) {
-  float m = max, factor = 1.0f;
-  for (std::size_t t = 0; t < n; ++t) m = std::max(m, l[t]);
-  if (m > max) {
-    if (sum != 0.0f) factor = std::exp(max - m);
-    sum *= factor;
-    max = m;
+/// One token's weight for a query head with logit `logit`, against the
+/// head's running maximum and sum (the maximum raised to the logit if it is
+/// higher). Returns the factor the head's output must be scaled by first:
+/// 1 unless the maximum rose, which after the first tokens is rare. One exp
+/// per token, and a rescale only when the maximum rises.
+inline float weigh(float logit, float& max, float& sum, float& w) {
+  if (logit <= max) {
+    w = std::exp(logit - max);
+    sum += w;
+    return 1.0f;
   }
-  for (std::size_t t = 0; t < n; ++t) sum += (l[t] = std::exp(l[t] - m));
+  const float factor = sum != 0.0f ? std::exp(max - logit) : 1.0f;
+  max = logit;
+  w = 1.0f;
+  sum = sum * factor + 1.0f;
   return factor;
 }
 
@@ -80,20 +80,16 @@ float dot_portable(const float* q, const float* k, std::size_t dim) {
 }
 
 void chunk_portable(const pass_args& a, const float* keys, const float* values, std::size_t n, const float* q,
-                    float* o, float* max, float* sum, float* logits) {
+                    float* o, float* max, float* sum) {
   const std::size_t heads = a.kv_heads * a.group;
   for (std::size_t t = 0; t < n; ++t)
-    for (std::size_t h = 0; h < heads; ++h)
-      logits[h * chunk_tokens + t] = dot_portable(q + h * a.dim, keys + t * a.width + h / a.group * a.dim, a.dim) * a.scale;
-  for (std::size_t h = 0; h < heads; ++h)
-    if (const float f = weigh(logits + h * chunk_tokens, n, max[h], sum[h]); f != 1.0f)
-      for (std::size_t i = 0; i < a.dim; ++i) o[h * a.dim + i] *= f;
-  for (std::size_t t = 0; t < n; ++t)
     for (std::size_t h = 0; h < heads; ++h) {
-      const float w = logits[h * chunk_tokens + t];
-      const float* vt = values + t * a.width + h / a.group * a.dim;
+      const std::size_t kv = t * a.width + h / a.group * a.dim;
       float* oh = o + h * a.dim;
-      for (std::size_t i = 0; i < a.dim; ++i) oh[i] += w * vt[i];
+      float w;
+      if (const float f = weigh(dot_portable(q + h * a.dim, keys + kv, a.dim) * a.scale, max[h], sum[h], w); f != 1.0f)
+        for (std::size_t i = 0; i < a.dim; ++i) oh[i] *= f;
+      for (std::size_t i = 0; i < a.dim; ++i) oh[i] += w * values[kv + i];
     }
 }
 
@@ -128,24 +124,20 @@ __attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, c
 template <class T>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
                                                           std::size_t n, const float* q, float* o, float* max,
-                                                          float* sum, float* logits) {
+                                                          float* sum) {
   const std::size_t heads = a.kv_heads * a.group;
   for (std::size_t t = 0; t < n; ++t)
-    for (std::size_t h = 0; h < heads; ++h)
-      logits[h * chunk_tokens + t] = dot_avx2(q + h * a.dim, keys + t * a.width + h / a.group * a.dim, a.dim) * a.scale;
-  for (std::size_t h = 0; h < heads; ++h)
-    if (const float f = weigh(logits + h * chunk_tokens, n, max[h], sum[h]); f != 1.0f) {
-      const __m256 fs = _mm256_set1_ps(f);
-      for (std::size_t i = 0; i < a.dim; i += 8)
-        _mm256_storeu_ps(o + h * a.dim + i, _mm256_mul_ps(fs, _mm256_loadu_ps(o + h * a.dim + i)));
-    }
-  for (std::size_t t = 0; t < n; ++t)
     for (std::size_t h = 0; h < heads; ++h) {
-      const __m256 ws = _mm256_set1_ps(logits[h * chunk_tokens + t]);
-      const T* vt = values + t * a.width + h / a.group * a.dim;
+      const std::size_t kv = t * a.width + h / a.group * a.dim;
       float* oh = o + h * a.dim;
+      float w;
+      if (const float f = weigh(dot_avx2(q + h * a.dim, keys + kv, a.dim) * a.scale, max[h], sum[h], w); f != 1.0f) {
+        const __m256 fs = _mm256_set1_ps(f);
+        for (std::size_t i = 0; i < a.dim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
+      }
+      const __m256 ws = _mm256_set1_ps(w);
       for (std::size_t i = 0; i < a.dim; i += 8)
-        _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(vt + i), _mm256_loadu_ps(oh + i)));
+        _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(values + kv + i), _mm256_loadu_ps(oh + i)));
     }
 }
 
@@ -177,16 +169,16 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
       const T* v = values + c * a.width;
 #if GHOSTLINK_ATTEND_AVX2
       if (use_avx2(a.dim)) {
-        chunk_avx2(a, k, v, cn, q, o, max, sum, s.logits.data());
+        chunk_avx2(a, k, v, cn, q, o, max, sum);
         continue;
       }
 #endif
       if constexpr (std::is_same_v<T, float>) {
-        chunk_portable(a, k, v, cn, q, o, max, sum, s.logits.data());
+        chunk_portable(a, k, v, cn, q, o, max, sum);
       } else {
         widen(k, cn * a.width, s.wide_k.data());
         widen(v, cn * a.width, s.wide_v.data());
-        chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum, s.logits.data());
+        chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum);
       }
     }
   }
@@ -212,7 +204,6 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
     const std::size_t heads = rows * shape.query_heads;
     s.max.assign(heads, -INFINITY);
     s.sum.assign(heads, 0.0f);
-    s.logits.resize(std::max(s.logits.size(), shape.query_heads * chunk_tokens));
     s.wide_k.resize(std::max(s.wide_k.size(), chunk_tokens * kv_width));
     s.wide_v.resize(s.wide_k.size());
     s.pending_k.resize(std::max(s.pending_k.size(), pending.keys.size()));
