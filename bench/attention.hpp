@@ -82,7 +82,6 @@ class attention {
   std::vector<float> query_, out_;
 };
 
-
 class per_token_kernel {
  public:
   per_token_kernel(std::size_t heads, std::size_t head_dim)

@@ -84,7 +84,8 @@ class decoder {
     std::vector<std::vector<float>> keys(d.layers, std::vector<float>(n * kvw)), values = keys;
     std::vector<float> q(n * qw), attn(n * qw);
     tiny_llama::token_scratch s(d);
-    const ghostlink::attention_shape shape{.query_heads = d.query_heads, .kv_heads = d.kv_heads, .head_dim = d.head_dim};
+    const ghostlink::attention_shape shape{
+        .query_heads = d.query_heads, .kv_heads = d.kv_heads, .head_dim = d.head_dim};
     for (std::size_t l = 0; l < d.layers; ++l) {
       for (std::size_t t = 0; t < n; ++t)
         m_.qkv(l, x[t].data(), step.index() + t, &q[t * qw], &keys[l][t * kvw], &values[l][t * kvw], s);
@@ -161,8 +162,7 @@ asio::awaitable<void> serve(const tiny_llama::model& m, const options& o, std::s
                             std::promise<void>* child_done) {
   decoder dec(m, r.cache);
   std::mt19937_64 prompt_rng(100 + i);
-  for (std::size_t t = 0; t < o.prompt; ++t)
-    r.tokens.push_back(static_cast<token_id>(prompt_rng() % m.shape().vocab));
+  for (std::size_t t = 0; t < o.prompt; ++t) r.tokens.push_back(static_cast<token_id>(prompt_rng() % m.shape().vocab));
   const auto rows = co_await dec.forward(r.tokens);  // the prefill: one step, causal
   r.logits.push_back(rows.back());
   const std::size_t length = o.prompt + o.steps;
@@ -244,13 +244,18 @@ int main(int argc, char** argv) try {
   dims.layers = o.layers;
   const tiny_llama::model model(dims);
   asio::thread_pool pool(o.threads);
-  const ghostlink::kv_cache_config config{.max_tokens_per_seq = o.prompt + o.steps + 4,
-                                          .num_heads = dims.kv_heads,
-                                          .head_dim = dims.head_dim};
+  const ghostlink::kv_cache_config config{
+      .max_tokens_per_seq = o.prompt + o.steps + 4, .num_heads = dims.kv_heads, .head_dim = dims.head_dim};
 
   std::vector<std::unique_ptr<record>> records;
   for (std::size_t i = 0; i < o.sequences; ++i)
-    records.push_back(std::make_unique<record>(record{"sequence " + std::to_string(i), {}, {}, {}, 0, 0, 0,
+    records.push_back(std::make_unique<record>(record{"sequence " + std::to_string(i),
+                                                      {},
+                                                      {},
+                                                      {},
+                                                      0,
+                                                      0,
+                                                      0,
                                                       ghostlink::sequence_kv_cache(pool, dims.layers, config)}));
   records.push_back(std::make_unique<record>(record{"sequence 0's fork", {}, {}, {}, 0, 0, 0, {}}));
   std::promise<void> child_done;
@@ -259,8 +264,7 @@ int main(int argc, char** argv) try {
   std::vector<std::future<void>> running;
   for (std::size_t i = 0; i < o.sequences; ++i)
     running.push_back(asio::co_spawn(
-        pool, serve(model, o, i, *records[i], i == 0 ? records.back().get() : nullptr, &child_done),
-        asio::use_future));
+        pool, serve(model, o, i, *records[i], i == 0 ? records.back().get() : nullptr, &child_done), asio::use_future));
   for (auto& r : running) r.get();
   child_done.get_future().get();
   const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();

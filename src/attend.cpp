@@ -79,8 +79,8 @@ float dot_portable(const float* q, const float* k, std::size_t dim) {
   return s;
 }
 
-void chunk_portable(const pass_args& a, const float* keys, const float* values, std::size_t n, const float* q,
-                    float* o, float* max, float* sum) {
+void chunk_portable(const pass_args& a, const float* keys, const float* values, std::size_t n, const float* q, float* o,
+                    float* max, float* sum) {
   const std::size_t heads = a.kv_heads * a.group;
   for (std::size_t t = 0; t < n; ++t)
     for (std::size_t h = 0; h < heads; ++h) {
@@ -123,8 +123,8 @@ __attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, c
 
 template <class T>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
-                                                          std::size_t n, const float* q, float* o, float* max,
-                                                          float* sum) {
+                                                         std::size_t n, const float* q, float* o, float* max,
+                                                         float* sum) {
   const std::size_t heads = a.kv_heads * a.group;
   for (std::size_t t = 0; t < n; ++t)
     for (std::size_t h = 0; h < heads; ++h) {
@@ -151,8 +151,8 @@ bool use_avx2(std::size_t dim) {
 template <class T>
 void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, const float* queries, float* out,
              std::size_t first, std::size_t count, const T* keys, const T* values) {
-  const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim,
-                    shape.kv_heads * shape.head_dim, shape.scale};
+  const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, shape.kv_heads * shape.head_dim,
+                    shape.scale};
   const std::size_t row_width = shape.query_heads * shape.head_dim;
   scratch& s = tls;
   for (std::size_t r = 0; r < rows; ++r) {
@@ -290,8 +290,8 @@ std::error_code attend(std::span<const half> keys, std::span<const half> values,
                        std::span<float> out, const attention_shape& shape) noexcept {
   return attend_span(keys, values, queries, out, shape);
 }
-std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values,
-                       std::span<const float> queries, std::span<float> out, const attention_shape& shape) noexcept {
+std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept {
   return attend_span(keys, values, queries, out, shape);
 }
 

@@ -43,8 +43,8 @@ std::vector<float> stored_as(std::vector<float> v) {
 
 /// softmax(scale q.k) v in double precision, two passes, causal rows as
 /// attend documents; `keys`/`values` are every token attended, as floats.
-std::vector<float> reference(const attention_shape& s, const std::vector<float>& keys,
-                             const std::vector<float>& values, const std::vector<float>& queries) {
+std::vector<float> reference(const attention_shape& s, const std::vector<float>& keys, const std::vector<float>& values,
+                             const std::vector<float>& queries) {
   const std::size_t width = s.kv_heads * s.head_dim, row = s.query_heads * s.head_dim;
   const std::size_t total = keys.size() / width, rows = queries.size() / row, group = s.query_heads / s.kv_heads;
   const double scale = s.scale != 0.0f ? s.scale : 1.0 / std::sqrt(double(s.head_dim));
@@ -85,7 +85,9 @@ double worst_diff(const std::vector<float>& a, const std::vector<float>& b) {
 template <class T>
 struct filled_cache {
   filled_cache(asio::thread_pool& pool, const attention_shape& s, std::size_t stored, std::size_t block_tokens)
-      : cache(pool, {.max_tokens_per_seq = 1024, .num_heads = s.kv_heads, .head_dim = s.head_dim,
+      : cache(pool, {.max_tokens_per_seq = 1024,
+                     .num_heads = s.kv_heads,
+                     .head_dim = s.head_dim,
                      .block_tokens = block_tokens}) {
     const std::size_t width = s.kv_heads * s.head_dim;
     REQUIRE_FALSE(initialize(cache, std::max<std::size_t>(stored, 1)));
@@ -116,8 +118,7 @@ const shape_case shapes[] = {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("attend matches a double-precision reference over a snapshot", "[attend]", float, half,
-                   bfloat16) {
+TEMPLATE_TEST_CASE("attend matches a double-precision reference over a snapshot", "[attend]", float, half, bfloat16) {
   asio::thread_pool pool{2};
   for (const auto& [s, name] : shapes)
     for (const std::size_t stored : {1u, 17u, 200u})
@@ -135,8 +136,8 @@ TEMPLATE_TEST_CASE("attend matches a double-precision reference over a snapshot"
       }
 }
 
-TEMPLATE_TEST_CASE("attend takes pending tokens after the snapshot, rounded as the write will store them",
-                   "[attend]", float, half, bfloat16) {
+TEMPLATE_TEST_CASE("attend takes pending tokens after the snapshot, rounded as the write will store them", "[attend]",
+                   float, half, bfloat16) {
   asio::thread_pool pool{2};
   for (const auto& [s, name] : shapes)
     for (const std::size_t pending : {1u, 3u}) {
@@ -196,8 +197,8 @@ TEST_CASE("attend rejects bad arguments and leaves the output unchanged", "[atte
     CHECK(ec == want);
     CHECK(out == untouched);
   };
-  for (const attention_shape bad : {attention_shape{0, 2, 8}, attention_shape{4, 0, 8}, attention_shape{4, 2, 0},
-                                    attention_shape{3, 2, 8}})
+  for (const attention_shape bad :
+       {attention_shape{0, 2, 8}, attention_shape{4, 0, 8}, attention_shape{4, 2, 0}, attention_shape{3, 2, 8}})
     check(attend(snap, q, out, bad), kv_errc::invalid_shape);
   check(attend(snap, q, out, {.query_heads = 4, .kv_heads = 4, .head_dim = 8}), kv_errc::width_mismatch);
   check(attend(snap, q, out, s, {one, two}), kv_errc::length_mismatch);

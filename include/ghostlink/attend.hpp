@@ -116,10 +116,9 @@ std::error_code attend(const basic_kv_snapshot<T>& snapshot, std::span<const flo
                        const attention_shape& shape, pending_tokens pending = {}) noexcept {
   detail::attention_pass pass;
   if (auto ec = pass.begin(shape, snapshot.token_width(), snapshot.size(), pending, queries, out)) return ec;
-  (void)snapshot.for_each_block(0, snapshot.size(), [&](std::size_t first, std::size_t count,
-                                                        std::span<const T> keys, std::span<const T> values) {
-    pass.add(first, count, keys.data(), values.data());
-  });
+  (void)snapshot.for_each_block(0, snapshot.size(),
+                                [&](std::size_t first, std::size_t count, std::span<const T> keys,
+                                    std::span<const T> values) { pass.add(first, count, keys.data(), values.data()); });
   pass.finish<T>();
   return {};
 }
@@ -134,7 +133,7 @@ std::error_code attend(std::span<const float> keys, std::span<const float> value
 std::error_code attend(std::span<const half> keys, std::span<const half> values, std::span<const float> queries,
                        std::span<float> out, const attention_shape& shape) noexcept;
 /// As above, over `bfloat16` tokens.
-std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values,
-                       std::span<const float> queries, std::span<float> out, const attention_shape& shape) noexcept;
+std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept;
 
 }  // namespace ghostlink

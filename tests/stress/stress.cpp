@@ -78,10 +78,9 @@ void print_figures(const options& o, double elapsed) {
             << "  arena requests: " << v(f.arena_requests) << " in " << v(f.arena_rotations) + 1 << " arenas\n"
             << "  sequence ops: appends " << v(f.appends) << " (" << v(f.chunk_appends) << " of 2-9 tokens; "
             << v(f.steps) << " through steps, " << v(f.steps_abandoned) << " of them abandoned, "
-            << v(f.steps_unawaited) << " with their writes awaited by the commit; "
-            << v(f.append_capacity_failures) << " failed for capacity), truncates " << v(f.seq_truncates) << ", forks "
-            << v(f.seq_forks) << ", conflicts " << v(f.conflicts) << " (" << v(f.conflicts_rejected)
-            << " rejected in progress)\n"
+            << v(f.steps_unawaited) << " with their writes awaited by the commit; " << v(f.append_capacity_failures)
+            << " failed for capacity), truncates " << v(f.seq_truncates) << ", forks " << v(f.seq_forks)
+            << ", conflicts " << v(f.conflicts) << " (" << v(f.conflicts_rejected) << " rejected in progress)\n"
             << "  generations (caches, forks, arena regions, sequences): " << v(f.generations) << "\n"
             << "  distinct epochs observed: " << v(f.epochs) << "\n"
             << "  snapshots verified: layer " << v(f.layer_snapshots) << ", arena " << v(f.arena_snapshots)
