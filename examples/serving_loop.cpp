@@ -177,7 +177,7 @@ asio::awaitable<void> serve(const tiny_llama::model& m, const options& o, std::s
           decoder forked(m, child->cache);
           co_await decode(forked, *child, length, 7777, false);
         },
-        [child_done](std::exception_ptr e) {
+        [child_done](const std::exception_ptr& e) {
           if (e)
             child_done->set_exception(e);
           else

@@ -107,7 +107,7 @@ struct filled_cache {
 
 struct shape_case {
   attention_shape shape;
-  const char* name;
+  const char* name = "";
 };
 
 const shape_case shapes[] = {
