@@ -75,8 +75,9 @@ extern template void attention_pass::finish<bfloat16>() noexcept;
 }  // namespace detail
 
 /// The attention of `queries` over every token of `snapshot` followed by
-/// the `pending` tokens: `softmax(scale * q . k) . v` per query head, over
-/// the KV head of its group, into `out`.
+/// the `pending` tokens, into `out`: per query head, the softmax of its
+/// scaled dot products with the keys of its group's KV head, weighting
+/// that head's values.
 ///
 /// A reference kernel: exact online softmax in one pass over the
 /// snapshot's stored runs (no copy; 16-bit elements are widened as they are
