@@ -31,6 +31,7 @@
 
 #include <future>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "../baselines/locked_cache.hpp"
@@ -243,10 +244,33 @@ double run_locked(const options& o, const std::vector<token>& data, shape how, b
   });
 }
 
-template <storage_element T>
-void run_all(const options& o, report& out) {
+/// The tokens of a lap: prefill [0, o.steps), decode [o.steps, 2 * o.steps).
+std::vector<token> decode_data(const options& o) {
   std::vector<token> data;
   for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
+  return data;
+}
+
+/// "L layers x B sequences, element, contexts a..b": every decode note's start.
+std::string shape_note(const options& o) {
+  return std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, " + o.element +
+         ", contexts " + std::to_string(o.steps) + ".." + std::to_string(2 * o.steps);
+}
+
+/// Calls `run.template operator()<T>()` with T the storage type --element names.
+template <class Run>
+void with_element(const options& o, Run&& run) {
+  if (o.element == "half")
+    run.template operator()<half>();
+  else if (o.element == "bfloat16")
+    run.template operator()<bfloat16>();
+  else
+    run.template operator()<float>();
+}
+
+template <storage_element T>
+void run_all(const options& o, report& out) {
+  const std::vector<token> data = decode_data(o);
   out.run("decode_step", o, [&](std::map<std::string, metric>& m) {
     for (shape how : {shape::layer_by_layer, shape::append_per_step}) {
       metric& rate = m[how == shape::layer_by_layer ? "1 layer by layer" : "2 append per step"];
@@ -263,16 +287,13 @@ void run_all(const options& o, report& out) {
       }
     }
   });
-  out.add_note("decode_step", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, " +
-                                  o.element + ", contexts " + std::to_string(o.steps) + ".." +
-                                  std::to_string(2 * o.steps) + " tokens per lap (prefill and cache creation not " +
+  out.add_note("decode_step", shape_note(o) + " tokens per lap (prefill and cache creation not " +
                                   "timed); every implementation on " + std::to_string(o.threads) + " threads");
 }
 
 template <storage_element T>
 void run_layer_order(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
+  const std::vector<token> data = decode_data(o);
   out.run("decode_layer_order", o, [&](std::map<std::string, metric>& m) {
     metric& rate = m["steps"];
     rate.name = "decode steps, layer by layer through a step";
@@ -282,17 +303,14 @@ void run_layer_order(const options& o, report& out) {
     if (o.wants("rwlock_zero_copy"))
       rate.values["rwlock_zero_copy"] = run_locked<rwlock_t>(o, data, shape::through_step, true);
   });
-  out.add_note("decode_layer_order", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
-                                         " sequences, " + o.element + ", contexts " + std::to_string(o.steps) + ".." +
-                                         std::to_string(2 * o.steps) +
+  out.add_note("decode_layer_order", shape_note(o) +
                                          "; ghostlink: begin, per layer write then attend over step.snapshot(l), "
                                          "commit; rwlock_zero_copy: per layer write then attend under the shared lock");
 }
 
 template <storage_element T>
 void run_pending(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
+  const std::vector<token> data = decode_data(o);
   out.run("decode_pending", o, [&](std::map<std::string, metric>& m) {
     metric& rate = m["1 steps"];
     rate.name = "decode steps";
@@ -312,9 +330,7 @@ void run_pending(const options& o, report& out) {
     using rwlock_t = locked_cache<std::shared_mutex, T>;
     if (o.wants("rwlock_zero_copy")) add("rwlock_zero_copy", run_locked<rwlock_t>(o, data, shape::through_step, true));
   });
-  out.add_note("decode_pending", std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) +
-                                     " sequences, " + o.element + ", contexts " + std::to_string(o.steps) + ".." +
-                                     std::to_string(2 * o.steps) +
+  out.add_note("decode_pending", shape_note(o) +
                                      "; ghostlink: per layer start the write, attend over snapshot_before(l) with "
                                      "the token pending, one commit awaits the writes; await_each_layer: "
                                      "decode_layer_order's ghostlink (co_await each layer's write, then attend)");
@@ -323,30 +339,15 @@ void run_pending(const options& o, report& out) {
 }  // namespace
 
 void decode_pending(const options& o, report& out) {
-  if (o.element == "half")
-    run_pending<half>(o, out);
-  else if (o.element == "bfloat16")
-    run_pending<bfloat16>(o, out);
-  else
-    run_pending<float>(o, out);
+  with_element(o, [&]<storage_element T>() { run_pending<T>(o, out); });
 }
 
 void decode_layer_order(const options& o, report& out) {
-  if (o.element == "half")
-    run_layer_order<half>(o, out);
-  else if (o.element == "bfloat16")
-    run_layer_order<bfloat16>(o, out);
-  else
-    run_layer_order<float>(o, out);
+  with_element(o, [&]<storage_element T>() { run_layer_order<T>(o, out); });
 }
 
 void decode_step(const options& o, report& out) {
-  if (o.element == "half")
-    run_all<half>(o, out);
-  else if (o.element == "bfloat16")
-    run_all<bfloat16>(o, out);
-  else
-    run_all<float>(o, out);
+  with_element(o, [&]<storage_element T>() { run_all<T>(o, out); });
 }
 
 }  // namespace ghostlink::bench
