@@ -28,6 +28,13 @@
 
 namespace ghostlink::detail {
 
+/// Layer `layer`'s `tokens` writes in `writes`, which holds them layer by
+/// layer (an append's or a step's).
+inline std::span<const kv_write> layer_writes(const std::vector<kv_write>& writes, std::size_t layer,
+                                              std::size_t tokens) noexcept {
+  return std::span<const kv_write>(writes).subspan(layer * tokens, tokens);
+}
+
 class fan_out;
 class step_core;
 
@@ -91,9 +98,7 @@ class fan_out {
 
   /// An append of several tokens: layer `i`'s writes (its part's entries,
   /// which live as long as the fan-out).
-  std::span<const kv_write> writes_of(std::size_t i) const noexcept {
-    return std::span<const kv_write>(writes_).subspan(i * tokens_, tokens_);
-  }
+  std::span<const kv_write> writes_of(std::size_t i) const noexcept { return layer_writes(writes_, i, tokens_); }
 
   /// Submits the current stage's part `arg_of(i)` to model layer `i` and
   /// `id_arg` to the token-id layer, for every `i` that `wanted(i)` accepts,

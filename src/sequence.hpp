@@ -47,7 +47,7 @@ class sequence_core {
   /// The model's layers; `layers` holds one more, last: the token ids'.
   std::size_t model_layers() const noexcept { return layers.size() - 1; }
   /// The token-id layer's index in `layers`.
-  std::size_t ids_layer() const noexcept { return layers.size() - 1; }
+  std::size_t ids_layer() const noexcept { return model_layers(); }
 
   bool try_begin() noexcept { return !busy.exchange(true, std::memory_order_acquire); }
   /// Records a completed removal (see `drops`); release: a snapshot that

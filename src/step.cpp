@@ -44,7 +44,7 @@ step_core::step_core(std::shared_ptr<sequence_core> sequence, std::size_t first,
 step_core::~step_core() { delete end_; }
 
 std::span<const kv_write> step_core::writes_of(std::size_t layer) const noexcept {
-  return std::span<const kv_write>(writes_).subspan(layer * tokens, tokens);
+  return layer_writes(writes_, layer, tokens);
 }
 
 void step_core::write(sequence_op* op, std::size_t layer, std::span<const float> keys, std::span<const float> values,
