@@ -29,6 +29,14 @@ struct token {
   }
 };
 
+/// Tokens 0..n-1 of the benchmark's shape.
+inline std::vector<token> tokens_for(const options& o, std::size_t n) {
+  std::vector<token> data;
+  data.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) data.emplace_back(o.config().token_width(), i);
+  return data;
+}
+
 /// A batch writing tokens [first, end), token i's data being
 /// data[i % data.size()] (a prefill, a run of drafts).
 inline std::vector<kv_write> writes_of(const std::vector<token>& data, std::size_t first, std::size_t end) {

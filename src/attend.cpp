@@ -7,7 +7,7 @@
 // softmax takes two and rescales at every token. Runs are taken in chunks
 // of at most `chunk_tokens`, the size of the portable path's scratch.
 //
-// Two instruction sets, chosen once per call: AVX2 + FMA + F16C when the
+// Two instruction sets, chosen once per run: AVX2 + FMA + F16C when the
 // processor has them and head_dim is a multiple of 8 (16-bit elements are
 // widened in registers as they are loaded), else portable code the compiler
 // vectorises (16-bit chunks widened to floats first).
@@ -154,6 +154,9 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
   const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, shape.kv_heads * shape.head_dim,
                     shape.scale};
   const std::size_t row_width = shape.query_heads * shape.head_dim;
+#if GHOSTLINK_ATTEND_AVX2
+  const bool simd = use_avx2(a.dim);
+#endif
   scratch& s = tls;
   for (std::size_t r = 0; r < rows; ++r) {
     const std::size_t limit = total - rows + r + 1;  // row r sees positions below it
@@ -168,7 +171,7 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
       const T* k = keys + c * a.width;
       const T* v = values + c * a.width;
 #if GHOSTLINK_ATTEND_AVX2
-      if (use_avx2(a.dim)) {
+      if (simd) {
         chunk_avx2(a, k, v, cn, q, o, max, sum);
         continue;
       }

@@ -77,14 +77,17 @@ void step_core::commit(sequence_op* op) {
     return op->complete(expected == phase::committing ? kv_errc::operation_in_progress : kv_errc::step_closed,
                         queueing::post);
   parked_ = op;
-  if ((in_flight_.fetch_or(parked, std::memory_order_acq_rel) & ~parked) != 0) return;  // the last write concludes
-  std::size_t idle = parked;
-  if (in_flight_.compare_exchange_strong(idle, 0, std::memory_order_acq_rel)) conclude(op);
-  // else a write that began after the count was read settles and concludes
+  // With writes in flight, the last to settle concludes.
+  if ((in_flight_.fetch_or(parked, std::memory_order_acq_rel) & ~parked) == 0) conclude_if_idle();
 }
 
 void step_core::settle() noexcept {
-  if (in_flight_.fetch_sub(1, std::memory_order_acq_rel) != (parked | 1)) return;
+  if (in_flight_.fetch_sub(1, std::memory_order_acq_rel) == (parked | 1)) conclude_if_idle();
+}
+
+void step_core::conclude_if_idle() noexcept {
+  // Exactly one caller moves the count from `parked` to 0; a write that
+  // began meanwhile makes the move fail here, and concludes when it settles.
   std::size_t idle = parked;
   if (in_flight_.compare_exchange_strong(idle, 0, std::memory_order_acq_rel)) conclude(parked_);
 }

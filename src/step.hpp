@@ -83,6 +83,9 @@ class step_core : public std::enable_shared_from_this<step_core> {
 
   /// A write has settled (finished, or failed before its request).
   void settle() noexcept;
+  /// Concludes the parked commit if no write is in flight (the count is
+  /// exactly `parked`).
+  void conclude_if_idle() noexcept;
   /// The waiting commit's outcome, once no write is in flight.
   void conclude(sequence_op* op) noexcept;
   /// Starts the end of an open step; false if it is not open.

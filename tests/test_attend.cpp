@@ -37,7 +37,7 @@ std::vector<float> noise(std::size_t n, std::uint64_t seed) {
 /// Rounds `v` as a T cache stores it.
 template <class T>
 std::vector<float> stored_as(std::vector<float> v) {
-  for (float& f : v) f = static_cast<float>(T(f));
+  for (float& f : v) f = stored<T>(f);
   return v;
 }
 

@@ -49,16 +49,12 @@ float scalar_attention(const options& o, std::size_t n, const std::vector<T>& ke
 template <storage_element T>
 void measure(const options& o, std::size_t n, metric& rate) {
   const std::size_t width = o.config().token_width();
-  std::vector<token> data;
-  std::vector<kv_write> batch;
-  std::vector<T> keys, values;
-  for (std::size_t i = 0; i < n; ++i) data.emplace_back(width, i);
+  const std::vector<token> data = tokens_for(o, n);
+  const std::vector<kv_write> batch = writes_of(data, 0, n);
+  std::vector<T> keys(n * width), values(n * width);  // the same tokens, contiguous, stored as T
   for (std::size_t i = 0; i < n; ++i) {
-    batch.push_back({i, data[i].keys, data[i].values});
-    for (std::size_t j = 0; j < width; ++j) {
-      keys.push_back(T(data[i].keys[j]));
-      values.push_back(T(data[i].values[j]));
-    }
+    convert<T, float>(data[i].keys, keys.data() + i * width);
+    convert<T, float>(data[i].values, values.data() + i * width);
   }
   const auto tokens_per_second = [&](auto step) { return double(n) * ops_per_second(o.seconds, step); };
 

@@ -148,8 +148,7 @@ double run_locked(const options& o, const std::vector<token>& data) {
 }  // namespace
 
 void decode_speculative(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
+  std::vector<token> data = tokens_for(o, 2 * o.steps);
   out.run("decode_speculative", o, [&](std::map<std::string, metric>& m) {
     metric& rate = m["1 steps"];
     rate.name = "speculative steps (4 drafts, 1-3 rejected)";

@@ -244,13 +244,6 @@ double run_locked(const options& o, const std::vector<token>& data, shape how, b
   });
 }
 
-/// The tokens of a lap: prefill [0, o.steps), decode [o.steps, 2 * o.steps).
-std::vector<token> decode_data(const options& o) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < 2 * o.steps; ++i) data.emplace_back(o.config().token_width(), i);
-  return data;
-}
-
 /// "L layers x B sequences, element, contexts a..b": every decode note's start.
 std::string shape_note(const options& o) {
   return std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, " + o.element +
@@ -270,7 +263,7 @@ void with_element(const options& o, Run&& run) {
 
 template <storage_element T>
 void run_all(const options& o, report& out) {
-  const std::vector<token> data = decode_data(o);
+  const std::vector<token> data = tokens_for(o, 2 * o.steps);  // prefill, then decode
   out.run("decode_step", o, [&](std::map<std::string, metric>& m) {
     for (shape how : {shape::layer_by_layer, shape::append_per_step}) {
       metric& rate = m[how == shape::layer_by_layer ? "1 layer by layer" : "2 append per step"];
@@ -293,7 +286,7 @@ void run_all(const options& o, report& out) {
 
 template <storage_element T>
 void run_layer_order(const options& o, report& out) {
-  const std::vector<token> data = decode_data(o);
+  const std::vector<token> data = tokens_for(o, 2 * o.steps);  // prefill, then decode
   out.run("decode_layer_order", o, [&](std::map<std::string, metric>& m) {
     metric& rate = m["steps"];
     rate.name = "decode steps, layer by layer through a step";
@@ -310,7 +303,7 @@ void run_layer_order(const options& o, report& out) {
 
 template <storage_element T>
 void run_pending(const options& o, report& out) {
-  const std::vector<token> data = decode_data(o);
+  const std::vector<token> data = tokens_for(o, 2 * o.steps);  // prefill, then decode
   out.run("decode_pending", o, [&](std::map<std::string, metric>& m) {
     metric& rate = m["1 steps"];
     rate.name = "decode steps";

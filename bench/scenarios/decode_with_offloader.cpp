@@ -207,8 +207,7 @@ outcome run_locked(const options& o, const std::vector<token>& data) {
 }  // namespace
 
 void decode_with_offloader(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < 256; ++i) data.emplace_back(o.config().token_width(), i);
+  std::vector<token> data = tokens_for(o, 256);
   out.run("decode_with_offloader", o, [&](std::map<std::string, metric>& m) {
     metric& rate = m["1 steps"];
     rate.name = "decode steps, offloader running";

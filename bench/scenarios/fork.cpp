@@ -36,8 +36,7 @@ asio::awaitable<void> prefill(sequence_kv_cache seq, const std::vector<token>& d
 }  // namespace
 
 void fork(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < prompt_tokens(o); ++i) data.emplace_back(o.config().token_width(), i);
+  std::vector<token> data = tokens_for(o, prompt_tokens(o));
   const std::string shape = std::to_string(data.size()) + " tokens x " + std::to_string(o.layers) + " layers";
 
   out.run("fork", o, [&](std::map<std::string, metric>& m) {

@@ -51,8 +51,7 @@ double rwlock_bytes(const options& o, std::size_t tokens, const std::vector<toke
 }  // namespace
 
 void memory(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < o.tokens; ++i) data.emplace_back(o.config().token_width(), i);
+  std::vector<token> data = tokens_for(o, o.tokens);
   out.run("memory", o, [&](std::map<std::string, metric>& m) {
     int key = 0;
     for (std::size_t tokens : {std::size_t{1}, std::min<std::size_t>(100, o.tokens), o.tokens}) {

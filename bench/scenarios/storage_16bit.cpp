@@ -33,8 +33,7 @@ void measure(const options& o, const std::vector<token>& data, metric& rate, met
 }  // namespace
 
 void storage_16bit(const options& o, report& out) {
-  std::vector<token> data;
-  for (std::size_t i = 0; i < o.read_tokens; ++i) data.emplace_back(o.config().token_width(), i);
+  std::vector<token> data = tokens_for(o, o.read_tokens);
   out.run("storage_16bit", o, [&](std::map<std::string, metric>& m) {
     metric& rate = m["rate"];
     rate.name = "attention over " + std::to_string(o.read_tokens) + " tokens";
