@@ -77,13 +77,16 @@ class drain_op {
 };
 
 std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
-                                   ref_ptr<block_pool> pool, bool initialized) {
+                                   ref_ptr<block_pool> pool, bool initialized,
+                                   std::span<const ref_ptr<block>> prefix) {
   validate(config, codec.size);
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
   ref_ptr<block_pool> checked = pool_for(config, *layout, std::move(pool));
-  auto state = std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized);
+  auto state = std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized, prefix);
   return std::make_shared<actor>(std::move(ex), std::move(state));
 }
+
+void actor::use_account(ref_ptr<block_account> account) noexcept { state_->use_account(std::move(account)); }
 
 actor::actor(asio::any_io_executor ex, std::unique_ptr<working_state> state)
     : config_(state->config()),

@@ -30,12 +30,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "ghostlink/detail/asio_config.hpp"
 
 #include <asio/any_io_executor.hpp>
 #include <asio/strand.hpp>
 
+#include "block.hpp"
 #include "block_pool.hpp"
 #include "epoch_cell.hpp"
 #include "ghostlink/config.hpp"
@@ -53,8 +55,10 @@ class actor : public std::enable_shared_from_this<actor> {
   using strand_type = asio::strand<asio::any_io_executor>;
 
   /// See make_actor() (detail/layer_core.hpp); `pool` null for a private one.
+  /// `prefix`: blocks of another cache the new one starts with (an attach).
   static std::shared_ptr<actor> make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
-                                     ref_ptr<block_pool> pool, bool initialized);
+                                     ref_ptr<block_pool> pool, bool initialized,
+                                     std::span<const ref_ptr<block>> prefix = {});
 
   /// Use make(); public for std::make_shared. Publishes `state`'s initial epoch.
   actor(asio::any_io_executor ex, std::unique_ptr<working_state> state);
@@ -69,6 +73,8 @@ class actor : public std::enable_shared_from_this<actor> {
   actor& operator=(const actor&) = delete;
 
   const kv_cache_config& config() const noexcept { return config_; }
+  /// See working_state::use_account: before the first request only.
+  void use_account(ref_ptr<block_account> account) noexcept;
   block_pool& pool() const noexcept { return *pool_; }
   const strand_type& strand() const noexcept { return strand_; }
   /// Where a handler without an associated executor completes: the

@@ -4,9 +4,17 @@
 // one.
 //
 // Sharing: blocks may be shared by several caches (a fork shares all of its
-// parent's). Only the cache that made a block (its owner) ever writes into
-// it, and only at positions no published epoch of any cache reads (see
-// working_state.hpp).
+// parent's) and held by a prefix cache. Only the cache that made a block
+// (its owner) ever writes into it, and only at positions no published epoch
+// of any cache reads and no prefix cache holds (see working_state.hpp).
+//
+// The reference count: the low 31 bits count the outside references
+// (tables, epochs, forks); the top bit, `cached_bit`, stands for the prefix
+// cache's hold (however many of its entries reference the block). A
+// release that leaves exactly `cached_bit` makes the block idle and tells
+// the pool (block_pool::cached_block_idle); only the prefix cache, under its
+// lock, hands out a new reference to an idle block (an attach), so the
+// cache's view of which blocks are idle is kept exact by those two events.
 
 #include <atomic>
 #include <cstddef>
@@ -62,8 +70,11 @@ class block {
   enum class budget : bool { counted, exempt };
 
   /// A new block owned by `owner`, its payload garbage (nothing
-  /// materialized), or null when the pool's budget or memory is spent.
-  static ref_ptr<block> make(block_pool& pool, std::uint64_t owner, budget b = budget::counted) noexcept;
+  /// materialized), or null when the pool's budget or memory is spent. Its
+  /// budget comes from `account` if it has any left, else from the pool
+  /// (evicting idle prefix-cache entries if the budget is spent).
+  static ref_ptr<block> make(block_pool& pool, std::uint64_t owner, budget b = budget::counted,
+                             block_account* account = nullptr) noexcept;
   /// A block of zeros owned by no cache, outside the budget.
   static ref_ptr<block> make_zeros(block_pool& pool, std::size_t block_tokens) noexcept;
 
@@ -95,9 +106,26 @@ class block {
   /// may read [materialized(), readable()).
   std::uint64_t rewound_epoch() const noexcept { return rewound_epoch_; }
   void set_rewound_epoch(std::uint64_t number) noexcept { rewound_epoch_ = number; }
-  /// References held now. Acquire: once it reads 1, every use by a holder
-  /// that has let go happens-before what the caller does next.
-  std::uint32_t references() const noexcept { return refs_.load(std::memory_order_acquire); }
+  /// References held now, the prefix cache's hold counted as one. Acquire:
+  /// once it reads 1, every use by a holder that has let go happens-before
+  /// what the caller does next.
+  std::uint32_t references() const noexcept {
+    const std::uint32_t word = refs_.load(std::memory_order_acquire);
+    return (word & outside_mask) + ((word & cached_bit) != 0 ? 1u : 0u);
+  }
+
+  // The prefix cache's hold (src/prefix_index.cpp, under its lock).
+  static constexpr std::uint32_t cached_bit = std::uint32_t{1} << 31;
+  static constexpr std::uint32_t outside_mask = cached_bit - 1;
+  /// Outside references now (the prefix cache's hold aside).
+  std::uint32_t outside_references() const noexcept { return refs_.load(std::memory_order_acquire) & outside_mask; }
+  /// The prefix cache starts holding the block (it holds none yet).
+  void set_cached() const noexcept { refs_.fetch_add(cached_bit, std::memory_order_acq_rel); }
+  /// The prefix cache lets go; the block is freed if nothing else holds it.
+  void drop_cached() const noexcept {
+    if (refs_.fetch_sub(cached_bit, std::memory_order_acq_rel) == cached_bit) destroy();
+  }
+  bool counted() const noexcept { return budget_ == budget::counted; }
 
  private:
   block(block_pool& pool, std::uint64_t owner, budget b) noexcept;

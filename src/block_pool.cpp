@@ -10,6 +10,7 @@
 #include "block.hpp"
 #include "fault_countdown.hpp"
 #include "ghostlink/error.hpp"
+#include "prefix_index.hpp"
 
 namespace ghostlink::detail {
 namespace {
@@ -74,6 +75,60 @@ bool block_pool::reserve() noexcept {
   return true;
 }
 
+bool block_pool::reserve_evicting() noexcept {
+  std::lock_guard lock(index_mutex_);
+  for (;;) {
+    if (reserve()) return true;
+    if (!index_ || !index_->evict_one()) return false;
+  }
+}
+
+bool block_pool::reserve_many(std::size_t n) noexcept {
+  std::lock_guard lock(index_mutex_);
+  if (blocks_available() < n) return false;  // refused whole, nothing evicted
+  for (;;) {
+    std::size_t used = in_use_.load(std::memory_order_relaxed);
+    while (used <= max_blocks_ && n <= max_blocks_ - used) {
+      if (in_use_.compare_exchange_weak(used, used + n, std::memory_order_relaxed)) {
+        std::size_t peak = peak_.load(std::memory_order_relaxed);
+        while (peak < used + n && !peak_.compare_exchange_weak(peak, used + n, std::memory_order_relaxed)) {
+        }
+        return true;
+      }
+    }
+    if (!index_ || !index_->evict_one()) return false;
+  }
+}
+
+std::size_t block_pool::blocks_available() const noexcept {
+  const std::size_t used = in_use_.load(std::memory_order_relaxed);
+  return (used < max_blocks_ ? max_blocks_ - used : 0) + idle_cached_blocks();
+}
+
+bool block_pool::attach_index(prefix_index* index) noexcept {
+  std::lock_guard lock(index_mutex_);
+  if (index_) return false;
+  index_ = index;
+  return true;
+}
+
+void block_pool::detach_index() noexcept {
+  std::lock_guard lock(index_mutex_);
+  index_ = nullptr;
+}
+
+void block_pool::cached_block_idle(const block* b) noexcept {
+  std::lock_guard lock(index_mutex_);
+  if (index_) index_->block_idle(b);
+}
+
+block_account::~block_account() {
+  const std::size_t n = left.load(std::memory_order_relaxed);
+  if (n == 0) return;
+  pool->count_reserved(-static_cast<std::int64_t>(n));
+  pool->unreserve(n);
+}
+
 void* block_pool::take_memory() noexcept {
   if (count_down(failures_) > 0) return nullptr;  // the next `failures_` fail
   void* memory = free_->pop();
@@ -129,13 +184,24 @@ std::size_t block_pool::pools_destroyed_unbalanced() noexcept {
 block::block(block_pool& pool, std::uint64_t owner, budget b) noexcept
     : budget_(b), pool_(ref_ptr<block_pool>::share(&pool)), owner_(owner) {}
 
-ref_ptr<block> block::make(block_pool& pool, std::uint64_t owner, budget b) noexcept {
+ref_ptr<block> block::make(block_pool& pool, std::uint64_t owner, budget b, block_account* account) noexcept {
   static_assert(sizeof(block) <= header_bytes);
   const bool counted = b == budget::counted;
-  if (counted && !pool.reserve()) return {};
+  // The budget: the sequence's reservation first, then the pool; evicting
+  // prefix-cache entries only once the pool's budget is spent.
+  const bool from_account = counted && account && account->take();
+  if (from_account)
+    pool.count_reserved(-1);
+  else if (counted && !pool.reserve() && !pool.reserve_evicting())
+    return {};
   void* memory = pool.take_memory();
   if (!memory) {
-    if (counted) pool.unreserve();
+    if (from_account) {
+      pool.count_reserved(1);
+      account->give_back();
+    } else if (counted) {
+      pool.unreserve();
+    }
     return {};
   }
   if (counted) pool.emit({.what = kv_event::kind::block_allocated, .cache = owner});
@@ -152,22 +218,29 @@ ref_ptr<block> block::make_zeros(block_pool& pool, std::size_t block_tokens) noe
 }
 
 void block::add_ref() const noexcept {
-  if (refs_.fetch_add(1, std::memory_order_relaxed) == 1 && budget_ == budget::counted) pool_->count_shared(1);
+  if ((refs_.fetch_add(1, std::memory_order_relaxed) & outside_mask) == 1 && budget_ == budget::counted)
+    pool_->count_shared(1);
 }
 
 void block::release() const noexcept {
   // The pool's shared count is settled while this reference is still held:
   // once the count drops, another thread may free the block and its pool.
+  // A cached block's pool is held past the drop, to report the block idle.
   const bool counted = budget_ == budget::counted;
+  ref_ptr<block_pool> cached_pool;
   std::uint32_t before = refs_.load(std::memory_order_relaxed);
   for (;;) {
-    const bool crossing = counted && before == 2;
+    if ((before & cached_bit) != 0 && !cached_pool) cached_pool = pool_;
+    const bool crossing = counted && (before & outside_mask) == 2;
     if (crossing) pool_->count_shared(-1);
     // acq_rel: every use by other owners happens-before the destruction.
     if (refs_.compare_exchange_weak(before, before - 1, std::memory_order_acq_rel, std::memory_order_relaxed)) break;
     if (crossing) pool_->count_shared(1);
   }
-  if (before == 1) destroy();
+  if (before == 1)
+    destroy();
+  else if (before - 1 == cached_bit)
+    cached_pool->cached_block_idle(this);  // the block may be gone already: only looked up, never read
 }
 
 void block::destroy() const noexcept {
@@ -214,6 +287,51 @@ std::size_t kv_block_pool::block_bytes() const noexcept { return state_->payload
 void kv_block_pool::trim() noexcept { state_->trim(); }
 void kv_block_pool::set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }
 
+std::size_t kv_block_pool::blocks_available() const noexcept { return state_->blocks_available(); }
+
+kv_block_reservation kv_block_pool::reserve(std::size_t blocks, std::error_code& ec) const noexcept {
+  ec.clear();
+  if (blocks == 0) return {};
+  if (!state_->reserve_many(blocks)) {
+    ec = kv_errc::capacity_exhausted;
+    return {};
+  }
+  state_->count_reserved(static_cast<std::int64_t>(blocks));
+  state_->add_ref();
+  return {state_, blocks};
+}
+
+kv_block_reservation kv_block_pool::reserve(std::size_t blocks) const {
+  std::error_code ec;
+  kv_block_reservation r = reserve(blocks, ec);
+  if (ec) throw std::system_error(ec);
+  return r;
+}
+
+kv_block_reservation::kv_block_reservation(kv_block_reservation&& other) noexcept
+    : pool_(std::exchange(other.pool_, nullptr)), blocks_(std::exchange(other.blocks_, 0)) {}
+
+kv_block_reservation& kv_block_reservation::operator=(kv_block_reservation&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = std::exchange(other.pool_, nullptr);
+    blocks_ = std::exchange(other.blocks_, 0);
+  }
+  return *this;
+}
+
+void kv_block_reservation::reset() noexcept {
+  if (!pool_) return;
+  const std::size_t n = std::exchange(blocks_, 0);
+  pool_->count_reserved(-static_cast<std::int64_t>(n));
+  pool_->unreserve(n);
+  std::exchange(pool_, nullptr)->release();
+}
+
+kv_block_pool kv_block_reservation::pool() const noexcept {
+  return detail::pool_access::handle(detail::ref_ptr<detail::block_pool>::share(pool_));
+}
+
 kv_pool_stats kv_block_pool::stats() const noexcept {
   const detail::block_pool& p = *state_;
   kv_pool_stats s;
@@ -225,6 +343,10 @@ kv_pool_stats kv_block_pool::stats() const noexcept {
   s.blocks_shared = p.blocks_shared();
   s.cow_copies = p.cow_copies();
   s.blocks_allocated = p.blocks_allocated();
+  s.blocks_cached = p.cached_blocks();
+  s.blocks_cached_idle = p.idle_cached_blocks();
+  s.blocks_reserved = p.blocks_reserved();
+  s.blocks_available = p.blocks_available();
   return s;
 }
 

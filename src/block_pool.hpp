@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/detail/ref_ptr.hpp"
@@ -15,6 +16,32 @@
 namespace ghostlink::detail {
 
 struct free_list;
+class block;
+class prefix_index;
+
+/// Budget set aside for one sequence from its pool (a
+/// `kv_block_reservation` given to it): its layers' block allocations draw
+/// from it first, from any of their strands. What is left goes back to the
+/// pool when the sequence and its layers are gone.
+struct block_account : ref_counted<block_account> {
+  explicit block_account(ref_ptr<block_pool> pool) noexcept : pool(std::move(pool)) {}
+  ~block_account();
+  static void destroy(block_account* a) noexcept { delete a; }
+  block_account(const block_account&) = delete;
+  block_account& operator=(const block_account&) = delete;
+  /// Takes one block's budget; false when none is left.
+  bool take() noexcept {
+    std::size_t n = left.load(std::memory_order_relaxed);
+    while (n != 0 && !left.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
+    }
+    return n != 0;
+  }
+  /// Gives back what take() took.
+  void give_back() noexcept { left.fetch_add(1, std::memory_order_relaxed); }
+
+  const ref_ptr<block_pool> pool;
+  std::atomic<std::size_t> left{0};
+};
 
 /// Hands out fixed-size blocks of memory under a budget, recycling freed
 /// ones through a free list.
@@ -38,7 +65,39 @@ class block_pool : public ref_counted<block_pool> {
 
   /// Counts one block against the budget; false when the budget is spent.
   bool reserve() noexcept;
-  void unreserve() noexcept { in_use_.fetch_sub(1, std::memory_order_relaxed); }
+  void unreserve(std::size_t n = 1) noexcept { in_use_.fetch_sub(n, std::memory_order_relaxed); }
+  /// As reserve(), evicting idle entries of the pool's prefix cache (if
+  /// any) one at a time, least recently used first, until it succeeds; false
+  /// when no entry can be evicted. The slow path of an allocation: called
+  /// only once reserve() has failed.
+  bool reserve_evicting() noexcept;
+  /// Counts `n` blocks against the budget at once, evicting as needed; or,
+  /// when they cannot all be had, none (false). A reservation's.
+  bool reserve_many(std::size_t n) noexcept;
+  /// Budget left plus the blocks that only idle prefix-cache entries hold.
+  std::size_t blocks_available() const noexcept;
+
+  /// Makes `index` the pool's prefix cache; false if it has one already.
+  bool attach_index(prefix_index* index) noexcept;
+  /// The pool has no prefix cache any more (`index`'s destruction).
+  void detach_index() noexcept;
+  /// A cached block's last outside reference went (block::release): tells
+  /// the prefix cache, which looks `b` up and never reads it unless it
+  /// still holds it.
+  void cached_block_idle(const block* b) noexcept;
+  /// The prefix cache's counts, as kv_pool_stats reports them (written
+  /// under the index's lock).
+  void set_cached_counts(std::size_t cached, std::size_t idle) noexcept {
+    cached_blocks_.store(cached, std::memory_order_relaxed);
+    idle_cached_blocks_.store(idle, std::memory_order_relaxed);
+  }
+  std::size_t cached_blocks() const noexcept { return cached_blocks_.load(std::memory_order_relaxed); }
+  std::size_t idle_cached_blocks() const noexcept { return idle_cached_blocks_.load(std::memory_order_relaxed); }
+  /// Blocks of budget held by reservations and accounts, not yet allocated.
+  std::size_t blocks_reserved() const noexcept { return reserved_.load(std::memory_order_relaxed); }
+  void count_reserved(std::int64_t delta) noexcept {
+    reserved_.fetch_add(static_cast<std::size_t>(delta), std::memory_order_relaxed);
+  }
   /// Memory for one block (header and payload): recycled if any is free,
   /// else new; null when the system has none.
   void* take_memory() noexcept;
@@ -95,9 +154,19 @@ class block_pool : public ref_counted<block_pool> {
   std::atomic<std::int64_t> shared_{0};
   std::atomic<std::uint64_t> cow_copies_{0};
   std::atomic<std::uint64_t> allocated_{0};
+  // The prefix cache's, written under its lock.
+  std::atomic<std::size_t> cached_blocks_{0};
+  std::atomic<std::size_t> idle_cached_blocks_{0};
+  std::atomic<std::size_t> reserved_{0};
   // Rarely.
   alignas(64) std::mutex sink_mutex_;   // serialises set_event_handler
   std::unique_ptr<event_sink> sinks_;   // sink_mutex_; the newest, owning those it replaced
+  // The prefix cache: evictions (from the allocation path), idle blocks
+  // (from releases) and its destruction serialise on index_mutex_, so the
+  // index never dies while a call into it is running. Lock order:
+  // index_mutex_, then the index's own.
+  std::mutex index_mutex_;
+  prefix_index* index_ = nullptr;  // index_mutex_
 };
 
 /// How ghostlink's caches reach the pool that a `kv_block_pool` handle
@@ -110,6 +179,12 @@ struct pool_access {
   /// The pool a handle refers to.
   static ref_ptr<block_pool> state(const kv_block_pool& pool) noexcept {
     return ref_ptr<block_pool>::share(pool.state_);
+  }
+  /// Empties `r`, returning its blocks (still counted, now the caller's).
+  static std::size_t release_reservation(kv_block_reservation& r) noexcept {
+    const std::size_t n = std::exchange(r.blocks_, 0);
+    if (r.pool_) std::exchange(r.pool_, nullptr)->release();
+    return n;
   }
 };
 

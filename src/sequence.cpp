@@ -6,6 +6,7 @@
 #include "sequence.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <new>
 #include <optional>
 #include <system_error>
@@ -18,6 +19,7 @@
 #include "fan_out.hpp"
 #include "ghostlink/error.hpp"
 #include "step.hpp"
+#include "working_state.hpp"
 
 namespace ghostlink::detail {
 
@@ -224,6 +226,43 @@ void start_fork(const std::shared_ptr<sequence_core>& s, sequence_op* op) {
 
 // The rest of the untyped interface of detail/sequence_core.hpp.
 
+sequence_core::sequence_core(asio::any_io_executor ex, const kv_cache_config& config,
+                             std::vector<std::shared_ptr<actor>> layers, std::size_t size)
+    : executor(std::move(ex)),
+      config(config),
+      layers(std::move(layers)),
+      size(size),
+      account(ref_ptr<block_account>::adopt(
+          new block_account(ref_ptr<block_pool>::share(&this->layers.front()->pool())))) {
+  for (std::size_t i = 0; i < model_layers(); ++i) this->layers[i]->use_account(account);
+}
+
+namespace {
+
+/// The layer of a sequence's token ids: one float per token (an id's bits),
+/// in blocks of a pool of its own, outside the budget of the model's keys
+/// and values; holding `ids` from token 0.
+std::shared_ptr<actor> make_ids_layer(const asio::any_io_executor& ex, const kv_cache_config& config,
+                                      std::span<const token_id> ids) {
+  const kv_cache_config ids_config{
+      .max_tokens_per_seq = config.max_tokens_per_seq, .num_heads = 1, .head_dim = 1, .block_tokens = 256};
+  auto layout = ref_ptr<const block_layout>::adopt(new block_layout(ids_config, codec_of<float>));
+  auto pool = pool_access::state(kv_block_pool(layout->block_bytes));
+  auto state = std::make_unique<working_state>(ids_config, std::move(layout), std::move(pool), true);
+  if (!ids.empty()) {
+    std::vector<float> bits(ids.size());
+    std::vector<kv_write> writes(ids.size());
+    for (std::size_t t = 0; t < ids.size(); ++t) {
+      bits[t] = std::bit_cast<float>(ids[t]);
+      writes[t] = {t, std::span<const float>(&bits[t], 1), std::span<const float>(&bits[t], 1)};
+    }
+    if (state->write(writes)) throw std::bad_alloc();  // the ids' own pool has no budget: only memory fails
+  }
+  return std::make_shared<actor>(ex, std::move(state));
+}
+
+}  // namespace
+
 std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size_t num_layers,
                                              const kv_cache_config& config, element_codec codec,
                                              const kv_block_pool* pool) {
@@ -243,13 +282,27 @@ std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size
   std::vector<std::shared_ptr<actor>> layers;
   layers.reserve(num_layers + 1);
   for (std::size_t i = 0; i < num_layers; ++i) layers.push_back(actor::make(ex, layer_config, codec, shared, true));
-  // The token ids: one float per token (an id's bits), in blocks of a pool
-  // of their own, outside the budget of the model's keys and values.
-  const kv_cache_config ids_config{
-      .max_tokens_per_seq = config.max_tokens_per_seq, .num_heads = 1, .head_dim = 1, .block_tokens = 256};
-  auto ids_pool = pool_access::state(kv_block_pool(block_layout(ids_config, codec_of<float>).block_bytes));
-  layers.push_back(actor::make(ex, ids_config, codec_of<float>, std::move(ids_pool), true));
+  layers.push_back(make_ids_layer(ex, config, {}));
   return std::make_shared<sequence_core>(std::move(ex), config, std::move(layers), 0);
+}
+
+std::shared_ptr<sequence_core> make_attached_sequence(asio::any_io_executor ex, const kv_cache_config& config,
+                                                      element_codec codec, const ref_ptr<block_pool>& pool,
+                                                      std::vector<std::vector<ref_ptr<block>>> blocks,
+                                                      std::span<const token_id> ids) {
+  std::vector<std::shared_ptr<actor>> layers;
+  layers.reserve(blocks.size() + 1);
+  for (const auto& prefix : blocks) layers.push_back(actor::make(ex, config, codec, pool, true, prefix));
+  blocks.clear();  // the layers hold them now
+  layers.push_back(make_ids_layer(ex, config, ids));
+  return std::make_shared<sequence_core>(std::move(ex), config, std::move(layers), ids.size());
+}
+
+void use_reservation(const sequence_core& s, kv_block_reservation& r) {
+  if (r.size() == 0) return;
+  if (r.pool() != pool_access::handle(ref_ptr<block_pool>::share(&s.layers.front()->pool())))
+    throw std::system_error(make_error_code(kv_errc::invalid_config));
+  s.account->left.fetch_add(pool_access::release_reservation(r), std::memory_order_relaxed);
 }
 
 std::size_t num_layers(const sequence_core& s) noexcept { return s.model_layers(); }

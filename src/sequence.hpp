@@ -33,16 +33,18 @@
 
 #include <asio/any_io_executor.hpp>
 
+#include "block.hpp"
 #include "ghostlink/config.hpp"
+#include "ghostlink/element.hpp"
 #include "ghostlink/detail/sequence_core.hpp"
 
 namespace ghostlink::detail {
 
 class sequence_core {
  public:
+  /// Gives every model layer the sequence's budget account.
   sequence_core(asio::any_io_executor ex, const kv_cache_config& config, std::vector<std::shared_ptr<actor>> layers,
-                std::size_t size)
-      : executor(std::move(ex)), config(config), layers(std::move(layers)), size(size) {}
+                std::size_t size);
 
   /// The model's layers; `layers` holds one more, last: the token ids'.
   std::size_t model_layers() const noexcept { return layers.size() - 1; }
@@ -66,7 +68,18 @@ class sequence_core {
   std::atomic<bool> busy{false};
   std::atomic<std::uint64_t> drops{0};
   std::atomic<std::size_t> bound{no_bound};
+  // Budget reserved for the sequence (use_reservation), which its layers'
+  // allocations draw on first; the same object for the sequence's life.
+  const ref_ptr<block_account> account;
 };
+
+/// A sequence of `config` whose layer `l` starts with `blocks[l]` (full
+/// blocks of another owner, the same number in every layer) and whose
+/// token ids are `ids` (one per token of those blocks). Throws std::bad_alloc.
+std::shared_ptr<sequence_core> make_attached_sequence(asio::any_io_executor ex, const kv_cache_config& config,
+                                                      element_codec codec, const ref_ptr<block_pool>& pool,
+                                                      std::vector<std::vector<ref_ptr<block>>> blocks,
+                                                      std::span<const token_id> ids);
 
 /// Starts an operation adding `tokens` tokens (an append, a step's begin)
 /// with `ids` (none, or one per token): sets `busy` and returns the index of

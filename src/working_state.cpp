@@ -22,13 +22,24 @@ std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0)
 }  // namespace
 
 working_state::working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout,
-                             ref_ptr<block_pool> pool, bool initialized)
+                             ref_ptr<block_pool> pool, bool initialized, std::span<const ref_ptr<block>> prefix)
     : config_(config),
       layout_(std::move(layout)),
       pool_(std::move(pool)),
       owner_(block_pool::new_owner_id()),
       table_(ref_ptr<block_table>::adopt(new block_table(0))),  // built for epoch 0
-      initialized_(initialized) {}
+      size_(prefix.size() * config.block_tokens),
+      stored_(size_),
+      initialized_(initialized),
+      changed_(!prefix.empty()) {
+  // Another owner's blocks: never written here, so never sealed either.
+  table_->chunks.reserve(ceil_div(prefix.size(), table_chunk::size));
+  for (std::size_t b = 0; b < prefix.size(); ++b) {
+    if (b % table_chunk::size == 0) table_->chunks.push_back(ref_ptr<table_chunk>::adopt(new table_chunk(0)));
+    table_->chunks.back()->blocks[b % table_chunk::size] = prefix[b];
+  }
+  table_->blocks = prefix.size();
+}
 
 working_state::working_state(const working_state& parent, std::uint64_t next_epoch)
     : config_(parent.config_),
@@ -181,7 +192,7 @@ std::error_code working_state::reserve(std::size_t index, std::size_t tokens) {
     std::vector<ref_ptr<block>> set_aside;
     set_aside.reserve(needed);
     for (std::size_t i = 0; i < needed; ++i) {
-      set_aside.push_back(block::make(*pool_, owner_));
+      set_aside.push_back(block::make(*pool_, owner_, block::budget::counted, account_.get()));
       if (!set_aside.back()) return kv_errc::capacity_exhausted;
     }
     if (std::error_code ec = truncate(index)) return ec;
@@ -193,7 +204,7 @@ std::error_code working_state::reserve(std::size_t index, std::size_t tokens) {
 }
 
 ref_ptr<block> working_state::fresh_block() noexcept {
-  if (reserved_.empty()) return block::make(*pool_, owner_);
+  if (reserved_.empty()) return block::make(*pool_, owner_, block::budget::counted, account_.get());
   ref_ptr<block> b = std::move(reserved_.back());
   reserved_.pop_back();
   return b;

@@ -57,10 +57,12 @@ namespace ghostlink::detail {
 
 class working_state {
  public:
-  /// An empty cache; `initialized` makes it accept writes without an
-  /// initialize() first (a sequence's layers).
+  /// A cache holding `prefix` (full blocks of another owner, tokens
+  /// `[0, prefix.size() * block_tokens)`; none: an empty cache);
+  /// `initialized` makes it accept writes without an initialize() first (a
+  /// sequence's layers). Throws std::bad_alloc.
   working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout, ref_ptr<block_pool> pool,
-                bool initialized);
+                bool initialized, std::span<const ref_ptr<block>> prefix = {});
   ~working_state();
   working_state(const working_state&) = delete;
   working_state& operator=(const working_state&) = delete;
@@ -97,6 +99,9 @@ class working_state {
   const ref_ptr<epoch_registry>& registry() const noexcept { return registry_; }
   /// The id this cache's blocks carry (its id in stats and events).
   std::uint64_t owner() const noexcept { return owner_; }
+  /// New blocks draw their budget from `account` first (its sequence's);
+  /// set before the first request reaches the actor.
+  void use_account(ref_ptr<block_account> account) noexcept { account_ = std::move(account); }
 
  private:
   working_state(const working_state& parent, std::uint64_t next_epoch);
@@ -147,6 +152,7 @@ class working_state {
   undo_log undo_;                // a one-token write's undo log; empty between writes
   std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
   std::vector<ref_ptr<block>> reserved_;  // set aside by reserve() for the next write
+  ref_ptr<block_account> account_;        // its sequence's (none for a layer cache)
   std::size_t size_ = 0;
   std::size_t stored_ = 0;
   std::uint64_t next_epoch_ = 0;

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <limits>
+#include <system_error>
 
 #include "ghostlink/config.hpp"
 #include "ghostlink/element.hpp"
@@ -21,6 +22,46 @@ struct pool_access;
 struct kv_pool_limits {
   std::size_t max_blocks = std::numeric_limits<std::size_t>::max();  ///< Blocks in use at once.
   std::size_t max_bytes = std::numeric_limits<std::size_t>::max();   ///< Payload bytes in use at once.
+};
+
+class kv_block_pool;
+
+/// Budget of `size()` blocks taken from a `kv_block_pool` at once
+/// (`kv_block_pool::reserve`), for a scheduler that admits a request only
+/// when its blocks can be had (as vLLM's `allocate_slots`). Given to a
+/// sequence (`basic_sequence_kv_cache::use_reservation`), it is what that
+/// sequence's block allocations draw on first, its appends, forks' copies
+/// and steps alike; what is left returns to the pool when the reservation,
+/// or the sequence that took it, is destroyed. Move-only.
+class kv_block_reservation {
+ public:
+  /// No blocks.
+  kv_block_reservation() noexcept = default;
+  /// Takes over the other's blocks; the other holds none.
+  kv_block_reservation(kv_block_reservation&& other) noexcept;
+  /// Gives back this one's blocks and takes over the other's.
+  kv_block_reservation& operator=(kv_block_reservation&& other) noexcept;
+  kv_block_reservation(const kv_block_reservation&) = delete;
+  kv_block_reservation& operator=(const kv_block_reservation&) = delete;
+  /// Gives the blocks back to the pool.
+  ~kv_block_reservation() { reset(); }
+
+  /// The blocks of budget held.
+  std::size_t size() const noexcept { return blocks_; }
+  /// True when it holds none.
+  bool empty() const noexcept { return blocks_ == 0; }
+  /// Gives the blocks back to the pool now.
+  void reset() noexcept;
+  /// The pool they are from.
+  /// @pre `!empty()`.
+  kv_block_pool pool() const noexcept;
+
+ private:
+  friend class kv_block_pool;
+  friend struct detail::pool_access;
+  kv_block_reservation(detail::block_pool* pool, std::size_t blocks) noexcept : pool_(pool), blocks_(blocks) {}
+  detail::block_pool* pool_ = nullptr;  // one reference of the pool's count while blocks_ > 0
+  std::size_t blocks_ = 0;
 };
 
 /// A thread-safe allocator of fixed-size storage blocks, shared by every
@@ -88,6 +129,21 @@ class kv_block_pool {
   std::size_t block_bytes() const noexcept;
   /// The pool's counters now (see `kv_pool_stats`). Lock-free.
   kv_pool_stats stats() const noexcept;
+  /// Blocks a request could have now: the budget left, plus the blocks
+  /// that only idle entries of the pool's prefix cache hold (which an
+  /// allocation would evict). Attached entries are in use, so attaching
+  /// lowers it. Lock-free; `stats().blocks_available`.
+  std::size_t blocks_available() const noexcept;
+  /// Takes `blocks` blocks of budget at once, evicting idle prefix-cache
+  /// entries (least recently used first) as needed, or none.
+  /// @throws std::system_error with `kv_errc::capacity_exhausted` when
+  ///         `blocks_available()` is short of `blocks` (nothing is evicted
+  ///         then), or when evicting cannot free them after all (an idle
+  ///         entry whose child is in use frees nothing; what was evicted
+  ///         stays evicted, nothing is reserved).
+  kv_block_reservation reserve(std::size_t blocks) const;
+  /// As above, setting `ec` instead of throwing (an empty reservation then).
+  kv_block_reservation reserve(std::size_t blocks, std::error_code& ec) const noexcept;
   /// Returns every free block's memory to the system.
   void trim() noexcept;
   /// Reports every later block allocation and free of this pool, and every

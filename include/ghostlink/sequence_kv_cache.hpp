@@ -185,6 +185,16 @@ class basic_sequence_kv_cache {
   std::size_t size() const noexcept { return detail::size_of(*core_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
+  /// Makes `reservation`'s blocks the sequence's: its layers' block
+  /// allocations (appends, steps, copies on write) draw on them before the
+  /// pool's budget, so an admitted request cannot run out for want of a
+  /// block that another request took meanwhile. What is left goes back to
+  /// the pool once the sequence (and every layer view of it) is gone.
+  /// `reservation` is empty afterwards.
+  /// @throws std::system_error with `kv_errc::invalid_config` if the
+  ///         reservation is from another pool (it is unchanged then).
+  void use_reservation(kv_block_reservation&& reservation) const { detail::use_reservation(*core_, reservation); }
+
   /// A read-only view of layer `i` (`i < num_layers()`).
   layer_type layer(std::size_t i) const noexcept {
     return layer_type(detail::cache_access::adopt<basic_layer_kv_cache<T>>(detail::layer_of(*core_, i)));

@@ -48,7 +48,7 @@ struct kv_cache_stats {
 struct kv_pool_stats {
   std::size_t block_bytes = 0;         ///< Payload bytes of one block (keys and values).
   std::size_t max_blocks = 0;          ///< The budget, in blocks.
-  std::size_t blocks_in_use = 0;       ///< Blocks some cache, epoch or snapshot holds.
+  std::size_t blocks_in_use = 0;       ///< Blocks some cache, epoch, snapshot, prefix cache or reservation holds.
   std::size_t blocks_free = 0;         ///< Freed blocks kept for reuse (see `kv_block_pool::trim`).
   std::size_t peak_blocks_in_use = 0;  ///< The most blocks in use at once so far.
   /// Blocks referenced from more than one place: shared by forks, or by two
@@ -59,6 +59,18 @@ struct kv_pool_stats {
   /// free, and each cache's one block of zeros, which the budget exempts).
   std::uint64_t blocks_allocated = 0;
 
+  /// Of `blocks_in_use`, the distinct blocks a prefix cache references
+  /// (shared with sequences or idle).
+  std::size_t blocks_cached = 0;
+  /// Of `blocks_cached`, those nothing but the prefix cache references:
+  /// evictable for room. `blocks_in_use - blocks_cached_idle -
+  /// blocks_reserved` blocks are in use by sequences, epochs and snapshots.
+  std::size_t blocks_cached_idle = 0;
+  /// Of `blocks_in_use`, budget held by reservations and not yet allocated.
+  std::size_t blocks_reserved = 0;
+  /// What `kv_block_pool::blocks_available()` returns: the budget left plus
+  /// `blocks_cached_idle`.
+  std::size_t blocks_available = 0;
   /// Payload bytes of the blocks in use: `blocks_in_use * block_bytes`.
   std::size_t bytes_in_use() const noexcept { return blocks_in_use * block_bytes; }
 };

@@ -13,6 +13,7 @@
 #include <system_error>
 #include <vector>
 
+#include "ghostlink/block_pool.hpp"
 #include "ghostlink/detail/layer_core.hpp"  // the layers' actors, the pool, the completion piece
 
 namespace ghostlink::detail {
@@ -58,6 +59,10 @@ struct take_results {
 std::shared_ptr<sequence_core> make_sequence(asio::any_io_executor ex, std::size_t num_layers,
                                              const kv_cache_config& config, element_codec codec,
                                              const kv_block_pool* pool);
+
+/// Moves `r`'s blocks into the sequence's budget account.
+/// @throws std::system_error(kv_errc::invalid_config) if `r` is of another pool.
+void use_reservation(const sequence_core& s, kv_block_reservation& r);
 
 std::size_t num_layers(const sequence_core& s) noexcept;
 /// The config the sequence was made with.

@@ -1,0 +1,266 @@
+#pragma once
+/// @file
+/// `basic_kv_prefix_cache<T>` (`kv_prefix_cache` for float storage): reuse
+/// of the key/value blocks of prompt prefixes across requests, under the
+/// pool's budget.
+
+#include <array>
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include <asio/any_io_executor.hpp>
+#include <asio/execution_context.hpp>
+
+#include "ghostlink/block_pool.hpp"
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/cache_access.hpp"
+#include "ghostlink/element.hpp"
+#include "ghostlink/sequence_kv_cache.hpp"
+#include "ghostlink/types.hpp"
+
+namespace ghostlink {
+
+/// The hash of one full block of tokens and of every token before it (see
+/// the definition in `basic_kv_prefix_cache`): SHA-256, so that another
+/// process or language computes the same from the same tokens.
+struct kv_block_hash {
+  std::array<std::uint8_t, 32> bytes{};  ///< The digest.
+  /// 64 lowercase hex digits.
+  std::string hex() const;
+  /// Bytewise order.
+  friend auto operator<=>(const kv_block_hash&, const kv_block_hash&) = default;
+};
+
+/// What a prefix cache's hashes cover besides the tokens and the geometry.
+struct kv_prefix_options {
+  /// The model (and revision) the KV belongs to: two models never share an entry.
+  std::string model;
+};
+
+/// A prefix cache's counters (`basic_kv_prefix_cache::stats`), each read
+/// separately: exact when the caches on the pool are idle. The hit rate is
+/// `hit_tokens / query_tokens` (vLLM's `prefix_cache_hits / prefix_cache_queries`).
+struct kv_prefix_stats {
+  std::uint64_t queries = 0;          ///< `match()` and `attach()` calls.
+  std::uint64_t query_tokens = 0;     ///< Tokens of full blocks asked for in them.
+  std::uint64_t hit_tokens = 0;       ///< Of those, found cached.
+  std::uint64_t inserted_blocks = 0;  ///< Entries `insert()` added.
+  std::uint64_t evicted_blocks = 0;   ///< Entries evicted for room in the pool.
+  std::size_t cached_blocks = 0;      ///< Entries now.
+  std::size_t idle_blocks = 0;        ///< Entries now that nothing but the cache uses.
+};
+
+/// One change to a prefix cache's entries, for a consumer that mirrors them
+/// (a cache-aware router, as vLLM's KV events serve).
+struct kv_prefix_event {
+  /// What happened.
+  enum class kind : std::uint8_t {
+    stored,   ///< An entry was added.
+    removed,  ///< An entry was evicted.
+    cleared,  ///< `clear()` dropped every entry.
+  };
+  kind what = kind::stored;                 ///< What happened.
+  std::uint64_t sequence = 0;               ///< 1, 2, 3, ... per handler, no gaps.
+  kv_block_hash hash{};                     ///< stored, removed (all zero for cleared).
+  std::optional<kv_block_hash> parent;      ///< stored: the previous block's, none for block 0.
+};
+
+/// Receives a prefix cache's events (see `basic_kv_prefix_cache::set_event_handler`).
+using kv_prefix_event_handler = std::function<void(const kv_prefix_event&)>;
+
+namespace detail {
+
+class prefix_index;
+class sequence_core;
+
+/// The one byte of the root hash that names the element type.
+template <storage_element T>
+inline constexpr std::uint8_t element_code = std::is_same_v<T, float> ? 0 : std::is_same_v<T, half> ? 1 : 2;
+
+// The untyped machinery (src/prefix_cache.cpp).
+std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
+                                                element_codec codec, std::uint8_t element, const kv_block_pool& pool,
+                                                kv_prefix_options options);
+std::size_t num_layers(const prefix_index& p) noexcept;
+const kv_cache_config& config_of(const prefix_index& p) noexcept;
+kv_block_pool pool_of(const prefix_index& p) noexcept;
+std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens,
+                                        std::string_view salt);
+std::size_t prefix_match(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
+std::shared_ptr<sequence_core> prefix_attach(prefix_index& p, asio::any_io_executor ex,
+                                             std::span<const token_id> tokens, std::string_view salt);
+/// `tokens` null: the token ids `seq` stores.
+std::size_t prefix_insert(prefix_index& p, const sequence_core* seq, const std::span<const token_id>* tokens,
+                          std::string_view salt);
+void prefix_clear(prefix_index& p) noexcept;
+kv_prefix_stats prefix_stats(const prefix_index& p) noexcept;
+void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler);
+
+}  // namespace detail
+
+/// An index from block hashes to the blocks of every layer that hold one
+/// full block of tokens, shared copy-on-write by every sequence that
+/// attaches it: the prefix cache of vLLM's automatic prefix caching and of
+/// SGLang's RadixAttention, under the budget of one `kv_block_pool`.
+///
+/// **The block hash.** All integers little-endian, `||` concatenation,
+/// `B = block_tokens`:
+///
+///     root = SHA-256("ghostlink-prefix-v1" || u64(len(model)) || model
+///                    || u64(len(salt)) || salt || u64(num_layers)
+///                    || u64(num_heads) || u64(head_dim) || u64(B)
+///                    || u8(element: 0 float, 1 half, 2 bfloat16))
+///     h[0] = SHA-256(root   || i32(t[0])   || ... || i32(t[B-1]))
+///     h[i] = SHA-256(h[i-1] || i32(t[i*B]) || ... || i32(t[i*B+B-1]))
+///
+/// Only full blocks have a hash. The salt separates tenants (vLLM's
+/// `cache_salt`): two salts never share an entry, nor do two models or two
+/// geometries. SHA-256 is OpenSSL's (libcrypto), which uses the processor's
+/// SHA instructions where it has them.
+///
+/// **Eviction.** An entry is idle when nothing but the prefix cache
+/// references its blocks (no sequence, epoch or snapshot); it becomes idle
+/// on whatever thread drops the last other reference. An idle entry is
+/// evictable when no cached entry is its child (the next block of the same
+/// prefix), so the cached set stays prefix-closed. When a cache on the pool
+/// needs a block and the budget is spent, evictable entries are evicted
+/// one at a time, least recently used first (last attached or inserted),
+/// until the block can be had; only when none is evictable does the write
+/// fail with `kv_errc::capacity_exhausted`. The allocation path takes the
+/// least recently used evictable entry from an ordered set of the
+/// evictable ones: no entry in use is ever looked at. Within one attach or
+/// insert, later blocks count as used before earlier ones, so a child is
+/// always older than its parent.
+///
+/// **Cached data never changes.** A write by any sequence into a block the
+/// cache references copies it first, also after a truncate made that slot
+/// writable again for its owner: the cache's hold counts as a reference.
+///
+/// A handle: copies share one index, every member is safe from any thread.
+/// One prefix cache per pool while it lives; once every handle is gone its
+/// entries are released and another may be made.
+template <storage_element T>
+class basic_kv_prefix_cache {
+ public:
+  /// The sequence type `attach()` makes and `insert()` takes.
+  using sequence_type = basic_sequence_kv_cache<T>;
+
+  /// An empty cache for sequences of `num_layers` layers of `config` on `pool`.
+  /// @throws std::system_error with `kv_errc::invalid_config` if the pool
+  ///         has a prefix cache already (nothing is claimed then), if
+  ///         `num_layers` is 0, if `config` or `T` do not fit the pool (as
+  ///         for a layer cache made on it), or if `config` sets `max_blocks`
+  ///         (the pool holds the budget).
+  basic_kv_prefix_cache(std::size_t num_layers, kv_cache_config config, const kv_block_pool& pool,
+                        kv_prefix_options options = {})
+      : index_(detail::make_prefix_index(num_layers, config, detail::codec_of<T>, detail::element_code<T>, pool,
+                                         std::move(options))) {}
+
+  /// The layers of every sequence it caches.
+  std::size_t num_layers() const noexcept { return detail::num_layers(*index_); }
+  /// The config it was made with.
+  const kv_cache_config& config() const noexcept { return detail::config_of(*index_); }
+  /// The pool whose blocks it holds and evicts.
+  kv_block_pool pool() const noexcept { return detail::pool_of(*index_); }
+
+  /// The hash of each full block of `tokens` under `salt`:
+  /// `tokens.size() / block_tokens` of them, as defined above.
+  std::vector<kv_block_hash> block_hashes(std::span<const token_id> tokens, std::string_view salt = {}) const {
+    return detail::block_hashes(*index_, tokens, salt);
+  }
+
+  /// The tokens of the longest run of cached blocks of `tokens` from block
+  /// 0 (a multiple of `block_tokens`, at most `tokens.size()`). Pins
+  /// nothing and changes no entry's place in the eviction order. An engine
+  /// that needs the logits of the last prompt token passes
+  /// `tokens.first(tokens.size() - 1)`. Counts a query.
+  std::size_t match(std::span<const token_id> tokens, std::string_view salt = {}) const {
+    return detail::prefix_match(*index_, tokens, salt);
+  }
+
+  /// A new sequence of `num_layers()` layers, the cache's config and pool,
+  /// on `ex`, whose first `match(tokens, salt)` tokens are the cached
+  /// blocks of every layer, shared copy-on-write: no token data is copied
+  /// and no block is allocated, and its `size()` is that length (0 on a
+  /// miss). It stores those tokens' ids. The entries become the most
+  /// recently used, and in use until the sequence lets go of them. The
+  /// sequence is like any other: append, fork, truncate, snapshot; a write
+  /// into a shared block copies it. Counts a query.
+  /// @throws std::bad_alloc, attaching nothing.
+  sequence_type attach(asio::any_io_executor ex, std::span<const token_id> tokens, std::string_view salt = {}) {
+    return detail::cache_access::adopt<sequence_type>(detail::prefix_attach(*index_, std::move(ex), tokens, salt));
+  }
+  /// As above, on `ctx.get_executor()`.
+  template <class ExecutionContext>
+    requires std::is_convertible_v<ExecutionContext&, asio::execution_context&>
+  sequence_type attach(ExecutionContext& ctx, std::span<const token_id> tokens, std::string_view salt = {}) {
+    return attach(asio::any_io_executor(ctx.get_executor()), tokens, salt);
+  }
+
+  /// For each full block of the first `min(tokens.size(), seq.snapshot().size())`
+  /// tokens, makes the entry for its hash reference the blocks of every
+  /// layer that `seq`'s snapshot holds for it: no copy, no round trip
+  /// through an actor, `seq` unchanged. A hash that has an entry keeps it
+  /// (it becomes the most recently used). Stops at a block that some layer
+  /// holds as never-written zeros. Returns the entries added.
+  ///
+  /// The caller vouches that `tokens` are the tokens `seq` holds; tokens
+  /// that are not make later attaches of those tokens read the wrong KV.
+  /// `insert_stored_tokens()` cannot be wrong that way.
+  /// @throws std::system_error with `kv_errc::layer_mismatch` for a `seq`
+  ///         of another number of layers, with `kv_errc::invalid_config`
+  ///         for one on another pool or of another geometry (`num_heads`,
+  ///         `head_dim`, `block_tokens`); nothing is inserted then.
+  ///         std::bad_alloc, inserting nothing.
+  std::size_t insert(const sequence_type& seq, std::span<const token_id> tokens, std::string_view salt = {}) {
+    return detail::prefix_insert(*index_, detail::cache_access::core_of(seq).get(), &tokens, salt);
+  }
+
+  /// As `insert()`, with the token ids `seq` stores with its tokens (its
+  /// snapshot's `token_ids()`), so they cannot mismatch. Stops at the first
+  /// block holding a token stored without an id.
+  std::size_t insert_stored_tokens(const sequence_type& seq, std::string_view salt = {}) {
+    return detail::prefix_insert(*index_, detail::cache_access::core_of(seq).get(), nullptr, salt);
+  }
+
+  /// Drops every entry: blocks in use elsewhere stay with their users, idle
+  /// ones go back to the pool. Not an eviction: `evicted_blocks` stays, and
+  /// one `cleared` event is emitted (also on an empty cache), no `removed`.
+  void clear() noexcept { detail::prefix_clear(*index_); }
+
+  /// The counters now (see `kv_prefix_stats`). `cached_blocks -
+  /// idle_blocks` entries are in use.
+  kv_prefix_stats stats() const noexcept { return detail::prefix_stats(*index_); }
+
+  /// Reports every later change to `handler`: `stored` for every entry
+  /// added, in block order with its parent; `removed` for every entry
+  /// evicted; `cleared` once per `clear()`. `sequence` numbers the events
+  /// delivered to this handler from 1 without gaps. Called synchronously,
+  /// one call at a time and in `sequence` order, possibly under the cache's
+  /// lock and inside an actor's drain (a removed event): it must be quick,
+  /// must not throw and must not call the prefix cache. An empty handler
+  /// turns events off (the default, and then free).
+  /// @throws std::bad_alloc if the handler cannot be stored.
+  void set_event_handler(kv_prefix_event_handler handler) {
+    detail::prefix_set_event_handler(*index_, std::move(handler));
+  }
+
+ private:
+  std::shared_ptr<detail::prefix_index> index_;
+};
+
+/// A prefix cache of float storage.
+using kv_prefix_cache = basic_kv_prefix_cache<float>;
+
+}  // namespace ghostlink

@@ -1,0 +1,53 @@
+// Prints block_hashes() for cases read from standard input, one per line:
+//   <model hex> <salt hex> <layers> <heads> <head_dim> <block_tokens> <element 0|1|2> <t0,t1,...>
+// (strings hex-encoded, so any byte may be in them; "-" for an empty one),
+// as one line of space-separated hex digests each. check_hash.py computes
+// the same from the definition with hashlib and compares.
+
+#include <ghostlink/kv_cache.hpp>
+
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string unhex(const std::string& s) {
+  std::string out;
+  if (s == "-") return out;
+  for (std::size_t i = 0; i + 1 < s.size(); i += 2) out.push_back(static_cast<char>(std::stoi(s.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+template <class T>
+std::vector<ghostlink::kv_block_hash> hashes(std::size_t layers, const ghostlink::kv_cache_config& c,
+                                             const std::string& model, const std::string& salt,
+                                             const std::vector<ghostlink::token_id>& tokens) {
+  const auto pool = ghostlink::kv_block_pool::for_caches<T>(c);
+  const ghostlink::basic_kv_prefix_cache<T> cache(layers, c, pool, {.model = model});
+  return cache.block_hashes(tokens, salt);
+}
+
+}  // namespace
+
+int main() {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string model, salt, list;
+    std::size_t layers = 0, element = 0;
+    ghostlink::kv_cache_config c;
+    in >> model >> salt >> layers >> c.num_heads >> c.head_dim >> c.block_tokens >> element >> list;
+    std::vector<ghostlink::token_id> tokens;
+    std::istringstream items(list);
+    for (std::string item; std::getline(items, item, ',');) tokens.push_back(std::stoi(item));
+    const std::vector<ghostlink::kv_block_hash> h =
+        element == 0   ? hashes<float>(layers, c, unhex(model), unhex(salt), tokens)
+        : element == 1 ? hashes<ghostlink::half>(layers, c, unhex(model), unhex(salt), tokens)
+                       : hashes<ghostlink::bfloat16>(layers, c, unhex(model), unhex(salt), tokens);
+    for (std::size_t i = 0; i < h.size(); ++i) std::cout << (i ? " " : "") << h[i].hex();
+    std::cout << '\n';
+  }
+  return 0;
+}
