@@ -1,7 +1,9 @@
 #pragma once
 // The sequence part: sequences of 3 layers on one pool with a tight budget,
 // each written by one coroutine (appends, truncates, forks, and a second
-// operation started while one is in progress). Appends may fail with
+// operation started while one is in progress), and a prefix cache on the
+// pool that the writers insert into, attach from and clear, so that its
+// evictions run inside their appends. Appends may fail with
 // capacity_exhausted: their state is published `pending` and a snapshot
 // that shows it is judged once the writer knows the outcome.
 
@@ -47,14 +49,30 @@ struct seq_world {
   const kv_cache_config config{.max_tokens_per_seq = 24, .num_heads = 2, .head_dim = 4, .block_tokens = 4};
   static constexpr std::size_t layers = 3, max_active_forks = 3;
   kv_block_pool pool;
+  kv_prefix_cache prefix{layers, config, pool};
   target_list<seq_target> live;
   std::atomic<std::size_t> active_forks{0};
   std::mutex claims_mutex;
   std::vector<claim> open_claims;  // readers' unresolved claims at their end
 };
 
-/// The token id a step stores with a token of `tag`.
-inline token_id id_of(std::uint64_t tag) { return static_cast<token_id>(tag & 0x7fffffff); }
+/// The token id a step stores with a token of `tag`, and the prefix cache
+/// hashes: a mix of the whole tag (31 bits, never no_token_id), so that
+/// equal ids at a position mean, but for a 2^-31 chance per token, the same
+/// tag and so the same keys and values.
+inline token_id id_of(std::uint64_t tag) {
+  std::uint64_t z = tag + 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return static_cast<token_id>((z ^ (z >> 31)) & 0x7fffffff);
+}
+
+/// The ids of a state's tokens.
+inline std::vector<token_id> ids_of(const std::vector<std::uint64_t>& tags) {
+  std::vector<token_id> ids(tags.size());
+  for (std::size_t i = 0; i < tags.size(); ++i) ids[i] = id_of(tags[i]);
+  return ids;
+}
 
 /// Pins the sequence and checks every layer shows the same tokens, each
 /// from one append, equal to a state at least as new as every completed
@@ -315,6 +333,57 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
   settle(t, p, cec, {}, "step commit");
 }
 
+/// A prefix-cache operation on `t`'s settled state `s`: insert its tokens
+/// (their ids, or the ids it stores), or attach a prompt (this state's
+/// tokens, an earlier state's, or either with tokens no one wrote after
+/// them) and check every attached token against the prompt's tags; half
+/// the attached sequences become writers' sequences (appends into shared
+/// blocks copy them). Rarely a clear.
+inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
+                      std::deque<std::shared_ptr<seq_target>>& frozen) {
+  const std::size_t roll = r.below(100);
+  if (roll < 2) {
+    bump(g_figures.prefix_clears);
+    w.prefix.clear();
+    return;
+  }
+  if (roll < 45) {
+    bump(g_figures.prefix_inserts);
+    const std::size_t added = r.percent(20) ? w.prefix.insert_stored_tokens(t.seq) : w.prefix.insert(t.seq, ids_of(s.tags));
+    bump(g_figures.prefix_added, added);
+    return;
+  }
+  // A prompt: a state this sequence held (an ok one), maybe with a suffix
+  // of ids no token carries.
+  std::size_t p = t.hist.count() - 1;
+  if (r.percent(40)) p = r.below(t.hist.count());
+  if (t.hist.outcome_of(p) != outcome::ok) p = t.hist.count() - 1;
+  const std::vector<std::uint64_t> tags = t.hist.at(p).tags;
+  std::vector<token_id> prompt = ids_of(tags);
+  if (r.percent(30)) prompt.insert(prompt.end(), r.between(1, 6), no_token_id);
+  sequence_kv_cache attached = w.prefix.attach(w.io, prompt);
+  bump(g_figures.prefix_attaches);
+  const std::size_t n = attached.size();
+  bump(g_figures.prefix_attached_tokens, n);
+  if (n % w.config.block_tokens != 0 || n > tags.size())
+    return fail(str(t.name, ": attached ", n, " tokens of a prompt of ", tags.size(), " (blocks of ",
+                    w.config.block_tokens, ")"));
+  const std::vector<std::uint64_t> want(tags.begin(), tags.begin() + static_cast<std::ptrdiff_t>(n));
+  const auto snap = attached.snapshot();
+  std::vector<std::uint64_t> seen;
+  for (std::size_t l = 0; l < seq_world::layers; ++l) {
+    const std::string error = decode_all(snap.layer(l), l, seen);
+    if (!error.empty() || seen != want)
+      return fail(str(t.name, ": attached layer ", l, " of ", n, " tokens: ", error, error.empty() ? "tags differ" : ""));
+  }
+  if (snap.token_ids() != std::vector<token_id>(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(n)))
+    return fail(str(t.name, ": attached ", n, " tokens whose ids are not the prompt's"));
+  if (n > 0 && r.percent(50)) {
+    bump(g_figures.prefix_adopted);
+    adopt_child(w, t, std::move(attached), state{true, want}, r, frozen);
+  }
+}
+
 inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target> t, rng r) {
   w.live.add(t);
   std::deque<std::shared_ptr<seq_target>> frozen;
@@ -356,6 +425,8 @@ inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target>
       if (ec) fail(str(t->name, ": fork: ", ec.message()));
       t->hist.complete(p);
       if (!ec) adopt_child(w, *t, std::move(child), s, r, frozen);
+    } else if (roll < 93) {
+      prefix_op(w, *t, s, r, frozen);
     } else {
       co_await conflict(w, *t, r);
     }

@@ -81,6 +81,9 @@ void print_figures(const options& o, double elapsed) {
             << v(f.steps_unawaited) << " with their writes awaited by the commit; " << v(f.append_capacity_failures)
             << " failed for capacity), truncates " << v(f.seq_truncates) << ", forks " << v(f.seq_forks)
             << ", conflicts " << v(f.conflicts) << " (" << v(f.conflicts_rejected) << " rejected in progress)\n"
+            << "  prefix cache: inserts " << v(f.prefix_inserts) << " (" << v(f.prefix_added) << " entries added), attaches "
+            << v(f.prefix_attaches) << " (" << v(f.prefix_attached_tokens) << " tokens attached and checked; "
+            << v(f.prefix_adopted) << " written on), clears " << v(f.prefix_clears) << "\n"
             << "  generations (caches, forks, arena regions, sequences): " << v(f.generations) << "\n"
             << "  distinct epochs observed: " << v(f.epochs) << "\n"
             << "  snapshots verified: layer " << v(f.layer_snapshots) << ", arena " << v(f.arena_snapshots)
@@ -108,6 +111,7 @@ int main(int argc, char** argv) try {
   std::cout << "stress: seed=" << o.seed << " seconds=" << o.seconds << std::endl;
   const auto began = std::chrono::steady_clock::now();
   std::size_t pool_blocks_after = 0, seq_pool_blocks_after = 0, layer_peak = 0, seq_peak = 0;
+  kv_prefix_stats prefix_after;
   {
     asio::thread_pool io(o.threads);
     layer_world lw(io, o.writers, o.seed);
@@ -153,6 +157,16 @@ int main(int argc, char** argv) try {
     lw.live.clear();
     sw.live.clear();
     lw.current_arena.reset();
+    // Every sequence gone, every entry must be idle; the clear then gives
+    // their blocks back.
+    prefix_after = sw.prefix.stats();
+    if (prefix_after.idle_blocks != prefix_after.cached_blocks)
+      fail(str("prefix cache after teardown: ", prefix_after.cached_blocks, " entries, only ", prefix_after.idle_blocks,
+               " idle"));
+    if (sw.pool.stats().blocks_cached_idle != sw.pool.stats().blocks_cached)
+      fail(str("pool after teardown: ", sw.pool.stats().blocks_cached, " cached blocks, only ",
+               sw.pool.stats().blocks_cached_idle, " idle"));
+    sw.prefix.clear();
     layer_peak = lw.pool.stats().peak_blocks_in_use;
     seq_peak = sw.pool.stats().peak_blocks_in_use;
     pool_blocks_after = lw.pool.stats().blocks_in_use;
@@ -160,6 +174,9 @@ int main(int argc, char** argv) try {
   }
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   print_figures(o, elapsed);
+  std::cout << "  prefix cache at the end: " << prefix_after.cached_blocks << " entries, " << prefix_after.evicted_blocks
+            << " evicted by appends, hit rate " << prefix_after.hit_tokens << "/" << prefix_after.query_tokens
+            << " tokens\n";
   std::cout << "  teardown: layer pool blocks_in_use " << pool_blocks_after << " (peak " << layer_peak
             << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak << "), pools alive "
             << ghostlink::detail::pools_alive() << ", destroyed unbalanced "
