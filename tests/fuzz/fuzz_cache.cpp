@@ -10,6 +10,7 @@
 // Running out of input reads zeros, so every input is valid.
 
 #include "layer_ops.hpp"
+#include "prefix_ops.hpp"
 #include "sequence_ops.hpp"
 #include "snapshot_ops.hpp"
 #include "world.hpp"
@@ -48,6 +49,7 @@ enum op : std::uint8_t {
   op_new_seq,
   op_refuse_memory,
   op_abandon,
+  op_prefix,
   op_count
 };
 
@@ -185,6 +187,7 @@ void step(world<T>& w) {
       current_trace().add("new_seq", 1 + k % 3, k >> 7 & 1);
       w.new_sequence(1 + k % 3, k >> 7 & 1, 1 + k / 4 % 12);
       break;
+    case op_prefix: prefix_op(w, seq); break;
     case op_refuse_memory: {
       // The pool's fault hook: its next n requests for block memory fail as
       // if the system had none (a write then fails with capacity_exhausted).
@@ -255,6 +258,10 @@ void run(input& in, const std::uint8_t (&head)[7]) {
     }
     // The smaller limit applies (an unlimited block count still has a byte bound).
     w.adopt_pool(kv_block_pool::for_caches<T>(geometry, limits), std::min(limits.max_blocks, limits.max_bytes / bytes));
+    // Pool 0's prefix cache, for sequences of 1-3 layers (the others'
+    // inserts must fail).
+    w.m.prefix_layers = 1 + head[6] / 64 % 3;
+    w.prefix.emplace(w.m.prefix_layers, geometry, w.pools[0]);
     w.new_cache(head[6] & 1, 1 + (head[6] >> 1) % 16);
     if (head[6] & 0x20) w.new_sequence(1 + (head[6] >> 6) % 3, head[6] & 0x10, 1 + (head[6] >> 1) % 16);
     w.check_all();
@@ -272,6 +279,9 @@ void run(input& in, const std::uint8_t (&head)[7]) {
     w.seqs.clear();
     if (w.abandoned) return;
     w.run_to_completion([] { return true; }, "teardown");
+    expect_eq(w.prefix->stats().idle_blocks, w.m.entries.size(), "prefix cache: every entry idle at the end");
+    w.prefix->clear();
+    w.m.entries.clear();
     for (std::size_t i = 0; i < w.pools.size(); ++i) {
       expect_eq(w.m.in_use(i), std::size_t{0}, str("model: pool ", i, " in use at the end"));
       expect_eq(w.pools[i].stats().blocks_in_use, std::size_t{0}, str("pool ", i, ": blocks_in_use at the end"));

@@ -15,6 +15,7 @@
 
 #include <ghostlink/config.hpp>
 #include <ghostlink/error.hpp>
+#include <ghostlink/prefix_cache.hpp>
 #include <ghostlink/types.hpp>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <system_error>
 #include <vector>
@@ -143,6 +145,16 @@ struct mseq {
 
 inline std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0); }
 
+/// One entry of the prefix cache (on pool 0): the blocks of every layer it
+/// references and what they hold, keyed by the real cache's block hash.
+struct mentry {
+  kv_block_hash hash;
+  std::optional<kv_block_hash> parent;
+  std::vector<std::uint32_t> blocks;      // one per layer
+  std::vector<std::vector<recipe>> data;  // per layer, block_tokens tokens
+  std::uint64_t tick = 0;                 // last attached or inserted
+};
+
 class model {
  public:
   /// working_state.cpp's bound on a block table (chunks of 32 blocks): a
@@ -152,6 +164,12 @@ class model {
   explicit model(const kv_cache_config& geometry) : geometry_(geometry) {}
 
   std::vector<mpool> pools;
+
+  // The prefix cache on pool 0: its entries (the contract's eviction order
+  // by tick), and its counters.
+  std::vector<mentry> entries;
+  std::uint64_t clock = 0, evicted = 0, inserted = 0;
+  std::size_t prefix_layers = 0;
 
   std::size_t add_pool(std::size_t max) {
     pools.push_back({max, 0, 0, 0});
@@ -184,7 +202,117 @@ class model {
       visit(w.lock()->reserved);
     }
     for (const auto& w : epochs_) visit(w.lock()->blocks);
+    for (const mentry& e : entries) visit(e.blocks);
     return n;
+  }
+
+  /// Marks (mark_) the blocks some live cache, reservation or epoch holds:
+  /// what is in use outside the prefix cache.
+  GHOSTLINK_FUZZ_QUIET void mark_outside() {
+    std::erase_if(caches_, [](const auto& w) { return w.expired(); });
+    std::erase_if(epochs_, [](const auto& w) { return w.expired(); });
+    mark_.assign(blocks_.size() + 1, 0);
+    auto visit = [&](const std::vector<std::uint32_t>& ids) GHOSTLINK_FUZZ_QUIET {
+      for (std::uint32_t id : ids) mark_[id] = 1;
+    };
+    for (const auto& w : caches_) {
+      visit(w.lock()->table);
+      visit(w.lock()->reserved);
+    }
+    for (const auto& w : epochs_) visit(w.lock()->blocks);
+  }
+  /// After mark_outside(): nothing but the cache references `e`'s blocks.
+  GHOSTLINK_FUZZ_QUIET bool idle(const mentry& e) const {
+    return std::none_of(e.blocks.begin(), e.blocks.end(), [&](std::uint32_t id) { return mark_[id] != 0; });
+  }
+  /// Entries idle now, and the distinct blocks cached and idle.
+  GHOSTLINK_FUZZ_QUIET std::size_t idle_entries() {
+    mark_outside();
+    return static_cast<std::size_t>(std::count_if(entries.begin(), entries.end(), [&](const mentry& e) { return idle(e); }));
+  }
+  GHOSTLINK_FUZZ_QUIET std::pair<std::size_t, std::size_t> cached_blocks() {
+    mark_outside();
+    std::vector<std::uint32_t> all;
+    for (const mentry& e : entries) all.insert(all.end(), e.blocks.begin(), e.blocks.end());
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    const auto idle_n = std::count_if(all.begin(), all.end(), [&](std::uint32_t id) { return mark_[id] == 0; });
+    return {all.size(), static_cast<std::size_t>(idle_n)};
+  }
+  /// The least recently used idle entry with no cached child evicted; false
+  /// if none. Only pool 0 has a prefix cache.
+  GHOSTLINK_FUZZ_QUIET bool evict(std::size_t pool) {
+    if (pool != 0 || entries.empty()) return false;
+    mark_outside();
+    std::size_t best = entries.size();
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const mentry& e = entries[i];
+      const bool parent = std::any_of(entries.begin(), entries.end(), [&](const mentry& c) { return c.parent == e.hash; });
+      if (idle(e) && !parent && (best == entries.size() || e.tick < entries[best].tick)) best = i;
+    }
+    if (best == entries.size()) return false;
+    entries.erase(entries.begin() + static_cast<std::ptrdiff_t>(best));
+    ++evicted;
+    return true;
+  }
+  GHOSTLINK_FUZZ_QUIET mentry* find(const kv_block_hash& h) {
+    for (mentry& e : entries)
+      if (e.hash == h) return &e;
+    return nullptr;
+  }
+  /// attach(): the cached run of `hashes` from block 0, touched (later
+  /// blocks first), as a new sequence's layers; its ids are the caller's.
+  std::vector<std::shared_ptr<mcache>> attach(const std::vector<kv_block_hash>& hashes) {
+    std::vector<mentry*> run;
+    for (const kv_block_hash& h : hashes) {
+      mentry* e = find(h);
+      if (!e) break;
+      run.push_back(e);
+    }
+    for (auto it = run.rbegin(); it != run.rend(); ++it) (*it)->tick = ++clock;
+    std::vector<std::shared_ptr<mcache>> layers;
+    const std::size_t bt = geometry_.block_tokens;
+    for (std::size_t l = 0; l < prefix_layers; ++l) {
+      auto c = std::make_shared<mcache>();
+      c->pool = 0;
+      c->owner = ++owners_;
+      c->initialized = true;
+      for (const mentry* e : run) {
+        c->table.push_back(e->blocks[l]);
+        c->data.insert(c->data.end(), e->data[l].begin(), e->data[l].end());
+      }
+      c->length = c->stored = run.size() * bt;
+      c->changed = true;
+      publish(*c);
+      caches_.push_back(c);
+      layers.push_back(std::move(c));
+    }
+    return layers;
+  }
+  /// insert(): entries for the full blocks of the first `hashes.size()`
+  /// blocks that every layer's latest epoch holds as blocks of its own;
+  /// returns the entries added.
+  std::size_t insert(const mseq& q, const std::vector<kv_block_hash>& hashes) {
+    const std::size_t bt = geometry_.block_tokens;
+    std::size_t added = 0, whole_blocks = 0;
+    for (std::size_t b = 0; b < hashes.size(); ++b) {
+      bool whole = true;
+      for (const auto& l : q.layers) whole = whole && l->current->stored >= (b + 1) * bt && l->current->blocks[b] != 0;
+      if (!whole) break;
+      ++whole_blocks;
+      if (find(hashes[b])) continue;
+      mentry fresh{hashes[b], b == 0 ? std::nullopt : std::optional(hashes[b - 1]), {}, {}, 0};
+      for (const auto& l : q.layers) {
+        fresh.blocks.push_back(l->current->blocks[b]);
+        fresh.data.emplace_back(l->current->data.begin() + static_cast<std::ptrdiff_t>(b * bt),
+                                l->current->data.begin() + static_cast<std::ptrdiff_t>((b + 1) * bt));
+      }
+      entries.push_back(std::move(fresh));
+      ++added;
+    }
+    for (std::size_t b = whole_blocks; b-- > 0;) find(hashes[b])->tick = ++clock;
+    inserted += added;
+    return added;
   }
 
   std::error_code initialize(mcache& c, std::size_t n) {
@@ -232,7 +360,7 @@ class model {
     table.resize(nblocks, 0);
     std::vector<std::size_t> fresh, in_place;
     mpool& p = pools[c.pool];
-    std::size_t used = in_use(c.pool);
+    std::size_t used = in_use(c.pool), taken = 0;
     for (const call& k : calls) {
       if (std::find(fresh.begin(), fresh.end(), k.block) != fresh.end()) continue;  // new this write: ours
       const std::uint32_t id = table[k.block];
@@ -247,7 +375,11 @@ class model {
       if (!c.reserved.empty()) {
         c.reserved.pop_back();  // a fresh id stands for it below
       } else {
-        if (used >= p.max) return kv_errc::capacity_exhausted;
+        while (used >= p.max) {  // evicting prefix-cache entries, least recently used first
+          if (!evict(c.pool)) return kv_errc::capacity_exhausted;
+          used = in_use(c.pool) + taken;
+        }
+        ++taken;
         p.peak = std::max(p.peak, ++used);
         if (!take_memory(c.pool)) return kv_errc::capacity_exhausted;
       }
@@ -301,7 +433,10 @@ class model {
     mpool& p = pools[c.pool];
     std::size_t used = in_use(c.pool);
     for (std::size_t i = 0; i < needed; ++i) {
-      if (used >= p.max) return kv_errc::capacity_exhausted;
+      while (used >= p.max) {  // evicting prefix-cache entries, least recently used first
+        if (!evict(c.pool)) return kv_errc::capacity_exhausted;
+        used = in_use(c.pool) + i;
+      }
       p.peak = std::max(p.peak, ++used);
       if (!take_memory(c.pool)) return kv_errc::capacity_exhausted;
     }
@@ -396,6 +531,8 @@ class model {
         return false;
     }
     if (own_epochs != 1) return false;
+    for (const mentry& e : entries)
+      if (holds(e.blocks)) return false;  // the prefix cache's hold counts
     for (const auto& w : caches_) {
       const auto other = w.lock();
       if (other.get() != &c && holds(other->table)) return false;

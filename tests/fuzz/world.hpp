@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -82,6 +83,8 @@ struct world {
   std::uint32_t serial = 0;
   bool abandoned = false;  // requests were left queued: the run ends (see abandon_requests)
   std::vector<std::size_t> used_per_pool;  // check_all's blocks in use per pool
+  // The prefix cache on pool 0 (of model.prefix_layers layers), made with it.
+  std::optional<basic_kv_prefix_cache<T>> prefix;
 
   std::size_t width() const { return geometry.token_width(); }
   std::size_t max_tokens() const { return geometry.max_tokens_per_seq; }
@@ -241,6 +244,21 @@ struct world {
     for (std::size_t k = 0; k < seqs.size(); ++k) check_seq(seqs[k], k);
     for (std::size_t k = 0; k < seq_snaps.size(); ++k) check_seq_snapshot(seq_snaps[k], {"held sequence snapshot", k});
     for (std::size_t i = 0; i < pools.size(); ++i) check_pool(i, used_per_pool[i]);
+    if (prefix) check_prefix();
+  }
+
+  /// The prefix cache's counters and the pool's cached blocks against the model.
+  GHOSTLINK_FUZZ_QUIET void check_prefix() {
+    const where what{"prefix cache", 0};
+    const kv_prefix_stats st = prefix->stats();
+    expect_eq(st.cached_blocks, m.entries.size(), what, "stats().cached_blocks");
+    expect_eq(st.idle_blocks, m.idle_entries(), what, "stats().idle_blocks");
+    expect_eq(st.evicted_blocks, m.evicted, what, "stats().evicted_blocks");
+    expect_eq(st.inserted_blocks, m.inserted, what, "stats().inserted_blocks");
+    const auto [cached, idle] = m.cached_blocks();
+    const kv_pool_stats ps = pools[0].stats();
+    expect_eq(ps.blocks_cached, cached, what, "pool blocks_cached");
+    expect_eq(ps.blocks_cached_idle, idle, what, "pool blocks_cached_idle");
   }
 
   /// Adds a pool to the model and its handle to the world.

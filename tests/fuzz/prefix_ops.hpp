@@ -1,0 +1,86 @@
+#pragma once
+// Prefix-cache operations on pool 0's cache: insert (the ids a sequence
+// stores, ids given with it, or ids that are not its own: the caller's
+// promise broken, which the model mirrors), insert from a sequence of
+// another layer count (layer_mismatch, nothing inserted), attach of a
+// sequence's ids (whole, cut, or with other ids after them) as a new
+// sequence that the other operations then write, and clear. Eviction runs
+// inside the other operations' writes whenever pool 0's budget is spent.
+
+#include "world.hpp"
+
+#include <string>
+#include <vector>
+
+namespace ghostlink::fuzz {
+
+/// Ids for a prompt or an insert from sequence `q`'s ids: as they are, cut
+/// to a length, or with ids from the input after them.
+template <class T>
+std::vector<token_id> pick_ids(world<T>& w, const mseq& q) {
+  std::vector<token_id> ids = q.ids;
+  const std::uint8_t b = w.in.byte();
+  if (b % 4 == 1) ids.resize(std::min(ids.size(), w.pick_index(ids.size())));
+  if (b % 4 == 2)
+    for (std::size_t n = w.in.byte() % 9; n > 0; --n) ids.push_back(static_cast<token_id>(w.in.byte() % 5));
+  return ids;
+}
+
+template <class T>
+void prefix_op(world<T>& w, std::size_t seq) {
+  if (!w.prefix) return;
+  const std::uint8_t what = w.in.byte() % 8;
+  const std::size_t bt = w.geometry.block_tokens;
+  if (what == 0) {
+    current_trace().add("prefix_clear");
+    w.prefix->clear();
+    w.m.entries.clear();
+    return;
+  }
+  if (what <= 3) {  // insert
+    if (w.seqs.empty()) return;
+    const auto& s = w.seqs[seq % w.seqs.size()];
+    const mseq& q = *s.m;
+    const bool stored = what == 1;
+    std::vector<token_id> ids = stored ? q.ids : (what == 2 ? q.ids : pick_ids(w, q));
+    if (stored) ids.resize(static_cast<std::size_t>(std::find(ids.begin(), ids.end(), no_token_id) - ids.begin()));
+    current_trace().add(stored ? "prefix_insert_stored" : "prefix_insert", seq % w.seqs.size(), ids.size());
+    if (q.layers.size() != w.m.prefix_layers || q.pool != 0) {
+      try {
+        (void)(stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
+        fail("prefix insert from a sequence of another layer count or pool did not throw");
+      } catch (const std::system_error& e) {
+        expect_ec(e.code(), q.pool != 0 ? kv_errc::invalid_config : kv_errc::layer_mismatch, "prefix insert");
+      }
+      return;
+    }
+    const std::size_t n = std::min(ids.size(), q.length) / bt * bt;
+    const std::vector<kv_block_hash> hashes = w.prefix->block_hashes(std::span(ids).first(n));
+    const std::size_t want = w.m.insert(q, hashes);
+    const std::size_t got = stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids);
+    expect_eq(got, want, "prefix insert: entries added");
+    return;
+  }
+  // attach, as a new sequence (when there is room) or looked at and dropped
+  std::vector<token_id> prompt;
+  if (!w.seqs.empty()) prompt = pick_ids(w, *w.seqs[seq % w.seqs.size()].m);
+  current_trace().add("prefix_attach", prompt.size());
+  const std::vector<kv_block_hash> hashes = w.prefix->block_hashes(prompt);
+  expect_eq(w.prefix->match(prompt) / bt, static_cast<std::size_t>(std::find_if(hashes.begin(), hashes.end(),
+                                                                                 [&](const kv_block_hash& h) {
+                                                                                   return !w.m.find(h);
+                                                                                 }) -
+                                                                    hashes.begin()),
+            "prefix match: blocks");
+  basic_sequence_kv_cache<T> real = w.prefix->attach(w.io, prompt);
+  auto q = std::make_shared<mseq>();
+  q->pool = 0;
+  q->layers = w.m.attach(hashes);
+  q->length = q->layers.empty() ? 0 : q->layers[0]->length;
+  q->ids.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(q->length));
+  typename world<T>::seq_slot slot{std::move(real), std::move(q), w.geometry};
+  w.check_seq(slot, w.seqs.size());
+  if (w.seqs.size() < world<T>::max_seqs && what % 2 == 0) w.seqs.push_back(std::move(slot));
+}
+
+}  // namespace ghostlink::fuzz
