@@ -72,33 +72,9 @@ class decoder {
   const ghostlink::sequence_kv_cache& sequence() const { return seq_; }
 
   /// The logits of each of `ids`, fed at positions `sequence().size()` on,
-  /// which become part of the sequence.
+  /// which become part of the sequence: one step (tiny_llama::forward).
   asio::awaitable<std::vector<std::vector<float>>> forward(std::vector<token_id> ids) {
-    const tiny_llama::dims& d = m_.shape();
-    const std::size_t n = ids.size(), qw = d.q_width(), kvw = d.kv_width();
-    auto step = co_await seq_.async_begin_step(std::span<const token_id>(ids), awaitable);
-
-    std::vector<std::vector<float>> x(n, std::vector<float>(d.model));
-    for (std::size_t t = 0; t < n; ++t) m_.embed(ids[t], x[t].data());
-    // Each layer's keys and values stay here until the commit has awaited their writes.
-    std::vector<std::vector<float>> keys(d.layers, std::vector<float>(n * kvw)), values = keys;
-    std::vector<float> q(n * qw), attn(n * qw);
-    tiny_llama::token_scratch s(d);
-    const ghostlink::attention_shape shape{
-        .query_heads = d.query_heads, .kv_heads = d.kv_heads, .head_dim = d.head_dim};
-    for (std::size_t l = 0; l < d.layers; ++l) {
-      for (std::size_t t = 0; t < n; ++t)
-        m_.qkv(l, x[t].data(), step.index() + t, &q[t * qw], &keys[l][t * kvw], &values[l][t * kvw], s);
-      step.async_write(l, keys[l], values[l], asio::detached);
-      if (auto ec = ghostlink::attend(step.snapshot_before(l), q, attn, shape, {keys[l], values[l]}))
-        throw std::system_error(ec);
-      for (std::size_t t = 0; t < n; ++t) m_.finish_layer(l, &attn[t * qw], x[t].data(), s);
-    }
-    co_await step.async_commit(awaitable);  // every layer's write, awaited once
-
-    std::vector<std::vector<float>> logits(n, std::vector<float>(d.vocab));
-    for (std::size_t t = 0; t < n; ++t) m_.logits(x[t].data(), logits[t].data(), s);
-    co_return logits;
+    return tiny_llama::forward(m_, seq_, std::move(ids));
   }
 
  private:
@@ -106,17 +82,8 @@ class decoder {
   ghostlink::sequence_kv_cache seq_;
 };
 
-token_id greedy(const std::vector<float>& logits) {
-  return static_cast<token_id>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-}
-
-/// A draw from softmax(logits / 0.8).
-token_id sample(const std::vector<float>& logits, std::mt19937_64& rng) {
-  const float top = *std::max_element(logits.begin(), logits.end());
-  std::vector<double> w(logits.size());
-  for (std::size_t i = 0; i < w.size(); ++i) w[i] = std::exp((logits[i] - top) / 0.8);
-  return static_cast<token_id>(std::discrete_distribution<std::size_t>(w.begin(), w.end())(rng));
-}
+using tiny_llama::greedy;
+using tiny_llama::sample;
 
 /// Decodes `r` until it holds `length` tokens (a speculative round may pass
 /// it by up to three).
@@ -193,15 +160,8 @@ std::pair<std::size_t, double> check(const tiny_llama::model& m, const options& 
   const auto expected = tiny_llama::recompute(m, r.tokens, o.prompt - 1);
   std::size_t bad = expected.size() == r.logits.size() ? 0 : 1;
   double worst = 0;
-  for (std::size_t p = 0; p < std::min(expected.size(), r.logits.size()); ++p) {
-    bool differs = false;
-    for (std::size_t v = 0; v < expected[p].size(); ++v) {
-      const double diff = std::abs(double(expected[p][v]) - r.logits[p][v]);
-      worst = std::max(worst, diff);
-      differs |= diff > 1e-3 * (1.0 + std::abs(double(expected[p][v])));
-    }
-    bad += differs;
-  }
+  for (std::size_t p = 0; p < std::min(expected.size(), r.logits.size()); ++p)
+    bad += tiny_llama::logits_differ(expected[p], r.logits[p], worst);
   if (r.cache.size() != r.tokens.size() || r.cache.snapshot().token_ids() != r.tokens) ++bad;
   return {bad, worst};
 }

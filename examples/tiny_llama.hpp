@@ -3,9 +3,16 @@
 // token embedding, then per layer RMSNorm, grouped-query attention with
 // rotary position embeddings (RoPE), a residual, RMSNorm, a SwiGLU
 // feed-forward block and a residual; a final RMSNorm and the output
-// projection to logits. Plain C++ the compiler vectorises; the attention
-// itself is the caller's (serving_loop attends through ghostlink::attend
-// over the KV cache; recompute() below uses no cache at all).
+// projection to logits. Plain C++ the compiler vectorises. The attention
+// is forward()'s (ghostlink::attend over a sequence's KV cache, one step
+// per forward pass) or recompute()'s (no cache at all), which checks it.
+// Shared by serving_loop and prefix_reuse.
+
+#include <ghostlink/kv_cache.hpp>
+
+#include <asio/awaitable.hpp>
+#include <asio/detached.hpp>
+#include <asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +20,7 @@
 #include <cstdint>
 #include <random>
 #include <span>
+#include <system_error>
 #include <vector>
 
 namespace tiny_llama {
@@ -198,6 +206,69 @@ inline std::vector<std::vector<float>> recompute(const model& m, std::span<const
     m.logits(x[p].data(), out.back().data(), s);
   }
   return out;
+}
+
+/// The logits of each of `ids`, fed to `seq` at positions `seq.size()` on
+/// (0 for a new sequence, the attached length for one a prefix cache
+/// attached), which become part of the sequence: one step
+/// (`async_begin_step`) of `ids.size()` causal rows, a prefill chunk or a
+/// decode step. Layer by layer it computes the new tokens' queries, keys
+/// and values, starts the layer's write without awaiting it, and attends
+/// (ghostlink::attend) over the layer's tokens before the step with its own
+/// tokens pending; the commit awaits the writes once. `m` and `seq` must
+/// outlive the returned awaitable.
+inline asio::awaitable<std::vector<std::vector<float>>> forward(const model& m, const ghostlink::sequence_kv_cache& seq,
+                                                                std::vector<std::int32_t> ids) {
+  const dims& d = m.shape();
+  const std::size_t n = ids.size(), qw = d.q_width(), kvw = d.kv_width();
+  auto step = co_await seq.async_begin_step(std::span<const std::int32_t>(ids), asio::use_awaitable);
+
+  std::vector<std::vector<float>> x(n, std::vector<float>(d.model));
+  for (std::size_t t = 0; t < n; ++t) m.embed(ids[t], x[t].data());
+  // Each layer's keys and values stay here until the commit has awaited their writes.
+  std::vector<std::vector<float>> keys(d.layers, std::vector<float>(n * kvw)), values = keys;
+  std::vector<float> q(n * qw), attn(n * qw);
+  token_scratch s(d);
+  const ghostlink::attention_shape shape{.query_heads = d.query_heads, .kv_heads = d.kv_heads, .head_dim = d.head_dim};
+  for (std::size_t l = 0; l < d.layers; ++l) {
+    for (std::size_t t = 0; t < n; ++t)
+      m.qkv(l, x[t].data(), step.index() + t, &q[t * qw], &keys[l][t * kvw], &values[l][t * kvw], s);
+    step.async_write(l, keys[l], values[l], asio::detached);
+    if (auto ec = ghostlink::attend(step.snapshot_before(l), q, attn, shape, {keys[l], values[l]}))
+      throw std::system_error(ec);
+    for (std::size_t t = 0; t < n; ++t) m.finish_layer(l, &attn[t * qw], x[t].data(), s);
+  }
+  co_await step.async_commit(asio::use_awaitable);  // every layer's write, awaited once
+
+  std::vector<std::vector<float>> logits(n, std::vector<float>(d.vocab));
+  for (std::size_t t = 0; t < n; ++t) m.logits(x[t].data(), logits[t].data(), s);
+  co_return logits;
+}
+
+/// The most likely token.
+inline std::int32_t greedy(const std::vector<float>& logits) {
+  return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+/// A draw from softmax(logits / 0.8).
+inline std::int32_t sample(const std::vector<float>& logits, std::mt19937_64& rng) {
+  const float top = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> w(logits.size());
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = std::exp((logits[i] - top) / 0.8);
+  return static_cast<std::int32_t>(std::discrete_distribution<std::size_t>(w.begin(), w.end())(rng));
+}
+
+/// True when a row of logits differs from the recompute's (`expected`)
+/// beyond float accumulation error: by more than 1e-3 (1 + |expected|) in
+/// any entry, or in length. `worst` grows to the largest difference seen.
+inline bool logits_differ(const std::vector<float>& expected, const std::vector<float>& got, double& worst) {
+  bool differs = expected.size() != got.size();
+  for (std::size_t v = 0; v < std::min(expected.size(), got.size()); ++v) {
+    const double diff = std::abs(double(expected[v]) - got[v]);
+    worst = std::max(worst, diff);
+    differs |= diff > 1e-3 * (1.0 + std::abs(double(expected[v])));
+  }
+  return differs;
 }
 
 }  // namespace tiny_llama

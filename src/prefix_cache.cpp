@@ -64,8 +64,7 @@ class sha256 {
 
  private:
   static const EVP_MD* algorithm() {
-    static const std::unique_ptr<EVP_MD, void (*)(EVP_MD*)> md(EVP_MD_fetch(nullptr, "SHA256", nullptr),
-                                                               &EVP_MD_free);
+    static const std::unique_ptr<EVP_MD, void (*)(EVP_MD*)> md(EVP_MD_fetch(nullptr, "SHA256", nullptr), &EVP_MD_free);
     if (!md) throw std::bad_alloc();
     return md.get();
   }
@@ -78,8 +77,8 @@ void add_u64(sha256& h, std::uint64_t v) {
   h.add(le.data(), le.size());
 }
 
-kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size_t num_layers,
-                        const kv_cache_config& c, std::uint8_t element) {
+kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size_t num_layers, const kv_cache_config& c,
+                        std::uint8_t element) {
   static constexpr std::string_view tag = "ghostlink-prefix-v1";
   sha256& h = sha256::for_this_thread();
   h.begin();

@@ -232,8 +232,8 @@ sequence_core::sequence_core(asio::any_io_executor ex, const kv_cache_config& co
       config(config),
       layers(std::move(layers)),
       size(size),
-      account(ref_ptr<block_account>::adopt(
-          new block_account(ref_ptr<block_pool>::share(&this->layers.front()->pool())))) {
+      account(
+          ref_ptr<block_account>::adopt(new block_account(ref_ptr<block_pool>::share(&this->layers.front()->pool())))) {
   for (std::size_t i = 0; i < model_layers(); ++i) this->layers[i]->use_account(account);
 }
 

@@ -35,8 +35,8 @@
 
 #include "block.hpp"
 #include "ghostlink/config.hpp"
-#include "ghostlink/element.hpp"
 #include "ghostlink/detail/sequence_core.hpp"
+#include "ghostlink/element.hpp"
 
 namespace ghostlink::detail {
 

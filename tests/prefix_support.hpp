@@ -20,9 +20,7 @@ using ghostlink::test::str;
 using ghostlink::test::wait_ec;
 
 /// 2 heads of 4 lanes, 4 tokens a block, 64 tokens a sequence.
-inline kv_cache_config config() {
-  return {.max_tokens_per_seq = 64, .num_heads = 2, .head_dim = 4, .block_tokens = 4};
-}
+inline kv_cache_config config() { return {.max_tokens_per_seq = 64, .num_heads = 2, .head_dim = 4, .block_tokens = 4}; }
 
 /// Layer `l`'s key for token `id` at `position`, lane `lane`; values are
 /// the keys negated. Exact in float and unique per (l, position, id).

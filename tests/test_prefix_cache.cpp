@@ -383,8 +383,7 @@ TEST_CASE("eviction: one token appended to every layer evicts one entry", "[pref
   CHECK(f.cache.stats().cached_blocks == 1);
 }
 
-TEST_CASE("eviction: an entry whose blocks another entry also references frees none; eviction goes on",
-          "[prefix]") {
+TEST_CASE("eviction: an entry whose blocks another entry also references frees none; eviction goes on", "[prefix]") {
   fixture f(6);
   const auto t = run(1, 4);
   {
@@ -467,8 +466,7 @@ TEST_CASE("stats: queries, tokens asked for and hit, inserted, evicted, cached a
   CHECK(s.evicted_blocks == 0);
 }
 
-TEST_CASE("events: stored in block order with parents, removed, numbered from 1 without gaps per handler",
-          "[prefix]") {
+TEST_CASE("events: stored in block order with parents, removed, numbered from 1 without gaps per handler", "[prefix]") {
   fixture f(8);
   event_log log;
   f.cache.set_event_handler(log.handler());

@@ -86,7 +86,9 @@ class sequence_core;
 
 /// The one byte of the root hash that names the element type.
 template <storage_element T>
-inline constexpr std::uint8_t element_code = std::is_same_v<T, float> ? 0 : std::is_same_v<T, half> ? 1 : 2;
+inline constexpr std::uint8_t element_code = std::is_same_v<T, float>  ? 0
+                                             : std::is_same_v<T, half> ? 1
+                                                                       : 2;
 
 // The untyped machinery (src/prefix_cache.cpp).
 std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
@@ -95,8 +97,7 @@ std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv
 std::size_t num_layers(const prefix_index& p) noexcept;
 const kv_cache_config& config_of(const prefix_index& p) noexcept;
 kv_block_pool pool_of(const prefix_index& p) noexcept;
-std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens,
-                                        std::string_view salt);
+std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
 std::size_t prefix_match(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
 std::shared_ptr<sequence_core> prefix_attach(prefix_index& p, asio::any_io_executor ex,
                                              std::span<const token_id> tokens, std::string_view salt);

@@ -228,7 +228,8 @@ class model {
   /// Entries idle now, and the distinct blocks cached and idle.
   GHOSTLINK_FUZZ_QUIET std::size_t idle_entries() {
     mark_outside();
-    return static_cast<std::size_t>(std::count_if(entries.begin(), entries.end(), [&](const mentry& e) { return idle(e); }));
+    return static_cast<std::size_t>(
+        std::count_if(entries.begin(), entries.end(), [&](const mentry& e) { return idle(e); }));
   }
   GHOSTLINK_FUZZ_QUIET std::pair<std::size_t, std::size_t> cached_blocks() {
     mark_outside();
@@ -247,7 +248,8 @@ class model {
     std::size_t best = entries.size();
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const mentry& e = entries[i];
-      const bool parent = std::any_of(entries.begin(), entries.end(), [&](const mentry& c) { return c.parent == e.hash; });
+      const bool parent =
+          std::any_of(entries.begin(), entries.end(), [&](const mentry& c) { return c.parent == e.hash; });
       if (idle(e) && !parent && (best == entries.size() || e.tick < entries[best].tick)) best = i;
     }
     if (best == entries.size()) return false;

@@ -50,7 +50,8 @@ void prefix_op(world<T>& w, std::size_t seq) {
         (void)(stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
         fail("prefix insert from a sequence of another layer count or pool did not throw");
       } catch (const std::system_error& e) {
-        expect_ec(e.code(), q.pool != 0 ? kv_errc::invalid_config : kv_errc::layer_mismatch, "prefix insert");
+        expect_ec(e.code(), q.layers.size() != w.m.prefix_layers ? kv_errc::layer_mismatch : kv_errc::invalid_config,
+                  "prefix insert");
       }
       return;
     }
@@ -66,11 +67,10 @@ void prefix_op(world<T>& w, std::size_t seq) {
   if (!w.seqs.empty()) prompt = pick_ids(w, *w.seqs[seq % w.seqs.size()].m);
   current_trace().add("prefix_attach", prompt.size());
   const std::vector<kv_block_hash> hashes = w.prefix->block_hashes(prompt);
-  expect_eq(w.prefix->match(prompt) / bt, static_cast<std::size_t>(std::find_if(hashes.begin(), hashes.end(),
-                                                                                 [&](const kv_block_hash& h) {
-                                                                                   return !w.m.find(h);
-                                                                                 }) -
-                                                                    hashes.begin()),
+  expect_eq(w.prefix->match(prompt) / bt,
+            static_cast<std::size_t>(
+                std::find_if(hashes.begin(), hashes.end(), [&](const kv_block_hash& h) { return !w.m.find(h); }) -
+                hashes.begin()),
             "prefix match: blocks");
   basic_sequence_kv_cache<T> real = w.prefix->attach(w.io, prompt);
   auto q = std::make_shared<mseq>();

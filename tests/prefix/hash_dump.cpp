@@ -16,7 +16,8 @@ namespace {
 std::string unhex(const std::string& s) {
   std::string out;
   if (s == "-") return out;
-  for (std::size_t i = 0; i + 1 < s.size(); i += 2) out.push_back(static_cast<char>(std::stoi(s.substr(i, 2), nullptr, 16)));
+  for (std::size_t i = 0; i + 1 < s.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(s.substr(i, 2), nullptr, 16)));
   return out;
 }
 

@@ -349,7 +349,8 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
   }
   if (roll < 45) {
     bump(g_figures.prefix_inserts);
-    const std::size_t added = r.percent(20) ? w.prefix.insert_stored_tokens(t.seq) : w.prefix.insert(t.seq, ids_of(s.tags));
+    const std::size_t added =
+        r.percent(20) ? w.prefix.insert_stored_tokens(t.seq) : w.prefix.insert(t.seq, ids_of(s.tags));
     bump(g_figures.prefix_added, added);
     return;
   }
@@ -374,7 +375,8 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
   for (std::size_t l = 0; l < seq_world::layers; ++l) {
     const std::string error = decode_all(snap.layer(l), l, seen);
     if (!error.empty() || seen != want)
-      return fail(str(t.name, ": attached layer ", l, " of ", n, " tokens: ", error, error.empty() ? "tags differ" : ""));
+      return fail(
+          str(t.name, ": attached layer ", l, " of ", n, " tokens: ", error, error.empty() ? "tags differ" : ""));
   }
   if (snap.token_ids() != std::vector<token_id>(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(n)))
     return fail(str(t.name, ": attached ", n, " tokens whose ids are not the prompt's"));

@@ -81,9 +81,10 @@ void print_figures(const options& o, double elapsed) {
             << v(f.steps_unawaited) << " with their writes awaited by the commit; " << v(f.append_capacity_failures)
             << " failed for capacity), truncates " << v(f.seq_truncates) << ", forks " << v(f.seq_forks)
             << ", conflicts " << v(f.conflicts) << " (" << v(f.conflicts_rejected) << " rejected in progress)\n"
-            << "  prefix cache: inserts " << v(f.prefix_inserts) << " (" << v(f.prefix_added) << " entries added), attaches "
-            << v(f.prefix_attaches) << " (" << v(f.prefix_attached_tokens) << " tokens attached and checked; "
-            << v(f.prefix_adopted) << " written on), clears " << v(f.prefix_clears) << "\n"
+            << "  prefix cache: inserts " << v(f.prefix_inserts) << " (" << v(f.prefix_added)
+            << " entries added), attaches " << v(f.prefix_attaches) << " (" << v(f.prefix_attached_tokens)
+            << " tokens attached and checked; " << v(f.prefix_adopted) << " written on), clears " << v(f.prefix_clears)
+            << "\n"
             << "  generations (caches, forks, arena regions, sequences): " << v(f.generations) << "\n"
             << "  distinct epochs observed: " << v(f.epochs) << "\n"
             << "  snapshots verified: layer " << v(f.layer_snapshots) << ", arena " << v(f.arena_snapshots)
@@ -174,9 +175,9 @@ int main(int argc, char** argv) try {
   }
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   print_figures(o, elapsed);
-  std::cout << "  prefix cache at the end: " << prefix_after.cached_blocks << " entries, " << prefix_after.evicted_blocks
-            << " evicted by appends, hit rate " << prefix_after.hit_tokens << "/" << prefix_after.query_tokens
-            << " tokens\n";
+  std::cout << "  prefix cache at the end: " << prefix_after.cached_blocks << " entries, "
+            << prefix_after.evicted_blocks << " evicted by appends, hit rate " << prefix_after.hit_tokens << "/"
+            << prefix_after.query_tokens << " tokens\n";
   std::cout << "  teardown: layer pool blocks_in_use " << pool_blocks_after << " (peak " << layer_peak
             << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak << "), pools alive "
             << ghostlink::detail::pools_alive() << ", destroyed unbalanced "
