@@ -22,5 +22,10 @@ void fork(const options& opts, report& out);
 void prefill(const options& opts, report& out);
 void memory_waste(const options& opts, report& out);
 void storage_16bit(const options& opts, report& out);
+void prefix_attach(const options& opts, report& out);
+void prefix_hash(const options& opts, report& out);
+void prefix_match(const options& opts, report& out);
+void prefix_eviction(const options& opts, report& out);
+void prefix_workload(const options& opts, report& out);
 
 }  // namespace ghostlink::bench

@@ -7,7 +7,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -37,6 +41,37 @@ inline std::vector<token> tokens_for(const options& o, std::size_t n) {
   return data;
 }
 
+/// Tokens 0..n-1 of `width` floats (as `token` makes them), token-major:
+/// the keys and values of multi-token appends (a prefill).
+struct token_rows {
+  std::size_t width = 0;
+  std::vector<float> keys, values;
+  token_rows(std::size_t width, std::size_t n) : width(width) {
+    keys.reserve(n * width);
+    values.reserve(n * width);
+    for (std::size_t i = 0; i < n; ++i) {
+      const token t(width, i);
+      keys.insert(keys.end(), t.keys.begin(), t.keys.end());
+      values.insert(values.end(), t.values.begin(), t.values.end());
+    }
+  }
+  /// Tokens [first, first + n).
+  std::span<const float> keys_of(std::size_t first, std::size_t n) const {
+    return std::span(keys).subspan(first * width, n * width);
+  }
+  std::span<const float> values_of(std::size_t first, std::size_t n) const {
+    return std::span(values).subspan(first * width, n * width);
+  }
+};
+
+/// `n` token ids drawn uniformly from [0, vocabulary).
+inline std::vector<token_id> random_token_ids(std::mt19937_64& rng, std::size_t n, token_id vocabulary = 1 << 30) {
+  std::uniform_int_distribution<token_id> draw(0, vocabulary - 1);
+  std::vector<token_id> ids(n);
+  for (token_id& id : ids) id = draw(rng);
+  return ids;
+}
+
 /// A batch writing tokens [first, end), token i's data being
 /// data[i % data.size()] (a prefill, a run of drafts).
 inline std::vector<kv_write> writes_of(const std::vector<token>& data, std::size_t first, std::size_t end) {
@@ -55,6 +90,15 @@ void on_threads(std::size_t threads, F f) {
   for (std::size_t t = 1; t < threads; ++t) workers.emplace_back(f, t);
   f(0);
   for (auto& w : workers) w.join();
+}
+
+/// Reports a broken expectation of `scenario` and ends the benchmark with
+/// status 1 at once (threads may be running): a figure measured on a wrong
+/// result would mislead.
+[[noreturn]] inline void fail(const std::string& scenario, const std::string& what) {
+  std::fprintf(stderr, "ghostlink-bench: %s: %s\n", scenario.c_str(), what.c_str());
+  std::fflush(nullptr);
+  std::_Exit(1);
 }
 
 /// Keeps a value alive for the optimiser.

@@ -8,6 +8,7 @@
 #include <bit>
 #include <cstring>
 #include <new>
+#include <ranges>
 #include <system_error>
 #include <utility>
 
@@ -177,7 +178,7 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
     matched.push_back(it->second.get());
   }
   // Later blocks count as used first, so a child is older than its parent.
-  for (auto it = matched.rbegin(); it != matched.rend(); ++it) touch(**it);
+  for (prefix_entry* e : std::views::reverse(matched)) touch(*e);
   for (prefix_entry* e : matched)
     for (std::size_t l = 0; l < num_layers_; ++l) {
       prefix_node& n = *e->nodes[l];

@@ -299,7 +299,7 @@ std::shared_ptr<sequence_core> make_attached_sequence(asio::any_io_executor ex, 
 }
 
 void use_reservation(const sequence_core& s, kv_block_reservation& r) {
-  if (r.size() == 0) return;
+  if (r.empty()) return;
   if (r.pool() != pool_access::handle(ref_ptr<block_pool>::share(&s.layers.front()->pool())))
     throw std::system_error(make_error_code(kv_errc::invalid_config));
   s.account->left.fetch_add(pool_access::release_reservation(r), std::memory_order_relaxed);
