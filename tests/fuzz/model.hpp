@@ -25,6 +25,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <ranges>
 #include <span>
 #include <system_error>
 #include <vector>
@@ -271,7 +272,7 @@ class model {
       if (!e) break;
       run.push_back(e);
     }
-    for (auto it = run.rbegin(); it != run.rend(); ++it) (*it)->tick = ++clock;
+    for (mentry* e : std::views::reverse(run)) e->tick = ++clock;
     std::vector<std::shared_ptr<mcache>> layers;
     const std::size_t bt = geometry_.block_tokens;
     for (std::size_t l = 0; l < prefix_layers; ++l) {
