@@ -97,7 +97,7 @@ class prefix_index {
   std::vector<kv_block_hash> hashes(std::span<const token_id> tokens, std::string_view salt) const;
 
   /// Cached entries from block 0 on; counts a query of `hashes.size()` blocks.
-  std::size_t match(std::span<const kv_block_hash> hashes) noexcept;
+  std::size_t match(std::span<const kv_block_hash> hashes) const noexcept;
   /// As match(), and references the matched entries' blocks for an attach:
   /// `out[l]` gets layer l's, in block order; they become the most recently
   /// used and are in use. Throws std::bad_alloc, changing nothing.
@@ -150,10 +150,11 @@ class prefix_index {
   kv_prefix_event_handler handler_;
   std::uint64_t event_sequence_ = 0;
 
-  // Counters (relaxed; stats() reads them without the lock).
-  std::atomic<std::uint64_t> queries_{0};
-  std::atomic<std::uint64_t> query_tokens_{0};
-  std::atomic<std::uint64_t> hit_tokens_{0};
+  // Counters (relaxed; stats() reads them without the lock). A match()
+  // counts a query without changing any entry.
+  mutable std::atomic<std::uint64_t> queries_{0};
+  mutable std::atomic<std::uint64_t> query_tokens_{0};
+  mutable std::atomic<std::uint64_t> hit_tokens_{0};
   std::atomic<std::uint64_t> inserted_{0};
   std::atomic<std::uint64_t> evicted_{0};
   std::atomic<std::size_t> cached_{0};

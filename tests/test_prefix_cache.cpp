@@ -272,6 +272,24 @@ TEST_CASE("insert: a sequence of another layer count, pool or geometry throws an
   CHECK_THROWS_AS(f.cache.insert(sequence_kv_cache(), t), std::system_error);
 }
 
+TEST_CASE("match and attach stop at the cache's max_tokens_per_seq, whatever was inserted", "[prefix]") {
+  const kv_block_pool pool = kv_block_pool::for_caches(config());
+  kv_cache_config small = config();
+  small.max_tokens_per_seq = 6;  // a block and a half
+  kv_prefix_cache cache(2, small, pool);
+  asio::thread_pool threads(2);
+  const auto t = run(1, 12);
+  sequence_kv_cache seq(threads, 2, config(), pool);  // max 64 tokens
+  REQUIRE(append(seq, t) == std::error_code());
+  CHECK(cache.insert(seq, t) == 3);
+  CHECK(cache.match(t) == 4);
+  auto attached = cache.attach(threads, t);
+  CHECK(diff(attached, std::span(t).first(4)) == "");
+  CHECK(append(attached, std::span(t).subspan(4, 2)) == std::error_code());
+  CHECK(append(attached, std::span(t).subspan(6, 1)) == kv_errc::index_out_of_range);
+  REQUIRE(truncate(seq, 0) == std::error_code());
+}
+
 TEST_CASE("insert_stored_tokens: from the ids the sequence stores, up to a token stored without one", "[prefix]") {
   fixture f;
   const auto t = run(1, 10);

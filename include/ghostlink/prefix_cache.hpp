@@ -182,7 +182,8 @@ class basic_kv_prefix_cache {
   }
 
   /// The tokens of the longest run of cached blocks of `tokens` from block
-  /// 0 (a multiple of `block_tokens`, at most `tokens.size()`). Pins
+  /// 0 (a multiple of `block_tokens`, at most `tokens.size()` and at most
+  /// the cache's `max_tokens_per_seq`, which an attached sequence holds). Pins
   /// nothing and changes no entry's place in the eviction order. An engine
   /// that needs the logits of the last prompt token passes
   /// `tokens.first(tokens.size() - 1)`. Counts a query.
