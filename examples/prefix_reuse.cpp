@@ -29,9 +29,10 @@
 //
 // Every logit row a request computed (each uncached prompt position and
 // each decode step) is checked against a recompute of the conversation
-// that uses no cache (tiny_llama::recompute); any mismatch, or an attached
-// or final sequence whose token ids are not the request's, fails the
-// program (exit 1), as does a default run with no eviction.
+// that uses no cache (tiny_llama::recompute); any mismatch, an attached or
+// final sequence whose token ids are not the request's, counters or events
+// that disagree with the cache, or no eviction when the budget cannot hold
+// every prefix (as the default's cannot), fails the program (exit 1).
 //
 //   prefix_reuse [--requests N] [--turns N] [--in-flight N] [--decode N] [--layers N] [--threads N] [--blocks N]
 #include <ghostlink/kv_cache.hpp>
@@ -44,6 +45,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -191,9 +193,12 @@ class router_mirror {
           ++violations_;
           if (it == entries_.end()) break;
         }
-        if (it->second.parent)
-          if (auto p = entries_.find(*it->second.parent); p != entries_.end()) --p->second.children;
+        const std::optional<ghostlink::kv_block_hash> parent = it->second.parent;
         entries_.erase(it);
+        if (parent) {
+          const auto p = entries_.find(*parent);
+          if (p != entries_.end()) --p->second.children;
+        }
         break;
       }
       case kind::cleared: entries_.clear(); break;
@@ -280,8 +285,8 @@ asio::awaitable<void> serve_turn(server& srv, std::size_t c, std::size_t k) {
   srv.blocks.admit(own);
 
   // The prefill: the uncached prompt tokens, one causal step.
-  r.logits =
-      co_await tiny_llama::forward(srv.model, seq, std::vector<token_id>(prompt.begin() + r.attached, prompt.end()));
+  r.logits = co_await tiny_llama::forward(
+      srv.model, seq, std::vector<token_id>(prompt.begin() + static_cast<std::ptrdiff_t>(r.attached), prompt.end()));
   r.tokens = std::move(prompt);
   std::mt19937_64 rng(c * 100 + k);
   for (std::size_t i = 0; i < srv.o.decode; ++i) {
@@ -429,6 +434,7 @@ int main(int argc, char** argv) try {
   // The checks, one conversation per task on the same threads.
   const auto check_start = clock_type::now();
   std::vector<std::future<verdict>> checks;
+  checks.reserve(work.conversations.size());
   for (const conversation& conv : work.conversations)
     checks.push_back(asio::co_spawn(
         threads, [&model, &conv]() -> asio::awaitable<verdict> { co_return check(model, conv); }, asio::use_future));
@@ -442,19 +448,22 @@ int main(int argc, char** argv) try {
   }
   const double checking = std::chrono::duration<double>(clock_type::now() - check_start).count();
 
-  std::size_t prompt_tokens = 0, attached = 0, decoded = 0, served = 0, ids_bad = 0;
+  std::size_t prompt_tokens = 0, attached = 0, decoded = 0, served = 0, ids_bad = 0, inserted = 0;
   for (const conversation& conv : work.conversations)
     for (const turn_record& r : conv.turns) {
       ++served;
       prompt_tokens += r.prompt;
       attached += r.attached;
       decoded += o.decode;
+      inserted += r.inserted;
       ids_bad += !r.attached_ids_ok + !r.final_ids_ok;
     }
   if (ids_bad) std::fprintf(stderr, "prefix_reuse: %zu sequences hold token ids that are not the request's\n", ids_bad);
 
-  // The router's mirror against the cache, now that every request is done.
-  std::size_t router_disagrees = mirror.size() != stats.cached_blocks || mirror.stored() != stats.inserted_blocks ||
+  // The counters, and the router's mirror, against the cache, now that
+  // every request is done.
+  std::size_t router_disagrees = inserted != stats.inserted_blocks || stats.queries != served ||
+                                 mirror.size() != stats.cached_blocks || mirror.stored() != stats.inserted_blocks ||
                                  mirror.removed() != stats.evicted_blocks;
   for (const conversation& conv : work.conversations)
     if (!conv.turns.empty()) {
@@ -462,7 +471,8 @@ int main(int argc, char** argv) try {
       router_disagrees += mirror.match(cache.block_hashes(t)) != cache.match(t);
     }
   router_disagrees += mirror.violations();
-  if (router_disagrees) std::fprintf(stderr, "prefix_reuse: the event mirror disagrees with the cache\n");
+  if (router_disagrees)
+    std::fprintf(stderr, "prefix_reuse: the counters or the event mirror disagree with the cache\n");
 
   // Once every sequence is gone (the threads joined: no layer holds a
   // block any more), clearing the cache gives every block back.
@@ -476,9 +486,11 @@ int main(int argc, char** argv) try {
                  o.blocks, distinct);
 
   const std::size_t computed = prompt_tokens - attached + decoded;
-  std::printf("prefix_reuse: %zu requests (%zu conversations of up to %zu turns on %zu system prompts of 48-64 tokens, "
-              "%zu-token replies), %zu-layer model, %zu in flight, %zu threads\n",
-              served, o.conversations(), o.turns, system_prompts, o.decode, o.layers, o.in_flight, o.threads);
+  std::printf(
+      "prefix_reuse: %zu requests (%zu conversation%s of up to %zu turns on %zu system prompts of 48-64 tokens, "
+      "%zu-token replies), %zu-layer model, %zu in flight, %zu threads\n",
+      served, o.conversations(), o.conversations() == 1 ? "" : "s", o.turns, system_prompts, o.decode, o.layers,
+      o.in_flight, o.threads);
   std::printf("  pool:        %zu blocks of %zu tokens (%zu per layer); keeping every prefix would take %zu\n",
               o.blocks, block_tokens, o.blocks / o.layers, distinct);
   std::printf("  hit rate:    %.1f%% (hit_tokens %llu / query_tokens %llu over %llu queries)\n",
@@ -495,7 +507,7 @@ int main(int argc, char** argv) try {
               blocks.peak_live(), blocks.peak_no_reuse(), pool_stats.peak_blocks_in_use, o.blocks);
   std::printf("  evictions:   %llu entries (%llu blocks) of %llu inserted, %s; %zu cached at the end\n",
               static_cast<unsigned long long>(stats.evicted_blocks),
-              static_cast<unsigned long long>(stats.evicted_blocks * o.layers),
+              static_cast<unsigned long long>(stats.evicted_blocks) * o.layers,
               static_cast<unsigned long long>(stats.inserted_blocks),
               must_evict ? "required (the pool cannot hold every prefix)" : "none required", stats.cached_blocks);
   std::printf("  events:      %llu stored, %llu removed: the router's mirror %s the cache\n",
