@@ -102,7 +102,7 @@ bool block_pool::reserve_many(std::size_t n) noexcept {
 
 std::size_t block_pool::blocks_available() const noexcept {
   const std::size_t used = in_use_.load(std::memory_order_relaxed);
-  return (used < max_blocks_ ? max_blocks_ - used : 0) + idle_cached_blocks();
+  return (used < max_blocks_ ? max_blocks_ - used : 0) + reclaimable_blocks_.load(std::memory_order_relaxed);
 }
 
 bool block_pool::attach_index(prefix_index* index) noexcept {

@@ -74,7 +74,8 @@ class block_pool : public ref_counted<block_pool> {
   /// Counts `n` blocks against the budget at once, evicting as needed; or,
   /// when they cannot all be had, none (false). A reservation's.
   bool reserve_many(std::size_t n) noexcept;
-  /// Budget left plus the blocks that only idle prefix-cache entries hold.
+  /// Budget left plus the blocks that evicting idle prefix-cache entries
+  /// would free (none whose entry has a cached descendant in use).
   std::size_t blocks_available() const noexcept;
 
   /// Makes `index` the pool's prefix cache; false if it has one already.
@@ -87,9 +88,10 @@ class block_pool : public ref_counted<block_pool> {
   void cached_block_idle(const block* b) noexcept;
   /// The prefix cache's counts, as kv_pool_stats reports them (written
   /// under the index's lock).
-  void set_cached_counts(std::size_t cached, std::size_t idle) noexcept {
+  void set_cached_counts(std::size_t cached, std::size_t idle, std::size_t reclaimable) noexcept {
     cached_blocks_.store(cached, std::memory_order_relaxed);
     idle_cached_blocks_.store(idle, std::memory_order_relaxed);
+    reclaimable_blocks_.store(reclaimable, std::memory_order_relaxed);
   }
   std::size_t cached_blocks() const noexcept { return cached_blocks_.load(std::memory_order_relaxed); }
   std::size_t idle_cached_blocks() const noexcept { return idle_cached_blocks_.load(std::memory_order_relaxed); }
@@ -157,6 +159,7 @@ class block_pool : public ref_counted<block_pool> {
   // The prefix cache's, written under its lock.
   std::atomic<std::size_t> cached_blocks_{0};
   std::atomic<std::size_t> idle_cached_blocks_{0};
+  std::atomic<std::size_t> reclaimable_blocks_{0};
   std::atomic<std::size_t> reserved_{0};
   // Rarely.
   alignas(64) std::mutex sink_mutex_;   // serialises set_event_handler

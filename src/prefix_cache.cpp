@@ -116,7 +116,7 @@ prefix_index::~prefix_index() {
   for (auto& [hash, e] : entries_) e->nodes.clear();
   for (auto& [blk, node] : nodes_) blk->drop_cached();
   nodes_.clear();
-  pool_->set_cached_counts(0, 0);
+  pool_->set_cached_counts(0, 0, 0);
 }
 
 kv_block_hash prefix_index::root(std::string_view salt) const {
@@ -249,6 +249,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
     // The caller holds every block, so every node is busy (an idle node's
     // block has no outside reference, and only an attach gives one out).
     e.busy = e.nodes.size();
+    refresh_pin(&e);
     emit(kv_prefix_event::kind::stored, e.hash, e.parent ? &e.parent->hash : nullptr);
   }
   for (std::size_t i = hashes.size(); i-- > 0;) touch(*chain[i]);
@@ -267,8 +268,38 @@ void prefix_index::touch(prefix_entry& e) noexcept {
 void prefix_index::node_busy(prefix_node& n) noexcept {
   n.busy = true;
   --idle_nodes_;
-  for (prefix_entry* e : n.entries)
+  for (prefix_entry* e : n.entries) {
     if (e->busy++ == 0) entry_busy(*e);
+    refresh_pin(e);
+  }
+  refresh_node(n);
+}
+
+void prefix_index::refresh_pin(prefix_entry* e) noexcept {
+  while (e) {
+    const bool pinned = e->busy > 0 || e->pinned_children > 0;
+    if (pinned == e->pinned) return;
+    e->pinned = pinned;
+    for (prefix_node* n : e->nodes) refresh_node(*n);
+    if (e->parent) {
+      if (pinned)
+        ++e->parent->pinned_children;
+      else
+        --e->parent->pinned_children;
+    }
+    e = e->parent;
+  }
+}
+
+void prefix_index::refresh_node(prefix_node& n) noexcept {
+  const bool reclaimable =
+      !n.busy && std::none_of(n.entries.begin(), n.entries.end(), [](const prefix_entry* e) { return e->pinned; });
+  if (reclaimable == n.reclaimable) return;
+  n.reclaimable = reclaimable;
+  if (reclaimable)
+    ++reclaimable_;
+  else
+    --reclaimable_;
 }
 
 void prefix_index::entry_busy(prefix_entry& e) noexcept {
@@ -301,8 +332,11 @@ void prefix_index::block_idle(const block* b) noexcept {
   if (!n.busy || n.blk->outside_references() != 0) return;
   n.busy = false;
   ++idle_nodes_;
-  for (prefix_entry* e : n.entries)
+  for (prefix_entry* e : n.entries) {
     if (--e->busy == 0) entry_idle(*e);
+    refresh_pin(e);
+  }
+  refresh_node(n);
   publish_counts();
 }
 
@@ -324,9 +358,13 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   if (e.busy == 0) --idle_entries_;
   for (prefix_node* n : e.nodes) {
     std::erase(n->entries, &e);
-    if (!n->entries.empty()) continue;
+    if (!n->entries.empty()) {
+      refresh_node(*n);
+      continue;
+    }
     const block* blk = n->blk;
     if (!n->busy) --idle_nodes_;
+    if (n->reclaimable) --reclaimable_;
     nodes_.erase(blk);
     blk->drop_cached();  // frees it when idle
   }
@@ -339,7 +377,7 @@ void prefix_index::clear() noexcept {
   for (auto& [blk, node] : nodes_) blk->drop_cached();
   nodes_.clear();
   entries_.clear();
-  idle_nodes_ = idle_entries_ = 0;
+  idle_nodes_ = idle_entries_ = reclaimable_ = 0;
   emit(kv_prefix_event::kind::cleared, {}, nullptr);
   publish_counts();
 }
@@ -347,7 +385,7 @@ void prefix_index::clear() noexcept {
 void prefix_index::publish_counts() noexcept {
   cached_.store(entries_.size(), std::memory_order_relaxed);
   idle_.store(idle_entries_, std::memory_order_relaxed);
-  pool_->set_cached_counts(nodes_.size(), idle_nodes_);
+  pool_->set_cached_counts(nodes_.size(), idle_nodes_, reclaimable_);
 }
 
 void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent) noexcept {

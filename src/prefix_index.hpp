@@ -20,6 +20,11 @@
 //   entry's set node is allocated with it and moves between lru_ and the
 //   entry, so no eviction or release allocates.
 // - idle_nodes_ counts nodes that are not busy; idle_entries_ entries at 0.
+// - An entry is pinned when it is busy or has a pinned child (an idle
+//   parent of an entry in use: two requests computed the same block, one
+//   let go). A node is reclaimable when it is not busy and no entry holding
+//   it is pinned: evicting leaves first frees it. reclaimable_ counts them;
+//   it is what the pool's blocks_available() adds to the free budget.
 //
 // Locks: the pool's index mutex, then mutex_ (evictions come from the
 // allocation path through the pool, idle blocks from releases). Nothing
@@ -54,6 +59,7 @@ using lru_set = std::set<std::pair<std::uint64_t, prefix_entry*>>;
 struct prefix_node {
   const block* blk = nullptr;
   bool busy = true;                     // held outside the cache
+  bool reclaimable = false;             // not busy, and every entry holding it unpinned
   std::vector<prefix_entry*> entries;   // usually one
 };
 
@@ -64,6 +70,8 @@ struct prefix_entry {
   std::size_t children = 0;         // cached entries whose parent this is
   std::uint64_t tick = 0;           // last attached or inserted
   std::size_t busy = 0;             // nodes held outside the cache
+  std::size_t pinned_children = 0;  // cached children that are pinned
+  bool pinned = false;              // busy, or a pinned child: eviction cannot reach it now
   bool in_lru = false;              // evictable, in lru_
   std::vector<prefix_node*> nodes;  // one per layer
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
@@ -125,6 +133,9 @@ class prefix_index {
   void entry_idle(prefix_entry& e) noexcept;
   void entry_busy(prefix_entry& e) noexcept;
   void lru_add(prefix_entry& e) noexcept;
+  /// Recomputes `e`'s pin from its counts, and up its ancestors while it changes.
+  void refresh_pin(prefix_entry* e) noexcept;
+  void refresh_node(prefix_node& n) noexcept;
   void lru_remove(prefix_entry& e) noexcept;
   /// Drops `e` from the index and its nodes; the blocks no entry holds any
   /// more lose their cached bit (freed if idle).
@@ -147,6 +158,7 @@ class prefix_index {
   std::uint64_t clock_ = 0;
   std::size_t idle_nodes_ = 0;
   std::size_t idle_entries_ = 0;
+  std::size_t reclaimable_ = 0;
   kv_prefix_event_handler handler_;
   std::uint64_t event_sequence_ = 0;
 

@@ -602,6 +602,28 @@ TEST_CASE("pool stats: cached and idle blocks apart from blocks in use; blocks_a
   CHECK(f.pool.blocks_available() == 6);
 }
 
+TEST_CASE("blocks_available leaves out an idle entry whose child is in use: evicting cannot free it", "[prefix]") {
+  fixture f(10);
+  const auto t = run(1, 8);
+  {
+    auto a = f.prefill(std::span(t).first(4));  // block 0, computed here
+    REQUIRE(f.cache.insert(a, t) == 1);
+    auto b = f.prefill(t);  // blocks 0 and 1, computed again (a miss at its start)
+    REQUIRE(f.cache.insert(b, t) == 1);  // block 0 keeps a's entry; block 1's parent is it
+    REQUIRE(truncate(a, 0) == std::error_code());
+    // a's block 0 is idle, but its child (b's block 1) is in use: not evictable.
+    CHECK(f.pool.stats().blocks_cached_idle == 2);
+    CHECK(f.pool.blocks_available() == 10 - 6);
+    CHECK_THROWS_AS(f.pool.reserve(5), std::system_error);
+    CHECK(f.cache.stats().evicted_blocks == 0);
+    REQUIRE(truncate(b, 0) == std::error_code());
+  }
+  // Everything idle now: both entries can go.
+  CHECK(f.pool.blocks_available() == 10);
+  kv_block_reservation r = f.pool.reserve(10);
+  CHECK(f.cache.stats().evicted_blocks == 2);
+}
+
 TEST_CASE("reservation: taken at once, evicting as needed, or refused whole", "[prefix]") {
   fixture f(6);
   f.insert_idle(run(1, 4));

@@ -130,17 +130,18 @@ class kv_block_pool {
   /// The pool's counters now (see `kv_pool_stats`). Lock-free.
   kv_pool_stats stats() const noexcept;
   /// Blocks a request could have now: the budget left, plus the blocks
-  /// that only idle entries of the pool's prefix cache hold (which an
-  /// allocation would evict). Attached entries are in use, so attaching
-  /// lowers it. Lock-free; `stats().blocks_available`.
+  /// that evicting idle entries of the pool's prefix cache would free (an
+  /// idle entry with a cached descendant in use frees nothing until that
+  /// descendant is idle too: two requests computed the same block and one
+  /// let go). Attached entries are in use, so attaching lowers it.
+  /// Lock-free; `stats().blocks_available`.
   std::size_t blocks_available() const noexcept;
   /// Takes `blocks` blocks of budget at once, evicting idle prefix-cache
   /// entries (least recently used first) as needed, or none.
   /// @throws std::system_error with `kv_errc::capacity_exhausted` when
-  ///         `blocks_available()` is short of `blocks` (nothing is evicted
-  ///         then), or when evicting cannot free them after all (an idle
-  ///         entry whose child is in use frees nothing; what was evicted
-  ///         stays evicted, nothing is reserved).
+  ///         `blocks_available()` is short of `blocks`: nothing is evicted
+  ///         or reserved then. (Only a race with other allocations can make
+  ///         the evictions fall short; what was evicted then stays evicted.)
   kv_block_reservation reserve(std::size_t blocks) const;
   /// As above, setting `ec` instead of throwing (an empty reservation then).
   kv_block_reservation reserve(std::size_t blocks, std::error_code& ec) const noexcept;

@@ -69,7 +69,7 @@ struct kv_pool_stats {
   /// Of `blocks_in_use`, budget held by reservations and not yet allocated.
   std::size_t blocks_reserved = 0;
   /// What `kv_block_pool::blocks_available()` returns: the budget left plus
-  /// `blocks_cached_idle`.
+  /// the idle cached blocks that eviction can free (at most `blocks_cached_idle`).
   std::size_t blocks_available = 0;
   /// Payload bytes of the blocks in use: `blocks_in_use * block_bytes`.
   std::size_t bytes_in_use() const noexcept { return blocks_in_use * block_bytes; }

@@ -241,6 +241,32 @@ class model {
     const auto idle_n = std::count_if(all.begin(), all.end(), [&](std::uint32_t id) { return mark_[id] == 0; });
     return {all.size(), static_cast<std::size_t>(idle_n)};
   }
+  /// Blocks that evicting would free: not held outside, and every entry
+  /// holding it unpinned (idle, with no descendant in use).
+  GHOSTLINK_FUZZ_QUIET std::size_t reclaimable_blocks() {
+    mark_outside();
+    std::vector<char> pinned(entries.size(), 0);
+    // Children come after their parents in block order, not in entries:
+    // repeat until nothing changes (the model is small).
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (std::size_t i = 0; i < entries.size(); ++i) {
+        if (pinned[i]) continue;
+        bool p = !idle(entries[i]);
+        for (std::size_t j = 0; j < entries.size() && !p; ++j)
+          p = pinned[j] && entries[j].parent == entries[i].hash;
+        if (p) pinned[i] = 1, changed = true;
+      }
+    }
+    std::vector<std::uint32_t> all, blocked;
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      for (std::uint32_t id : entries[i].blocks) (pinned[i] || mark_[id] ? blocked : all).push_back(id);
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    return static_cast<std::size_t>(std::count_if(all.begin(), all.end(), [&](std::uint32_t id) {
+      return std::find(blocked.begin(), blocked.end(), id) == blocked.end();
+    }));
+  }
   /// The least recently used idle entry with no cached child evicted; false
   /// if none. Only pool 0 has a prefix cache.
   GHOSTLINK_FUZZ_QUIET bool evict(std::size_t pool) {

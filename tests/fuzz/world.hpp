@@ -259,6 +259,9 @@ struct world {
     const kv_pool_stats ps = pools[0].stats();
     expect_eq(ps.blocks_cached, cached, what, "pool blocks_cached");
     expect_eq(ps.blocks_cached_idle, idle, what, "pool blocks_cached_idle");
+    const std::size_t used = m.in_use(0), max = m.pools[0].max;
+    expect_eq(ps.blocks_available, (used < max ? max - used : 0) + m.reclaimable_blocks(), what,
+              "pool blocks_available");
   }
 
   /// Adds a pool to the model and its handle to the world.
