@@ -37,10 +37,27 @@ int main(int argc, char** argv) {
     return 2;
   }
   report out;
-  for (const char* name : {"read_under_write", "attention_read", "attend", "write_single", "write_concurrent",
-                           "decode_step", "decode_layer_order", "decode_pending", "batched_step", "decode_speculative",
-                           "decode_with_offloader", "memory", "fork", "prefill", "memory_waste", "storage_16bit",
-                           "prefix_attach", "prefix_hash", "prefix_match", "prefix_eviction", "prefix_workload"})
+  for (const char* name : {"read_under_write",
+                           "attention_read",
+                           "attend",
+                           "write_single",
+                           "write_concurrent",
+                           "decode_step",
+                           "decode_layer_order",
+                           "decode_pending",
+                           "batched_step",
+                           "decode_speculative",
+                           "decode_with_offloader",
+                           "memory",
+                           "fork",
+                           "prefill",
+                           "memory_waste",
+                           "storage_16bit",
+                           "prefix_attach",
+                           "prefix_hash",
+                           "prefix_match",
+                           "prefix_eviction",
+                           "prefix_workload"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",
               opts.tokens, opts.heads, opts.head_dim, opts.block_tokens, opts.runs, opts.quick ? ", --quick" : "");

@@ -21,12 +21,16 @@
 
 #include <openssl/evp.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../scenarios.hpp"
@@ -36,7 +40,9 @@ namespace ghostlink::bench {
 namespace {
 
 /// Tokens of the attached and hashed prompts: 4096, or what fits, in whole blocks.
-std::size_t prompt_tokens(const options& o) { return std::min<std::size_t>(4096, o.tokens) / o.block_tokens * o.block_tokens; }
+std::size_t prompt_tokens(const options& o) {
+  return std::min<std::size_t>(4096, o.tokens) / o.block_tokens * o.block_tokens;
+}
 
 /// Entries cached for prefix_match and prefix_eviction, in prompts of
 /// `entry_blocks(o)` blocks each.
@@ -81,80 +87,6 @@ void insert_idle(const std::string& scenario, kv_prefix_cache& cache, asio::thre
     fail(scenario, "expected " + std::to_string(blocks) + " idle entries, have " + std::to_string(s.cached_blocks) +
                        " entries, " + std::to_string(s.idle_blocks) + " idle");
 }
-
-// prefix_attach
-
-void attach_scenario(const options& o, report& out) {
-  const std::size_t n = prompt_tokens(o);
-  const token_rows data(o.config().token_width(), n);
-  std::mt19937_64 rng(1);
-  const std::vector<token_id> ids = random_token_ids(rng, n);
-  const std::vector<std::span<const float>> keys(o.layers, data.keys_of(0, n)), values(o.layers, data.values_of(0, n));
-  const std::string shape = std::to_string(n) + " tokens x " + std::to_string(o.layers) + " layers";
-
-  out.run("prefix_attach", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 rate"];
-    rate.name = "sequences holding " + shape;
-    rate.unit = "ops/s";
-    metric& taken = m["2 blocks"];
-    taken.name = "blocks one takes from the budget";
-    taken.unit = "blocks";
-    taken.higher_is_better = false;
-    metric& memory = m["3 memory"];
-    memory.name = "block memory one allocates";
-    memory.unit = "blocks";
-    memory.higher_is_better = false;
-
-    asio::thread_pool threads(o.threads);
-    const auto pool = kv_block_pool::for_caches(o.config());
-    const auto appended = [&] {  // a fresh sequence taking the tokens by one append
-      sequence_kv_cache seq(threads, o.layers, o.config(), pool);
-      seq.async_append(std::span<const token_id>(ids), keys, values, asio::use_future).get();
-      return seq;
-    };
-    // Records what `make()` adds to the pool's counters, once, then times it
-    // (the sequence it makes is destroyed after the clock stops).
-    const auto measure = [&](const std::string& impl, auto make) {
-      const kv_pool_stats before = pool.stats();
-      {
-        const sequence_kv_cache seq = make();
-        if (seq.size() != n) fail("prefix_attach", impl + " made a sequence of " + std::to_string(seq.size()));
-        const kv_pool_stats after = pool.stats();
-        taken.values[impl] = double(after.blocks_in_use - before.blocks_in_use);
-        memory.values[impl] = double(after.blocks_allocated - before.blocks_allocated);
-      }
-      rate.values[impl] = laps_per_second(o.seconds, [&] {
-        const auto t0 = clock_type::now();
-        const sequence_kv_cache seq = make();
-        const double s = seconds_since(t0);
-        keep(float(seq.size()));
-        return s;
-      });
-    };
-
-    if (o.wants("ghostlink")) {
-      kv_prefix_cache cache(o.layers, o.config(), pool);
-      {
-        const sequence_kv_cache seq = appended();
-        cache.insert_stored_tokens(seq);
-        seq.async_truncate(0, asio::use_future).get();  // the entries idle, as between requests
-      }
-      measure("ghostlink", [&] { return cache.attach(threads, ids); });
-    }
-    if (o.wants("fork")) {
-      const sequence_kv_cache seq = appended();
-      measure("fork", [&] { return seq.async_fork(asio::use_future).get(); });
-    }
-    if (o.wants("append")) measure("append", appended);
-    threads.join();
-  });
-  out.add_note("prefix_attach", "ghostlink: attach() of " + shape +
-                                    " cached (idle entries); fork: async_fork of a sequence holding them; append: a "
-                                    "new sequence and one async_append of them with their ids. Each makes a new "
-                                    "sequence; its destruction is not timed");
-}
-
-// prefix_hash
 
 using digest = std::array<std::uint8_t, 32>;
 
@@ -210,7 +142,8 @@ class bare_chain {
       } else {
         for (std::size_t i = 0; i < bt; ++i)
           for (std::size_t k = 0; k < 4; ++k)
-            buffer_[32 + 4 * i + k] = static_cast<std::uint8_t>(static_cast<std::uint32_t>(tokens[b * bt + i]) >> (8 * k));
+            buffer_[32 + 4 * i + k] =
+                static_cast<std::uint8_t>(static_cast<std::uint32_t>(tokens[b * bt + i]) >> (8 * k));
       }
       sha(buffer_.data(), buffer_.size(), out[b].data());
       prev = &out[b];
@@ -222,7 +155,114 @@ class bare_chain {
   std::vector<std::uint8_t> buffer_;
 };
 
-void hash_scenario(const options& o, report& out) {
+/// `n` one-token appends to a new sequence of one layer on a one-thread
+/// io_context, each into a block of its own (one-token blocks); their
+/// latencies.
+latencies one_token_appends(const kv_cache_config& config, const kv_block_pool& pool, std::size_t n) {
+  latencies lat;
+  lat.ns.reserve(n);
+  asio::io_context io;
+  const token t(config.token_width(), 5);
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<void> {
+        const sequence_kv_cache seq(io, 1, config, pool);
+        const std::array<std::span<const float>, 1> keys{t.keys}, values{t.values};
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto s = clock_type::now();
+          co_await seq.async_append(keys, values, asio::use_awaitable);
+          lat.add(s);
+        }
+        co_await seq.async_truncate(0, asio::use_awaitable);
+      },
+      [](const std::exception_ptr& e) {
+        if (e) std::rethrow_exception(e);
+      });
+  io.run();
+  return lat;
+}
+
+}  // namespace
+
+void prefix_attach(const options& o, report& out) {
+  const std::size_t n = prompt_tokens(o);
+  const token_rows data(o.config().token_width(), n);
+  std::mt19937_64 rng(1);
+  const std::vector<token_id> ids = random_token_ids(rng, n);
+  const std::vector<std::span<const float>> keys(o.layers, data.keys_of(0, n)), values(o.layers, data.values_of(0, n));
+  const std::string shape = std::to_string(n) + " tokens x " + std::to_string(o.layers) + " layers";
+
+  out.run("prefix_attach", o, [&](std::map<std::string, metric>& m) {
+    metric& rate = m["1 rate"];
+    rate.name = "sequences holding " + shape;
+    rate.unit = "ops/s";
+    metric& taken = m["2 blocks"];
+    taken.name = "blocks one takes from the budget";
+    taken.unit = "blocks";
+    taken.higher_is_better = false;
+    metric& memory = m["3 memory"];
+    memory.name = "new block memory one allocates";
+    memory.unit = "blocks";
+    memory.higher_is_better = false;
+
+    asio::thread_pool threads(o.threads);
+    const auto appended = [&](const kv_block_pool& pool) {  // a new sequence taking the tokens by one append
+      sequence_kv_cache seq(threads, o.layers, o.config(), pool);
+      seq.async_append(std::span<const token_id>(ids), keys, values, asio::use_future).get();
+      return seq;
+    };
+    // Records what `make()` adds to `pool`'s counters, once, then times it
+    // (the sequence it makes is destroyed after the clock stops).
+    const auto measure = [&](const std::string& impl, const kv_block_pool& pool, auto make) {
+      const kv_pool_stats before = pool.stats();
+      {
+        const sequence_kv_cache seq = make();
+        if (seq.size() != n) fail("prefix_attach", impl + " made a sequence of " + std::to_string(seq.size()));
+        const kv_pool_stats after = pool.stats();
+        taken.values[impl] = double(after.blocks_in_use - before.blocks_in_use);
+        memory.values[impl] = double(after.blocks_allocated - before.blocks_allocated);
+        if (impl == "ghostlink" &&
+            (after.blocks_in_use != before.blocks_in_use || after.blocks_allocated != before.blocks_allocated))
+          fail("prefix_attach", "an attach allocated blocks");
+      }
+      rate.values[impl] = laps_per_second(o.seconds, [&] {
+        const auto t0 = clock_type::now();
+        const sequence_kv_cache seq = make();
+        const double s = seconds_since(t0);
+        keep(float(seq.size()));
+        return s;
+      });
+    };
+
+    // Each on a pool of its own.
+    if (o.wants("ghostlink")) {
+      const auto pool = kv_block_pool::for_caches(o.config());
+      kv_prefix_cache cache(o.layers, o.config(), pool);
+      {
+        const sequence_kv_cache seq = appended(pool);
+        cache.insert_stored_tokens(seq);
+        seq.async_truncate(0, asio::use_future).get();  // the entries idle, as between requests
+      }
+      measure("ghostlink", pool, [&] { return cache.attach(threads, ids); });
+    }
+    if (o.wants("fork")) {
+      const auto pool = kv_block_pool::for_caches(o.config());
+      const sequence_kv_cache seq = appended(pool);
+      measure("fork", pool, [&] { return seq.async_fork(asio::use_future).get(); });
+    }
+    if (o.wants("append")) {
+      const auto pool = kv_block_pool::for_caches(o.config());
+      measure("append", pool, [&] { return appended(pool); });
+    }
+    threads.join();
+  });
+  out.add_note("prefix_attach", "ghostlink: attach() of " + shape +
+                                    " cached (idle entries); fork: async_fork of a sequence holding them; append: a "
+                                    "new sequence and one async_append of them with their ids. Each makes a new "
+                                    "sequence; its destruction is not timed");
+}
+
+void prefix_hash(const options& o, report& out) {
   const std::size_t n = prompt_tokens(o);
   const auto prompts = random_prompts(16, n, 2);
   const auto pool = kv_block_pool::for_caches(o.config());
@@ -255,14 +295,12 @@ void hash_scenario(const options& o, report& out) {
                              });
     ratio.values["ghostlink"] = rate.values["ghostlink"] / rate.values["openssl"];
   });
-  out.add_note("prefix_hash", "openssl: one EVP_Digest (SHA-256, fetched once) per block of the same 32-byte previous "
-                              "hash || " + std::to_string(o.block_tokens) + " little-endian i32 tokens, checked equal "
-                              "to block_hashes(); one thread; target ghostlink >= 0.8x");
+  out.add_note("prefix_hash", "openssl: one EVP_Digest (SHA-256, fetched once) per block of the 32-byte previous hash "
+                              "|| the block's tokens as little-endian i32, checked equal to block_hashes(); one "
+                              "thread; target ghostlink >= 0.8x");
 }
 
-// prefix_match
-
-void match_scenario(const options& o, report& out) {
+void prefix_match(const options& o, report& out) {
   const std::size_t bt = o.block_tokens, n = entry_blocks(o) * bt;
   const std::size_t count = (entries_wanted(o) + entry_blocks(o) - 1) / entry_blocks(o);
   const auto prompts = random_prompts(count, n, 3);
@@ -275,57 +313,36 @@ void match_scenario(const options& o, report& out) {
   const std::string entries = std::to_string(cache.stats().cached_blocks);
 
   out.run("prefix_match", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 rate"];
-    rate.name = std::to_string(n) + "-token prompts, " + entries + " entries";
-    rate.unit = "calls/s";
-    metric& ratio = m["2 ratio"];
-    ratio.name = "match time / hashing time";
-    ratio.unit = "x";
-    ratio.higher_is_better = false;
-    // Every prompt in turn, each a full hit: one lookup per block.
-    rate.values["ghostlink"] = ops_per_second(
-        o.seconds, [&](std::size_t i) { keep(float(cache.match(prompts[i % prompts.size()]))); });
-    rate.values["hash_only"] = ops_per_second(o.seconds, [&](std::size_t i) {
-      keep(float(cache.block_hashes(prompts[i % prompts.size()]).back().bytes[0]));
-    });
-    ratio.values["ghostlink"] = rate.values["hash_only"] / rate.values["ghostlink"];
+    // Each a full hit, one lookup per block: every cached prompt in turn
+    // (the whole index), then one prompt over and over (its entries in the
+    // processor's caches).
+    const auto measure = [&](const std::string& key, const std::string& name, std::size_t prompts_used) {
+      metric& rate = m[key + " rate"];
+      rate.name = name;
+      rate.unit = "calls/s";
+      metric& ratio = m[key + " ratio"];
+      ratio.name = "match / hashing time, " + key;
+      ratio.unit = "x";
+      ratio.higher_is_better = false;
+      rate.values["ghostlink"] =
+          ops_per_second(o.seconds, [&](std::size_t i) { keep(float(cache.match(prompts[i % prompts_used]))); });
+      rate.values["hash_only"] = ops_per_second(o.seconds, [&](std::size_t i) {
+        keep(float(cache.block_hashes(prompts[i % prompts_used]).back().bytes[0]));
+      });
+      ratio.values["ghostlink"] = rate.values["hash_only"] / rate.values["ghostlink"];
+    };
+    measure("all", std::to_string(n) + "-token prompts, " + entries + " entries", prompts.size());
+    measure("one", "one of them over and over", 1);
   });
   threads.join();
-  out.add_note("prefix_match", "1 layer of 1 head x 8 dims, " + std::to_string(bt) + "-token blocks; " +
-                                   std::to_string(count) + " prompts cached, matched in turn (full hits); "
-                                   "hash_only: block_hashes() of the same prompt; one thread; target ratio <= 1.5x");
+  out.add_note("prefix_match", "1 layer of 1 head x 8 dims, " + std::to_string(bt) + "-token blocks, " +
+                                   std::to_string(count) +
+                                   " prompts cached; all: each matched in turn (full hits); "
+                                   "one: one prompt over and over; hash_only: block_hashes() of the same prompts; "
+                                   "one thread; target match <= 1.5x the hashing time");
 }
 
-// prefix_eviction
-
-/// `n` one-token appends to a new sequence of one layer on a one-thread
-/// io_context, each into a block of its own (one-token blocks); their
-/// latencies.
-latencies one_token_appends(const kv_cache_config& config, const kv_block_pool& pool, std::size_t n) {
-  latencies lat;
-  lat.ns.reserve(n);
-  asio::io_context io;
-  const token t(config.token_width(), 5);
-  asio::co_spawn(
-      io,
-      [&]() -> asio::awaitable<void> {
-        const sequence_kv_cache seq(io, 1, config, pool);
-        const std::array<std::span<const float>, 1> keys{t.keys}, values{t.values};
-        for (std::size_t i = 0; i < n; ++i) {
-          const auto s = clock_type::now();
-          co_await seq.async_append(keys, values, asio::use_awaitable);
-          lat.add(s);
-        }
-        co_await seq.async_truncate(0, asio::use_awaitable);
-      },
-      [](const std::exception_ptr& e) {
-        if (e) std::rethrow_exception(e);
-      });
-  io.run();
-  return lat;
-}
-
-void eviction_scenario(const options& o, report& out) {
+void prefix_eviction(const options& o, report& out) {
   // One-token blocks, so that every append needs a new block.
   const std::size_t per_prompt = entry_blocks(o);
   const std::size_t count = (entries_wanted(o) + per_prompt - 1) / per_prompt;
@@ -361,33 +378,31 @@ void eviction_scenario(const options& o, report& out) {
       p50.values["ghostlink"] = lat.p(0.5);
       p99.values["ghostlink"] = lat.p(0.99);
       evicted.values["ghostlink"] = double(cache.stats().evicted_blocks) / double(appends);
+      if (cache.stats().evicted_blocks != appends) fail("prefix_eviction", "not every append evicted one entry");
       threads.join();
     }
     {  // The same budget, no entry: every append takes a block the free list holds.
       const auto pool = kv_block_pool::for_caches(config, {.max_blocks = entries});
       const kv_prefix_cache cache(1, config, pool);
       one_token_appends(config, pool, appends);  // leaves `appends` blocks on the free list
-      if (pool.stats().blocks_free < appends) fail("prefix_eviction", "the free list is short");
+      const kv_pool_stats before = pool.stats();
+      if (before.blocks_free < appends) fail("prefix_eviction", "the free list is short");
       latencies lat = one_token_appends(config, pool, appends);
       p50.values["free_list"] = lat.p(0.5);
       p99.values["free_list"] = lat.p(0.99);
       evicted.values["free_list"] = double(cache.stats().evicted_blocks) / double(appends);
+      if (pool.stats().blocks_allocated != before.blocks_allocated)
+        fail("prefix_eviction", "an append took memory the free list did not hold");
     }
     ratio.values["ghostlink"] = p99.values["ghostlink"] / p99.values["free_list"];
   });
-  out.add_note("prefix_eviction", std::to_string(appends) + " one-token appends (co_await, one-thread io_context) to "
-                                      "a sequence of 1 layer, 1 head x 8 dims, 1-token blocks. ghostlink: the "
-                                      "pool's budget full of " + std::to_string(entries) + " idle entries (" +
-                                      std::to_string(count) + " prompts of " + std::to_string(per_prompt) +
-                                      " blocks), each append evicts one; free_list: the same budget, no entry, each "
-                                      "append pops a freed block; target ratio <= 2x");
+  out.add_note("prefix_eviction", std::to_string(appends) +
+                                      " one-token appends (co_await on a one-thread io_context) to a sequence of "
+                                      "1 layer, 1 head x 8 dims, 1-token blocks. ghostlink: the budget full of " +
+                                      std::to_string(entries) + " idle entries (" + std::to_string(count) +
+                                      " prompts of " + std::to_string(per_prompt) +
+                                      " blocks), each append evicts one; free_list: the same budget "
+                                      "and no entry, each append pops a freed block; target p99 ratio <= 2x");
 }
-
-}  // namespace
-
-void prefix_attach(const options& o, report& out) { attach_scenario(o, out); }
-void prefix_hash(const options& o, report& out) { hash_scenario(o, out); }
-void prefix_match(const options& o, report& out) { match_scenario(o, out); }
-void prefix_eviction(const options& o, report& out) { eviction_scenario(o, out); }
 
 }  // namespace ghostlink::bench
