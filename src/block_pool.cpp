@@ -225,12 +225,13 @@ void block::add_ref() const noexcept {
 void block::release() const noexcept {
   // The pool's shared count is settled while this reference is still held:
   // once the count drops, another thread may free the block and its pool.
-  // A cached block's pool is held past the drop, to report the block idle.
+  // A cached block's last outside reference holds the pool past the drop,
+  // to report the block idle.
   const bool counted = budget_ == budget::counted;
   ref_ptr<block_pool> cached_pool;
   std::uint32_t before = refs_.load(std::memory_order_relaxed);
   for (;;) {
-    if ((before & cached_bit) != 0 && !cached_pool) cached_pool = pool_;
+    if (before == cached_bit + 1 && !cached_pool) cached_pool = pool_;
     const bool crossing = counted && (before & outside_mask) == 2;
     if (crossing) pool_->count_shared(-1);
     // acq_rel: every use by other owners happens-before the destruction.

@@ -153,11 +153,26 @@ std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens
   return out;
 }
 
+std::size_t prefix_index::cached_run(std::span<const kv_block_hash> hashes) const noexcept {
+  // Prefix-closed (an entry's parent is cached while it is, and h[i] names
+  // h[i - 1] through SHA-256): whether h[i] is cached is monotone in i, so a
+  // binary search finds the run with log2(n) lookups, not n.
+  std::size_t lo = 0, hi = hashes.size();
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    if (entries_.contains(hashes[mid - 1]))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 std::size_t prefix_index::match(std::span<const kv_block_hash> hashes) const noexcept {
   std::size_t found = 0;
   {
     std::lock_guard lock(mutex_);
-    while (found < hashes.size() && entries_.contains(hashes[found])) ++found;
+    found = cached_run(hashes);
   }
   queries_.fetch_add(1, std::memory_order_relaxed);
   query_tokens_.fetch_add(hashes.size() * config_.block_tokens, std::memory_order_relaxed);
@@ -172,11 +187,11 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
   std::vector<prefix_entry*> matched;
   matched.reserve(hashes.size());
   std::lock_guard lock(mutex_);
-  for (const kv_block_hash& h : hashes) {
-    auto it = entries_.find(h);
-    if (it == entries_.end()) break;
-    matched.push_back(it->second.get());
-  }
+  // The run's last entry, then its parents: one lookup in all.
+  const std::size_t run = cached_run(hashes);
+  matched.resize(run);
+  prefix_entry* e = run == 0 ? nullptr : entries_.find(hashes[run - 1])->second.get();
+  for (std::size_t i = run; i-- > 0; e = e->parent) matched[i] = e;
   // Later blocks count as used first, so a child is older than its parent.
   for (prefix_entry* e : std::views::reverse(matched)) touch(*e);
   for (prefix_entry* e : matched)

@@ -127,6 +127,8 @@ class prefix_index {
 
  private:
   kv_block_hash root(std::string_view salt) const;
+  /// The cached run of `hashes` from block 0, in blocks (under mutex_).
+  std::size_t cached_run(std::span<const kv_block_hash> hashes) const noexcept;
   /// Marks `e` used now (its eviction order).
   void touch(prefix_entry& e) noexcept;
   void node_busy(prefix_node& n) noexcept;

@@ -292,8 +292,7 @@ std::shared_ptr<sequence_core> make_attached_sequence(asio::any_io_executor ex, 
                                                       std::span<const token_id> ids) {
   std::vector<std::shared_ptr<actor>> layers;
   layers.reserve(blocks.size() + 1);
-  for (const auto& prefix : blocks) layers.push_back(actor::make(ex, config, codec, pool, true, prefix));
-  blocks.clear();  // the layers hold them now
+  for (auto& prefix : blocks) layers.push_back(actor::make(ex, config, codec, pool, true, prefix));
   layers.push_back(make_ids_layer(ex, config, ids));
   return std::make_shared<sequence_core>(std::move(ex), config, std::move(layers), ids.size());
 }

@@ -22,7 +22,7 @@ std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0)
 }  // namespace
 
 working_state::working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout,
-                             ref_ptr<block_pool> pool, bool initialized, std::span<const ref_ptr<block>> prefix)
+                             ref_ptr<block_pool> pool, bool initialized, std::span<ref_ptr<block>> prefix)
     : config_(config),
       layout_(std::move(layout)),
       pool_(std::move(pool)),
@@ -36,7 +36,7 @@ working_state::working_state(const kv_cache_config& config, ref_ptr<const block_
   table_->chunks.reserve(ceil_div(prefix.size(), table_chunk::size));
   for (std::size_t b = 0; b < prefix.size(); ++b) {
     if (b % table_chunk::size == 0) table_->chunks.push_back(ref_ptr<table_chunk>::adopt(new table_chunk(0)));
-    table_->chunks.back()->blocks[b % table_chunk::size] = prefix[b];
+    table_->chunks.back()->blocks[b % table_chunk::size] = std::move(prefix[b]);
   }
   table_->blocks = prefix.size();
 }

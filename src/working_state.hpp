@@ -58,11 +58,11 @@ namespace ghostlink::detail {
 class working_state {
  public:
   /// A cache holding `prefix` (full blocks of another owner, tokens
-  /// `[0, prefix.size() * block_tokens)`; none: an empty cache);
+  /// `[0, prefix.size() * block_tokens)`, moved from; none: an empty cache);
   /// `initialized` makes it accept writes without an initialize() first (a
   /// sequence's layers). Throws std::bad_alloc.
   working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout, ref_ptr<block_pool> pool,
-                bool initialized, std::span<const ref_ptr<block>> prefix = {});
+                bool initialized, std::span<ref_ptr<block>> prefix = {});
   ~working_state();
   working_state(const working_state&) = delete;
   working_state& operator=(const working_state&) = delete;
