@@ -11,6 +11,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -22,11 +23,28 @@ using ghostlink::test::wait_ec;
 /// 2 heads of 4 lanes, 4 tokens a block, 64 tokens a sequence.
 inline kv_cache_config config() { return {.max_tokens_per_seq = 64, .num_heads = 2, .head_dim = 4, .block_tokens = 4}; }
 
-/// Layer `l`'s key for token `id` at `position`, lane `lane`; values are
-/// the keys negated. Exact in float and unique per (l, position, id).
-inline float key(std::size_t l, std::size_t position, token_id id, std::size_t lane) {
-  return static_cast<float>(l * 100000 + position * 1000 + static_cast<std::size_t>(id % 100) * 10 + lane);
+/// Layer `l`'s key for token `id` at `position`, lane `lane`, written by
+/// tenant `tag` (a small number: its millions); values are the keys
+/// negated. Exact in float and unique per (l, position, id, tag).
+inline float key(std::size_t l, std::size_t position, token_id id, std::size_t lane, float tag = 0) {
+  return static_cast<float>(l * 100000 + position * 1000 + static_cast<std::size_t>(id % 100) * 10 + lane) + tag * 1e6f;
 }
+
+/// Every event a handler got, in order.
+struct event_log {
+  std::mutex mutex;
+  std::vector<kv_prefix_event> events;
+  kv_prefix_event_handler handler() {
+    return [this](const kv_prefix_event& e) {
+      std::lock_guard lock(mutex);
+      events.push_back(e);
+    };
+  }
+  std::size_t size() {
+    std::lock_guard lock(mutex);
+    return events.size();
+  }
+};
 
 /// Tokens `first, first + 1, ...`: `n` of them.
 inline std::vector<token_id> run(token_id first, std::size_t n) {
@@ -41,18 +59,18 @@ inline std::vector<token_id> cat(std::vector<token_id> a, const std::vector<toke
   return a;
 }
 
-/// Appends `ids` at `seq.size()` with their key() data, as one multi-token
-/// append that stores the ids.
+/// Appends `ids` at `seq.size()` with their key() data (of tenant `tag`),
+/// as one multi-token append that stores the ids.
 template <class T>
-std::error_code append(const basic_sequence_kv_cache<T>& seq, std::span<const token_id> ids) {
+std::error_code append(const basic_sequence_kv_cache<T>& seq, std::span<const token_id> ids, float tag = 0) {
   const std::size_t width = seq.config().token_width(), at = seq.size();
   std::vector<std::vector<float>> keys(seq.num_layers()), values(seq.num_layers());
   std::vector<std::span<const float>> ks, vs;
   for (std::size_t l = 0; l < seq.num_layers(); ++l) {
     for (std::size_t t = 0; t < ids.size(); ++t)
       for (std::size_t lane = 0; lane < width; ++lane) {
-        keys[l].push_back(key(l, at + t, ids[t], lane));
-        values[l].push_back(-key(l, at + t, ids[t], lane));
+        keys[l].push_back(key(l, at + t, ids[t], lane, tag));
+        values[l].push_back(-key(l, at + t, ids[t], lane, tag));
       }
     ks.emplace_back(keys[l]);
     vs.emplace_back(values[l]);
@@ -71,9 +89,9 @@ basic_sequence_kv_cache<T> fork(const basic_sequence_kv_cache<T>& seq) {
 }
 
 /// "" when `seq`'s snapshot holds exactly `ids` (its size, its stored ids,
-/// and every layer's key() data), else the first difference.
+/// and every layer's key() data of tenant `tag`), else the first difference.
 template <class T>
-std::string diff(const basic_sequence_kv_cache<T>& seq, std::span<const token_id> ids) {
+std::string diff(const basic_sequence_kv_cache<T>& seq, std::span<const token_id> ids, float tag = 0) {
   const auto snap = seq.snapshot();
   if (snap.size() != ids.size()) return str("size ", snap.size(), ", expected ", ids.size());
   const std::vector<token_id> stored = snap.token_ids();
@@ -85,7 +103,7 @@ std::string diff(const basic_sequence_kv_cache<T>& seq, std::span<const token_id
     if (std::error_code ec = snap.layer(l).read_range(0, ids.size(), r)) return str("layer ", l, ": ", ec.message());
     for (std::size_t i = 0; i < ids.size(); ++i)
       for (std::size_t lane = 0; lane < width; ++lane) {
-        const float k = static_cast<float>(T(key(l, i, ids[i], lane)));
+        const float k = static_cast<float>(T(key(l, i, ids[i], lane, tag)));
         if (r.keys[i * width + lane] != k || r.values[i * width + lane] != -k)
           return str("layer ", l, " token ", i, " lane ", lane, ": key ", r.keys[i * width + lane], ", expected ", k);
       }

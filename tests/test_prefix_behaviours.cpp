@@ -20,22 +20,6 @@ namespace {
 
 constexpr std::size_t bt = 4;  // config().block_tokens
 
-/// Every event a handler got, in order.
-struct event_log {
-  std::mutex mutex;
-  std::vector<kv_prefix_event> events;
-  kv_prefix_event_handler handler() {
-    return [this](const kv_prefix_event& e) {
-      std::lock_guard lock(mutex);
-      events.push_back(e);
-    };
-  }
-  std::size_t size() {
-    std::lock_guard lock(mutex);
-    return events.size();
-  }
-};
-
 /// What a cache-aware router keeps from the events alone: the cached hashes.
 struct event_mirror {
   std::set<kv_block_hash> hashes;
@@ -53,49 +37,6 @@ struct event_mirror {
     }
   }
 };
-
-/// Each tenant's keys: key() plus `tag` millions (exact in float), values negated.
-float tagged_key(std::size_t l, std::size_t position, token_id id, std::size_t lane, float tag) {
-  return key(l, position, id, lane) + tag * 1e6f;
-}
-
-/// As append(), with `tag`'s keys.
-std::error_code tagged_append(const sequence_kv_cache& seq, std::span<const token_id> ids, float tag) {
-  const std::size_t width = seq.config().token_width(), at = seq.size();
-  std::vector<std::vector<float>> keys(seq.num_layers()), values(seq.num_layers());
-  std::vector<std::span<const float>> ks, vs;
-  for (std::size_t l = 0; l < seq.num_layers(); ++l) {
-    for (std::size_t t = 0; t < ids.size(); ++t)
-      for (std::size_t lane = 0; lane < width; ++lane) {
-        keys[l].push_back(tagged_key(l, at + t, ids[t], lane, tag));
-        values[l].push_back(-tagged_key(l, at + t, ids[t], lane, tag));
-      }
-    ks.emplace_back(keys[l]);
-    vs.emplace_back(values[l]);
-  }
-  return wait_ec([&](auto token) { return seq.async_append(ids, ks, vs, token); });
-}
-
-/// As diff(), for `tag`'s keys: "" when `seq` holds exactly `ids` written with `tag`.
-std::string tagged_diff(const sequence_kv_cache& seq, std::span<const token_id> ids, float tag) {
-  const auto snap = seq.snapshot();
-  if (snap.size() != ids.size()) return str("size ", snap.size(), ", expected ", ids.size());
-  const std::vector<token_id> stored = snap.token_ids();
-  for (std::size_t i = 0; i < ids.size(); ++i)
-    if (stored[i] != ids[i]) return str("token ", i, " has id ", stored[i], ", expected ", ids[i]);
-  const std::size_t width = seq.config().token_width();
-  for (std::size_t l = 0; l < snap.num_layers(); ++l) {
-    kv_range r;
-    if (std::error_code ec = snap.layer(l).read_range(0, ids.size(), r)) return str("layer ", l, ": ", ec.message());
-    for (std::size_t i = 0; i < ids.size(); ++i)
-      for (std::size_t lane = 0; lane < width; ++lane) {
-        const float k = tagged_key(l, i, ids[i], lane, tag);
-        if (r.keys[i * width + lane] != k || r.values[i * width + lane] != -k)
-          return str("layer ", l, " token ", i, " lane ", lane, ": key ", r.keys[i * width + lane], ", expected ", k);
-      }
-  }
-  return {};
-}
 
 /// An empty sequence on the fixture's pool.
 sequence_kv_cache empty_sequence(fixture<>& f) {
@@ -673,7 +614,7 @@ TEST_CASE("isolation by salt: the same tokens under three salts keep three tenan
   const std::array<std::pair<std::string_view, float>, 3> tenants = {{{"key1", 1.0f}, {"key2", 2.0f}, {"", 3.0f}}};
   for (const auto& [salt, tag] : tenants) {
     auto seq = empty_sequence(f);
-    REQUIRE(tagged_append(seq, t, tag) == std::error_code());
+    REQUIRE(append(seq, t, tag) == std::error_code());
     CHECK(f.cache.insert(seq, t, salt) == 2);
     REQUIRE(truncate(seq, 0) == std::error_code());
   }
@@ -681,7 +622,7 @@ TEST_CASE("isolation by salt: the same tokens under three salts keep three tenan
   for (const auto& [salt, tag] : tenants) {
     INFO("salt \"" << salt << "\"");
     auto seq = f.cache.attach(f.threads, t, salt);
-    CHECK(tagged_diff(seq, t, tag) == "");
+    CHECK(diff(seq, t, tag) == "");
     REQUIRE(truncate(seq, 0) == std::error_code());
   }
   CHECK(f.cache.attach(f.threads, t, "nonexistent").size() == 0);
@@ -832,16 +773,16 @@ TEST_CASE("concurrency: two tenants with the same prompts under their own salts 
       auto seq = f.cache.attach(f.threads, t, salts[id]);
       mine.hit_tokens += seq.size();
       if (seq.size() > 0) ++mine.hits;
-      std::string d = tagged_diff(seq, std::span(t).first(seq.size()), tag);
+      std::string d = diff(seq, std::span(t).first(seq.size()), tag);
       if (d.empty() && seq.size() < t.size()) {
-        const std::error_code ec = tagged_append(seq, std::span(t).subspan(seq.size()), tag);
+        const std::error_code ec = append(seq, std::span(t).subspan(seq.size()), tag);
         if (ec == kv_errc::capacity_exhausted) {
           ++mine.exhausted;
           continue;
         }
         if (ec) d = ec.message();
       }
-      if (d.empty()) d = tagged_diff(seq, t, tag);
+      if (d.empty()) d = diff(seq, t, tag);
       if (d.empty()) f.cache.insert(seq, t, salts[id]);
       if (!d.empty()) mine.failure = str("round ", r, ": ", d);
     }

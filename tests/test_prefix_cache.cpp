@@ -16,18 +16,6 @@ namespace {
 
 constexpr std::size_t bt = 4;  // config().block_tokens
 
-/// Every event a handler got, in order.
-struct event_log {
-  std::mutex mutex;
-  std::vector<kv_prefix_event> events;
-  kv_prefix_event_handler handler() {
-    return [this](const kv_prefix_event& e) {
-      std::lock_guard lock(mutex);
-      events.push_back(e);
-    };
-  }
-};
-
 }  // namespace
 
 TEST_CASE("block_hashes: one per full block; a block's hash depends on it and every block before", "[prefix]") {
