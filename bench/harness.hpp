@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ghostlink/config.hpp>
@@ -85,6 +86,17 @@ struct metric {
   bool higher_is_better = true;
   figures values;
 };
+
+/// Declares metric `key` of a scenario's run: its name, unit, and whether
+/// higher is better; its other fields keep their defaults.
+inline metric& declare(std::map<std::string, metric>& m, const std::string& key, std::string name, std::string unit,
+                       bool higher_is_better = true) {
+  metric& x = m[key];
+  x.name = std::move(name);
+  x.unit = std::move(unit);
+  x.higher_is_better = higher_is_better;
+  return x;
+}
 
 /// Collects metrics; each run of a scenario adds its figures, and the
 /// report keeps the median of every figure over the runs.

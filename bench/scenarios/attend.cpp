@@ -94,9 +94,8 @@ void attend_kernel(const options& o, report& out) {
   out.run("attend", o, [&](std::map<std::string, metric>& m) {
     for (const std::size_t n : lengths) {
       const auto add = [&](const std::string& element, auto tag) {
-        metric& rate = m[element + " " + std::to_string(n)];
-        rate.name = element + ", " + std::to_string(n) + " tokens";
-        rate.unit = "tokens/s";
+        metric& rate =
+            declare(m, element + " " + std::to_string(n), element + ", " + std::to_string(n) + " tokens", "tokens/s");
         measure<decltype(tag)>(o, n, rate);
       };
       add("float", float{});

@@ -30,9 +30,7 @@ void fill(const options& o, Write write) {
 
 void attention_read(const options& o, report& out) {
   out.run("attention_read", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["steps"];
-    rate.name = "attention steps";
-    rate.unit = "steps/s";
+    metric& rate = declare(m, "steps", "attention steps", "steps/s");
 
     if (o.wants("ghostlink")) {
       asio::io_context io;

@@ -67,12 +67,8 @@ void batched_step(const options& o, report& out) {
   out.run("batched_step", o, [&](std::map<std::string, metric>& m) {
     for (std::size_t batch : {std::size_t{16}, std::size_t{64}}) {
       const std::string b = std::to_string(batch);
-      metric& one = m["B=" + b + " 1 call"];
-      one.name = "B=" + b + ", one call per layer";
-      one.unit = "steps/s";
-      metric& each = m["B=" + b + " 2 awaits"];
-      each.name = "B=" + b + ", " + b + " awaits per layer";
-      each.unit = "steps/s";
+      metric& one = declare(m, "B=" + b + " 1 call", "B=" + b + ", one call per layer", "steps/s");
+      metric& each = declare(m, "B=" + b + " 2 awaits", "B=" + b + ", " + b + " awaits per layer", "steps/s");
       if (o.wants("ghostlink")) {
         one.values["ghostlink"] = run(o, batch, true);
         each.values["ghostlink"] = run(o, batch, false);

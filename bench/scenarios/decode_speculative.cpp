@@ -150,13 +150,8 @@ double run_locked(const options& o, const std::vector<token>& data) {
 void decode_speculative(const options& o, report& out) {
   std::vector<token> data = tokens_for(o, 2 * o.steps);
   out.run("decode_speculative", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 steps"];
-    rate.name = "speculative steps (4 drafts, 1-3 rejected)";
-    rate.unit = "steps/s";
-    metric& copies = m["2 copies"];
-    copies.name = "blocks copied per layer-step";
-    copies.unit = "blocks";
-    copies.higher_is_better = false;
+    metric& rate = declare(m, "1 steps", "speculative steps (4 drafts, 1-3 rejected)", "steps/s");
+    metric& copies = declare(m, "2 copies", "blocks copied per layer-step", "blocks", false);
     if (o.wants("ghostlink")) {
       const result r = run_ghostlink(o, data);
       rate.values["ghostlink"] = r.steps_per_s;

@@ -266,9 +266,10 @@ void run_all(const options& o, report& out) {
   const std::vector<token> data = tokens_for(o, 2 * o.steps);  // prefill, then decode
   out.run("decode_step", o, [&](std::map<std::string, metric>& m) {
     for (shape how : {shape::layer_by_layer, shape::append_per_step}) {
-      metric& rate = m[how == shape::layer_by_layer ? "1 layer by layer" : "2 append per step"];
-      rate.name = how == shape::layer_by_layer ? "decode steps, layer by layer" : "decode steps, one append per step";
-      rate.unit = "steps/s";
+      metric& rate =
+          declare(m, how == shape::layer_by_layer ? "1 layer by layer" : "2 append per step",
+                  how == shape::layer_by_layer ? "decode steps, layer by layer" : "decode steps, one append per step",
+                  "steps/s");
       if (o.wants("ghostlink")) rate.values["ghostlink"] = run_ghostlink<T>(o, data, how);
       using rwlock_t = locked_cache<std::shared_mutex, T>;
       if (o.wants("rwlock_zero_copy")) rate.values["rwlock_zero_copy"] = run_locked<rwlock_t>(o, data, how, true);
@@ -288,9 +289,7 @@ template <storage_element T>
 void run_layer_order(const options& o, report& out) {
   const std::vector<token> data = tokens_for(o, 2 * o.steps);  // prefill, then decode
   out.run("decode_layer_order", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["steps"];
-    rate.name = "decode steps, layer by layer through a step";
-    rate.unit = "steps/s";
+    metric& rate = declare(m, "steps", "decode steps, layer by layer through a step", "steps/s");
     if (o.wants("ghostlink")) rate.values["ghostlink"] = run_ghostlink<T>(o, data, shape::through_step);
     using rwlock_t = locked_cache<std::shared_mutex, T>;
     if (o.wants("rwlock_zero_copy"))
@@ -305,13 +304,8 @@ template <storage_element T>
 void run_pending(const options& o, report& out) {
   const std::vector<token> data = tokens_for(o, 2 * o.steps);  // prefill, then decode
   out.run("decode_pending", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 steps"];
-    rate.name = "decode steps";
-    rate.unit = "steps/s";
-    metric& tpot = m["2 tpot"];
-    tpot.name = "time per output token (mean)";
-    tpot.unit = "us";
-    tpot.higher_is_better = false;
+    metric& rate = declare(m, "1 steps", "decode steps", "steps/s");
+    metric& tpot = declare(m, "2 tpot", "time per output token (mean)", "us", false);
     const auto add = [&](const char* name, double steps_per_s) {
       rate.values[name] = steps_per_s;
       tpot.values[name] = 1e6 / steps_per_s;  // each sequence makes one token per step

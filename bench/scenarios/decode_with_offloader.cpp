@@ -209,19 +209,12 @@ outcome run_locked(const options& o, const std::vector<token>& data) {
 void decode_with_offloader(const options& o, report& out) {
   std::vector<token> data = tokens_for(o, 256);
   out.run("decode_with_offloader", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 steps"];
-    rate.name = "decode steps, offloader running";
-    rate.unit = "steps/s";
-    metric& p50 = m["2 p50"];
-    p50.name = "TPOT p50";
-    p50.unit = "ns";
-    p50.higher_is_better = false;
+    metric& rate = declare(m, "1 steps", "decode steps, offloader running", "steps/s");
+    metric& p50 = declare(m, "2 p50", "TPOT p50", "ns", false);
     metric& p99 = m["3 p99"];
     p99 = p50;
     p99.name = "TPOT p99";
-    metric& bytes = m["4 bytes"];
-    bytes.name = "offloaded";
-    bytes.unit = "bytes/s";
+    metric& bytes = declare(m, "4 bytes", "offloaded", "bytes/s");
     auto record = [&](const std::string& impl, outcome r) {
       rate.values[impl] = r.steps_per_s;
       p50.values[impl] = r.tpot.p(0.5);

@@ -40,13 +40,8 @@ void fork(const options& o, report& out) {
   const std::string shape = std::to_string(data.size()) + " tokens x " + std::to_string(o.layers) + " layers";
 
   out.run("fork", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["rate"];
-    rate.name = "forks of " + shape;
-    rate.unit = "forks/s";
-    metric& extra = m["extra"];
-    extra.name = "blocks a fork adds, per layer";
-    extra.unit = "blocks";
-    extra.higher_is_better = false;
+    metric& rate = declare(m, "rate", "forks of " + shape, "forks/s");
+    metric& extra = declare(m, "extra", "blocks a fork adds, per layer", "blocks", false);
 
     if (o.wants("ghostlink")) {
       asio::thread_pool threads(o.threads);

@@ -55,10 +55,9 @@ void memory(const options& o, report& out) {
   out.run("memory", o, [&](std::map<std::string, metric>& m) {
     int key = 0;
     for (std::size_t tokens : {std::size_t{1}, std::min<std::size_t>(100, o.tokens), o.tokens}) {
-      metric& bytes = m[std::to_string(key++)];
-      bytes.name = std::to_string(o.layers) + " layers x " + std::to_string(tokens) + " tokens";
-      bytes.unit = "bytes";
-      bytes.higher_is_better = false;
+      metric& bytes =
+          declare(m, std::to_string(key++),
+                  std::to_string(o.layers) + " layers x " + std::to_string(tokens) + " tokens", "bytes", false);
       if (o.wants("ghostlink")) bytes.values["ghostlink"] = ghostlink_bytes(o, tokens, data);
       if (o.wants("rwlock")) bytes.values["rwlock"] = rwlock_bytes(o, tokens, data);
       bytes.values["payload"] = double(o.layers * tokens * o.config().token_width() * 2 * sizeof(float));

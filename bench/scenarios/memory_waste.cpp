@@ -43,14 +43,10 @@ void memory_waste(const options& o, report& out) {
     double valid = 0;
     for (std::size_t n : lengths) valid += double(n * width * 2 * sizeof(float));
 
-    metric& blocks = m["blocks"];
-    blocks.name = std::to_string(lengths.size()) + " seqs 1.." + std::to_string(o.tokens) + ", blocks";
-    blocks.unit = "% waste";
-    blocks.higher_is_better = false;
-    metric& heap = m["heap"];
-    heap.name = std::to_string(lengths.size()) + " seqs, whole heap";
-    heap.unit = "% waste";
-    heap.higher_is_better = false;
+    metric& blocks =
+        declare(m, "blocks", std::to_string(lengths.size()) + " seqs 1.." + std::to_string(o.tokens) + ", blocks",
+                "% waste", false);
+    metric& heap = declare(m, "heap", std::to_string(lengths.size()) + " seqs, whole heap", "% waste", false);
 
     if (o.wants("ghostlink")) {
       asio::io_context io;

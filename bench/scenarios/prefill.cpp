@@ -91,9 +91,9 @@ double run_memcpy(const options& o, const prompt& p) {
 void prefill(const options& o, report& out) {
   const prompt p(std::min<std::size_t>(2048, o.tokens), o.config().token_width());
   out.run("prefill", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["rate"];
-    rate.name = "prompts of " + std::to_string(p.tokens) + " tokens x " + std::to_string(o.layers) + " layers";
-    rate.unit = "prompts/s";
+    metric& rate = declare(
+        m, "rate", "prompts of " + std::to_string(p.tokens) + " tokens x " + std::to_string(o.layers) + " layers",
+        "prompts/s");
     if (o.wants("ghostlink")) rate.values["ghostlink"] = run_ghostlink(o, p);
     if (o.wants("rwlock_zero_copy")) rate.values["rwlock_zero_copy"] = run_memcpy(o, p);
   });

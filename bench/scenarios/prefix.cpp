@@ -193,17 +193,9 @@ void prefix_attach(const options& o, report& out) {
   const std::string shape = std::to_string(n) + " tokens x " + std::to_string(o.layers) + " layers";
 
   out.run("prefix_attach", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 rate"];
-    rate.name = "sequences holding " + shape;
-    rate.unit = "ops/s";
-    metric& taken = m["2 blocks"];
-    taken.name = "blocks one takes from the budget";
-    taken.unit = "blocks";
-    taken.higher_is_better = false;
-    metric& memory = m["3 memory"];
-    memory.name = "new block memory one allocates";
-    memory.unit = "blocks";
-    memory.higher_is_better = false;
+    metric& rate = declare(m, "1 rate", "sequences holding " + shape, "ops/s");
+    metric& taken = declare(m, "2 blocks", "blocks one takes from the budget", "blocks", false);
+    metric& memory = declare(m, "3 memory", "new block memory one allocates", "blocks", false);
 
     asio::thread_pool threads(o.threads);
     const auto appended = [&](const kv_block_pool& pool) {  // a new sequence taking the tokens by one append
@@ -278,12 +270,8 @@ void prefix_hash(const options& o, report& out) {
     fail("prefix_hash", "block_hashes() differs from the contract's SHA-256 chain");
 
   out.run("prefix_hash", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 rate"];
-    rate.name = "block hashes of " + std::to_string(n) + "-token prompts";
-    rate.unit = "tokens/s";
-    metric& ratio = m["2 ratio"];
-    ratio.name = "speed against bare OpenSSL";
-    ratio.unit = "x";
+    metric& rate = declare(m, "1 rate", "block hashes of " + std::to_string(n) + "-token prompts", "tokens/s");
+    metric& ratio = declare(m, "2 ratio", "speed against bare OpenSSL", "x");
     const double tokens = double(n);
     rate.values["ghostlink"] = tokens * ops_per_second(o.seconds, [&](std::size_t i) {
                                  const std::vector<kv_block_hash> h = cache.block_hashes(prompts[i % prompts.size()]);
@@ -317,13 +305,8 @@ void prefix_match(const options& o, report& out) {
     // (the whole index), then one prompt over and over (its entries in the
     // processor's caches).
     const auto measure = [&](const std::string& key, const std::string& name, std::size_t prompts_used) {
-      metric& rate = m[key + " rate"];
-      rate.name = name;
-      rate.unit = "calls/s";
-      metric& ratio = m[key + " ratio"];
-      ratio.name = "match / hashing time, " + key;
-      ratio.unit = "x";
-      ratio.higher_is_better = false;
+      metric& rate = declare(m, key + " rate", name, "calls/s");
+      metric& ratio = declare(m, key + " ratio", "match / hashing time, " + key, "x", false);
       rate.values["ghostlink"] =
           ops_per_second(o.seconds, [&](std::size_t i) { keep(float(cache.match(prompts[i % prompts_used]))); });
       rate.values["hash_only"] = ops_per_second(o.seconds, [&](std::size_t i) {
@@ -352,10 +335,7 @@ void prefix_eviction(const options& o, report& out) {
   const auto prompts = random_prompts(count, per_prompt, 4);
 
   out.run("prefix_eviction", o, [&](std::map<std::string, metric>& m) {
-    metric& p50 = m["1 p50"];
-    p50.name = "one-token append p50";
-    p50.unit = "ns";
-    p50.higher_is_better = false;
+    metric& p50 = declare(m, "1 p50", "one-token append p50", "ns", false);
     metric& p99 = m["2 p99"];
     p99 = p50;
     p99.name = "one-token append p99";
@@ -363,9 +343,7 @@ void prefix_eviction(const options& o, report& out) {
     ratio = p50;
     ratio.name = "p99 evicting / p99 free list";
     ratio.unit = "x";
-    metric& evicted = m["4 evicted"];
-    evicted.name = "entries evicted per append";
-    evicted.unit = "entries";
+    metric& evicted = declare(m, "4 evicted", "entries evicted per append", "entries");
 
     {  // The budget full of idle entries: every append evicts one.
       asio::thread_pool threads(1);

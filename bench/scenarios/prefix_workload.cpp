@@ -355,23 +355,11 @@ void prefix_workload(const options& o, report& out) {
   if (last.evicted == 0) fail("prefix_workload", "the budget is large enough that nothing is evicted");
 
   out.run("prefix_workload", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["1 rate"];
-    rate.name = std::to_string(trace.size()) + " requests, one at a time";
-    rate.unit = "requests/s";
-    metric& hits = m["2 hit rate"];
-    hits.name = "hit rate (hit / query tokens)";
-    hits.unit = "%";
-    metric& prefill = m["3 prefill"];
-    prefill.name = "prompt tokens prefilled";
-    prefill.unit = "tokens";
-    prefill.higher_is_better = false;
-    metric& saved = m["4 saved"];
-    saved.name = "prompt tokens saved";
-    saved.unit = "%";
-    metric& evicted = m["5 evicted"];
-    evicted.name = "entries evicted";
-    evicted.unit = "entries";
-    evicted.higher_is_better = false;
+    metric& rate = declare(m, "1 rate", std::to_string(trace.size()) + " requests, one at a time", "requests/s");
+    metric& hits = declare(m, "2 hit rate", "hit rate (hit / query tokens)", "%");
+    metric& prefill = declare(m, "3 prefill", "prompt tokens prefilled", "tokens", false);
+    metric& saved = declare(m, "4 saved", "prompt tokens saved", "%");
+    metric& evicted = declare(m, "5 evicted", "entries evicted", "entries", false);
     hits.values["simulated"] = 100.0 * double(last.hit_tokens) / double(last.query_tokens);
     prefill.values["simulated"] = double(last.prefilled);
     evicted.values["simulated"] = double(last.evicted);

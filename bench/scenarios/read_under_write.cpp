@@ -128,20 +128,13 @@ scenario_result run_locked(const options& o) {
 
 void read_under_write(const options& o, report& out) {
   out.run("read_under_write", o, [&](std::map<std::string, metric>& m) {
-    auto define = [&](const char* key, const char* name, const char* unit, bool higher) -> metric& {
-      metric& x = m[key];
-      x.name = name;
-      x.unit = unit;
-      x.higher_is_better = higher;
-      return x;
-    };
-    metric& w_alone = define("1", "writer alone", "writes/s", true);
-    metric& w_both = define("2", "writer with reader", "writes/s", true);
-    metric& keep = define("3", "writer kept with reader", "%", true);
-    metric& r_p50_alone = define("4", "reader alone p50", "us", false);
-    metric& r_p50 = define("5", "reader with writer p50", "us", false);
-    metric& r_p99 = define("6", "reader with writer p99", "us", false);
-    metric& r_rate = define("7", "reader with writer", "reads/s", true);
+    metric& w_alone = declare(m, "1", "writer alone", "writes/s");
+    metric& w_both = declare(m, "2", "writer with reader", "writes/s");
+    metric& keep = declare(m, "3", "writer kept with reader", "%");
+    metric& r_p50_alone = declare(m, "4", "reader alone p50", "us", false);
+    metric& r_p50 = declare(m, "5", "reader with writer p50", "us", false);
+    metric& r_p99 = declare(m, "6", "reader with writer p99", "us", false);
+    metric& r_rate = declare(m, "7", "reader with writer", "reads/s");
     auto record = [&](const std::string& impl, scenario_result r) {
       w_alone.values[impl] = r.alone_write.writes_per_s;
       w_both.values[impl] = r.both.writes_per_s;

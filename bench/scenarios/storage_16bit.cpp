@@ -35,13 +35,8 @@ void measure(const options& o, const std::vector<token>& data, metric& rate, met
 void storage_16bit(const options& o, report& out) {
   std::vector<token> data = tokens_for(o, o.read_tokens);
   out.run("storage_16bit", o, [&](std::map<std::string, metric>& m) {
-    metric& rate = m["rate"];
-    rate.name = "attention over " + std::to_string(o.read_tokens) + " tokens";
-    rate.unit = "steps/s";
-    metric& bytes = m["bytes"];
-    bytes.name = "pool bytes for them";
-    bytes.unit = "bytes";
-    bytes.higher_is_better = false;
+    metric& rate = declare(m, "rate", "attention over " + std::to_string(o.read_tokens) + " tokens", "steps/s");
+    metric& bytes = declare(m, "bytes", "pool bytes for them", "bytes", false);
     if (o.wants("ghostlink")) {
       measure<float>(o, data, rate, bytes, "ghostlink");
       measure<half>(o, data, rate, bytes, "half");

@@ -134,12 +134,9 @@ void write_concurrent(const options& o, report& out) {
     const std::size_t batches[] = {1, o.batch};
     for (std::size_t i = 0; i < 2; ++i) {
       const std::size_t batch = batches[i];
-      metric& rate = m[std::to_string(i) + "a"];
-      rate.name = "tokens written, " + std::to_string(batch) + "/request";
-      rate.unit = "tokens/s";
-      metric& group = m[std::to_string(i) + "b"];
-      group.name = "requests per epoch, shared";
-      group.unit = "requests";
+      metric& rate =
+          declare(m, std::to_string(i) + "a", "tokens written, " + std::to_string(batch) + "/request", "tokens/s");
+      metric& group = declare(m, std::to_string(i) + "b", "requests per epoch, shared", "requests");
       if (o.wants("ghostlink")) {
         const outcome g = through_actor<layer_kv_cache>(o, batch);
         rate.values["ghostlink"] = g.tokens_per_s;

@@ -180,13 +180,8 @@ outcome direct(const options& o) {
 
 void write_single(const options& o, report& out) {
   out.run("write_single", o, [&](std::map<std::string, metric>& m) {
-    metric& ops = m["1 ops"];
-    ops.name = "sequential writes";
-    ops.unit = "ops/s";
-    metric& p50 = m["2 p50"];
-    p50.name = "write latency p50";
-    p50.unit = "ns";
-    p50.higher_is_better = false;
+    metric& ops = declare(m, "1 ops", "sequential writes", "ops/s");
+    metric& p50 = declare(m, "2 p50", "write latency p50", "ns", false);
     metric& p99 = m["3 p99"];
     p99 = p50;
     p99.name = "write latency p99";
@@ -202,9 +197,7 @@ void write_single(const options& o, report& out) {
     if (o.wants("round_trip_floor")) record("round_trip_floor", round_trip_floor(o));
 
     constexpr std::size_t caches = 64;
-    metric& rr = m["4 round robin"];
-    rr.name = "sequential writes, round robin over 64 caches";
-    rr.unit = "ops/s";
+    metric& rr = declare(m, "4 round robin", "sequential writes, round robin over 64 caches", "ops/s");
     metric& rr99 = m["5 round robin p99"];
     rr99 = p99;
     rr99.values.clear();
