@@ -249,14 +249,18 @@ std::shared_ptr<actor> make_ids_layer(const asio::any_io_executor& ex, const kv_
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(ids_config, codec_of<float>));
   auto pool = pool_access::state(kv_block_pool(layout->block_bytes));
   auto state = std::make_unique<working_state>(ids_config, std::move(layout), std::move(pool), true);
-  if (!ids.empty()) {
-    std::vector<float> bits(ids.size());
-    std::vector<kv_write> writes(ids.size());
-    for (std::size_t t = 0; t < ids.size(); ++t) {
-      bits[t] = std::bit_cast<float>(ids[t]);
-      writes[t] = {t, std::span<const float>(&bits[t], 1), std::span<const float>(&bits[t], 1)};
+  // In runs of one block's tokens: a buffer of that size, not one per id.
+  const std::size_t run = std::min(ids.size(), ids_config.block_tokens);
+  std::vector<float> bits(run);
+  std::vector<kv_write> writes(run);
+  for (std::size_t first = 0; first < ids.size(); first += run) {
+    const std::size_t n = std::min(run, ids.size() - first);
+    for (std::size_t t = 0; t < n; ++t) {
+      bits[t] = std::bit_cast<float>(ids[first + t]);
+      writes[t] = {first + t, std::span<const float>(&bits[t], 1), std::span<const float>(&bits[t], 1)};
     }
-    if (state->write(writes)) throw std::bad_alloc();  // the ids' own pool has no budget: only memory fails
+    // The ids' own pool has no budget: only memory can fail.
+    if (state->write(std::span(writes).first(n))) throw std::bad_alloc();
   }
   return std::make_shared<actor>(ex, std::move(state));
 }
