@@ -58,8 +58,7 @@ class actor : public std::enable_shared_from_this<actor> {
   /// `prefix`: blocks of another cache the new one starts with (an attach),
   /// moved from.
   static std::shared_ptr<actor> make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
-                                     ref_ptr<block_pool> pool, bool initialized,
-                                     std::span<ref_ptr<block>> prefix = {});
+                                     ref_ptr<block_pool> pool, bool initialized, std::span<ref_ptr<block>> prefix = {});
 
   /// Use make(); public for std::make_shared. Publishes `state`'s initial epoch.
   actor(asio::any_io_executor ex, std::unique_ptr<working_state> state);

@@ -253,8 +253,7 @@ class model {
       for (std::size_t i = 0; i < entries.size(); ++i) {
         if (pinned[i]) continue;
         bool p = !idle(entries[i]);
-        for (std::size_t j = 0; j < entries.size() && !p; ++j)
-          p = pinned[j] && entries[j].parent == entries[i].hash;
+        for (std::size_t j = 0; j < entries.size() && !p; ++j) p = pinned[j] && entries[j].parent == entries[i].hash;
         if (p) pinned[i] = 1, changed = true;
       }
     }
