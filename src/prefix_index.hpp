@@ -1,5 +1,6 @@
 #pragma once
-// The prefix cache's index: entries by block hash, the blocks they hold,
+// The prefix cache's index (src/prefix_index.cpp; its hashing in
+// src/prefix_hash.cpp): entries by block hash, the blocks they hold,
 // which entries are idle, and the eviction order. Every member is safe from
 // any thread; all state below is under mutex_.
 //
@@ -39,6 +40,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -84,6 +86,10 @@ struct block_hash_hasher {
     return v;  // SHA-256 bytes are uniform already
   }
 };
+
+/// The root hash of the definition (src/prefix_hash.cpp).
+kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size_t num_layers,
+                        const kv_cache_config& config, std::uint8_t element);
 
 class prefix_index {
  public:
