@@ -26,7 +26,6 @@ prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config
 prefix_index::~prefix_index() {
   pool_->detach_index();  // waits for an eviction or idle report in progress
   std::lock_guard lock(mutex_);
-  for (auto& [hash, e] : entries_) e->nodes.clear();
   for (auto& [blk, node] : nodes_) blk->drop_cached();
   nodes_.clear();
   pool_->set_cached_counts(0, 0, 0);
@@ -139,7 +138,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
     if (!is_new[i]) continue;
     prefix_entry& e = *chain[i];
     e.parent = i == 0 ? nullptr : chain[i - 1];
-    if (e.parent && e.parent->children++ == 0 && e.parent->in_lru) lru_remove(*e.parent);
+    if (e.parent && e.parent->children++ == 0 && e.parent->in_lru()) lru_remove(*e.parent);
     // The caller holds every block, so every node is busy (an idle node's
     // block has no outside reference, and only an attach gives one out).
     e.busy = e.nodes.size();
@@ -153,7 +152,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
 }
 
 void prefix_index::touch(prefix_entry& e) noexcept {
-  const bool was = e.in_lru;
+  const bool was = e.in_lru();
   if (was) lru_remove(e);
   e.tick = ++clock_;
   if (was) lru_add(e);
@@ -198,7 +197,7 @@ void prefix_index::refresh_node(prefix_node& n) noexcept {
 
 void prefix_index::entry_busy(prefix_entry& e) noexcept {
   --idle_entries_;
-  if (e.in_lru) lru_remove(e);
+  if (e.in_lru()) lru_remove(e);
 }
 
 void prefix_index::entry_idle(prefix_entry& e) noexcept {
@@ -209,13 +208,9 @@ void prefix_index::entry_idle(prefix_entry& e) noexcept {
 void prefix_index::lru_add(prefix_entry& e) noexcept {
   e.lru_node.value() = {e.tick, &e};
   lru_.insert(std::move(e.lru_node));
-  e.in_lru = true;
 }
 
-void prefix_index::lru_remove(prefix_entry& e) noexcept {
-  e.lru_node = lru_.extract(std::pair{e.tick, &e});
-  e.in_lru = false;
-}
+void prefix_index::lru_remove(prefix_entry& e) noexcept { e.lru_node = lru_.extract(std::pair{e.tick, &e}); }
 
 void prefix_index::block_idle(const block* b) noexcept {
   std::lock_guard lock(mutex_);

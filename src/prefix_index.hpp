@@ -17,7 +17,7 @@
 //   the release that leaves the block with its cached bit alone calls.
 // - entry.busy counts its nodes that are busy; an entry is idle at 0.
 // - lru_ holds exactly the evictable entries (idle, no cached child),
-//   ordered by tick (last attached or inserted); `in_lru` says which. Each
+//   ordered by tick (last attached or inserted); `in_lru()` says which. Each
 //   entry's set node is allocated with it and moves between lru_ and the
 //   entry, so no eviction or release allocates.
 // - idle_nodes_ counts nodes that are not busy; idle_entries_ entries at 0.
@@ -74,9 +74,10 @@ struct prefix_entry {
   std::size_t busy = 0;             // nodes held outside the cache
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // busy, or a pinned child: eviction cannot reach it now
-  bool in_lru = false;              // evictable, in lru_
   std::vector<prefix_node*> nodes;  // one per layer
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
+  /// Evictable: its node is in lru_.
+  bool in_lru() const noexcept { return lru_node.empty(); }
 };
 
 struct block_hash_hasher {
