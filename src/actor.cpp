@@ -10,10 +10,7 @@
 #include <type_traits>
 #include <utility>
 
-#include <asio/defer.hpp>
-#include <asio/dispatch.hpp>
-#include <asio/error.hpp>
-#include <asio/post.hpp>
+#include "ghostlink/detail/asio_config.hpp"
 
 #include "fault_countdown.hpp"
 #include "ghostlink/block_pool.hpp"
@@ -21,13 +18,14 @@
 #include "mailbox.hpp"
 #include "working_state.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 // Requests one drain takes before it publishes: large enough to commit a
 // burst of writers as one epoch, small enough to keep a drain short.
 constexpr std::size_t drain_capacity = 128;
-static_assert(std::is_trivially_destructible_v<std::error_code>, "a drain's results are never destroyed");
+static_assert(std::is_trivially_destructible_v<error_code>, "a drain's results are never destroyed");
 
 /// Adds to a counter only the drain writes (one writer: a load and a store,
 /// no read-modify-write); stats() reads it from any thread.
@@ -135,19 +133,19 @@ void actor::schedule(urgency u, request* carried) noexcept {
     asio::post(strand_, drain_op(shared_from_this(), carried));
 }
 
-void actor::apply(request* const* batch, std::error_code* results, std::size_t n) {
+void actor::apply(request* const* batch, error_code* results, std::size_t n) {
   try {
     state_->reserve_epoch();
   } catch (const std::bad_alloc&) {
-    for (std::size_t i = 0; i < n; ++i) ::new (results + i) std::error_code(kv_errc::capacity_exhausted);
+    for (std::size_t i = 0; i < n; ++i) ::new (results + i) error_code(kv_errc::capacity_exhausted);
     return;
   }
   for (std::size_t i = 0; i < n; ++i)
     ::new (results + i)
-        std::error_code(batch[i]->claim() ? apply(*batch[i]) : std::error_code(asio::error::operation_aborted));
+        error_code(batch[i]->claim() ? apply(*batch[i]) : error_code(asio::error::operation_aborted));
 }
 
-std::error_code actor::apply(request& r) {
+error_code actor::apply(request& r) {
   switch (r.kind()) {
     case request_kind::initialize: return state_->initialize(r.size());
     case request_kind::write_batch: return state_->write(r.entries());
@@ -158,7 +156,7 @@ std::error_code actor::apply(request& r) {
   return {};
 }
 
-std::error_code actor::fork(request& r) noexcept {
+error_code actor::fork(request& r) noexcept {
   try {
     r.forked = std::make_shared<actor>(executor_, state_->fork());
     return {};
@@ -173,8 +171,8 @@ void actor::drain(request* carried) {
   // Raw storage: apply() constructs the first n results (filling all of
   // them each drain cost more than applying a one-token write).
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): as above
-  alignas(std::error_code) std::array<std::byte, drain_capacity * sizeof(std::error_code)> raw_results;
-  std::error_code* const results = reinterpret_cast<std::error_code*>(raw_results.data());
+  alignas(error_code) std::array<std::byte, drain_capacity * sizeof(error_code)> raw_results;
+  error_code* const results = reinterpret_cast<error_code*>(raw_results.data());
   std::size_t n = 0;
   if (carried) {
     mailbox_->release_carried();
@@ -271,4 +269,5 @@ std::ostream& print(std::ostream& os, const actor& a) {
   return os << "layer_kv_cache{config=" << a.config() << ", size=" << a.size() << '}';
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

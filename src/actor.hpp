@@ -34,9 +34,6 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/any_io_executor.hpp>
-#include <asio/strand.hpp>
-
 #include "block.hpp"
 #include "block_pool.hpp"
 #include "epoch_cell.hpp"
@@ -45,7 +42,8 @@
 #include "ghostlink/element.hpp"
 #include "ghostlink/stats.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 class working_state;
 class mailbox;
@@ -102,13 +100,13 @@ class actor : public std::enable_shared_from_this<actor> {
   /// Applies `n` requests, constructing their results in `results` (raw
   /// storage for n); if the next epoch cannot be reserved, applies none and
   /// fails each with capacity_exhausted.
-  void apply(request* const* batch, std::error_code* results, std::size_t n);
+  void apply(request* const* batch, error_code* results, std::size_t n);
   /// Applies one claimed request: the one place a request's kind decides
   /// what happens.
-  std::error_code apply(request& r);
+  error_code apply(request& r);
   /// A fork: a new actor on a new strand of the same executor, whose first
   /// epoch is the working state, sharing its blocks; into `r.forked`.
-  std::error_code fork(request& r) noexcept;
+  error_code fork(request& r) noexcept;
 
   const kv_cache_config config_;
   const asio::any_io_executor executor_;
@@ -129,4 +127,5 @@ class actor : public std::enable_shared_from_this<actor> {
   const std::uint64_t id_;
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -12,6 +12,7 @@
 // widened in registers as they are loaded), else portable code the compiler
 // vectorises (16-bit chunks widened to floats first).
 
+#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -27,7 +28,8 @@
 #include <immintrin.h>
 #endif
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 constexpr std::size_t chunk_tokens = 64;
@@ -265,9 +267,10 @@ template void attention_pass::finish<float>() noexcept;
 template void attention_pass::finish<half>() noexcept;
 template void attention_pass::finish<bfloat16>() noexcept;
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 namespace {
 
 template <storage_element T>
@@ -298,4 +301,4 @@ std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16>
   return attend_span(keys, values, queries, out, shape);
 }
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -16,6 +16,7 @@
 // lock, hands out a new reference to an idle block (an attach), so the
 // cache's view of which blocks are idle is kept exact by those two events.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -25,7 +26,8 @@
 #include "ghostlink/detail/ref_ptr.hpp"
 #include "ghostlink/element.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 class block;
 
@@ -154,4 +156,5 @@ inline const std::byte* block_layout::values(const block& b, std::size_t positio
   return b.payload() + values_offset + position * token_bytes;
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,3 +1,4 @@
+#include "ghostlink/detail/flavour.hpp"
 #include "block_pool.hpp"
 
 #include <algorithm>
@@ -12,7 +13,8 @@
 #include "ghostlink/error.hpp"
 #include "prefix_index.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 constexpr std::size_t block_alignment = 64;
@@ -254,9 +256,10 @@ void block::destroy() const noexcept {
   if (counted) pool->unreserve();
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 kv_block_pool::kv_block_pool(std::size_t block_bytes, kv_pool_limits limits) {
   const std::size_t by_bytes = block_bytes == 0 ? 0 : limits.max_bytes / block_bytes;
@@ -351,4 +354,4 @@ kv_pool_stats kv_block_pool::stats() const noexcept {
   return s;
 }
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -2,6 +2,7 @@
 // The pool every block's memory comes from, under a budget; shared by every
 // cache made with it. Every member is safe from any thread.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -13,7 +14,8 @@
 #include "ghostlink/detail/ref_ptr.hpp"
 #include "ghostlink/events.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 struct free_list;
 class block;
@@ -191,4 +193,5 @@ struct pool_access {
   }
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,3 +1,4 @@
+#include "ghostlink/detail/flavour.hpp"
 #include "ghostlink/config.hpp"
 
 #include <limits>
@@ -6,7 +7,7 @@
 
 #include "ghostlink/error.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 namespace {
 
@@ -46,4 +47,4 @@ void validate(const kv_cache_config& c, std::size_t element_size) {
 }
 
 }  // namespace detail
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

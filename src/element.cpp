@@ -2,6 +2,7 @@
 // cache spend their time on. Exact either way; on x86-64 processors with
 // F16C (half) or AVX2 (bfloat16) eight elements per instruction, chosen
 // once at run time so the library needs no special compiler flags.
+#include "ghostlink/detail/flavour.hpp"
 #include "ghostlink/element.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -10,7 +11,8 @@
 #include <immintrin.h>
 #endif
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 template <class T>
@@ -88,4 +90,5 @@ void widen(const bfloat16* src, std::size_t n, float* dst) noexcept {
   widen_scalar(src, n, dst);
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

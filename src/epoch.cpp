@@ -1,10 +1,12 @@
+#include "ghostlink/detail/flavour.hpp"
 #include "epoch.hpp"
 
 #include <new>
 
 #include "fault_countdown.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 std::atomic<std::size_t>& metadata_countdown() noexcept {
   static std::atomic<std::size_t> countdown{0};
@@ -54,4 +56,5 @@ void unpin(const epoch& e) noexcept {
   e.release();
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -8,6 +8,7 @@
 // on whatever thread it runs; a freed block's memory goes back to its pool.
 // Tables and chunks belong to one cache (a fork copies them).
 
+#include "ghostlink/detail/flavour.hpp"
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -19,7 +20,8 @@
 #include "ghostlink/detail/pinned_epoch.hpp"
 #include "ghostlink/detail/ref_ptr.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// Memory for a block table, a table chunk or an epoch:
 /// `::operator new(size)`, unless a test has asked for it to fail
@@ -180,4 +182,5 @@ struct epoch_access {
   }
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -2,6 +2,7 @@
 // The cell that holds a cache's latest published epoch: readers pin it
 // without a lock and without waiting for the actor; only the actor publishes.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -9,7 +10,8 @@
 #include "epoch.hpp"
 #include "ghostlink/detail/ref_ptr.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// Split reference counting (the idea behind folly's AtomicSharedPtr): one
 /// atomic word holds the epoch pointer in its low bits and, in its top bits,
@@ -92,4 +94,5 @@ class epoch_cell {
   mutable std::atomic<std::uint64_t> word_;
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,12 +1,24 @@
+#include "ghostlink/detail/flavour.hpp"
 #include "ghostlink/error.hpp"
 
 #include <string>
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 namespace {
 
-class kv_category_impl final : public std::error_category {
+#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+// A Boost.System category, of which kv_category() is the std view. Its id
+// makes two copies of it (two shared objects) compare equal.
+using category_base = boost::system::error_category;
+#else
+using category_base = std::error_category;
+#endif
+
+class kv_category_impl final : public category_base {
  public:
+#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+  constexpr kv_category_impl() noexcept : category_base(0x9a1f3c5e7b2d4086ULL) {}
+#endif
   const char* name() const noexcept override { return "ghostlink.kv"; }
 
   std::string message(int ev) const override {
@@ -37,11 +49,20 @@ class kv_category_impl final : public std::error_category {
 
 }  // namespace
 
-const std::error_category& kv_category() noexcept {
+#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+const boost::system::error_category& kv_boost_category() noexcept {
   static const kv_category_impl category;
   return category;
 }
 
+const std::error_category& kv_category() noexcept { return kv_boost_category(); }
+#else
+const std::error_category& kv_category() noexcept {
+  static const kv_category_impl category;
+  return category;
+}
+#endif
+
 std::error_code make_error_code(kv_errc e) noexcept { return {static_cast<int>(e), kv_category()}; }
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

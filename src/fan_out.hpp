@@ -11,6 +11,7 @@
 // own while it submits, so no part can end the stage (and free the fan-out)
 // before the last submission has returned.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -26,7 +27,8 @@
 #include "ghostlink/error.hpp"
 #include "sequence.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// Layer `layer`'s `tokens` writes in `writes`, which holds them layer by
 /// layer (an append's or a step's).
@@ -46,12 +48,12 @@ class layer_part final : public request {
   layer_part(fan_out& fan, const Arg& arg) noexcept : request(&finish, arg), fan_(fan) {}
 
   /// The layer's result, once finished.
-  std::error_code result;
+  error_code result;
   /// True if the layer's actor destroyed the request unapplied.
   bool discarded = false;
 
  private:
-  static void finish(operation* base, const std::error_code* ec, queueing how);
+  static void finish(operation* base, const error_code* ec, queueing how);
   fan_out& fan_;
 };
 
@@ -132,7 +134,7 @@ class fan_out {
   }
 
  private:
-  std::error_code first_error() const noexcept {
+  error_code first_error() const noexcept {
     for (const auto& p : parts_)
       if (p && p->result) return p->result;
     return {};
@@ -147,11 +149,11 @@ class fan_out {
   /// Starts the undo stage `s` (a truncate to `index_`, as `drop`) on the
   /// layers whose part applied, failing with `ec` once it ends.
   template <class Arg>
-  void undo(stage s, std::error_code ec, const Arg& drop);
+  void undo(stage s, error_code ec, const Arg& drop);
 
   void end_stage(queueing how);
   /// Frees the fan-out, then completes the operation: the last thing done.
-  void complete(std::error_code ec, queueing how);
+  void complete(error_code ec, queueing how);
 
   const std::shared_ptr<sequence_core> seq_;
   sequence_op* op_;
@@ -163,7 +165,7 @@ class fan_out {
   stage stage_;
   const std::size_t index_;   // append, step: the first token's index; truncate: the size kept
   const std::size_t tokens_;  // append, step: tokens appended
-  std::error_code failure_;   // an undo stage: why the operation failed
+  error_code failure_;   // an undo stage: why the operation failed
   std::atomic<std::size_t> remaining_{0};
 };
 
@@ -187,4 +189,5 @@ void fan_out_to_layers(const std::shared_ptr<sequence_core>& seq, sequence_op* o
              [](std::size_t) { return true; });
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

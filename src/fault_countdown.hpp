@@ -3,10 +3,12 @@
 // it whether to fail (allocations) or to pause (a submit), and only tests
 // set it.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// Counts `counter` down by one unless it is zero; returns its value before
 /// (0: nothing injected).
@@ -26,4 +28,5 @@ std::atomic<std::size_t>& metadata_countdown() noexcept;
 /// otherwise.
 inline std::atomic<void (*)()> enqueued_hook{nullptr};
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,9 +1,11 @@
+#include "ghostlink/detail/flavour.hpp"
 #include "mailbox.hpp"
 
 #include <cstdlib>
 #include <new>
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 std::atomic<std::uint64_t> mailbox_bytes{0};
@@ -99,4 +101,5 @@ bool mailbox::enqueue_carried(request* r) noexcept { return enqueue_reserved(r);
 
 std::size_t mailbox::queued() const noexcept { return queued_.load(std::memory_order_relaxed); }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

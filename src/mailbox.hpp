@@ -24,6 +24,7 @@
 //   order; with the above, requests initiated from one thread apply in the
 //   order they were initiated.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -32,7 +33,8 @@
 #include "concurrent_queue.hpp"
 #include "ghostlink/detail/layer_core.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// moodycamel's allocation hooks, counting the bytes every mailbox holds.
 struct mailbox_traits : moodycamel::ConcurrentQueueDefaultTraits {
@@ -94,4 +96,5 @@ class mailbox {
   std::atomic<std::uint64_t> delayed_{0};
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,6 +1,7 @@
 // The untyped interface of ghostlink/prefix_cache.hpp: making the index,
 // and attach and insert, which reach into sequences (src/sequence.hpp).
 
+#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -13,7 +14,8 @@
 #include "prefix_index.hpp"
 #include "sequence.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 [[noreturn]] void throw_errc(kv_errc e) { throw std::system_error(make_error_code(e)); }
@@ -151,4 +153,5 @@ void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler) 
   p.set_event_handler(std::move(handler));
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

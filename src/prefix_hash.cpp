@@ -1,6 +1,7 @@
 // The prefix cache's block hash: OpenSSL's SHA-256 over the definition in
 // ghostlink/prefix_cache.hpp.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <openssl/evp.h>
 
 #include <array>
@@ -14,7 +15,7 @@
 
 #include "prefix_index.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 std::string kv_block_hash::hex() const {
   static constexpr char digits[] = "0123456789abcdef";
@@ -26,9 +27,10 @@ std::string kv_block_hash::hex() const {
   return s;
 }
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 /// SHA-256 through one reused OpenSSL context per thread, with the
@@ -127,4 +129,5 @@ std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens
   return out;
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,6 +1,7 @@
 // The prefix cache's index: its entries, which of them are idle and
 // evictable, and their eviction (invariants in prefix_index.hpp).
 
+#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <ranges>
 #include <system_error>
@@ -9,7 +10,8 @@
 #include "ghostlink/error.hpp"
 #include "prefix_index.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec,
                            std::uint8_t element, ref_ptr<block_pool> pool, std::string model)
@@ -305,4 +307,5 @@ kv_prefix_stats prefix_index::stats() const noexcept {
   return s;
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

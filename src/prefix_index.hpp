@@ -32,6 +32,7 @@
 // here releases an outside block reference under mutex_: a release may
 // call block_idle().
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -50,7 +51,8 @@
 #include "epoch.hpp"
 #include "ghostlink/prefix_cache.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 struct prefix_entry;
 
@@ -182,4 +184,5 @@ class prefix_index {
   std::atomic<std::size_t> idle_{0};
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -3,6 +3,7 @@
 // operation once, when the last layer's request has completed. Steps are in
 // step.cpp; their begin and end are fan-out stages decided here.
 
+#include "ghostlink/detail/flavour.hpp"
 #include "sequence.hpp"
 
 #include <algorithm>
@@ -21,9 +22,10 @@
 #include "step.hpp"
 #include "working_state.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
-void layer_part::finish(operation* base, const std::error_code* ec, queueing how) {
+void layer_part::finish(operation* base, const error_code* ec, queueing how) {
   auto* self = static_cast<layer_part*>(base);
   if (ec)
     self->result = *ec;
@@ -32,7 +34,7 @@ void layer_part::finish(operation* base, const std::error_code* ec, queueing how
   self->fan_.arrive(how);
 }
 
-void fan_out::complete(std::error_code ec, queueing how) {
+void fan_out::complete(error_code ec, queueing how) {
   sequence_op* const op = op_;
   const bool discard = any_discarded();
   delete this;
@@ -44,7 +46,7 @@ void fan_out::complete(std::error_code ec, queueing how) {
 }
 
 template <class Arg>
-void fan_out::undo(stage s, std::error_code ec, const Arg& drop) {
+void fan_out::undo(stage s, error_code ec, const Arg& drop) {
   std::vector<bool> took(parts_.size());
   for (std::size_t i = 0; i < parts_.size(); ++i)
     // NOLINTNEXTLINE(bugprone-unchecked-optional-access): checked on the same line
@@ -64,7 +66,7 @@ void fan_out::end_stage(queueing how) {
   }
   switch (stage_) {
     case stage::append:
-      if (std::error_code ec = first_error()) {
+      if (error_code ec = first_error()) {
         // Drop the token again from the layers that took it. Without memory
         // to, it stays where it was stored, hidden (other layers lack it)
         // until the next append overwrites it.
@@ -87,11 +89,11 @@ void fan_out::end_stage(queueing how) {
         seq.dropped();
       }
       seq.end();
-      return complete(any ? std::error_code() : first_error(), how);
+      return complete(any ? error_code() : first_error(), how);
     }
     case stage::fork: {
       seq.end();
-      std::error_code ec = first_error();
+      error_code ec = first_error();
       if (!ec) {
         try {
           std::vector<std::shared_ptr<actor>> layers;
@@ -106,7 +108,7 @@ void fan_out::end_stage(queueing how) {
       return complete(ec, how);  // the forks of layers that did fork go with the fan-out
     }
     case stage::begin_step:
-      if (std::error_code ec = first_error()) return undo(stage::undo_begin_step, ec, reserve_args{index_, 0});
+      if (error_code ec = first_error()) return undo(stage::undo_begin_step, ec, reserve_args{index_, 0});
       // The layers dropped any hidden token from index_ on (a snapshot that
       // pinned one before must pin again); the step's tokens stay hidden
       // until its commit. The sequence stays busy until the step ends.
@@ -135,7 +137,7 @@ namespace {
 
 /// The tokens an append carries per layer (at least one, the same for
 /// every layer), or its error.
-std::pair<std::error_code, std::size_t> check_append(std::size_t layers, std::size_t width,
+std::pair<error_code, std::size_t> check_append(std::size_t layers, std::size_t width,
                                                      std::span<const std::span<const float>> keys,
                                                      std::span<const std::span<const float>> values) noexcept {
   if (keys.size() != layers || values.size() != layers) return {kv_errc::layer_mismatch, 0};
@@ -317,4 +319,5 @@ std::uint64_t removals(const sequence_core& s) noexcept { return s.drops.load(st
 const std::shared_ptr<actor>& ids_of(const sequence_core& s) noexcept { return s.layers.back(); }
 std::size_t visible_bound(const sequence_core& s) noexcept { return s.bound.load(std::memory_order_acquire); }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

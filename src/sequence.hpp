@@ -31,14 +31,13 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/any_io_executor.hpp>
-
 #include "block.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/sequence_core.hpp"
 #include "ghostlink/element.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 class sequence_core {
  public:
@@ -89,4 +88,5 @@ std::shared_ptr<sequence_core> make_attached_sequence(asio::any_io_executor ex, 
 std::optional<std::size_t> begin_adding(sequence_core& seq, sequence_op* op, std::size_t tokens,
                                         std::span<const token_id> ids);
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

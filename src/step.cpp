@@ -2,6 +2,7 @@
 // its writes (one request to one layer each), its commit (no request at
 // all: every layer already holds the tokens) and its end.
 
+#include "ghostlink/detail/flavour.hpp"
 #include "step.hpp"
 
 #include <new>
@@ -10,12 +11,13 @@
 
 #include "ghostlink/error.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 step_part::step_part(std::shared_ptr<step_core> step, std::size_t layer, sequence_op* op) noexcept
     : request(&finish, step->writes_of(layer)), step_(std::move(step)), layer_(layer), op_(op) {}
 
-void step_part::finish(operation* base, const std::error_code* ec, queueing how) {
+void step_part::finish(operation* base, const error_code* ec, queueing how) {
   auto* self = static_cast<step_part*>(base);
   sequence_op* const op = self->op_;
   std::shared_ptr<step_core> step = std::move(self->step_);  // the part dies below; the step lives on to here
@@ -152,7 +154,7 @@ class batch_member final : public sequence_op {
   std::size_t index = 0;
 
  private:
-  static void finish(operation* base, const std::error_code* ec, queueing how);
+  static void finish(operation* base, const error_code* ec, queueing how);
 };
 
 /// A write of one layer across a batch of steps: one member per step, and
@@ -176,7 +178,7 @@ class batch_write {
     arrive(queueing::post);
   }
 
-  void finished(std::size_t i, const std::error_code* ec, queueing how) {
+  void finished(std::size_t i, const error_code* ec, queueing how) {
     if (ec)
       op_->results[i] = *ec;
     else
@@ -191,8 +193,8 @@ class batch_write {
     const bool discard = discarded_.load(std::memory_order_relaxed);
     delete this;
     if (discard) return op->discard();
-    std::error_code first;
-    for (const std::error_code& ec : op->results)
+    error_code first;
+    for (const error_code& ec : op->results)
       if (ec) {
         first = ec;
         break;
@@ -206,7 +208,7 @@ class batch_write {
   std::atomic<bool> discarded_{false};
 };
 
-void batch_member::finish(operation* base, const std::error_code* ec, queueing how) {
+void batch_member::finish(operation* base, const error_code* ec, queueing how) {
   auto* self = static_cast<batch_member*>(base);
   self->batch->finished(self->index, ec, how);
 }
@@ -264,4 +266,5 @@ std::size_t step_index(const step_core& step) noexcept { return step.index; }
 std::size_t step_tokens(const step_core& step) noexcept { return step.tokens; }
 const std::shared_ptr<sequence_core>& sequence_of(const step_core& step) noexcept { return step.seq; }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

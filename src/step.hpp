@@ -24,6 +24,7 @@
 // - `abandon_requested_`: the handle went away while a commit waited; if
 //   that commit puts the step back to open, the step is ended instead.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <memory>
@@ -32,7 +33,8 @@
 
 #include "fan_out.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// One layer's write of a step: its completion records the layer's state,
 /// then completes the user's operation.
@@ -41,7 +43,7 @@ class step_part final : public request {
   step_part(std::shared_ptr<step_core> step, std::size_t layer, sequence_op* op) noexcept;
 
  private:
-  static void finish(operation* base, const std::error_code* ec, queueing how);
+  static void finish(operation* base, const error_code* ec, queueing how);
   std::shared_ptr<step_core> step_;  // kept alive until the part has finished
   std::size_t layer_;
   sequence_op* op_;
@@ -101,4 +103,5 @@ class step_core : public std::enable_shared_from_this<step_core> {
   fan_out* end_;  // the step's end, started by abandon(); freed unstarted after a commit
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,10 +1,12 @@
+#include "ghostlink/detail/flavour.hpp"
 #include "testing.hpp"
 
 #include "block_pool.hpp"
 #include "fault_countdown.hpp"
 #include "mailbox.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 void fail_next_allocations(const kv_block_pool& pool, std::size_t n) noexcept {
   if (const ref_ptr<block_pool> state = pool_access::state(pool)) state->fail_next_allocations(n);
@@ -22,4 +24,5 @@ std::size_t pools_alive() noexcept { return block_pool::pools_alive(); }
 std::size_t pools_destroyed_unbalanced() noexcept { return block_pool::pools_destroyed_unbalanced(); }
 std::uint64_t mailbox_bytes_allocated() noexcept { return mailbox::bytes_allocated(); }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -3,12 +3,14 @@
 // header (its directory is on no consumer's include path); the library
 // defines these functions, and production code never calls them.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 
 #include "ghostlink/block_pool.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// The next `n` requests of `pool` for a block's memory fail as if the
 /// system had none.
@@ -34,4 +36,5 @@ std::size_t pools_destroyed_unbalanced() noexcept;
 /// blocks); a mailbox keeps the blocks it grew to until its cache dies.
 std::uint64_t mailbox_bytes_allocated() noexcept;
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

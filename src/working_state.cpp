@@ -1,3 +1,4 @@
+#include "ghostlink/detail/flavour.hpp"
 #include "working_state.hpp"
 
 #include <algorithm>
@@ -7,7 +8,8 @@
 
 #include "ghostlink/error.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 namespace {
 
 /// The most chunks a page table may list: 2^31 blocks, 512 MiB of chunk
@@ -391,4 +393,5 @@ void working_state::materialize(block& blk, std::size_t positions) noexcept {
   blk.set_materialized(positions);
 }
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -39,6 +39,7 @@
 //   refers to, set aside by reserve() for the next write; the next write
 //   that succeeds frees what it did not use.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -53,7 +54,8 @@
 #include "ghostlink/element.hpp"
 #include "ghostlink/types.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 class working_state {
  public:
@@ -161,4 +163,5 @@ class working_state {
   bool changed_ = false;
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

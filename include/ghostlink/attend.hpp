@@ -3,6 +3,7 @@
 /// `ghostlink::attend`: a reference attention kernel over a snapshot's
 /// blocks and a step's pending tokens.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <span>
 #include <system_error>
@@ -11,7 +12,7 @@
 #include "ghostlink/error.hpp"
 #include "ghostlink/snapshot.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// The heads of an attention over a cache's tokens: `query_heads` query
 /// heads read `kv_heads` stored heads of `head_dim` elements, in groups
@@ -137,4 +138,4 @@ std::error_code attend(std::span<const half> keys, std::span<const half> values,
 std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values, std::span<const float> queries,
                        std::span<float> out, const attention_shape& shape) noexcept;
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

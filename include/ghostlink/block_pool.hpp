@@ -2,6 +2,7 @@
 /// @file
 /// `kv_block_pool`: the storage blocks of many caches under one budget.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <limits>
 #include <system_error>
@@ -11,7 +12,7 @@
 #include "ghostlink/events.hpp"
 #include "ghostlink/stats.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 namespace detail {
 class block_pool;
@@ -165,4 +166,4 @@ class kv_block_pool {
   detail::block_pool* state_;  // one reference of the pool's count
 };
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -3,11 +3,12 @@
 /// The shape of one layer's KV cache: how many tokens, how wide a token is,
 /// how tokens are grouped into storage blocks, and the storage budget.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <iosfwd>
 #include <limits>
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// Geometry and budget of a `layer_kv_cache`.
 ///
@@ -58,4 +59,4 @@ namespace detail {
 void validate(const kv_cache_config& config, std::size_t element_size = sizeof(float));
 }  // namespace detail
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

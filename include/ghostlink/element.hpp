@@ -10,6 +10,7 @@
 /// `float` is exact (a signalling NaN, which a cache never stores, may come
 /// back quiet).
 
+#include "ghostlink/detail/flavour.hpp"
 #include <bit>
 #include <concepts>
 #include <cstddef>
@@ -18,7 +19,7 @@
 #include <span>
 #include <type_traits>
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// IEEE 754 binary16: 1 sign bit, 5 exponent bits, 10 mantissa bits.
 struct half {
@@ -157,4 +158,4 @@ template <storage_element T>
 inline constexpr element_codec codec_of{sizeof(T), &store_as<T>};
 
 }  // namespace detail
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

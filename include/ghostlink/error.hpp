@@ -2,18 +2,21 @@
 /// @file
 /// Errors of ghostlink: `kv_errc` values in `kv_category()`.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <system_error>
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// Why a cache operation failed. A failed operation leaves the stored data
 /// unchanged (the one documented exception: a sequence truncate that only
 /// some layers could apply).
 ///
 /// Asynchronous operations pass them to their handler as its first argument,
-/// a `std::error_code` of `kv_category()` (with `asio::use_awaitable` and
-/// `asio::use_future` they arrive as a thrown `std::system_error`); snapshot
-/// reads return them; constructors throw `std::system_error` with
+/// a `ghostlink::error_code` (`std::error_code` standalone,
+/// `boost::system::error_code` in the Boost flavour) of `kv_category()` (with
+/// `asio::use_awaitable` and `asio::use_future` they arrive as a thrown
+/// `std::system_error`, or `boost::system::system_error` with Boost); snapshot
+/// reads return them as a `std::error_code` in both flavours; constructors throw `std::system_error` with
 /// `invalid_config`. `capacity_exhausted` also stands for memory the system
 /// refused (a block, a page table, an epoch, room in the mailbox). A
 /// cancelled operation completes with `asio::error::operation_aborted`,
@@ -38,14 +41,31 @@ enum class kv_errc {
   invalid_shape,          ///< an `attention_shape` with a zero field, or query heads not a multiple of KV heads.
 };
 
-/// The category of `kv_errc`; its name is `"ghostlink.kv"`.
+/// The category of `kv_errc`; its name is `"ghostlink.kv"`. In the Boost
+/// flavour it is the `std::error_category` of `kv_boost_category()`, so a
+/// code converted between `std::error_code` and `boost::system::error_code`
+/// keeps its category.
 const std::error_category& kv_category() noexcept;
 
-/// Makes `kv_errc` usable wherever a `std::error_code` is expected.
+/// Makes `kv_errc` usable wherever a `std::error_code` (and, in the Boost
+/// flavour, a `boost::system::error_code`) is expected.
 std::error_code make_error_code(kv_errc e) noexcept;
 
-}  // namespace ghostlink
+#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+/// The category of `kv_errc` as Boost.System sees it (Boost flavour only):
+/// a `boost::system::error_code` made from a `kv_errc` has this category.
+const boost::system::error_category& kv_boost_category() noexcept;
+#endif
+
+GHOSTLINK_NAMESPACE_END
 
 /// Lets a `ghostlink::kv_errc` convert to, and compare with, a `std::error_code`.
 template <>
 struct std::is_error_code_enum<ghostlink::kv_errc> : std::true_type {};
+
+#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+/// Lets a `ghostlink::kv_errc` convert to, and compare with, a
+/// `boost::system::error_code` (Boost flavour only).
+template <>
+struct boost::system::is_error_code_enum<ghostlink::kv_errc> : std::true_type {};
+#endif

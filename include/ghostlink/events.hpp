@@ -3,11 +3,12 @@
 /// Events a `kv_block_pool` reports as they happen (in the spirit of vLLM's
 /// KV cache events): blocks allocated and freed, epochs published.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// One thing that happened in a pool or in a cache on it.
 struct kv_event {
@@ -35,4 +36,4 @@ struct kv_event {
 /// exception ends the process), and must not call back into the cache.
 using kv_event_handler = std::function<void(const kv_event&)>;
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -13,12 +13,6 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/any_io_executor.hpp>
-#include <asio/async_result.hpp>
-#include <asio/execution_context.hpp>
-#include <asio/strand.hpp>
-#include <asio/use_awaitable.hpp>
-
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
@@ -29,7 +23,7 @@
 #include "ghostlink/stats.hpp"
 #include "ghostlink/types.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// The completion token of every asynchronous operation that is given
 /// none: `asio::use_awaitable`, so `co_await cache.async_write(i, k, v);`
@@ -334,6 +328,6 @@ class basic_layer_kv_cache {
 /// A layer cache storing floats: the contract's `layer_kv_cache`.
 using layer_kv_cache = basic_layer_kv_cache<float>;
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END
 
 #include "ghostlink/impl/layer_kv_cache.hpp"

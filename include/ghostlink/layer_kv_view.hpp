@@ -2,13 +2,14 @@
 /// @file
 /// `basic_layer_kv_view<T>`: a read-only handle on one layer of a sequence.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <ostream>
 #include <utility>
 
 #include "ghostlink/layer_kv_cache.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// A read-only handle on one layer of a `basic_sequence_kv_cache<T>`, as
 /// its `layer(i)` hands out: every read of `basic_layer_kv_cache<T>` (its
@@ -80,4 +81,4 @@ class basic_layer_kv_view {
 /// The read-only view of a float layer.
 using layer_kv_view = basic_layer_kv_view<float>;
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

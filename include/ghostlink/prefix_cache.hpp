@@ -19,9 +19,6 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/any_io_executor.hpp>
-#include <asio/execution_context.hpp>
-
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
@@ -29,7 +26,7 @@
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/types.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// The hash of one full block of tokens and of every token before it (see
 /// the definition in `basic_kv_prefix_cache`): SHA-256, so that another
@@ -265,4 +262,4 @@ class basic_kv_prefix_cache {
 /// A prefix cache of float storage.
 using kv_prefix_cache = basic_kv_prefix_cache<float>;
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

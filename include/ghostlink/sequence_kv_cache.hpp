@@ -15,9 +15,6 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/any_io_executor.hpp>
-#include <asio/execution_context.hpp>
-
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
@@ -27,7 +24,7 @@
 #include "ghostlink/sequence_step.hpp"
 #include "ghostlink/snapshot.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// Per-layer snapshots of one sequence, all of one length.
 ///
@@ -339,6 +336,6 @@ using sequence_kv_cache = basic_sequence_kv_cache<float>;
 /// The snapshot of a `sequence_kv_cache` (float storage).
 using sequence_snapshot = basic_sequence_snapshot<float>;
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END
 
 #include "ghostlink/impl/sequence_kv_cache.hpp"

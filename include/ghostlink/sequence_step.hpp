@@ -11,14 +11,12 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/any_io_executor.hpp>
-
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/sequence_core.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/snapshot.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 template <storage_element T>
 class basic_sequence_kv_cache;
@@ -205,4 +203,4 @@ class basic_sequence_step {
   std::shared_ptr<detail::step_core> core_;
 };
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

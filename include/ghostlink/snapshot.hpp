@@ -3,6 +3,7 @@
 /// `basic_kv_snapshot<T>` (`kv_snapshot` for float caches): a pinned,
 /// immutable view of one published epoch.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -17,7 +18,7 @@
 #include "ghostlink/error.hpp"
 #include "ghostlink/types.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// A move-only handle that pins one published epoch of a
 /// `basic_layer_kv_cache<T>`.
@@ -158,4 +159,4 @@ class basic_kv_snapshot {
 /// The snapshot of a `layer_kv_cache` (float storage).
 using kv_snapshot = basic_kv_snapshot<float>;
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -2,11 +2,12 @@
 /// @file
 /// Counters a `layer_kv_cache` and a `kv_block_pool` keep about themselves.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <array>
 #include <cstddef>
 #include <cstdint>
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// A point-in-time reading of a cache's counters (`layer_kv_cache::stats()`).
 /// Each field is read separately with relaxed ordering: exact when the cache
@@ -75,4 +76,4 @@ struct kv_pool_stats {
   std::size_t bytes_in_use() const noexcept { return blocks_in_use * block_bytes; }
 };
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -3,12 +3,13 @@
 /// Value types that cross the API: one write of a batch, one read token, one
 /// read range.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 
 /// A token's id in the model's vocabulary, as a sequence stores it with the
 /// token (see `basic_sequence_kv_cache::async_append`).
@@ -51,4 +52,4 @@ struct kv_range {
   std::vector<float> values;
 };
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -1,16 +1,34 @@
 #pragma once
-// Included by every public header before any Asio header. The build passes
-// these defines through the dependency (meson.build says why each is
-// needed); this covers translation units built without it, as long as they
-// include ghostlink before Asio.
+// The flavour (flavour.hpp) and the Asio headers ghostlink's own headers and
+// sources use, from the flavour's Asio.
 
-#if defined(__clang__) && defined(__cpp_impl_coroutine) && !defined(ASIO_HAS_CO_AWAIT)
-// Asio 1.22 looks for <experimental/coroutine>, which libstdc++ lacks.
-#define ASIO_HAS_CO_AWAIT 1
-#define ASIO_HAS_STD_COROUTINE 1
+#include "ghostlink/detail/flavour.hpp"
+
+#include GHOSTLINK_ASIO_HEADER(any_io_executor.hpp)
+#include GHOSTLINK_ASIO_HEADER(associated_allocator.hpp)
+#include GHOSTLINK_ASIO_HEADER(associated_cancellation_slot.hpp)
+#include GHOSTLINK_ASIO_HEADER(associated_executor.hpp)
+#include GHOSTLINK_ASIO_HEADER(async_result.hpp)
+#include GHOSTLINK_ASIO_HEADER(cancellation_type.hpp)
+#include GHOSTLINK_ASIO_HEADER(defer.hpp)
+#include GHOSTLINK_ASIO_HEADER(dispatch.hpp)
+#include GHOSTLINK_ASIO_HEADER(error.hpp)
+#include GHOSTLINK_ASIO_HEADER(execution/blocking.hpp)
+#include GHOSTLINK_ASIO_HEADER(execution/executor.hpp)
+#include GHOSTLINK_ASIO_HEADER(execution/outstanding_work.hpp)
+#include GHOSTLINK_ASIO_HEADER(execution_context.hpp)
+#include GHOSTLINK_ASIO_HEADER(executor_work_guard.hpp)
+#include GHOSTLINK_ASIO_HEADER(is_executor.hpp)
+#include GHOSTLINK_ASIO_HEADER(post.hpp)
+#include GHOSTLINK_ASIO_HEADER(prefer.hpp)
+#include GHOSTLINK_ASIO_HEADER(recycling_allocator.hpp)
+#include GHOSTLINK_ASIO_HEADER(require.hpp)
+#include GHOSTLINK_ASIO_HEADER(strand.hpp)
+#include GHOSTLINK_ASIO_HEADER(system_executor.hpp)
+#include GHOSTLINK_ASIO_HEADER(use_awaitable.hpp)
+
+// Whether the flavour's Asio has C++20 coroutines (asio::awaitable).
+#if defined(ASIO_HAS_CO_AWAIT) || defined(BOOST_ASIO_HAS_CO_AWAIT)
+#define GHOSTLINK_HAS_CO_AWAIT 1
 #endif
 
-#if defined(__clang__) && __clang_major__ < 17 && !defined(ASIO_DISABLE_AWAITABLE_FRAME_RECYCLING)
-// LLVM issue 63022: a thread_local's address kept across co_await.
-#define ASIO_DISABLE_AWAITABLE_FRAME_RECYCLING 1
-#endif

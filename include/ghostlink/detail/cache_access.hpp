@@ -3,10 +3,12 @@
 // machinery in src/ (a fork's new actor, a pinned epoch) without public
 // constructors that users could reach.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <memory>
 #include <utility>
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 struct cache_access {
   /// A handle of type `Handle` on `core` (an empty handle if null).
@@ -42,4 +44,5 @@ struct adopt_step {
   }
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -20,24 +20,10 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/associated_allocator.hpp>
-#include <asio/associated_cancellation_slot.hpp>
-#include <asio/associated_executor.hpp>
-#include <asio/cancellation_type.hpp>
-#include <asio/defer.hpp>
-#include <asio/execution/blocking.hpp>
-#include <asio/execution/executor.hpp>
-#include <asio/execution/outstanding_work.hpp>
-#include <asio/executor_work_guard.hpp>
-#include <asio/is_executor.hpp>
-#include <asio/post.hpp>
-#include <asio/prefer.hpp>
-#include <asio/recycling_allocator.hpp>
-#include <asio/require.hpp>
-
 #include "ghostlink/detail/ref_ptr.hpp"
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// The allocator for a handler's intermediate storage: its associated
 /// allocator, else Asio's per-thread recycling allocator (as Asio's own
@@ -188,13 +174,13 @@ class operation {
   void watch(ref_ptr<cancel_state> state) noexcept { cancel_ = std::move(state); }
 
   /// Ends the operation with `ec` (and its typed result, if it has one).
-  void complete(std::error_code ec, queueing how) { finish_(this, &ec, how); }
+  void complete(error_code ec, queueing how) { finish_(this, &ec, how); }
   /// Ends the operation with its handler (if any) destroyed unrun.
   void discard() noexcept { finish_(this, nullptr, queueing::post); }
 
  protected:
   /// Called once: `ec` null to discard.
-  using finish_fn = void (*)(operation*, const std::error_code* ec, queueing);
+  using finish_fn = void (*)(operation*, const error_code* ec, queueing);
   explicit operation(finish_fn finish) noexcept : finish_(finish) {}
   ~operation() = default;
 
@@ -240,7 +226,7 @@ class handler_op final : public Base {
     this->watch(watch_slot(asio::get_associated_cancellation_slot(handler_)));
   }
 
-  static void finish(operation* base, const std::error_code* ec, queueing how) {
+  static void finish(operation* base, const error_code* ec, queueing how) {
     auto* self = static_cast<handler_op*>(base);
     allocator_type alloc(handler_allocator(self->handler_));
     Handler handler(std::move(self->handler_));
@@ -261,4 +247,5 @@ class handler_op final : public Base {
   Handler handler_;
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

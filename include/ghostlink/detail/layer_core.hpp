@@ -11,9 +11,6 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#include <asio/any_io_executor.hpp>
-#include <asio/strand.hpp>
-
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/completion.hpp"
 #include "ghostlink/detail/pinned_epoch.hpp"
@@ -21,11 +18,12 @@
 #include "ghostlink/stats.hpp"
 #include "ghostlink/types.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 class kv_block_pool;
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 class actor;
 class mailbox;
@@ -127,4 +125,5 @@ kv_block_pool pool_of(const actor& a) noexcept;
 /// Prints `layer_kv_cache{config=..., size=...}`.
 std::ostream& print(std::ostream& os, const actor& a);
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

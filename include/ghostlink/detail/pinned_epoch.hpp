@@ -4,12 +4,14 @@
 // range of tokens are. The epoch itself (its block table, its layout) lives
 // in src/epoch.hpp.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <utility>
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 struct epoch;
 struct epoch_access;
@@ -93,4 +95,5 @@ class pinned_epoch {
   std::size_t width_ = 0;
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

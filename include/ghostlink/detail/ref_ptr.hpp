@@ -3,11 +3,13 @@
 // page tables, epochs). Intrusive, not std::shared_ptr, because the epoch
 // publication cell (epoch_cell.hpp) must manipulate the count directly.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstdint>
 #include <utility>
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 /// Base of a reference-counted object. `Derived::destroy(Derived*)` frees it
 /// when the last reference goes; a new object starts with one reference.
@@ -71,4 +73,5 @@ class ref_ptr {
   T* p_ = nullptr;
 };
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -6,6 +6,7 @@
 // fans out to every layer's actor and completes once, when the last layer
 // has applied its part.
 
+#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -16,7 +17,8 @@
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/detail/layer_core.hpp"  // the layers' actors, the pool, the completion piece
 
-namespace ghostlink::detail {
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
 
 class sequence_core;
 class step_core;
@@ -39,7 +41,7 @@ class sequence_op : public operation {
 class batch_op : public operation {
  public:
   /// Each step's result, in the order of the steps.
-  std::vector<std::error_code> results;
+  std::vector<error_code> results;
 
  protected:
   explicit batch_op(finish_fn finish) noexcept : operation(finish) {}
@@ -48,7 +50,7 @@ class batch_op : public operation {
 
 /// Turns a finished batch_op into the handler's second argument.
 struct take_results {
-  std::vector<std::error_code> operator()(batch_op& op) const noexcept { return std::move(op.results); }
+  std::vector<error_code> operator()(batch_op& op) const noexcept { return std::move(op.results); }
 };
 
 /// `num_layers` empty layers of `config` on strands of `ex`, accepting
@@ -110,4 +112,5 @@ std::size_t step_index(const step_core& step) noexcept;
 std::size_t step_tokens(const step_core& step) noexcept;
 const std::shared_ptr<sequence_core>& sequence_of(const step_core& step) noexcept;
 
-}  // namespace ghostlink::detail
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -7,15 +7,11 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
-#if defined(ASIO_HAS_CO_AWAIT)
-#include <asio/use_awaitable.hpp>
-#endif
-
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/completion.hpp"
 #include "ghostlink/detail/layer_core.hpp"
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 /// True for the handler of a `co_await` through `asio::use_awaitable`: the
@@ -25,7 +21,7 @@ namespace detail {
 /// in flight, whose drains should batch them.
 template <class Handler>
 struct resumes_coroutine : std::false_type {};
-#if defined(ASIO_HAS_CO_AWAIT)
+#if defined(GHOSTLINK_HAS_CO_AWAIT)
 template <class Executor, class... Ts>
 struct resumes_coroutine<asio::detail::awaitable_handler<Executor, Ts...>> : std::true_type {};
 #endif
@@ -65,7 +61,7 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t index) const {
     kv_entry entry;
-    std::error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_kv(index, entry);
+    error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_kv(index, entry);
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
                     std::move(entry));
   }
@@ -73,7 +69,7 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
-    std::error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_range(begin, end, range);
+    error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_range(begin, end, range);
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
                     std::move(range));
   }
@@ -84,7 +80,7 @@ struct initiate_read {
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
                                                                       detail::initialize_args{seq_len});
 }
 
@@ -92,42 +88,42 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
                                           CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
                                                                       kv_write{index, keys, values});
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token, entries);
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token, entries);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_request{core_}, token,
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
                                                                       detail::truncate_args{n});
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code, basic_layer_kv_cache)>(
+  return asio::async_initiate<CompletionToken, void(error_code, basic_layer_kv_cache)>(
       detail::initiate_request_with<detail::adopt_forked<basic_layer_kv_cache>>{core_}, token, detail::fork_args{});
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code, kv_entry)>(
+  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(
       detail::initiate_read<snapshot_type>{core_}, token, index);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code, kv_range)>(
+  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(
       detail::initiate_read<snapshot_type>{core_}, token, begin, end);
 }
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END

@@ -10,8 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include <asio/async_result.hpp>
-#include <asio/system_executor.hpp>
+#include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/completion.hpp"
@@ -19,7 +18,7 @@
 #include "ghostlink/detail/sequence_core.hpp"
 #include "ghostlink/layer_kv_cache.hpp"  // resumes_coroutine
 
-namespace ghostlink {
+GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 /// Which initiation a sequence step's begin and commit are.
@@ -143,7 +142,7 @@ template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_append(std::span<const std::span<const float>> keys_per_layer,
                                               std::span<const std::span<const float>> values_per_layer,
                                               CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+  return asio::async_initiate<CompletionToken, void(error_code)>(
       detail::initiate_sequence_op<>{core_}, token, keys_per_layer, values_per_layer, std::span<const token_id>());
 }
 
@@ -153,27 +152,27 @@ auto basic_sequence_kv_cache<T>::async_append(std::span<const token_id> ids,
                                               std::span<const std::span<const float>> keys_per_layer,
                                               std::span<const std::span<const float>> values_per_layer,
                                               CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_sequence_op<>{core_}, token,
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_sequence_op<>{core_}, token,
                                                                       keys_per_layer, values_per_layer, ids);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(detail::initiate_sequence_op<>{core_}, token, n);
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_sequence_op<>{core_}, token, n);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_fork(CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code, basic_sequence_kv_cache)>(
+  return asio::async_initiate<CompletionToken, void(error_code, basic_sequence_kv_cache)>(
       detail::initiate_sequence_op<detail::adopt_forked<basic_sequence_kv_cache>>{core_}, token);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_begin_step(std::size_t n, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code, step_type)>(
+  return asio::async_initiate<CompletionToken, void(error_code, step_type)>(
       detail::initiate_sequence_op<detail::adopt_step<step_type>>{core_}, token, detail::begin_step_t{}, n,
       std::span<const token_id>());
 }
@@ -181,7 +180,7 @@ auto basic_sequence_kv_cache<T>::async_begin_step(std::size_t n, CompletionToken
 template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_kv_cache<T>::async_begin_step(std::span<const token_id> ids, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code, step_type)>(
+  return asio::async_initiate<CompletionToken, void(error_code, step_type)>(
       detail::initiate_sequence_op<detail::adopt_step<step_type>>{core_}, token, detail::begin_step_t{}, ids.size(),
       ids);
 }
@@ -190,14 +189,14 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_step<T>::async_write(std::size_t layer, std::span<const float> keys, std::span<const float> values,
                                          CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+  return asio::async_initiate<CompletionToken, void(error_code)>(
       detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, layer, keys, values);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_step<T>::async_commit(CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+  return asio::async_initiate<CompletionToken, void(error_code)>(
       detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, detail::commit_t{});
 }
 
@@ -207,15 +206,15 @@ auto basic_sequence_step<T>::async_write_layer(std::span<const basic_sequence_st
                                                std::span<const std::span<const float>> keys,
                                                std::span<const std::span<const float>> values,
                                                CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(std::error_code, std::vector<std::error_code>)>(
+  return asio::async_initiate<CompletionToken, void(error_code, std::vector<error_code>)>(
       detail::initiate_write_layer{}, token, steps, layer, keys, values);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_step<T>::async_abandon(CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(std::error_code)>(
+  return asio::async_initiate<CompletionToken, void(error_code)>(
       detail::initiate_sequence_op<>{detail::sequence_of(*core_), core_}, token, detail::abandon_t{});
 }
 
-}  // namespace ghostlink
+GHOSTLINK_NAMESPACE_END
