@@ -106,7 +106,7 @@ void working_state::seal() noexcept {
   touched_.clear();
 }
 
-std::error_code working_state::validate(std::span<const kv_write> entries) const noexcept {
+error_code working_state::validate(std::span<const kv_write> entries) const noexcept {
   const std::size_t width = config_.token_width();
   for (const kv_write& w : entries) {
     if (w.keys.size() != w.values.size()) return kv_errc::length_mismatch;
@@ -117,7 +117,7 @@ std::error_code working_state::validate(std::span<const kv_write> entries) const
   return {};
 }
 
-std::error_code working_state::initialize(std::size_t size) {
+error_code working_state::initialize(std::size_t size) {
   if (size == 0) return kv_errc::zero_length;
   size = std::min(size, config_.max_tokens_per_seq);
   if (size > size_) {
@@ -129,7 +129,7 @@ std::error_code working_state::initialize(std::size_t size) {
   return {};
 }
 
-std::error_code working_state::truncate(std::size_t size) {
+error_code working_state::truncate(std::size_t size) {
   if (size >= size_) return {};
   const std::size_t bt = config_.block_tokens;
   const std::size_t stored = std::min(stored_, size);
@@ -168,7 +168,7 @@ std::error_code working_state::truncate(std::size_t size) {
   return {};
 }
 
-std::error_code working_state::reserve(std::size_t index, std::size_t tokens) {
+error_code working_state::reserve(std::size_t index, std::size_t tokens) {
   reserved_.clear();
   if (tokens == 0) return truncate(index);
   const std::size_t bt = config_.block_tokens;
@@ -197,7 +197,7 @@ std::error_code working_state::reserve(std::size_t index, std::size_t tokens) {
       set_aside.push_back(block::make(*pool_, owner_, block::budget::counted, account_.get()));
       if (!set_aside.back()) return kv_errc::capacity_exhausted;
     }
-    if (std::error_code ec = truncate(index)) return ec;
+    if (error_code ec = truncate(index)) return ec;
     reserved_ = std::move(set_aside);
   } catch (const std::bad_alloc&) {
     return kv_errc::capacity_exhausted;
@@ -212,8 +212,8 @@ ref_ptr<block> working_state::fresh_block() noexcept {
   return b;
 }
 
-std::error_code working_state::write(std::span<const kv_write> entries) {
-  if (std::error_code ec = validate(entries)) return ec;
+error_code working_state::write(std::span<const kv_write> entries) {
+  if (error_code ec = validate(entries)) return ec;
   if (entries.empty()) return {};
 
   std::size_t stored = stored_;

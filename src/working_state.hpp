@@ -74,15 +74,15 @@ class working_state {
   ref_ptr<epoch> initial_epoch();
 
   // Each applies one request all-or-nothing: on error nothing changed.
-  std::error_code initialize(std::size_t size);
-  std::error_code write(std::span<const kv_write> entries);
-  std::error_code truncate(std::size_t size);
+  error_code initialize(std::size_t size);
+  error_code write(std::span<const kv_write> entries);
+  error_code truncate(std::size_t size);
   /// Drops the tokens from `index` on, frees the blocks set aside before,
   /// and sets aside every block a write of tokens `[index, index + tokens)`
   /// will need, so that it cannot fail for want of a block (a sequence
   /// step's begin; with `tokens` 0, its undo). On error (capacity_exhausted)
   /// nothing is set aside and nothing changed.
-  std::error_code reserve(std::size_t index, std::size_t tokens);
+  error_code reserve(std::size_t index, std::size_t tokens);
   /// A new working state equal to this one, sharing every block
   /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.
   std::unique_ptr<working_state> fork();
@@ -108,7 +108,7 @@ class working_state {
  private:
   working_state(const working_state& parent, std::uint64_t next_epoch);
 
-  std::error_code validate(std::span<const kv_write> entries) const noexcept;
+  error_code validate(std::span<const kv_write> entries) const noexcept;
 
   /// Entry `b` of the working table, ready to be set: the table and the
   /// entry's chunk are copied first if a published epoch can see them.

@@ -4,12 +4,7 @@
 
 #include "support.hpp"
 
-#include <asio/bind_allocator.hpp>
-#include <asio/bind_executor.hpp>
-#include <asio/io_context.hpp>
-#include <asio/post.hpp>
-#include <asio/strand.hpp>
-#include <asio/this_coro.hpp>
+#include "asio_compat.hpp"
 
 #include <algorithm>
 #include <array>
@@ -26,7 +21,7 @@ namespace ghostlink::test::completion {
 
 constexpr int rounds = 20;
 
-inline std::error_code err(kv_errc e) { return make_error_code(e); }
+inline ghostlink::error_code err(kv_errc e) { return make_error_code(e); }
 
 /// Inputs for the small config (8 floats a token, 16 tokens): tokens 1..3,
 /// a too-short token, a batch of tokens 2..3 and one with an entry past the end.
@@ -61,10 +56,10 @@ struct fixture {
 
 /// The error a future-returning operation finished with.
 template <class T>
-std::error_code code_of(std::future<T> f) {
+ghostlink::error_code code_of(std::future<T> f) {
   try {
     f.get();
-  } catch (const std::system_error& e) {
+  } catch (const ghostlink::test::async_error& e) {
     return e.code();
   }
   return {};

@@ -50,7 +50,7 @@ inline std::string diff_token(std::size_t index, std::span<const float> keys, st
 
 /// Calls f(index, keys, values) per token of `snap` in [begin, end), zero-copy.
 template <class F>
-inline std::error_code for_each_token(const kv_snapshot& snap, std::size_t begin, std::size_t end, F f) {
+inline ghostlink::error_code for_each_token(const kv_snapshot& snap, std::size_t begin, std::size_t end, F f) {
   const std::size_t w = snap.token_width();
   return snap.for_each_block(
       begin, end,
@@ -84,14 +84,14 @@ inline void check_all(mismatch_log& log, const std::string& where, const kv_snap
     if (auto d = diff_token(i, keys, values, tag); !d.empty()) log.add(where + ", for_each_block: " + d);
   });
   kv_range r;
-  if (std::error_code ec = snap.read_range(0, n, r)) log.add(where + ", read_range: " + ec.message());
+  if (ghostlink::error_code ec = snap.read_range(0, n, r)) log.add(where + ", read_range: " + ec.message());
   for (std::size_t i = 0; i < n && r.keys.size() == n * w; ++i) {
     const auto keys = std::span(r.keys).subspan(i * w, w), values = std::span(r.values).subspan(i * w, w);
     if (auto d = diff_token(i, keys, values, tag); !d.empty()) log.add(where + ", read_range: " + d);
   }
   for (std::size_t i = 0; i < n; ++i) {
     kv_entry e;
-    if (std::error_code ec = snap.read_kv(i, e))
+    if (ghostlink::error_code ec = snap.read_kv(i, e))
       log.add(str(where, ", read_kv(", i, "): ", ec.message()));
     else if (auto d = diff_token(i, e.keys, e.values, tag); !d.empty())
       log.add(where + ", read_kv: " + d);

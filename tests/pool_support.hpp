@@ -40,13 +40,13 @@ inline std::string diff(const kv_snapshot& snap, const model& m) {
   if (snap.size() != m.size()) return str("size ", snap.size(), ", model says ", m.size());
   const std::size_t n = snap.size(), w = snap.token_width();
   std::string first;
-  const std::error_code ec = for_each_token(snap, 0, n, [&](std::size_t i, auto keys, auto values) {
+  const ghostlink::error_code ec = for_each_token(snap, 0, n, [&](std::size_t i, auto keys, auto values) {
     if (first.empty()) first = diff_token(i, keys, values, m.tags[i]);
   });
   if (ec) return "for_each_block: " + ec.message();
   if (!first.empty()) return "for_each_block: " + first;
   kv_range r;
-  if (std::error_code rec = snap.read_range(0, n, r)) return "read_range: " + rec.message();
+  if (ghostlink::error_code rec = snap.read_range(0, n, r)) return "read_range: " + rec.message();
   for (std::size_t i = 0; i < n; ++i) {
     const auto keys = std::span<const float>(r.keys).subspan(i * w, w);
     const auto values = std::span<const float>(r.values).subspan(i * w, w);
@@ -57,15 +57,15 @@ inline std::string diff(const kv_snapshot& snap, const model& m) {
 
 inline std::string diff(const layer_kv_cache& cache, const model& m) { return diff(cache.snapshot(), m); }
 
-inline std::error_code truncate(layer_kv_cache& cache, std::size_t n) {
+inline ghostlink::error_code truncate(layer_kv_cache& cache, std::size_t n) {
   return wait_ec([&](auto token) { return cache.async_truncate(n, token); });
 }
 
 /// The error and the new cache (empty on error).
-inline std::pair<std::error_code, layer_kv_cache> fork(layer_kv_cache& cache) {
+inline std::pair<ghostlink::error_code, layer_kv_cache> fork(layer_kv_cache& cache) {
   try {
     return {{}, cache.async_fork(asio::use_future).get()};
-  } catch (const std::system_error& e) {
+  } catch (const ghostlink::test::async_error& e) {
     return {e.code(), {}};
   }
 }
@@ -85,7 +85,7 @@ struct batch_data {
 };
 
 /// Writes tokens [begin, end) with `tag` as one batch; returns its error.
-inline std::error_code write(layer_kv_cache& cache, std::size_t begin, std::size_t end, int tag) {
+inline ghostlink::error_code write(layer_kv_cache& cache, std::size_t begin, std::size_t end, int tag) {
   const batch_data batch(cache.config().token_width(), begin, end, tag);
   return blocking{cache}.write_batch(batch.entries);
 }
@@ -103,13 +103,13 @@ struct tracked {
   }
   void write(std::size_t begin, std::size_t end, int tag) {
     INFO("write [" << begin << ", " << end << ") tag " << tag);
-    REQUIRE(pool::write(cache, begin, end, tag) == std::error_code{});
+    REQUIRE(pool::write(cache, begin, end, tag) == ghostlink::error_code{});
     expected.write(begin, end, tag);
   }
   void write(std::size_t index, int tag) { write(index, index + 1, tag); }
   void truncate(std::size_t n) {
     INFO("truncate(" << n << ")");
-    REQUIRE(pool::truncate(cache, n) == std::error_code{});
+    REQUIRE(pool::truncate(cache, n) == ghostlink::error_code{});
     expected.truncate(n);
   }
   tracked fork() {

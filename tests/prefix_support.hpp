@@ -7,7 +7,7 @@
 #include "common/str.hpp"
 #include "support.hpp"
 
-#include <asio/thread_pool.hpp>
+#include "asio_compat.hpp"
 
 #include <bit>
 #include <cstdint>
@@ -62,7 +62,7 @@ inline std::vector<token_id> cat(std::vector<token_id> a, const std::vector<toke
 /// Appends `ids` at `seq.size()` with their key() data (of tenant `tag`),
 /// as one multi-token append that stores the ids.
 template <class T>
-std::error_code append(const basic_sequence_kv_cache<T>& seq, std::span<const token_id> ids, float tag = 0) {
+ghostlink::error_code append(const basic_sequence_kv_cache<T>& seq, std::span<const token_id> ids, float tag = 0) {
   const std::size_t width = seq.config().token_width(), at = seq.size();
   std::vector<std::vector<float>> keys(seq.num_layers()), values(seq.num_layers());
   std::vector<std::span<const float>> ks, vs;
@@ -79,7 +79,7 @@ std::error_code append(const basic_sequence_kv_cache<T>& seq, std::span<const to
 }
 
 template <class T>
-std::error_code truncate(const basic_sequence_kv_cache<T>& seq, std::size_t n) {
+ghostlink::error_code truncate(const basic_sequence_kv_cache<T>& seq, std::size_t n) {
   return wait_ec([&](auto token) { return seq.async_truncate(n, token); });
 }
 
@@ -100,7 +100,7 @@ std::string diff(const basic_sequence_kv_cache<T>& seq, std::span<const token_id
   const std::size_t width = seq.config().token_width();
   for (std::size_t l = 0; l < snap.num_layers(); ++l) {
     kv_range r;
-    if (std::error_code ec = snap.layer(l).read_range(0, ids.size(), r)) return str("layer ", l, ": ", ec.message());
+    if (ghostlink::error_code ec = snap.layer(l).read_range(0, ids.size(), r)) return str("layer ", l, ": ", ec.message());
     for (std::size_t i = 0; i < ids.size(); ++i)
       for (std::size_t lane = 0; lane < width; ++lane) {
         const float k = static_cast<float>(T(key(l, i, ids[i], lane, tag)));
@@ -122,7 +122,7 @@ struct fixture {
   /// A new sequence on the pool holding `ids`.
   basic_sequence_kv_cache<T> prefill(std::span<const token_id> ids) {
     basic_sequence_kv_cache<T> seq(threads, cache.num_layers(), config(), pool);
-    if (!ids.empty()) REQUIRE(append(seq, ids) == std::error_code());
+    if (!ids.empty()) REQUIRE(append(seq, ids) == ghostlink::error_code());
     return seq;
   }
   /// A sequence holding `ids`, inserted, then let go of (truncated to 0,
@@ -130,7 +130,7 @@ struct fixture {
   std::size_t insert_idle(std::span<const token_id> ids, std::string_view salt = {}) {
     basic_sequence_kv_cache<T> seq = prefill(ids);
     const std::size_t added = cache.insert(seq, ids, salt);
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
     return added;
   }
 

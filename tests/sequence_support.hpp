@@ -6,7 +6,7 @@
 #include "common/str.hpp"
 #include "support.hpp"
 
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <bit>
 #include <cstdint>
@@ -53,15 +53,15 @@ float stored(float x) {
 
 // Blocking calls on a layer cache of any element type.
 template <class T>
-std::error_code initialize(basic_layer_kv_cache<T>& c, std::size_t n) {
+ghostlink::error_code initialize(basic_layer_kv_cache<T>& c, std::size_t n) {
   return wait_ec([&](auto tk) { return c.async_initialize(n, tk); });
 }
 template <class T>
-std::error_code write(basic_layer_kv_cache<T>& c, std::size_t i, std::span<const float> k, std::span<const float> v) {
+ghostlink::error_code write(basic_layer_kv_cache<T>& c, std::size_t i, std::span<const float> k, std::span<const float> v) {
   return wait_ec([&](auto tk) { return c.async_write(i, k, v, tk); });
 }
 template <class T>
-std::error_code truncate(basic_layer_kv_cache<T>& c, std::size_t n) {
+ghostlink::error_code truncate(basic_layer_kv_cache<T>& c, std::size_t n) {
   return wait_ec([&](auto tk) { return c.async_truncate(n, tk); });
 }
 
@@ -94,23 +94,23 @@ struct step {
 };
 
 template <class T>
-std::error_code append(basic_sequence_kv_cache<T>& s, std::span<const std::span<const float>> keys,
+ghostlink::error_code append(basic_sequence_kv_cache<T>& s, std::span<const std::span<const float>> keys,
                        std::span<const std::span<const float>> values) {
   return wait_ec([&](auto token) { return s.async_append(keys, values, token); });
 }
 template <class T>
-std::error_code append(basic_sequence_kv_cache<T>& s, const step& st) {
+ghostlink::error_code append(basic_sequence_kv_cache<T>& s, const step& st) {
   return append(s, st.key_spans, st.value_spans);
 }
 template <class T>
-std::error_code truncate(basic_sequence_kv_cache<T>& s, std::size_t n) {
+ghostlink::error_code truncate(basic_sequence_kv_cache<T>& s, std::size_t n) {
   return wait_ec([&](auto token) { return s.async_truncate(n, token); });
 }
 template <class T>
-std::pair<std::error_code, basic_sequence_kv_cache<T>> fork(basic_sequence_kv_cache<T>& s) {
+std::pair<ghostlink::error_code, basic_sequence_kv_cache<T>> fork(basic_sequence_kv_cache<T>& s) {
   try {
     return {{}, s.async_fork(asio::use_future).get()};
-  } catch (const std::system_error& e) {
+  } catch (const ghostlink::test::async_error& e) {
     return {e.code(), {}};
   }
 }
@@ -118,25 +118,25 @@ std::pair<std::error_code, basic_sequence_kv_cache<T>> fork(basic_sequence_kv_ca
 // Blocking calls on a sequence's step.
 /// `n`: a number of tokens, or their ids (a span of token_id).
 template <class T, class N>
-std::pair<std::error_code, basic_sequence_step<T>> begin_step(const basic_sequence_kv_cache<T>& s, N n) {
-  using result = std::pair<std::error_code, basic_sequence_step<T>>;
+std::pair<ghostlink::error_code, basic_sequence_step<T>> begin_step(const basic_sequence_kv_cache<T>& s, N n) {
+  using result = std::pair<ghostlink::error_code, basic_sequence_step<T>>;
   try {
-    return result(std::error_code(), s.async_begin_step(n, asio::use_future).get());
-  } catch (const std::system_error& e) {
+    return result(ghostlink::error_code(), s.async_begin_step(n, asio::use_future).get());
+  } catch (const ghostlink::test::async_error& e) {
     return result(e.code(), basic_sequence_step<T>());
   }
 }
 /// Writes layer `l`'s part of `st` (its tokens) through `step`.
 template <class T>
-std::error_code write_layer(const basic_sequence_step<T>& open, std::size_t l, const step& st) {
+ghostlink::error_code write_layer(const basic_sequence_step<T>& open, std::size_t l, const step& st) {
   return wait_ec([&](auto token) { return open.async_write(l, st.key_spans[l], st.value_spans[l], token); });
 }
 template <class T>
-std::error_code commit(const basic_sequence_step<T>& open) {
+ghostlink::error_code commit(const basic_sequence_step<T>& open) {
   return wait_ec([&](auto token) { return open.async_commit(token); });
 }
 template <class T>
-std::error_code abandon(const basic_sequence_step<T>& open) {
+ghostlink::error_code abandon(const basic_sequence_step<T>& open) {
   return wait_ec([&](auto token) { return open.async_abandon(token); });
 }
 
@@ -165,7 +165,7 @@ std::string diff_snapshot(const basic_sequence_snapshot<T>& snap, const std::vec
     if (layer.size() != snap.size())
       return str("layer ", l, " shows ", layer.size(), " tokens, the sequence snapshot ", snap.size());
     kv_range r;
-    if (std::error_code ec = layer.read_range(0, snap.size(), r)) return str("layer ", l, ": ", ec.message());
+    if (ghostlink::error_code ec = layer.read_range(0, snap.size(), r)) return str("layer ", l, ": ", ec.message());
     const std::size_t w = layer.token_width();
     for (std::size_t i = 0; i < snap.size(); ++i) {
       std::string d =
@@ -224,7 +224,7 @@ struct fixture {
 template <class Bad>
 void check_rejected(const fixture& f, kv_errc expected, Bad&& bad) {
   const observed before = observe(f.seq);
-  const std::error_code ec = bad();
+  const ghostlink::error_code ec = bad();
   INFO("got: " << ec.message());
   CHECK(ec == expected);
   const observed after = observe(f.seq);

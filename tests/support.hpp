@@ -10,12 +10,6 @@
 
 #include <ghostlink/kv_cache.hpp>
 
-#include <asio/co_spawn.hpp>
-#include <asio/io_context.hpp>
-#include <asio/thread_pool.hpp>
-#include <asio/use_awaitable.hpp>
-#include <asio/use_future.hpp>
-
 #include "asio_compat.hpp"
 #include "common/observe.hpp"
 #include "common/tokens.hpp"
@@ -41,7 +35,7 @@ inline std::vector<float> filled(std::size_t width, float x) { return std::vecto
 /// accepts writes; `io` is restarted, ready to run again.
 inline layer_kv_cache initialized_cache(asio::io_context& io, const kv_cache_config& config) {
   layer_kv_cache cache(io, config);
-  cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  cache.async_initialize(1, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   io.run();
   io.restart();
   return cache;
@@ -56,11 +50,11 @@ T run(const Executor& ex, asio::awaitable<T> aw) {
 /// Waits for an operation started with `asio::use_future` and returns its
 /// error code instead of throwing.
 template <class Initiate>
-std::error_code wait_ec(Initiate&& start) {
+ghostlink::error_code wait_ec(Initiate&& start) {
   try {
     start(asio::use_future).get();
     return {};
-  } catch (const std::system_error& e) {
+  } catch (const ghostlink::test::async_error& e) {
     return e.code();
   }
 }
@@ -70,26 +64,26 @@ std::error_code wait_ec(Initiate&& start) {
 struct blocking {
   layer_kv_cache& cache;
 
-  std::error_code initialize(std::size_t n) const {
+  ghostlink::error_code initialize(std::size_t n) const {
     return wait_ec([&](auto token) { return cache.async_initialize(n, token); });
   }
-  std::error_code write(std::size_t i, std::span<const float> k, std::span<const float> v) const {
+  ghostlink::error_code write(std::size_t i, std::span<const float> k, std::span<const float> v) const {
     return wait_ec([&](auto token) { return cache.async_write(i, k, v, token); });
   }
-  std::error_code write_batch(std::span<const kv_write> entries) const {
+  ghostlink::error_code write_batch(std::span<const kv_write> entries) const {
     return wait_ec([&](auto token) { return cache.async_write_batch(entries, token); });
   }
-  std::pair<std::error_code, kv_entry> read_kv(std::size_t i) const {
+  std::pair<ghostlink::error_code, kv_entry> read_kv(std::size_t i) const {
     try {
       return {{}, cache.async_read_kv(i, asio::use_future).get()};
-    } catch (const std::system_error& e) {
+    } catch (const ghostlink::test::async_error& e) {
       return {e.code(), {}};
     }
   }
-  std::pair<std::error_code, kv_range> read_range(std::size_t b, std::size_t e) const {
+  std::pair<ghostlink::error_code, kv_range> read_range(std::size_t b, std::size_t e) const {
     try {
       return {{}, cache.async_read_range(b, e, asio::use_future).get()};
-    } catch (const std::system_error& err) {
+    } catch (const ghostlink::test::async_error& err) {
       return {err.code(), {}};
     }
   }

@@ -4,11 +4,7 @@
 #include "completion_support.hpp"
 #include "sequence_support.hpp"
 
-#include <asio/experimental/parallel_group.hpp>
-#include <asio/experimental/promise.hpp>
-#if __has_include(<asio/experimental/use_promise.hpp>)
-#include <asio/experimental/use_promise.hpp>
-#endif
+#include "asio_compat.hpp"
 
 using namespace ghostlink;
 using ghostlink::test::small_config;
@@ -59,7 +55,7 @@ TEST_CASE("co_await works without naming a token, for every operation; errors th
     try {
       co_await cache.async_write(99, v, v);
       FAIL("a write past max_tokens_per_seq succeeded");
-    } catch (const std::system_error& err) {
+    } catch (const ghostlink::test::async_error& err) {
       CHECK(err.code() == kv_errc::index_out_of_range);
     }
   }());
@@ -73,7 +69,7 @@ TEST_CASE("use_promise starts a write at once; awaiting the promise gives its re
     co_await cache.async_initialize(1);
     auto ok = cache.async_write(0, v, v, asio::experimental::use_promise);
     auto bad = cache.async_write(99, v, v, asio::experimental::use_promise);
-#if ASIO_VERSION >= 102400
+#if GHOSTLINK_ASIO_VERSION >= 102400
     auto [ok_ec] = co_await ok(test::as_tuple(asio::use_awaitable));
     auto [bad_ec] = co_await bad(test::as_tuple(asio::use_awaitable));
 #else
@@ -93,7 +89,7 @@ TEST_CASE("use_promise with a sequence's operations", "[idioms][sequence]") {
   const std::vector<std::span<const float>> per_layer(2, std::span<const float>(v));
   run_on(io, [&]() -> asio::awaitable<void> {
     auto appended = seq.async_append(per_layer, per_layer, asio::experimental::use_promise);
-#if ASIO_VERSION >= 102400
+#if GHOSTLINK_ASIO_VERSION >= 102400
     auto [ec] = co_await appended(test::as_tuple(asio::use_awaitable));
 #else
     auto [ec] = co_await appended.async_wait(test::as_tuple(asio::use_awaitable));
@@ -109,7 +105,7 @@ TEST_CASE("parallel_group: one step's writes to every layer awaited at once, on 
   std::array<layer_kv_cache, 3> layers{layer_kv_cache(pool, config), layer_kv_cache(pool, config),
                                        layer_kv_cache(pool, config)};
   const std::size_t width = config.token_width();
-  auto step = [&](std::size_t index) -> asio::awaitable<std::array<std::error_code, 3>> {
+  auto step = [&](std::size_t index) -> asio::awaitable<std::array<ghostlink::error_code, 3>> {
     const auto k0 = token_pattern(width, index, 0), k1 = token_pattern(width, index, 1),
                k2 = token_pattern(width, index, 2);
     auto [order, e0, e1, e2] =
@@ -118,14 +114,14 @@ TEST_CASE("parallel_group: one step's writes to every layer awaited at once, on 
                                                          layers[2].async_write(index, k2, k2, test::deferred))
             .async_wait(asio::experimental::wait_for_all(), asio::use_awaitable);
     CHECK(order.size() == 3);
-    co_return std::array<std::error_code, 3>{e0, e1, e2};
+    co_return std::array<ghostlink::error_code, 3>{e0, e1, e2};
   };
   for (auto& l : layers) REQUIRE_FALSE(test::blocking{l}.initialize(1));
   for (std::size_t index = 0; index < 4; ++index)
-    CHECK(test::run(pool.get_executor(), step(index)) == std::array<std::error_code, 3>{});
+    CHECK(test::run(pool.get_executor(), step(index)) == std::array<ghostlink::error_code, 3>{});
   // A step past the end fails in every layer, and stores nothing.
   const auto results = test::run(pool.get_executor(), step(99));
-  for (const std::error_code& ec : results) CHECK(ec == kv_errc::index_out_of_range);
+  for (const ghostlink::error_code& ec : results) CHECK(ec == kv_errc::index_out_of_range);
   for (std::size_t l = 0; l < layers.size(); ++l) {
     INFO("layer " << l);
     CHECK(layers[l].size() == 4);
@@ -142,15 +138,15 @@ TEST_CASE("a sequence's operations allocate for the handler with its associated 
   const auto v = token_pattern(seq.config().token_width(), 0, 1);
   const std::vector<std::span<const float>> per_layer(3, std::span<const float>(v));
   alloc_counts counts;
-  std::vector<std::error_code> results;
-  auto h = asio::bind_allocator(counting_allocator<void>(counts), [&](std::error_code ec) { results.push_back(ec); });
+  std::vector<ghostlink::error_code> results;
+  auto h = asio::bind_allocator(counting_allocator<void>(counts), [&](ghostlink::error_code ec) { results.push_back(ec); });
   seq.async_append(per_layer, per_layer, h);
   io.run();
   io.restart();
   seq.async_truncate(0, h);
   io.run();
   CAPTURE(counts.allocations.load(), counts.deallocations.load());
-  CHECK(results == std::vector<std::error_code>(2));
+  CHECK(results == std::vector<ghostlink::error_code>(2));
   // Per operation, its fan-out state (which holds the handler). Queueing the
   // completion is the executor's: an any_io_executor, like Asio's own
   // operations', ignores the allocator there.

@@ -193,7 +193,7 @@ TEST_CASE("attend rejects bad arguments and leaves the output unchanged", "[atte
   const auto q = noise(row, 1), one = noise(width, 2), two = noise(2 * width, 3);
   std::vector<float> out(2 * row, 5.0f);
   const auto untouched = out;
-  const auto check = [&](std::error_code ec, kv_errc want) {
+  const auto check = [&](ghostlink::error_code ec, kv_errc want) {
     CHECK(ec == want);
     CHECK(out == untouched);
   };

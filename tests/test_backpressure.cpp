@@ -5,9 +5,7 @@
 #include "support.hpp"
 #include "testing.hpp"
 
-#include <asio/bind_cancellation_slot.hpp>
-#include <asio/cancellation_signal.hpp>
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -60,7 +58,7 @@ TEST_CASE("beyond max_pending, new writes wait for room and apply after the queu
 
   std::vector<int> completed;
   for (int tag = 0; tag < writes; ++tag)
-    cache.async_write(0, tokens[tag], tokens[tag], [&, tag](std::error_code ec) {
+    cache.async_write(0, tokens[tag], tokens[tag], [&, tag](ghostlink::error_code ec) {
       CHECK_FALSE(ec);
       completed.push_back(tag);
     });
@@ -88,11 +86,11 @@ TEST_CASE("a request cancelled while it waits for room completes with operation_
   const std::size_t width = cache.config().token_width();
   const auto first = token_pattern(width, 0, 1), waiting = token_pattern(width, 0, 2);
 
-  std::optional<std::error_code> first_ec, waiting_ec;
+  std::optional<ghostlink::error_code> first_ec, waiting_ec;
   asio::cancellation_signal signal;
-  cache.async_write(0, first, first, [&](std::error_code ec) { first_ec = ec; });
+  cache.async_write(0, first, first, [&](ghostlink::error_code ec) { first_ec = ec; });
   cache.async_write(0, waiting, waiting,
-                    asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec) { waiting_ec = ec; }));
+                    asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { waiting_ec = ec; }));
   REQUIRE(cache.stats().requests_waiting == 1);
   signal.emit(asio::cancellation_type::terminal);
   io.run();
@@ -112,7 +110,7 @@ TEST_CASE("requests waiting for room are destroyed unrun with the context, and f
     asio::io_context io;
     layer_kv_cache cache = initialized_cache(io, bounded_config(2));
     const auto v = token_pattern(cache.config().token_width(), 0, 1);
-    for (int i = 0; i < 6; ++i) cache.async_write(0, v, v, [alive, cache](std::error_code) { FAIL("a handler ran"); });
+    for (int i = 0; i < 6; ++i) cache.async_write(0, v, v, [alive, cache](ghostlink::error_code) { FAIL("a handler ran"); });
     REQUIRE(cache.stats().requests_waiting == 4);
     CHECK(alive.use_count() == 7);
     cache = layer_kv_cache();  // only the handlers hold the cache now
@@ -144,7 +142,7 @@ TEST_CASE("two producer threads against one consumer thread: the queue never exc
   auto produce = [&](std::size_t token) {
     float last_seen = -1;
     for (int n = 0; n < per_thread; ++n) {
-      cache.async_write(token, values[n], values[n], [&](std::error_code ec) {
+      cache.async_write(token, values[n], values[n], [&](ghostlink::error_code ec) {
         if (ec) went_back = true;  // reported below; no asserts off the test thread
         const std::size_t q = cache.stats().requests_queued;
         std::size_t peak = peak_queued.load();
@@ -212,7 +210,7 @@ producers_run run_producers(std::size_t producers, std::size_t max_pending, int 
   std::vector<producer> state(producers);
   std::function<void(producer&)> write_next = [&](producer& p) {
     const auto& v = round_values[p.round];
-    cache.async_write(p.token, v, v, [&, pp = &p](std::error_code ec) {
+    cache.async_write(p.token, v, v, [&, pp = &p](ghostlink::error_code ec) {
       REQUIRE_FALSE(ec);  // handlers run on this (the test) thread
       result.peak_queued = std::max(result.peak_queued, cache.stats().requests_queued);
       bytes_peak = std::max(bytes_peak, detail::mailbox_bytes_allocated());
@@ -274,7 +272,7 @@ TEST_CASE("a sequence whose layers have a bound appends through it", "[backpress
   int appended = 0;
   std::function<void()> append_next = [&] {
     std::fill(per_layer.begin(), per_layer.end(), std::span<const float>(tokens[appended]));
-    seq.async_append(per_layer, per_layer, [&](std::error_code ec) {
+    seq.async_append(per_layer, per_layer, [&](ghostlink::error_code ec) {
       REQUIRE_FALSE(ec);
       if (++appended < 4) append_next();
     });

@@ -2,7 +2,7 @@
 // free list, and blocks pinned by snapshots and forks.
 #include "pool_support.hpp"
 
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <functional>
 #include <latch>
@@ -18,7 +18,7 @@ using ghostlink::test::token_pattern;
 namespace {
 
 /// The error a construction throws as std::system_error; {} if none.
-std::error_code thrown_by(const std::function<void()>& make) {
+ghostlink::error_code thrown_by(const std::function<void()>& make) {
   try {
     make();
     return {};
@@ -66,7 +66,7 @@ TEST_CASE("a pool with zero or odd block bytes, or limits that allow no block, t
   CHECK(thrown_by([&] { (void)kv_block_pool::for_caches(bad); }) == kv_errc::invalid_config);
   CHECK(thrown_by([&] { (void)kv_block_pool::block_bytes_for(bad); }) == kv_errc::invalid_config);
   // The smallest budget that holds a block is accepted.
-  CHECK(thrown_by([&] { kv_block_pool p(bytes, {.max_bytes = bytes}); }) == std::error_code{});
+  CHECK(thrown_by([&] { kv_block_pool p(bytes, {.max_bytes = bytes}); }) == ghostlink::error_code{});
 }
 
 TEST_CASE("a cache rejects a pool of another block size, or a config that also sets max_blocks, with invalid_config",
@@ -145,7 +145,7 @@ TEST_CASE("a batch needing more blocks than remain fails whole with capacity_exh
   // tokens between the truncation point and the batch reading as zeros.
   c.truncate(bt);
   CHECK(pool.stats().blocks_in_use == 1);
-  REQUIRE(write(c.cache, 2 * bt, end, 2) == std::error_code{});
+  REQUIRE(write(c.cache, 2 * bt, end, 2) == ghostlink::error_code{});
   c.expected.write(2 * bt, end, 2);
   CHECK(c.diff() == "");
   CHECK(pool.stats().blocks_in_use == budget);
@@ -427,9 +427,9 @@ TEST_CASE("blocks shared by a fork are freed exactly once when both sides let go
     {
       asio::io_context io;
       layer_kv_cache parent(io, config, pool), child;
-      parent.async_initialize(1, [](std::error_code) {});
-      for (std::size_t i = 0; i < 6; ++i) parent.async_write(i, token, token, [](std::error_code) {});
-      parent.async_fork([&](std::error_code ec, layer_kv_cache c) {
+      parent.async_initialize(1, [](ghostlink::error_code) {});
+      for (std::size_t i = 0; i < 6; ++i) parent.async_write(i, token, token, [](ghostlink::error_code) {});
+      parent.async_fork([&](ghostlink::error_code ec, layer_kv_cache c) {
         REQUIRE_FALSE(ec);
         child = std::move(c);
       });

@@ -4,15 +4,7 @@
 // cancellation slot and through awaitable_operators' `||` with a timer.
 #include "support.hpp"
 
-#include <asio/bind_cancellation_slot.hpp>
-#include <asio/bind_executor.hpp>
-#include <asio/cancellation_signal.hpp>
-#include <asio/detached.hpp>
-#include <asio/experimental/awaitable_operators.hpp>
-#include <asio/io_context.hpp>
-#include <asio/post.hpp>
-#include <asio/steady_timer.hpp>
-#include <asio/strand.hpp>
+#include "asio_compat.hpp"
 
 #include <atomic>
 #include <future>
@@ -43,14 +35,14 @@ TEST_CASE("a write cancelled before the actor applies it completes with operatio
   asio::io_context io;  // not running yet: the request waits in the mailbox
   layer_kv_cache cache(io, small_config());
   const auto v = token_pattern(cache.config().token_width(), 3, 1);
-  cache.async_initialize(2, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  cache.async_initialize(2, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   io.run();
   io.restart();
   const std::uint64_t epoch_before = cache.snapshot().epoch();
 
   asio::cancellation_signal signal;
-  std::optional<std::error_code> result;
-  cache.async_write(3, v, v, asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec) { result = ec; }));
+  std::optional<ghostlink::error_code> result;
+  cache.async_write(3, v, v, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
   signal.emit(asio::cancellation_type::terminal);
   io.run();
 
@@ -66,13 +58,13 @@ TEST_CASE("a write the actor has applied completes normally when cancelled after
   asio::io_context io;
   layer_kv_cache cache(io, small_config());
   const auto v = token_pattern(cache.config().token_width(), 1, 1);
-  cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  cache.async_initialize(1, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   io.run();
   io.restart();
 
   asio::cancellation_signal signal;
-  std::optional<std::error_code> result;
-  cache.async_write(1, v, v, asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec) { result = ec; }));
+  std::optional<ghostlink::error_code> result;
+  cache.async_write(1, v, v, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
   REQUIRE(io.run_one() == 1);  // the drain: applied and published, the completion queued
   REQUIRE_FALSE(result.has_value());
   signal.emit(asio::cancellation_type::terminal);
@@ -90,9 +82,9 @@ TEST_CASE("a cancelled fork completes with operation_aborted and an empty handle
   asio::io_context io;
   layer_kv_cache cache(io, small_config());
   asio::cancellation_signal signal;
-  std::optional<std::error_code> result;
+  std::optional<ghostlink::error_code> result;
   layer_kv_cache child;
-  cache.async_fork(asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec, layer_kv_cache c) {
+  cache.async_fork(asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec, layer_kv_cache c) {
     result = ec;
     child = std::move(c);
   }));
@@ -108,7 +100,7 @@ TEST_CASE("write || timer: the timer winning cancels the write before it is appl
   asio::io_context coroutine_io, cache_io;  // the cache's actor runs only after the race is decided
   layer_kv_cache cache(cache_io, small_config());
   const auto v = token_pattern(cache.config().token_width(), 0, 1);
-  cache.async_initialize(1, [](std::error_code) {});
+  cache.async_initialize(1, [](ghostlink::error_code) {});
   cache_io.run();
   cache_io.restart();
 
@@ -138,7 +130,7 @@ TEST_CASE("write || timer: the write winning is stored and the timer is cancelle
   asio::io_context io;
   layer_kv_cache cache(io, small_config());
   const auto v = token_pattern(cache.config().token_width(), 0, 2);
-  cache.async_initialize(1, [](std::error_code) {});
+  cache.async_initialize(1, [](ghostlink::error_code) {});
   io.run();
   io.restart();
 
@@ -178,7 +170,7 @@ TEST_CASE("writes cancelled at random from another thread are either stored and 
   for (std::size_t i = 0; i < n; ++i) {
     cache.async_write(
         i, data[i], data[i],
-        asio::bind_executor(strand, asio::bind_cancellation_slot(signals[i].slot(), [&, i](std::error_code ec) {
+        asio::bind_executor(strand, asio::bind_cancellation_slot(signals[i].slot(), [&, i](ghostlink::error_code ec) {
                               outcome[i] = !ec ? 1 : ec == aborted ? 2 : 3;
                               if (done.fetch_add(1) + 1 == n) all_done.set_value();
                             })));

@@ -16,7 +16,7 @@ namespace t = ghostlink::test;
 namespace {
 struct probe {
   std::string op;
-  std::error_code expected, ec;
+  ghostlink::error_code expected, ec;
   int runs = 0;
   bool ran_inside = false;  // the handler had run when the initiating call returned
 };
@@ -28,9 +28,9 @@ template <class Bind>
 std::vector<probe> start_probes(layer_kv_cache& c, const tokens& tk, Bind bind) {
   std::vector<probe> ps;
   ps.reserve(10);
-  auto start = [&](const char* op, std::error_code expected, auto call) {
+  auto start = [&](const char* op, ghostlink::error_code expected, auto call) {
     probe& p = ps.emplace_back(probe{op, expected, {}, 0, false});
-    call(bind([&p](std::error_code ec, auto&&...) {
+    call(bind([&p](ghostlink::error_code ec, auto&&...) {
       p.ec = ec;
       ++p.runs;
     }));
@@ -92,7 +92,7 @@ asio::awaitable<std::vector<resume_point>> watch_resumes(layer_kv_cache& c, cons
 /// executor it should run on (`target`) or not.
 struct where {
   int runs = 0;
-  std::error_code ec;
+  ghostlink::error_code ec;
   std::thread::id thread;
   bool on_cache_strand = false, on_target = false;
 };
@@ -100,7 +100,7 @@ struct where {
 /// A callback (either completion signature) that records where it ran.
 template <class Target>
 auto recorder(where& w, const layer_kv_cache& c, Target target) {
-  return [&w, &c, target](std::error_code ec, auto&&...) {
+  return [&w, &c, target](ghostlink::error_code ec, auto&&...) {
     w = {w.runs + 1, ec, std::this_thread::get_id(), c.get_executor().running_in_this_thread(),
          target.running_in_this_thread()};
   };
@@ -130,7 +130,7 @@ TEST_CASE("a handler never runs inside the initiating call, on a thread_pool", "
     auto strand = asio::make_strand(f.pool);
     layer_kv_cache on_strand(asio::any_io_executor(strand), t::small_config());
     layer_kv_cache& cache = cache_on_strand ? on_strand : f.cache;
-    REQUIRE(code_of(cache.async_initialize(4, asio::use_future)) == std::error_code{});
+    REQUIRE(code_of(cache.async_initialize(4, asio::use_future)) == ghostlink::error_code{});
     std::vector<probe> ps;
     asio::post(strand, [&] {
       if (cache_on_strand)
@@ -147,10 +147,10 @@ TEST_CASE("a handler never runs inside the initiating call, on an io_context not
   asio::io_context io;
   layer_kv_cache cache(io, t::small_config());
   tokens tk;
-  std::error_code prepared = err(kv_errc::not_initialized);
-  cache.async_initialize(4, [&](std::error_code ec) { prepared = ec; });
+  ghostlink::error_code prepared = err(kv_errc::not_initialized);
+  cache.async_initialize(4, [&](ghostlink::error_code ec) { prepared = ec; });
   io.run();
-  REQUIRE(prepared == std::error_code{});
+  REQUIRE(prepared == ghostlink::error_code{});
   io.restart();
   std::vector<probe> ps = start_probes(cache, tk, [](auto h) { return h; });
   io.run();
@@ -218,7 +218,7 @@ TEST_CASE("the handler's associated allocator allocates the request", "[completi
   layer_kv_cache cache(io, t::small_config());
   tokens tk;
   alloc_counts counts;
-  std::vector<std::error_code> results;
+  std::vector<ghostlink::error_code> results;
   auto h = asio::bind_allocator(counting_allocator<void>(counts), [&](auto ec) { results.push_back(ec); });
   cache.async_initialize(4, h);
   cache.async_write(1, tk.k1, tk.v1, h);
@@ -226,7 +226,7 @@ TEST_CASE("the handler's associated allocator allocates the request", "[completi
   const int allocated_by_calls = counts.allocations.load();
   io.run();
   CAPTURE(allocated_by_calls, counts.allocations.load(), counts.deallocations.load());
-  CHECK(results == std::vector<std::error_code>(3));
+  CHECK(results == std::vector<ghostlink::error_code>(3));
   CHECK(allocated_by_calls >= 3);  // at least one request per call
   CHECK(counts.allocations.load() == counts.deallocations.load());
 }
@@ -234,19 +234,19 @@ TEST_CASE("the handler's associated allocator allocates the request", "[completi
 TEST_CASE("a pending cache write keeps io.run() from returning before its handler ran", "[completion]") {
   asio::io_context io;  // its only work: the handler of the pending write
   fixture f;            // the cache runs on the pool
-  REQUIRE(code_of(f.cache.async_initialize(4, asio::use_future)) == std::error_code{});
+  REQUIRE(code_of(f.cache.async_initialize(4, asio::use_future)) == ghostlink::error_code{});
   int ran = 0;
-  std::error_code ec = err(kv_errc::not_initialized);
+  ghostlink::error_code ec = err(kv_errc::not_initialized);
   for (int round = 0; round < rounds; ++round) {
     CAPTURE(round);
-    f.cache.async_write(1, f.tk.k1, f.tk.v1, asio::bind_executor(io, [&](std::error_code e) {
+    f.cache.async_write(1, f.tk.k1, f.tk.v1, asio::bind_executor(io, [&](ghostlink::error_code e) {
                           ec = e;
                           ++ran;
                         }));
     io.run();
     io.restart();
     CHECK(ran == round + 1);
-    CHECK(ec == std::error_code{});
+    CHECK(ec == ghostlink::error_code{});
   }
 }
 
@@ -256,9 +256,9 @@ TEST_CASE("a write copies the caller's spans: changing them after completion cha
   {
     std::vector<float> keys = k, values = v;
     const std::array<kv_write, 1> batch{{{3, keys, values}}};
-    REQUIRE(code_of(f.cache.async_initialize(4, asio::use_future)) == std::error_code{});
-    REQUIRE(code_of(f.cache.async_write(2, keys, values, asio::use_future)) == std::error_code{});
-    REQUIRE(code_of(f.cache.async_write_batch(batch, asio::use_future)) == std::error_code{});
+    REQUIRE(code_of(f.cache.async_initialize(4, asio::use_future)) == ghostlink::error_code{});
+    REQUIRE(code_of(f.cache.async_write(2, keys, values, asio::use_future)) == ghostlink::error_code{});
+    REQUIRE(code_of(f.cache.async_write_batch(batch, asio::use_future)) == ghostlink::error_code{});
     std::ranges::fill(keys, -1.0f);
     std::ranges::fill(values, -2.0f);
     kv_entry e = f.cache.async_read_kv(2, asio::use_future).get();

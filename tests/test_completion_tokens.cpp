@@ -45,16 +45,16 @@ struct calls {
 
 /// What those calls completed with.
 struct outcome {
-  std::error_code initialize, write, write_batch, read_kv, read_range;
+  ghostlink::error_code initialize, write, write_batch, read_kv, read_range;
   kv_entry entry;
   kv_range range;
-  std::error_code bad_initialize, bad_write, bad_write_batch, bad_read_kv, bad_read_range;
+  ghostlink::error_code bad_initialize, bad_write, bad_write_batch, bad_read_kv, bad_read_range;
 };
 
 void check(const outcome& o, const fixture& f) {
   const tokens& tk = f.tk;
-  const std::error_code ok;
-  const std::tuple<const char*, std::error_code, std::error_code> codes[] = {
+  const ghostlink::error_code ok;
+  const std::tuple<const char*, ghostlink::error_code, ghostlink::error_code> codes[] = {
       {"initialize", o.initialize, ok},
       {"write", o.write, ok},
       {"write_batch", o.write_batch, ok},
@@ -86,29 +86,29 @@ void check(const outcome& o, const fixture& f) {
 /// The error of a call: thrown as `std::system_error` (use_awaitable,
 /// use_future) or the tuple's first element (as_tuple).
 template <class T>
-asio::awaitable<std::error_code> code_of(asio::awaitable<T> op) {
-  std::error_code ec;
+asio::awaitable<ghostlink::error_code> code_of(asio::awaitable<T> op) {
+  ghostlink::error_code ec;
   try {
     co_await std::move(op);
-  } catch (const std::system_error& e) {
+  } catch (const ghostlink::test::async_error& e) {
     ec = e.code();
   }
   co_return ec;
 }
 
 template <class... T>
-asio::awaitable<std::error_code> code_of(asio::awaitable<std::tuple<std::error_code, T...>> op) {
+asio::awaitable<ghostlink::error_code> code_of(asio::awaitable<std::tuple<ghostlink::error_code, T...>> op) {
   co_return std::get<0>(co_await std::move(op));
 }
 
 /// The value of a call that succeeded (a tuple's error is in `ec`).
 template <class T>
-asio::awaitable<T> value_of(asio::awaitable<T> op, std::error_code&) {
+asio::awaitable<T> value_of(asio::awaitable<T> op, ghostlink::error_code&) {
   co_return co_await std::move(op);
 }
 
 template <class T>
-asio::awaitable<T> value_of(asio::awaitable<std::tuple<std::error_code, T>> op, std::error_code& ec) {
+asio::awaitable<T> value_of(asio::awaitable<std::tuple<ghostlink::error_code, T>> op, ghostlink::error_code& ec) {
   auto [e, value] = co_await std::move(op);
   ec = e;
   co_return std::move(value);
@@ -140,10 +140,10 @@ outcome awaited(fixture& f, Token tok) {
 /// Starts a call with a plain callback lambda, waits for it and returns the
 /// callback's arguments.
 template <class... T, class Start>
-std::tuple<std::error_code, T...> wait_callback(Start start) {
-  auto p = std::make_shared<std::promise<std::tuple<std::error_code, T...>>>();
+std::tuple<ghostlink::error_code, T...> wait_callback(Start start) {
+  auto p = std::make_shared<std::promise<std::tuple<ghostlink::error_code, T...>>>();
   auto result = p->get_future();
-  start([p](std::error_code ec, T... v) { p->set_value({ec, std::move(v)...}); });
+  start([p](ghostlink::error_code ec, T... v) { p->set_value({ec, std::move(v)...}); });
   return result.get();
 }
 
@@ -216,7 +216,7 @@ TEST_CASE("every operation completes through asio::use_future; errors throw syst
 TEST_CASE("every operation completes through as_tuple(asio::use_awaitable)", "[completion]") {
   fixture f;
   const auto tok = t::as_tuple(asio::use_awaitable);
-  using std::error_code, std::tuple;
+  using ghostlink::error_code, std::tuple;
   static_assert(std::is_same_v<decltype(f.cache.async_initialize(1, tok)), asio::awaitable<tuple<error_code>>>);
   static_assert(std::is_same_v<decltype(f.cache.async_read_kv(0, tok)), asio::awaitable<tuple<error_code, kv_entry>>>);
   INFO("token: as_tuple(asio::use_awaitable)");

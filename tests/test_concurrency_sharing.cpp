@@ -123,7 +123,7 @@ TEST_CASE("copies of a cache used from different threads share one cache", "[con
   auto write_range = [&](layer_kv_cache& copy, const char* who, std::size_t begin, std::size_t end) {
     for (std::size_t i = begin; i < end; ++i) {
       const token_data t = make_token(config.token_width(), i, 1);
-      const std::error_code ec =
+      const ghostlink::error_code ec =
           ghostlink::test::wait_ec([&](auto token) { return copy.async_write(i, t.keys, t.values, std::move(token)); });
       if (ec) log.add(str(who, ": write ", i, " failed: ", ec.message()));
     }

@@ -15,7 +15,7 @@ TEST_CASE("a write is in snapshot() and size() on another thread once its handle
   const kv_cache_config config = paged_config(32);
   const std::size_t n = config.max_tokens_per_seq;
   struct completion {
-    std::error_code ec;
+    ghostlink::error_code ec;
     std::size_t size;
     kv_snapshot snap;
   };  // taken inside the handler
@@ -34,7 +34,7 @@ TEST_CASE("a write is in snapshot() and size() on another thread once its handle
   auto check_includes = [&](const char* who, std::size_t i, std::size_t size, const kv_snapshot& snap) {
     kv_entry e;
     if (size <= i) log.add(str(who, ": size() ", size, " after write ", i, " completed"));
-    if (std::error_code ec = snap.read_kv(i, e))
+    if (ghostlink::error_code ec = snap.read_kv(i, e))
       log.add(
           str(who, ": snapshot (epoch ", snap.epoch(), ", size ", snap.size(), ") read_kv(", i, "): ", ec.message()));
     else if (auto d = diff_token(i, e.keys, e.values, 1); !d.empty())
@@ -52,7 +52,7 @@ TEST_CASE("a write is in snapshot() and size() on another thread once its handle
     }
   });
   for (std::size_t i = 0; i < n; ++i)
-    cache.async_write(i, tokens[i].keys, tokens[i].values, [&cache, &handled, i](std::error_code ec) {
+    cache.async_write(i, tokens[i].keys, tokens[i].values, [&cache, &handled, i](ghostlink::error_code ec) {
       handled[i].set_value({ec, cache.size(), cache.snapshot()});
     });
   checker.join();
@@ -161,7 +161,7 @@ TEST_CASE("writes initiated from one thread apply in the order they were initiat
     values.push_back(make_token(config.token_width(), index, static_cast<int>(k) + 1));
   struct observation {
     std::size_t request;
-    std::error_code ec;
+    ghostlink::error_code ec;
     std::uint64_t epoch;
     int tag;
   };
@@ -174,7 +174,7 @@ TEST_CASE("writes initiated from one thread apply in the order they were initiat
 
   // Initiated back to back from this thread, none awaited.
   for (std::size_t k = 0; k < n; ++k) {
-    cache.async_write(index, values[k].keys, values[k].values, [&, k](std::error_code ec) {
+    cache.async_write(index, values[k].keys, values[k].values, [&, k](ghostlink::error_code ec) {
       {
         std::lock_guard lock(mutex);
         const kv_snapshot snap = cache.snapshot();
@@ -264,7 +264,7 @@ TEST_CASE("one thread's writes apply in order after a drain took another thread'
   std::vector<token_data> tags;  // tags[k] is token 0 written with tag k
   for (int k = 0; k <= 4; ++k) tags.push_back(make_token(w, 0, k));
   std::atomic<int> failures{0}, completions{0};
-  auto done = [&](std::error_code ec) {
+  auto done = [&](ghostlink::error_code ec) {
     failures += ec ? 1 : 0;
     ++completions;
   };

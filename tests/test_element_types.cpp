@@ -290,7 +290,7 @@ template <class T>
 void expect_token(mismatches& bad, const std::string& where, const basic_kv_snapshot<T>& snap, std::size_t i,
                   std::span<const float> keys, std::span<const float> values) {
   kv_entry e;
-  if (std::error_code ec = snap.read_kv(i, e)) return bad.add(where + ": read_kv " + ec.message());
+  if (ghostlink::error_code ec = snap.read_kv(i, e)) return bad.add(where + ": read_kv " + ec.message());
   expect_stored<T>(bad, where + " token " + std::to_string(i) + " keys", e.keys, keys);
   expect_stored<T>(bad, where + " token " + std::to_string(i) + " values", e.values, values);
 }

@@ -29,7 +29,7 @@ struct fixture : ghostlink::test::cache_fixture {
 template <class Bad>
 void check_rejected(fixture& f, kv_errc expected, Bad&& bad) {
   const observed before = observe(f.cache);
-  const std::error_code ec = bad();
+  const ghostlink::error_code ec = bad();
   INFO("got: " << ec.message());
   CHECK(ec == expected);
   CHECK(observe(f.cache) == before);
@@ -245,7 +245,7 @@ TEST_CASE("configs whose block or table sizes overflow are rejected or fail clea
 }
 
 TEST_CASE("error codes compare, convert and describe themselves", "[errors]") {
-  const std::error_code ec = kv_errc::range_out_of_bounds;
+  const ghostlink::error_code ec = kv_errc::range_out_of_bounds;
   CHECK(ec.category() == kv_category());
   CHECK(std::string(kv_category().name()) == "ghostlink.kv");
   CHECK(ec == make_error_code(kv_errc::range_out_of_bounds));

@@ -6,7 +6,7 @@
 #include "support.hpp"
 #include "testing.hpp"
 
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <algorithm>
 #include <optional>
@@ -78,13 +78,13 @@ TEST_CASE("a completion handler that throws propagates out of run() and leaves t
   asio::io_context io;
   layer_kv_cache cache(io, small_config());
   const auto v = token_pattern(cache.config().token_width(), 0, 1);
-  cache.async_initialize(1, [](std::error_code) { throw std::runtime_error("handler failed"); });
+  cache.async_initialize(1, [](ghostlink::error_code) { throw std::runtime_error("handler failed"); });
   CHECK_THROWS_AS(io.run(), std::runtime_error);
   CHECK(cache.size() == 1);  // the request was applied before its handler ran
 
-  std::error_code result = kv_errc::not_initialized;
+  ghostlink::error_code result = kv_errc::not_initialized;
   io.restart();
-  cache.async_write(0, v, v, [&](std::error_code ec) { result = ec; });
+  cache.async_write(0, v, v, [&](ghostlink::error_code ec) { result = ec; });
   io.run();
   CHECK_FALSE(result);
   kv_entry e;
@@ -105,9 +105,9 @@ std::size_t sweep_metadata_failures(asio::io_context& io, Op op, State state, Wa
   for (std::size_t k = 0; k < 64; ++k) {
     INFO("allocation " << k << " fails");
     const auto before = state();
-    std::optional<std::error_code> result;
+    std::optional<ghostlink::error_code> result;
     detail::fail_metadata_allocation(k);
-    op([&](std::error_code ec) { result = ec; });
+    op([&](ghostlink::error_code ec) { result = ec; });
     io.run();
     io.restart();
     const bool fired = !detail::cancel_metadata_failure();
@@ -171,11 +171,11 @@ TEST_CASE("an allocation failure anywhere in a fork fails it with capacity_exhau
   config.max_tokens_per_seq = 200;
   layer_kv_cache cache(io, config);
   const std::size_t width = config.token_width();
-  cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  cache.async_initialize(1, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   std::vector<std::vector<float>> tokens;
   for (std::size_t i = 0; i < 150; i += 7) tokens.push_back(token_pattern(width, i, 1));
   for (std::size_t t = 0; t < tokens.size(); ++t)
-    cache.async_write(t * 7, tokens[t], tokens[t], [](std::error_code ec) { REQUIRE_FALSE(ec); });
+    cache.async_write(t * 7, tokens[t], tokens[t], [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   io.run();
   io.restart();
 
@@ -183,7 +183,7 @@ TEST_CASE("an allocation failure anywhere in a fork fails it with capacity_exhau
   const std::size_t allocations = sweep_metadata_failures(
       io,
       [&](auto handler) {
-        cache.async_fork([&child, handler = std::move(handler)](std::error_code ec, layer_kv_cache c) mutable {
+        cache.async_fork([&child, handler = std::move(handler)](ghostlink::error_code ec, layer_kv_cache c) mutable {
           CHECK(c.valid() == !ec);
           child = std::move(c);
           handler(ec);

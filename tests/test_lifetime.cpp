@@ -1,8 +1,7 @@
 // Lifetimes: what frees what, and when; waiting threads are never stranded.
 #include "support.hpp"
 
-#include <asio/io_context.hpp>
-#include <asio/post.hpp>
+#include "asio_compat.hpp"
 
 #include <chrono>
 #include <future>
@@ -18,16 +17,16 @@ TEST_CASE("a pool thread that blocks on its own write still sees it complete", "
   // The drain of a write started on a pool thread must not wait in that
   // thread's private queue while the thread blocks.
   cache_fixture f;
-  std::promise<std::error_code> outcome;
+  std::promise<ghostlink::error_code> outcome;
   asio::post(f.pool, [&] {
     const auto v = filled(f.width, 1.0f);
     auto init = f.cache.async_initialize(1, asio::use_future);
     auto write = f.cache.async_write(0, v, v, asio::use_future);
-    std::error_code ec;
+    ghostlink::error_code ec;
     try {
       init.get();
       write.get();
-    } catch (const std::system_error& e) {
+    } catch (const ghostlink::test::async_error& e) {
       ec = e.code();
     }
     outcome.set_value(ec);
@@ -48,7 +47,7 @@ TEST_CASE("destroying the context with requests queued frees the cache and the h
     auto state = std::make_shared<int>(7);
     handler_state = state;
     // The handler owns a handle to the cache: cache -> mailbox -> handler -> cache.
-    cache.async_initialize(1, [cache, state, &ran](std::error_code) { ran = true; });
+    cache.async_initialize(1, [cache, state, &ran](ghostlink::error_code) { ran = true; });
   }  // io destroyed without ever running
   CHECK_FALSE(ran);
   CHECK(handler_state.expired());

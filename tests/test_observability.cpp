@@ -3,7 +3,7 @@
 // hook (blocks allocated and freed, epochs published).
 #include "support.hpp"
 
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -21,7 +21,7 @@ namespace {
 /// Writes token `index` on a context the test thread runs.
 void write_now(asio::io_context& io, layer_kv_cache& cache, std::size_t index, int tag) {
   const auto v = token_pattern(cache.config().token_width(), index, tag);
-  cache.async_write(index, v, v, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  cache.async_write(index, v, v, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   io.run();
   io.restart();
 }
@@ -103,7 +103,7 @@ TEST_CASE("requests_per_drain counts each drain in the bucket of its size", "[ob
   std::vector<std::vector<float>> tokens;
   for (std::size_t i = 0; i < 5; ++i) tokens.push_back(token_pattern(width, i, 1));
   for (std::size_t i = 0; i < 5; ++i)
-    cache.async_write(i, tokens[i], tokens[i], [](std::error_code ec) { REQUIRE_FALSE(ec); });
+    cache.async_write(i, tokens[i], tokens[i], [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   io.run();  // one drain takes all five
   const kv_cache_stats s = cache.stats();
   kv_cache_stats::drain_histogram want{};
@@ -123,7 +123,7 @@ TEST_CASE("the event hook reports blocks allocated and freed and epochs publishe
   {
     layer_kv_cache cache(io, config, pool);
     const std::uint64_t id = cache.stats().cache_id;
-    cache.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+    cache.async_initialize(1, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
     io.run();
     io.restart();
     REQUIRE(events.size() == 1);
@@ -141,7 +141,7 @@ TEST_CASE("the event hook reports blocks allocated and freed and epochs publishe
     CHECK(events[1].size == 1);
 
     events.clear();
-    cache.async_truncate(0, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+    cache.async_truncate(0, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
     io.run();
     io.restart();
     // The block goes once no epoch needs it: when the old epoch is replaced.
@@ -155,7 +155,7 @@ TEST_CASE("the event hook reports blocks allocated and freed and epochs publishe
   pool.set_event_handler({});
   events.clear();
   layer_kv_cache other(io, config, pool);
-  other.async_initialize(1, [](std::error_code ec) { REQUIRE_FALSE(ec); });
+  other.async_initialize(1, [](ghostlink::error_code ec) { REQUIRE_FALSE(ec); });
   io.run();
   io.restart();
   write_now(io, other, 0, 1);

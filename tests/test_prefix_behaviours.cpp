@@ -78,8 +78,8 @@ TEST_CASE("only full blocks are hashed at prefill: the partial tail block is nev
     auto attached = f.cache.attach(f.threads, t);
     CHECK(attached.size() == 12);
     CHECK(diff(attached, std::span(t).first(12)) == "");
-    REQUIRE(truncate(attached, 0) == std::error_code());
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(attached, 0) == ghostlink::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   // The partial block went back to the pool with its sequence; the full ones stay, idle.
   CHECK(f.pool.stats().blocks_in_use == 3 * f.cache.num_layers());
@@ -102,7 +102,7 @@ TEST_CASE("decode: a sequence growing token by token adds each block once it is 
     std::vector<std::size_t> added, expected, matched, expected_match;
     for (token_id step = 0; step < 14; ++step) {
       const token_id next = 200 + step;
-      REQUIRE(append(seq, std::span(&next, 1)) == std::error_code());
+      REQUIRE(append(seq, std::span(&next, 1)) == ghostlink::error_code());
       tokens.push_back(next);
       added.push_back(f.cache.insert(seq, tokens));
       expected.push_back(tokens.size() % bt == 0 ? 1 : 0);
@@ -123,14 +123,14 @@ TEST_CASE("decode: a sequence growing token by token adds each block once it is 
     }
     // A multi-token step filling one block and starting the next: one entry.
     const auto burst = run(300, 7);
-    REQUIRE(append(seq, burst) == std::error_code());
+    REQUIRE(append(seq, burst) == ghostlink::error_code());
     tokens = cat(tokens, burst);  // 27 tokens: 6 full blocks
     CHECK(f.cache.insert(seq, tokens) == 1);
     CHECK(f.cache.stats().cached_blocks == 6);
     CHECK(f.cache.match(tokens) == 24);
     CHECK(diff(seq, tokens) == "");
     f.cache.set_event_handler({});
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   CHECK(f.pool.stats().blocks_in_use == 6 * f.cache.num_layers());  // the cached blocks, not the partial one
   {
@@ -139,13 +139,13 @@ TEST_CASE("decode: a sequence growing token by token adds each block once it is 
     std::vector<std::size_t> added, expected;
     for (token_id step = 0; step < 9; ++step) {
       const token_id next = 400 + step;
-      REQUIRE(append(seq, std::span(&next, 1)) == std::error_code());
+      REQUIRE(append(seq, std::span(&next, 1)) == ghostlink::error_code());
       added.push_back(f.cache.insert_stored_tokens(seq, "ids"));
       expected.push_back(seq.size() % bt == 0 ? 1 : 0);
     }
     CHECK(added == expected);
     CHECK(f.cache.match(seq.snapshot().token_ids(), "ids") == 12);
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   CHECK(f.cache.stats().cached_blocks == 6 + 3);
   expect_balanced(f);
@@ -165,13 +165,13 @@ TEST_CASE("a hit on the common prefix while its first request runs and after it 
     auto req1 = f.cache.attach(f.threads, t1);
     CHECK(req1.size() == 12);
     CHECK(f.pool.stats().blocks_in_use == 8);
-    REQUIRE(append(req1, std::span(t1).subspan(12)) == std::error_code());
+    REQUIRE(append(req1, std::span(t1).subspan(12)) == ghostlink::error_code());
     CHECK(diff(req1, t1) == "");
     CHECK(f.pool.stats().blocks_in_use == 10);  // one new block a layer for the last token
     CHECK(f.pool.blocks_available() == 0);
     CHECK(f.cache.stats().hit_tokens == 12);
-    REQUIRE(truncate(req0, 0) == std::error_code());
-    REQUIRE(truncate(req1, 0) == std::error_code());
+    REQUIRE(truncate(req0, 0) == ghostlink::error_code());
+    REQUIRE(truncate(req1, 0) == ghostlink::error_code());
   }
   // Both gone: the common blocks stay, idle; the partial ones are free.
   CHECK(f.pool.stats().blocks_in_use == 6);
@@ -180,9 +180,9 @@ TEST_CASE("a hit on the common prefix while its first request runs and after it 
   {
     auto req2 = f.cache.attach(f.threads, t2);  // hit after the first request is gone
     CHECK(req2.size() == 12);
-    REQUIRE(append(req2, std::span(t2).subspan(12)) == std::error_code());
+    REQUIRE(append(req2, std::span(t2).subspan(12)) == ghostlink::error_code());
     CHECK(diff(req2, t2) == "");
-    REQUIRE(truncate(req2, 0) == std::error_code());
+    REQUIRE(truncate(req2, 0) == ghostlink::error_code());
   }
   event_log log;
   f.cache.set_event_handler(log.handler());
@@ -199,7 +199,7 @@ TEST_CASE("a hit on the common prefix while its first request runs and after it 
     CHECK(f.cache.stats().cached_blocks == 0);
     CHECK(f.pool.stats().blocks_in_use == 10);
     CHECK(f.cache.match(t0) == 0);
-    REQUIRE(truncate(req3, 0) == std::error_code());
+    REQUIRE(truncate(req3, 0) == ghostlink::error_code());
   }
   f.cache.set_event_handler({});
   expect_balanced(f);
@@ -223,20 +223,20 @@ TEST_CASE("eviction order: least recently used first, a request's blocks tail fi
     const auto touch = std::vector(a.begin(), a.begin() + 11);
     auto req = f.cache.attach(f.threads, touch);
     REQUIRE(req.size() == 8);
-    REQUIRE(append(req, std::span(touch).subspan(8)) == std::error_code());
+    REQUIRE(append(req, std::span(touch).subspan(8)) == ghostlink::error_code());
     REQUIRE(log.size() == 1);
     CHECK(log.events[0].hash == ha[4]);
-    REQUIRE(truncate(req, 0) == std::error_code());  // its partial block is free again
+    REQUIRE(truncate(req, 0) == ghostlink::error_code());  // its partial block is free again
   }
   CHECK(f.pool.stats().blocks_in_use == 14);
   {
     auto filler = empty_sequence(f);
     // The free blocks go first, then one entry per block a layer.
-    REQUIRE(append(filler, run(1000, 4)) == std::error_code());
+    REQUIRE(append(filler, run(1000, 4)) == ghostlink::error_code());
     CHECK(log.size() == 1);
     std::vector<kv_block_hash> order;
     for (token_id i = 1; i < 8; ++i) {
-      REQUIRE(append(filler, run(1000 + 4 * i, 4)) == std::error_code());
+      REQUIRE(append(filler, run(1000 + 4 * i, 4)) == ghostlink::error_code());
       REQUIRE(log.size() == 1 + static_cast<std::size_t>(i));
       order.push_back(log.events.back().hash);
     }
@@ -245,7 +245,7 @@ TEST_CASE("eviction order: least recently used first, a request's blocks tail fi
     for (const kv_prefix_event& e : log.events) CHECK(e.what == kv_prefix_event::kind::removed);
     CHECK(f.cache.stats().evicted_blocks == 8);
     CHECK(f.cache.stats().cached_blocks == 0);
-    REQUIRE(truncate(filler, 0) == std::error_code());
+    REQUIRE(truncate(filler, 0) == ghostlink::error_code());
   }
   f.cache.set_event_handler({});
   expect_balanced(f);
@@ -262,12 +262,12 @@ TEST_CASE("a request's cache hit is not evicted for its own next block, though l
     const auto t = cat(a, run(200, 4));
     auto req = f.cache.attach(f.threads, t);
     REQUIRE(req.size() == 4);
-    REQUIRE(append(req, std::span(t).subspan(4)) == std::error_code());  // needs a block a layer: b goes
+    REQUIRE(append(req, std::span(t).subspan(4)) == ghostlink::error_code());  // needs a block a layer: b goes
     CHECK(diff(req, t) == "");
     CHECK(f.cache.match(a) == 4);
     CHECK(f.cache.match(b) == 0);
     CHECK(f.cache.stats().evicted_blocks == 1);
-    REQUIRE(truncate(req, 0) == std::error_code());
+    REQUIRE(truncate(req, 0) == ghostlink::error_code());
   }
   CHECK(f.pool.stats().blocks_in_use == 2);
   expect_balanced(f);
@@ -286,7 +286,7 @@ TEST_CASE("a request that cannot get its blocks leaves its cache hit untouched",
     REQUIRE(req.size() == 16);
     CHECK(f.pool.blocks_available() == 0);  // every entry is in use now
     // Admission control: the 6 blocks cannot be had; nothing evicted, nothing reserved.
-    std::error_code ec;
+    ghostlink::error_code ec;
     kv_block_reservation r = f.pool.reserve(6, ec);
     CHECK(ec == kv_errc::capacity_exhausted);
     CHECK(r.empty());
@@ -296,11 +296,11 @@ TEST_CASE("a request that cannot get its blocks leaves its cache hit untouched",
     CHECK(diff(req, std::span(t).first(16)) == "");
     CHECK(f.cache.stats().evicted_blocks == 2);
     CHECK(f.cache.match(t) == 16);
-    REQUIRE(truncate(req, 0) == std::error_code());
+    REQUIRE(truncate(req, 0) == ghostlink::error_code());
     // Let go of, the hit is idle again, as before the attach.
     CHECK(f.cache.stats().idle_blocks == 4);
     CHECK(f.pool.blocks_available() == 8);
-    REQUIRE(truncate(other, 0) == std::error_code());
+    REQUIRE(truncate(other, 0) == ghostlink::error_code());
   }
   CHECK(f.pool.stats().blocks_in_use == 8);
   expect_balanced(f);
@@ -320,12 +320,12 @@ TEST_CASE("an evicted block reused for a partial block carries no stale entry", 
     CHECK(f.cache.stats().cached_blocks == 0);
     CHECK(f.pool.stats().blocks_cached == 0);
     CHECK(diff(seq, std::span(t).first(3)) == "");
-    REQUIRE(append(seq, std::span(t).subspan(3)) == std::error_code());
+    REQUIRE(append(seq, std::span(t).subspan(3)) == ghostlink::error_code());
     CHECK(f.cache.insert(seq, t) == 1);  // full now, under its own tokens' hash
     CHECK(f.cache.match(t) == 4);
     CHECK(f.cache.match(a) == 0);
     CHECK(diff(seq, t) == "");
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   expect_balanced(f);
 }
@@ -350,7 +350,7 @@ TEST_CASE("salting: the same salt shares, another salt or none never does, at pr
     REQUIRE(f.cache.insert(req0, t0, "salt1") == 3);
     // Decode fills block 3, cached under the request's salt.
     const token_id next = 8;
-    REQUIRE(append(req0, std::span(&next, 1)) == std::error_code());
+    REQUIRE(append(req0, std::span(&next, 1)) == ghostlink::error_code());
     t0.push_back(next);
     CHECK(f.cache.insert(req0, t0, "salt1") == 1);
     CHECK(f.cache.match(t0, "salt1") == 16);
@@ -365,14 +365,14 @@ TEST_CASE("salting: the same salt shares, another salt or none never does, at pr
     // Another salt: a miss; computed again, cached apart, not mixed with salt1's.
     auto other = f.cache.attach(f.threads, t1, "salt2");
     CHECK(other.size() == 0);
-    REQUIRE(append(other, t1) == std::error_code());
+    REQUIRE(append(other, t1) == ghostlink::error_code());
     CHECK(f.cache.insert(other, t1, "salt2") == 5);
     CHECK(f.cache.match(t1, "salt2") == 20);
     CHECK(f.cache.match(t1, "salt1") == 12);
     CHECK(f.cache.match(t1) == 0);
     CHECK(f.cache.match(t1, "salt3") == 0);
     CHECK(f.cache.stats().cached_blocks == 4 + 5);
-    for (auto* s : {&req0, &same, &other}) REQUIRE(truncate(*s, 0) == std::error_code());
+    for (auto* s : {&req0, &same, &other}) REQUIRE(truncate(*s, 0) == ghostlink::error_code());
   }
   expect_balanced(f);
 }
@@ -389,7 +389,7 @@ TEST_CASE("events: stored with parents in block order, removed tail first; a mir
   {
     auto seq = f.prefill(q);  // the whole pool: p's entries go, its tail first
     REQUIRE(f.cache.insert(seq, q) == 3);
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   f.cache.clear();
   REQUIRE(log.events.size() == 10);
@@ -443,7 +443,7 @@ TEST_CASE("events: an insert continuing a cached prefix names the last cached bl
     // Another request attached to the 2 cached blocks computes and inserts the rest.
     auto req = f.cache.attach(f.threads, t);
     REQUIRE(req.size() == 8);
-    REQUIRE(append(req, std::span(t).subspan(8)) == std::error_code());
+    REQUIRE(append(req, std::span(t).subspan(8)) == ghostlink::error_code());
     CHECK(f.cache.insert(req, t) == 2);
     REQUIRE(log.events.size() == 2);
     CHECK(log.events[0].hash == h[2]);
@@ -454,8 +454,8 @@ TEST_CASE("events: an insert continuing a cached prefix names the last cached bl
     CHECK(f.cache.insert(seq, t) == 0);  // the first request's own blocks 2, 3: cached already
     CHECK(log.events.size() == 2);
     f.cache.set_event_handler({});
-    REQUIRE(truncate(seq, 0) == std::error_code());
-    REQUIRE(truncate(req, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
+    REQUIRE(truncate(req, 0) == ghostlink::error_code());
   }
   expect_balanced(f);
 }
@@ -471,7 +471,7 @@ TEST_CASE("events: an insert with no new full block, a match or an attach emits 
     CHECK(f.cache.insert(partial, t) == 0);
     CHECK(f.cache.attach(f.threads, t).size() == 0);
     CHECK(log.size() == 0);
-    REQUIRE(truncate(partial, 0) == std::error_code());
+    REQUIRE(truncate(partial, 0) == ghostlink::error_code());
   }
   REQUIRE(f.insert_idle(t) == 2);
   CHECK(log.size() == 2);
@@ -481,7 +481,7 @@ TEST_CASE("events: an insert with no new full block, a match or an attach emits 
     REQUIRE(attached.size() == 8);
     CHECK(f.cache.insert(attached, t) == 0);
     CHECK(log.size() == 2);
-    REQUIRE(truncate(attached, 0) == std::error_code());
+    REQUIRE(truncate(attached, 0) == ghostlink::error_code());
   }
   CHECK(log.size() == 2);
   f.cache.set_event_handler({});
@@ -511,12 +511,12 @@ TEST_CASE("clear while a request uses cached blocks: it keeps reading them, and 
     CHECK(snap.size() == 8);
     // The request goes on, and its blocks may be cached again, not copied.
     const auto more = run(50, 2);
-    REQUIRE(append(req, more) == std::error_code());
+    REQUIRE(append(req, more) == ghostlink::error_code());
     CHECK(diff(req, cat(t, more)) == "");
     CHECK(f.cache.insert(req, cat(t, more)) == 2);
     CHECK(f.pool.stats().blocks_in_use == 6);
     f.cache.clear();
-    REQUIRE(truncate(req, 0) == std::error_code());
+    REQUIRE(truncate(req, 0) == ghostlink::error_code());
   }
   // Cleared before the request let go: nothing stays behind.
   CHECK(f.pool.stats().blocks_in_use == 0);
@@ -535,14 +535,14 @@ TEST_CASE("a prefix computed twice is cached once: the duplicate's blocks return
     CHECK(f.cache.stats().cached_blocks == 2);
     CHECK(f.pool.stats().blocks_in_use == 8);
     CHECK(f.pool.stats().blocks_cached == 4);  // a's only
-    REQUIRE(truncate(b, 0) == std::error_code());
+    REQUIRE(truncate(b, 0) == ghostlink::error_code());
     CHECK(f.pool.stats().blocks_in_use == 4);
-    REQUIRE(truncate(a, 0) == std::error_code());
+    REQUIRE(truncate(a, 0) == ghostlink::error_code());
     CHECK(f.pool.stats().blocks_in_use == 4);
     CHECK(f.cache.stats().idle_blocks == 2);
     auto attached = f.cache.attach(f.threads, t);
     CHECK(diff(attached, t) == "");
-    REQUIRE(truncate(attached, 0) == std::error_code());
+    REQUIRE(truncate(attached, 0) == ghostlink::error_code());
   }
   expect_balanced(f);
 }
@@ -570,14 +570,14 @@ TEST_CASE("partial match: a prompt sharing only the first blocks matches and att
     const auto u = with(t, 9, 999);
     auto req = f.cache.attach(f.threads, u);
     REQUIRE(req.size() == 8);
-    REQUIRE(append(req, std::span(u).subspan(8)) == std::error_code());
+    REQUIRE(append(req, std::span(u).subspan(8)) == ghostlink::error_code());
     CHECK(diff(req, u) == "");
     CHECK(f.cache.insert(req, u) == 1);  // its own block 2, a sibling of t's
     CHECK(f.cache.match(u) == 12);
     auto again = f.cache.attach(f.threads, t);  // t's block 2 is t's still
     CHECK(diff(again, std::span(t).first(12)) == "");
-    REQUIRE(truncate(req, 0) == std::error_code());
-    REQUIRE(truncate(again, 0) == std::error_code());
+    REQUIRE(truncate(req, 0) == ghostlink::error_code());
+    REQUIRE(truncate(again, 0) == ghostlink::error_code());
   }
   CHECK(f.cache.stats().cached_blocks == 4);
   expect_balanced(f);
@@ -595,8 +595,8 @@ TEST_CASE("a shared prefix is stored once: the entries are the distinct blocks o
     CHECK(f.cache.insert(b, y) == 1);  // p's 2 blocks are a's
     CHECK(f.cache.stats().cached_blocks == 4);
     CHECK(f.cache.stats().inserted_blocks == 4);
-    REQUIRE(truncate(a, 0) == std::error_code());
-    REQUIRE(truncate(b, 0) == std::error_code());
+    REQUIRE(truncate(a, 0) == ghostlink::error_code());
+    REQUIRE(truncate(b, 0) == ghostlink::error_code());
   }
   CHECK(f.pool.stats().blocks_in_use == 4 * f.cache.num_layers());
   CHECK(f.cache.match(x) == 12);
@@ -614,16 +614,16 @@ TEST_CASE("isolation by salt: the same tokens under three salts keep three tenan
   const std::array<std::pair<std::string_view, float>, 3> tenants = {{{"key1", 1.0f}, {"key2", 2.0f}, {"", 3.0f}}};
   for (const auto& [salt, tag] : tenants) {
     auto seq = empty_sequence(f);
-    REQUIRE(append(seq, t, tag) == std::error_code());
+    REQUIRE(append(seq, t, tag) == ghostlink::error_code());
     CHECK(f.cache.insert(seq, t, salt) == 2);
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   CHECK(f.cache.stats().cached_blocks == 6);
   for (const auto& [salt, tag] : tenants) {
     INFO("salt \"" << salt << "\"");
     auto seq = f.cache.attach(f.threads, t, salt);
     CHECK(diff(seq, t, tag) == "");
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   CHECK(f.cache.attach(f.threads, t, "nonexistent").size() == 0);
   CHECK(f.cache.match(t, "key3") == 0);
@@ -647,10 +647,10 @@ TEST_CASE("pinning: attaching takes entries out of the evictable ones, letting g
     CHECK(f.pool.blocks_available() == 100 - 2 * layers);
     auto second = f.cache.attach(f.threads, std::span(t).first(4));  // pins block 0 twice
     CHECK(f.cache.stats().idle_blocks == 1);
-    REQUIRE(truncate(first, 0) == std::error_code());
+    REQUIRE(truncate(first, 0) == ghostlink::error_code());
     CHECK(f.cache.stats().idle_blocks == 2);  // block 0 still pinned by the second
     CHECK(f.pool.stats().blocks_cached_idle == 2 * layers);
-    REQUIRE(truncate(second, 0) == std::error_code());
+    REQUIRE(truncate(second, 0) == ghostlink::error_code());
   }
   CHECK(f.cache.stats().idle_blocks == 3);
   CHECK(f.pool.stats().blocks_cached_idle == 3 * layers);
@@ -671,12 +671,12 @@ TEST_CASE("pinning protects: a held sequence, a snapshot or a fork keeps entries
     {
       auto s = f.cache.attach(f.threads, b);
       snap = s.snapshot();
-      REQUIRE(truncate(s, 0) == std::error_code());
+      REQUIRE(truncate(s, 0) == ghostlink::error_code());
     }
     auto forked = [&] {
       auto s = f.cache.attach(f.threads, c);
       auto child = fork(s);
-      REQUIRE(truncate(s, 0) == std::error_code());
+      REQUIRE(truncate(s, 0) == ghostlink::error_code());
       return child;
     }();
     CHECK(f.cache.stats().idle_blocks == 0);
@@ -686,20 +686,20 @@ TEST_CASE("pinning protects: a held sequence, a snapshot or a fork keeps entries
     CHECK(writer.size() == 0);
     CHECK(f.cache.stats().evicted_blocks == 0);
     // Each pin let go of frees exactly its entry for the next block.
-    REQUIRE(truncate(forked, 0) == std::error_code());
-    REQUIRE(append(writer, run(7, 1)) == std::error_code());
+    REQUIRE(truncate(forked, 0) == ghostlink::error_code());
+    REQUIRE(append(writer, run(7, 1)) == ghostlink::error_code());
     CHECK(f.cache.match(c) == 0);
     CHECK(f.cache.match(b) == 4);
     CHECK(f.cache.match(a) == 4);
     CHECK(append(writer, run(8, 4)) == kv_errc::capacity_exhausted);  // needs a second block a layer
     snap = {};
-    REQUIRE(append(writer, run(8, 4)) == std::error_code());
+    REQUIRE(append(writer, run(8, 4)) == ghostlink::error_code());
     CHECK(f.cache.match(b) == 0);
     CHECK(f.cache.match(a) == 4);
     CHECK(diff(held, a) == "");
     CHECK(f.cache.stats().evicted_blocks == 2);
-    REQUIRE(truncate(held, 0) == std::error_code());
-    REQUIRE(truncate(writer, 0) == std::error_code());
+    REQUIRE(truncate(held, 0) == ghostlink::error_code());
+    REQUIRE(truncate(writer, 0) == ghostlink::error_code());
   }
   expect_balanced(f);
 }
@@ -732,7 +732,7 @@ TEST_CASE("eviction frees blocks: evicted entries' blocks are the ones reused, w
     CHECK(f.cache.match(p[1]) == 0);
     CHECK(f.cache.match(p[2]) == 4);
     CHECK(f.cache.match(p[3]) == 4);
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   f.threads.join();  // the sequences' actors are done: the free list holds still
   s = f.pool.stats();
@@ -775,7 +775,7 @@ TEST_CASE("concurrency: two tenants with the same prompts under their own salts 
       if (seq.size() > 0) ++mine.hits;
       std::string d = diff(seq, std::span(t).first(seq.size()), tag);
       if (d.empty() && seq.size() < t.size()) {
-        const std::error_code ec = append(seq, std::span(t).subspan(seq.size()), tag);
+        const ghostlink::error_code ec = append(seq, std::span(t).subspan(seq.size()), tag);
         if (ec == kv_errc::capacity_exhausted) {
           ++mine.exhausted;
           continue;

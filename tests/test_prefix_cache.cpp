@@ -149,7 +149,7 @@ TEST_CASE("attach: a miss is an empty sequence, usable as any other", "[prefix]"
   auto seq = f.cache.attach(f.threads, t);
   REQUIRE(seq.valid());
   CHECK(seq.size() == 0);
-  REQUIRE(append(seq, t) == std::error_code());
+  REQUIRE(append(seq, t) == ghostlink::error_code());
   CHECK(diff(seq, t) == "");
   const kv_prefix_stats s = f.cache.stats();
   CHECK(s.queries == 1);
@@ -164,15 +164,15 @@ TEST_CASE("attach: the sequence appends, forks and truncates; a write into a sha
   auto seq = f.cache.attach(f.threads, t);
   REQUIRE(seq.size() == 8);
   const auto more = run(50, 3);
-  REQUIRE(append(seq, more) == std::error_code());
+  REQUIRE(append(seq, more) == ghostlink::error_code());
   CHECK(diff(seq, cat(t, more)) == "");
   auto child = fork(seq);
   CHECK(diff(child, cat(t, more)) == "");
   // Truncate into block 1 and write there: the cached block is copied.
   const std::uint64_t copies = f.pool.stats().cow_copies;
-  REQUIRE(truncate(seq, 6) == std::error_code());
+  REQUIRE(truncate(seq, 6) == ghostlink::error_code());
   const auto other = run(70, 2);
-  REQUIRE(append(seq, other) == std::error_code());
+  REQUIRE(append(seq, other) == ghostlink::error_code());
   CHECK(f.pool.stats().cow_copies > copies);
   CHECK(diff(seq, cat(std::vector(t.begin(), t.begin() + 6), other)) == "");
   // The cache still serves what was inserted.
@@ -187,7 +187,7 @@ TEST_CASE("attach: the entries become the most recently used", "[prefix]") {
   f.insert_idle(b);
   {
     auto seq = f.cache.attach(f.threads, a);  // a is now the most recently used
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   auto seq = f.prefill(run(200, 1));  // needs a block: b goes
   CHECK(f.cache.match(a) == 4);
@@ -203,7 +203,7 @@ TEST_CASE("insert: full blocks of the first min(tokens, size) tokens; an entry k
   CHECK(f.cache.insert(seq, t) == 0);  // already cached
   CHECK(f.cache.stats().cached_blocks == 2);
   CHECK(f.cache.stats().inserted_blocks == 2);
-  REQUIRE(append(seq, std::span(t).subspan(9, 5)) == std::error_code());
+  REQUIRE(append(seq, std::span(t).subspan(9, 5)) == ghostlink::error_code());
   CHECK(f.cache.insert(seq, std::span(t).first(5)) == 0);  // fewer tokens given: block 0 only, cached
   CHECK(f.cache.insert(seq, t) == 1);                      // block 2 now full
   CHECK(f.cache.match(t) == 12);
@@ -219,7 +219,7 @@ TEST_CASE("insert: a sequence of another layer count, pool or geometry throws an
   const auto t = run(1, 8);
   {
     sequence_kv_cache three(f.threads, 3, config(), f.pool);
-    REQUIRE(append(three, t) == std::error_code());
+    REQUIRE(append(three, t) == ghostlink::error_code());
     try {
       f.cache.insert(three, t);
       FAIL("no throw");
@@ -229,7 +229,7 @@ TEST_CASE("insert: a sequence of another layer count, pool or geometry throws an
   }
   {
     sequence_kv_cache elsewhere(f.threads, 2, config());  // a pool of its own
-    REQUIRE(append(elsewhere, t) == std::error_code());
+    REQUIRE(append(elsewhere, t) == ghostlink::error_code());
     try {
       f.cache.insert(elsewhere, t);
       FAIL("no throw");
@@ -242,7 +242,7 @@ TEST_CASE("insert: a sequence of another layer count, pool or geometry throws an
     c.block_tokens = 2;
     c.num_heads = 4;  // same block bytes, another geometry
     sequence_kv_cache shaped(f.threads, 2, c, f.pool);
-    REQUIRE(append(shaped, std::span(t).first(2)) == std::error_code());
+    REQUIRE(append(shaped, std::span(t).first(2)) == ghostlink::error_code());
     CHECK_THROWS_AS(f.cache.insert(shaped, t), std::system_error);
   }
   {
@@ -250,9 +250,9 @@ TEST_CASE("insert: a sequence of another layer count, pool or geometry throws an
     c.max_tokens_per_seq = 32;  // may differ
     c.max_pending = 7;
     sequence_kv_cache fine(f.threads, 2, c, f.pool);
-    REQUIRE(append(fine, t) == std::error_code());
+    REQUIRE(append(fine, t) == ghostlink::error_code());
     CHECK(f.cache.insert(fine, t) == 2);
-    REQUIRE(truncate(fine, 0) == std::error_code());
+    REQUIRE(truncate(fine, 0) == ghostlink::error_code());
     f.cache.clear();
   }
   CHECK(f.cache.stats().cached_blocks == 0);
@@ -268,14 +268,14 @@ TEST_CASE("match and attach stop at the cache's max_tokens_per_seq, whatever was
   asio::thread_pool threads(2);
   const auto t = run(1, 12);
   sequence_kv_cache seq(threads, 2, config(), pool);  // max 64 tokens
-  REQUIRE(append(seq, t) == std::error_code());
+  REQUIRE(append(seq, t) == ghostlink::error_code());
   CHECK(cache.insert(seq, t) == 3);
   CHECK(cache.match(t) == 4);
   auto attached = cache.attach(threads, t);
   CHECK(diff(attached, std::span(t).first(4)) == "");
-  CHECK(append(attached, std::span(t).subspan(4, 2)) == std::error_code());
+  CHECK(append(attached, std::span(t).subspan(4, 2)) == ghostlink::error_code());
   CHECK(append(attached, std::span(t).subspan(6, 1)) == kv_errc::index_out_of_range);
-  REQUIRE(truncate(seq, 0) == std::error_code());
+  REQUIRE(truncate(seq, 0) == ghostlink::error_code());
 }
 
 TEST_CASE("insert_stored_tokens: from the ids the sequence stores, up to a token stored without one", "[prefix]") {
@@ -291,7 +291,7 @@ TEST_CASE("insert_stored_tokens: from the ids the sequence stores, up to a token
   const std::size_t w = config().token_width();
   std::vector<std::vector<float>> keys(2, std::vector<float>(4 * w, 1.0f));
   std::vector<std::span<const float>> ks(keys.begin(), keys.end());
-  REQUIRE(wait_ec([&](auto tk) { return plain.async_append(ks, ks, tk); }) == std::error_code());
+  REQUIRE(wait_ec([&](auto tk) { return plain.async_append(ks, ks, tk); }) == ghostlink::error_code());
   CHECK(f.cache.insert_stored_tokens(plain, "other") == 1);
 }
 
@@ -303,9 +303,9 @@ TEST_CASE("cached data never changes: a truncate and rewrite by the owner copies
   // Rollback into block 1 and rewrite in place, as speculative decoding does:
   // without the cache, no snapshot or fork holds the block and it would be
   // rewritten in place.
-  REQUIRE(truncate(seq, 5) == std::error_code());
+  REQUIRE(truncate(seq, 5) == ghostlink::error_code());
   const auto rewrite = run(90, 3);
-  REQUIRE(append(seq, rewrite) == std::error_code());
+  REQUIRE(append(seq, rewrite) == ghostlink::error_code());
   CHECK(diff(seq, cat(run(1, 5), rewrite)) == "");
   auto attached = f.cache.attach(f.threads, t);
   CHECK(diff(attached, t) == "");
@@ -361,7 +361,7 @@ TEST_CASE("eviction: blocks a sequence or a snapshot holds are never evicted", "
     auto other = f.prefill(b);
     REQUIRE(f.cache.insert(other, b) == 1);
     pinned = other.snapshot();
-    REQUIRE(truncate(other, 0) == std::error_code());
+    REQUIRE(truncate(other, 0) == ghostlink::error_code());
   }
   // Both entries are in use (a by its sequence, b by a snapshot): nothing
   // can be evicted, and a write that needs a block fails, storing nothing.
@@ -374,7 +374,7 @@ TEST_CASE("eviction: blocks a sequence or a snapshot holds are never evicted", "
   // The snapshot released, b's entry is idle and goes for the next write.
   pinned = {};
   CHECK(f.cache.stats().idle_blocks == 1);
-  CHECK(append(s, run(7, 1)) == std::error_code());
+  CHECK(append(s, run(7, 1)) == ghostlink::error_code());
   CHECK(f.cache.match(b) == 0);
   CHECK(f.cache.match(a) == 4);
 }
@@ -396,7 +396,7 @@ TEST_CASE("eviction: an entry whose blocks another entry also references frees n
     auto seq = f.prefill(t);
     REQUIRE(f.cache.insert(seq, t, "x") == 1);
     REQUIRE(f.cache.insert(seq, t, "y") == 1);  // the same blocks under another salt
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   }
   f.insert_idle(run(100, 4));  // x, y, then this one; 4 blocks in use
   REQUIRE(f.pool.stats().blocks_in_use == 4);
@@ -414,7 +414,7 @@ TEST_CASE("eviction: an entry becomes idle when a snapshot is released on anothe
   auto seq = f.prefill(a);
   REQUIRE(f.cache.insert(seq, a) == 1);
   auto snap = seq.snapshot();
-  REQUIRE(truncate(seq, 0) == std::error_code());
+  REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   CHECK(f.cache.stats().idle_blocks == 0);
   std::thread([s = std::move(snap)]() mutable { s = {}; }).join();
   CHECK(f.cache.stats().idle_blocks == 1);
@@ -463,9 +463,9 @@ TEST_CASE("stats: queries, tokens asked for and hit, inserted, evicted, cached a
   CHECK(s.inserted_blocks == 2);
   CHECK(s.cached_blocks == 2);
   CHECK(s.idle_blocks == 0);
-  REQUIRE(truncate(seq, 0) == std::error_code());
+  REQUIRE(truncate(seq, 0) == ghostlink::error_code());
   CHECK(f.cache.stats().idle_blocks == 1);  // block 1; block 0 is attached
-  REQUIRE(truncate(attached, 0) == std::error_code());
+  REQUIRE(truncate(attached, 0) == ghostlink::error_code());
   s = f.cache.stats();
   CHECK(s.idle_blocks == 2);
   CHECK(s.cached_blocks - s.idle_blocks == 0);
@@ -492,7 +492,7 @@ TEST_CASE("events: stored in block order with parents, removed, numbered from 1 
   {
     auto attached = f.cache.attach(f.threads, a);
     CHECK(f.cache.insert(attached, a) == 0);  // nothing new: no event
-    REQUIRE(truncate(attached, 0) == std::error_code());
+    REQUIRE(truncate(attached, 0) == ghostlink::error_code());
   }
   CHECK(log.events.size() == 3);
   {
@@ -501,7 +501,7 @@ TEST_CASE("events: stored in block order with parents, removed, numbered from 1 
     CHECK(log.events[3].what == kv_prefix_event::kind::removed);
     CHECK(log.events[3].hash == h[2]);
     CHECK(log.events[3].sequence == 4);
-    REQUIRE(truncate(s, 0) == std::error_code());
+    REQUIRE(truncate(s, 0) == ghostlink::error_code());
   }
   // A new handler starts again at 1; an empty one turns events off.
   event_log second;
@@ -553,11 +553,11 @@ TEST_CASE("a cache destroyed with entries releases them: idle blocks go back, us
   asio::thread_pool threads(2);
   sequence_kv_cache holder(threads, 2, config(), pool);
   const auto t = run(1, 8);
-  REQUIRE(append(holder, t) == std::error_code());
+  REQUIRE(append(holder, t) == ghostlink::error_code());
   {
     kv_prefix_cache cache(2, config(), pool);
     REQUIRE(cache.insert(holder, t) == 2);
-    REQUIRE(truncate(holder, 4) == std::error_code());  // block 1 is the cache's alone
+    REQUIRE(truncate(holder, 4) == ghostlink::error_code());  // block 1 is the cache's alone
     CHECK(pool.stats().blocks_in_use == 4);
   }
   CHECK(pool.stats().blocks_in_use == 2);
@@ -578,7 +578,7 @@ TEST_CASE("pool stats: cached and idle blocks apart from blocks in use; blocks_a
   CHECK(s.blocks_cached == 4);
   CHECK(s.blocks_cached_idle == 0);
   CHECK(s.blocks_available == 6);
-  REQUIRE(truncate(seq, 4) == std::error_code());
+  REQUIRE(truncate(seq, 4) == ghostlink::error_code());
   s = f.pool.stats();
   CHECK(s.blocks_in_use == 4);
   CHECK(s.blocks_cached_idle == 2);
@@ -598,13 +598,13 @@ TEST_CASE("blocks_available leaves out an idle entry whose child is in use: evic
     REQUIRE(f.cache.insert(a, t) == 1);
     auto b = f.prefill(t);  // blocks 0 and 1, computed again (a miss at its start)
     REQUIRE(f.cache.insert(b, t) == 1);  // block 0 keeps a's entry; block 1's parent is it
-    REQUIRE(truncate(a, 0) == std::error_code());
+    REQUIRE(truncate(a, 0) == ghostlink::error_code());
     // a's block 0 is idle, but its child (b's block 1) is in use: not evictable.
     CHECK(f.pool.stats().blocks_cached_idle == 2);
     CHECK(f.pool.blocks_available() == 10 - 6);
     CHECK_THROWS_AS(f.pool.reserve(5), std::system_error);
     CHECK(f.cache.stats().evicted_blocks == 0);
-    REQUIRE(truncate(b, 0) == std::error_code());
+    REQUIRE(truncate(b, 0) == ghostlink::error_code());
   }
   // Everything idle now: both entries can go.
   CHECK(f.pool.blocks_available() == 10);
@@ -618,7 +618,7 @@ TEST_CASE("reservation: taken at once, evicting as needed, or refused whole", "[
   f.insert_idle(run(100, 4));
   auto holder = f.prefill(run(200, 1));  // 2 blocks in use; two idle entries (4 blocks)
   REQUIRE(f.pool.blocks_available() == 4);
-  std::error_code ec;
+  ghostlink::error_code ec;
   kv_block_reservation none = f.pool.reserve(5, ec);
   CHECK(ec == kv_errc::capacity_exhausted);
   CHECK(none.empty());
@@ -645,10 +645,10 @@ TEST_CASE("reservation: a sequence draws on it first, and what is left returns w
     // Another sequence cannot take the reserved blocks.
     sequence_kv_cache other(f.threads, 2, config(), f.pool);
     CHECK(append(other, run(1, 5)) == kv_errc::capacity_exhausted);  // needs 4, 2 left
-    REQUIRE(append(seq, run(1, 4)) == std::error_code());           // 2 blocks from the reservation
+    REQUIRE(append(seq, run(1, 4)) == ghostlink::error_code());           // 2 blocks from the reservation
     CHECK(f.pool.stats().blocks_reserved == 2);
     CHECK(f.pool.stats().blocks_in_use == 4);
-    REQUIRE(truncate(seq, 0) == std::error_code());
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
     CHECK(f.pool.stats().blocks_in_use == 2);  // the 2 still reserved
     // A reservation of another pool is refused, unchanged.
     const kv_block_pool elsewhere = kv_block_pool::for_caches(config());
@@ -682,7 +682,7 @@ TEST_CASE("concurrency: attach, insert, append and release on 2 threads under bu
       attached_tokens += seq.size();
       std::string d = diff(seq, std::span(t).first(seq.size()));
       if (d.empty() && seq.size() < t.size()) {
-        const std::error_code ec = append(seq, std::span(t).subspan(seq.size()));
+        const ghostlink::error_code ec = append(seq, std::span(t).subspan(seq.size()));
         if (ec == kv_errc::capacity_exhausted) {
           ++exhausted;
           continue;

@@ -159,7 +159,7 @@ TEST_CASE("read_kv at or past the size is index_out_of_range", "[read]") {
   fixture f;
   REQUIRE_FALSE(f.sync.initialize(3));
   CHECK(f.sync.read_kv(3).first == kv_errc::index_out_of_range);
-  CHECK(f.sync.read_kv(2).first == std::error_code{});
+  CHECK(f.sync.read_kv(2).first == ghostlink::error_code{});
 }
 
 TEST_CASE("read_range is token-major across block boundaries", "[read]") {

@@ -169,12 +169,12 @@ TEST_CASE("an append, truncate or fork started while an append is in flight is o
   sequence_kv_cache seq(ctx, layers, small_config());
   const std::size_t width = seq.config().token_width();
   const step first(layers, width, 0, 1), second(layers, width, 0, 2), third(layers, width, 1, 3);
-  std::error_code first_ec = kv_errc::zero_length, second_ec, truncate_ec, fork_ec, third_ec = kv_errc::zero_length;
+  ghostlink::error_code first_ec = kv_errc::zero_length, second_ec, truncate_ec, fork_ec, third_ec = kv_errc::zero_length;
   sequence_kv_cache forked = seq;
-  seq.async_append(first.key_spans, first.value_spans, [&](std::error_code ec) { first_ec = ec; });
-  seq.async_append(second.key_spans, second.value_spans, [&](std::error_code ec) { second_ec = ec; });
-  seq.async_truncate(0, [&](std::error_code ec) { truncate_ec = ec; });
-  seq.async_fork([&](std::error_code ec, sequence_kv_cache s) {
+  seq.async_append(first.key_spans, first.value_spans, [&](ghostlink::error_code ec) { first_ec = ec; });
+  seq.async_append(second.key_spans, second.value_spans, [&](ghostlink::error_code ec) { second_ec = ec; });
+  seq.async_truncate(0, [&](ghostlink::error_code ec) { truncate_ec = ec; });
+  seq.async_fork([&](ghostlink::error_code ec, sequence_kv_cache s) {
     fork_ec = ec;
     forked = std::move(s);
   });
@@ -192,7 +192,7 @@ TEST_CASE("an append, truncate or fork started while an append is in flight is o
   CHECK(d.empty());
 
   // The rejected operations left no claim behind: the next append goes through.
-  seq.async_append(third.key_spans, third.value_spans, [&](std::error_code ec) { third_ec = ec; });
+  seq.async_append(third.key_spans, third.value_spans, [&](ghostlink::error_code ec) { third_ec = ec; });
   run_on_two_threads(ctx);
   CHECK_FALSE(third_ec);
   d = diff_snapshot(seq.snapshot(), {1, 3});

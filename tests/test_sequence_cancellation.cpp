@@ -4,11 +4,7 @@
 // normally. Every outcome leaves the sequence as one of the two states.
 #include "sequence_support.hpp"
 
-#include <asio/bind_cancellation_slot.hpp>
-#include <asio/bind_executor.hpp>
-#include <asio/cancellation_signal.hpp>
-#include <asio/post.hpp>
-#include <asio/strand.hpp>
+#include "asio_compat.hpp"
 
 #include <future>
 #include <optional>
@@ -32,9 +28,9 @@ std::vector<std::size_t> layer_sizes(const sequence_kv_cache& s) {
 }
 
 /// Appends `st` on an io_context the test thread runs.
-std::error_code append_blocking(asio::io_context& io, sequence_kv_cache& s, const step& st) {
-  std::optional<std::error_code> result;
-  s.async_append(st.key_spans, st.value_spans, [&](std::error_code ec) { result = ec; });
+ghostlink::error_code append_blocking(asio::io_context& io, sequence_kv_cache& s, const step& st) {
+  std::optional<ghostlink::error_code> result;
+  s.async_append(st.key_spans, st.value_spans, [&](ghostlink::error_code ec) { result = ec; });
   io.run();
   io.restart();
   REQUIRE(result.has_value());
@@ -44,9 +40,9 @@ std::error_code append_blocking(asio::io_context& io, sequence_kv_cache& s, cons
 /// Starts an append of `st` whose handler `signal` can cancel; its result
 /// lands in `result`.
 void start_append(sequence_kv_cache& s, const step& st, asio::cancellation_signal& signal,
-                  std::optional<std::error_code>& result) {
+                  std::optional<ghostlink::error_code>& result) {
   s.async_append(st.key_spans, st.value_spans,
-                 asio::bind_cancellation_slot(signal.slot(), [&result](std::error_code ec) { result = ec; }));
+                 asio::bind_cancellation_slot(signal.slot(), [&result](ghostlink::error_code ec) { result = ec; }));
 }
 
 }  // namespace
@@ -61,7 +57,7 @@ TEST_CASE("a sequence append cancelled before any layer applies it completes wit
   REQUIRE_FALSE(append_blocking(io, seq, first));
 
   asio::cancellation_signal signal;
-  std::optional<std::error_code> result;
+  std::optional<ghostlink::error_code> result;
   start_append(seq, cancelled, signal, result);
   signal.emit(asio::cancellation_type::terminal);
   io.run();
@@ -85,7 +81,7 @@ TEST_CASE("a sequence append cancelled after some layers applied it is undone on
   const step cancelled(n_layers, width, 0, 2), next(n_layers, width, 0, 3);
 
   asio::cancellation_signal signal;
-  std::optional<std::error_code> result;
+  std::optional<ghostlink::error_code> result;
   start_append(seq, cancelled, signal, result);
   // The layers' drains were posted in layer order: the first runs alone.
   REQUIRE(io.run_one() == 1);
@@ -111,7 +107,7 @@ TEST_CASE("a sequence append cancelled after every layer applied it completes no
   const step st(n_layers, width, 0, 4);
 
   asio::cancellation_signal signal;
-  std::optional<std::error_code> result;
+  std::optional<ghostlink::error_code> result;
   start_append(seq, st, signal, result);
   // Every layer's drain, and the token ids' (the last).
   for (std::size_t l = 0; l < n_layers + 1; ++l) REQUIRE(io.run_one() == 1);
@@ -135,8 +131,8 @@ TEST_CASE("a cancelled sequence truncate or fork before any layer applies it cha
   REQUIRE_FALSE(append_blocking(io, seq, b));
 
   asio::cancellation_signal signal;
-  std::optional<std::error_code> truncated;
-  seq.async_truncate(1, asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec) { truncated = ec; }));
+  std::optional<ghostlink::error_code> truncated;
+  seq.async_truncate(1, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { truncated = ec; }));
   signal.emit(asio::cancellation_type::terminal);
   io.run();
   io.restart();
@@ -145,9 +141,9 @@ TEST_CASE("a cancelled sequence truncate or fork before any layer applies it cha
   CHECK(seq.size() == 2);
   CHECK(layer_sizes(seq) == std::vector<std::size_t>(n_layers, 2));
 
-  std::optional<std::error_code> forked;
+  std::optional<ghostlink::error_code> forked;
   sequence_kv_cache child;
-  seq.async_fork(asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec, sequence_kv_cache c) {
+  seq.async_fork(asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec, sequence_kv_cache c) {
     forked = ec;
     child = std::move(c);
   }));
@@ -172,10 +168,10 @@ TEST_CASE("sequence appends cancelled at random from another thread apply on eve
   for (int attempt = 0; attempt < 300 && tags.size() < seq.config().max_tokens_per_seq; ++attempt) {
     const step st(n_layers, width, tags.size(), attempt % 10);
     asio::cancellation_signal signal;
-    std::promise<std::error_code> done;
+    std::promise<ghostlink::error_code> done;
     std::atomic<bool> finished{false};
     seq.async_append(st.key_spans, st.value_spans,
-                     asio::bind_executor(strand, asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec) {
+                     asio::bind_executor(strand, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) {
                                            finished = true;
                                            done.set_value(ec);
                                          })));
@@ -183,7 +179,7 @@ TEST_CASE("sequence appends cancelled at random from another thread apply on eve
       asio::post(strand, [&] {
         if (!finished) signal.emit(asio::cancellation_type::terminal);
       });
-    const std::error_code ec = done.get_future().get();
+    const ghostlink::error_code ec = done.get_future().get();
     // The posted emission (if any) must run before `signal` dies.
     std::promise<void> strand_idle;
     asio::post(strand, [&] { strand_idle.set_value(); });

@@ -3,9 +3,7 @@
 
 #include "sequence_support.hpp"
 
-#include <asio/bind_cancellation_slot.hpp>
-#include <asio/cancellation_signal.hpp>
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <atomic>
 #include <future>
@@ -31,7 +29,7 @@ std::vector<int> tags_from(const fixture& f, int tag, std::size_t tokens) {
 std::string diff_layer(const kv_snapshot& snap, std::size_t l, const std::vector<int>& tags) {
   if (snap.size() != tags.size()) return str("layer ", l, " shows ", snap.size(), " tokens, expected ", tags.size());
   kv_range r;
-  if (std::error_code ec = snap.read_range(0, snap.size(), r)) return ec.message();
+  if (ghostlink::error_code ec = snap.read_range(0, snap.size(), r)) return ec.message();
   const std::size_t w = snap.token_width();
   for (std::size_t i = 0; i < tags.size(); ++i) {
     std::string d =
@@ -139,7 +137,7 @@ TEST_CASE("a step's bad writes fail with their error and change nothing; a layer
   const auto layer_state = [&] { return observe(f.seq.layer(0)); };
   const auto check = [&](kv_errc expected, auto&& bad) {
     const auto before = layer_state();
-    const std::error_code got = bad();
+    const ghostlink::error_code got = bad();
     INFO("got " << got.message());
     CHECK(got == expected);
     CHECK(layer_state() == before);
@@ -196,14 +194,14 @@ TEST_CASE("destroying an open step undoes it in the background", "[step]") {
   sequence_kv_cache seq(io, layers, small_config());
   const std::size_t width = seq.config().token_width();
   const step first(layers, width, 0, 1), st(layers, width, 1, 2), next(layers, width, 1, 3);
-  std::optional<std::error_code> result;
-  seq.async_append(first.key_spans, first.value_spans, [&](std::error_code ec) { result = ec; });
+  std::optional<ghostlink::error_code> result;
+  seq.async_append(first.key_spans, first.value_spans, [&](ghostlink::error_code ec) { result = ec; });
   run_on_two_threads(io);
-  REQUIRE(result == std::error_code());
+  REQUIRE(result == ghostlink::error_code());
   const observed before = observe(seq);
   {
     std::optional<sequence_kv_cache::step_type> open;
-    seq.async_begin_step(1, [&](std::error_code ec, sequence_kv_cache::step_type s) {
+    seq.async_begin_step(1, [&](ghostlink::error_code ec, sequence_kv_cache::step_type s) {
       REQUIRE_FALSE(ec);
       open = std::move(s);
     });
@@ -211,7 +209,7 @@ TEST_CASE("destroying an open step undoes it in the background", "[step]") {
     REQUIRE(open.has_value());
     std::atomic<int> failed{0};  // (the handlers run on two threads: no Catch2 assertion in them)
     for (std::size_t l = 0; l < layers; ++l)
-      open->async_write(l, st.key_spans[l], st.value_spans[l], [&](std::error_code ec) { failed += ec ? 1 : 0; });
+      open->async_write(l, st.key_spans[l], st.value_spans[l], [&](ghostlink::error_code ec) { failed += ec ? 1 : 0; });
     run_on_two_threads(io);
     CHECK(failed == 0);
     CHECK(seq.layer(0).size() == 2);
@@ -220,9 +218,9 @@ TEST_CASE("destroying an open step undoes it in the background", "[step]") {
   run_on_two_threads(io);  // every layer drops the step's tokens
   CHECK(observe(seq) == before);
   result.reset();
-  seq.async_append(next.key_spans, next.value_spans, [&](std::error_code ec) { result = ec; });
+  seq.async_append(next.key_spans, next.value_spans, [&](ghostlink::error_code ec) { result = ec; });
   run_on_two_threads(io);
-  CHECK(result == std::error_code());
+  CHECK(result == ghostlink::error_code());
   CHECK(diff_snapshot(seq.snapshot(), {1, 3}).empty());
 }
 
@@ -274,9 +272,9 @@ TEST_CASE("a cancelled begin or write completes with operation_aborted and chang
   const step st(layers, width, 0, 2);
   const observed before = observe(seq);
   asio::cancellation_signal signal;
-  std::optional<std::error_code> result;
+  std::optional<ghostlink::error_code> result;
   std::optional<sequence_kv_cache::step_type> open;
-  seq.async_begin_step(1, asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec, auto s) {
+  seq.async_begin_step(1, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec, auto s) {
                          result = ec;
                          open = std::move(s);
                        }));
@@ -290,15 +288,15 @@ TEST_CASE("a cancelled begin or write completes with operation_aborted and chang
   // The sequence is free: a step begins, and a cancelled write leaves its layer unwritten.
   result.reset();
   open.reset();
-  seq.async_begin_step(1, [&](std::error_code ec, auto s) {
+  seq.async_begin_step(1, [&](ghostlink::error_code ec, auto s) {
     result = ec;
     open = std::move(s);
   });
   run_on_two_threads(io);
-  REQUIRE(result == std::error_code());
+  REQUIRE(result == ghostlink::error_code());
   result.reset();
   open->async_write(0, st.key_spans[0], st.value_spans[0],
-                    asio::bind_cancellation_slot(signal.slot(), [&](std::error_code ec) { result = ec; }));
+                    asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
   signal.emit(asio::cancellation_type::terminal);
   run_on_two_threads(io);
   REQUIRE(result.has_value());
@@ -308,13 +306,13 @@ TEST_CASE("a cancelled begin or write completes with operation_aborted and chang
   // Written again, and every other layer, the step commits.
   std::atomic<int> failed{0};  // (the handlers run on two threads: no Catch2 assertion in them)
   for (std::size_t l = 0; l < layers; ++l)
-    open->async_write(l, st.key_spans[l], st.value_spans[l], [&](std::error_code ec) { failed += ec ? 1 : 0; });
+    open->async_write(l, st.key_spans[l], st.value_spans[l], [&](ghostlink::error_code ec) { failed += ec ? 1 : 0; });
   run_on_two_threads(io);
   CHECK(failed == 0);
   result.reset();
-  open->async_commit([&](std::error_code ec) { result = ec; });
+  open->async_commit([&](ghostlink::error_code ec) { result = ec; });
   run_on_two_threads(io);
-  CHECK(result == std::error_code());
+  CHECK(result == ghostlink::error_code());
   CHECK(diff_snapshot(seq.snapshot(), {2}).empty());
 }
 
@@ -347,12 +345,12 @@ TEST_CASE("layers of a step written from two threads at once; concurrent snapsho
     REQUIRE_FALSE(ec);
     const step st(layers, f.width, i, static_cast<int>(i) + 1);
     // Layer 0 from this thread, layers 1 and 2 from another, at once.
-    std::error_code other_ec;
+    ghostlink::error_code other_ec;
     std::thread other([&] {
       for (std::size_t l = 1; l < layers; ++l)
-        if (std::error_code e = write_layer(open, l, st)) other_ec = e;
+        if (ghostlink::error_code e = write_layer(open, l, st)) other_ec = e;
     });
-    const std::error_code mine = write_layer(open, 0, st);
+    const ghostlink::error_code mine = write_layer(open, 0, st);
     other.join();
     REQUIRE_FALSE(mine);
     REQUIRE_FALSE(other_ec);
@@ -429,7 +427,7 @@ namespace {
 
 /// Writes layer `l` of every step of `open` in one batched call (step `i`
 /// from `tokens[i]`); the first error and every step's result.
-std::pair<std::error_code, std::vector<std::error_code>> write_batch(std::span<const sequence_kv_cache::step_type> open,
+std::pair<ghostlink::error_code, std::vector<ghostlink::error_code>> write_batch(std::span<const sequence_kv_cache::step_type> open,
                                                                      std::size_t l,
                                                                      std::span<const step* const> tokens) {
   std::vector<std::span<const float>> keys, values;
@@ -437,10 +435,10 @@ std::pair<std::error_code, std::vector<std::error_code>> write_batch(std::span<c
     keys.push_back(st->key_spans[l]);
     values.push_back(st->value_spans[l]);
   }
-  auto result = std::make_shared<std::promise<std::pair<std::error_code, std::vector<std::error_code>>>>();
+  auto result = std::make_shared<std::promise<std::pair<ghostlink::error_code, std::vector<ghostlink::error_code>>>>();
   auto done = result->get_future();
   sequence_kv_cache::step_type::async_write_layer(open, l, keys, values,
-                                                  [result](std::error_code ec, std::vector<std::error_code> each) {
+                                                  [result](ghostlink::error_code ec, std::vector<ghostlink::error_code> each) {
                                                     result->set_value({ec, std::move(each)});
                                                   });
   return done.get();
@@ -469,7 +467,7 @@ TEST_CASE("one call writes a layer of a decode batch's steps and completes once,
     for (std::size_t l = 0; l < layers; ++l) {
       const auto [ec, each] = write_batch(open, l, token_ptrs);
       CHECK_FALSE(ec);
-      CHECK(each == std::vector<std::error_code>(batch));
+      CHECK(each == std::vector<ghostlink::error_code>(batch));
       for (std::size_t b = 0; b < batch; ++b) CHECK(open[b].snapshot(l).size() == 1);
     }
     for (std::size_t b = 0; b < batch; ++b) {
@@ -484,7 +482,7 @@ TEST_CASE("one call writes a layer of a decode batch's steps and completes once,
     CHECK(ec == kv_errc::step_closed);
     REQUIRE(each.size() == batch);
     for (std::size_t b = 0; b < batch; ++b)
-      CHECK(each[b] == (b == 2 ? std::error_code(kv_errc::step_closed) : std::error_code()));
+      CHECK(each[b] == (b == 2 ? ghostlink::error_code(kv_errc::step_closed) : ghostlink::error_code()));
     for (std::size_t b : {0, 1, 3}) CHECK(open[b].snapshot(0).size() == 1);
   }
   SECTION("keys or values for another number of steps fail with length_mismatch and write nothing") {
@@ -494,7 +492,7 @@ TEST_CASE("one call writes a layer of a decode batch's steps and completes once,
     for (std::size_t b = 0; b < batch; ++b) CHECK(open[b].snapshot(0).size() == 0);
   }
   SECTION("two batches of different layers from two threads at once") {
-    std::pair<std::error_code, std::vector<std::error_code>> other_result;
+    std::pair<ghostlink::error_code, std::vector<ghostlink::error_code>> other_result;
     std::thread other([&] { other_result = write_batch(open, 1, token_ptrs); });
     const auto mine = write_batch(open, 0, token_ptrs);
     other.join();
@@ -511,7 +509,7 @@ namespace {
 /// A step of `tokens` begun on `seq`, whose `io` is run on this thread.
 sequence_kv_cache::step_type begun(asio::io_context& io, sequence_kv_cache& seq, std::size_t tokens) {
   std::optional<sequence_kv_cache::step_type> open;
-  seq.async_begin_step(tokens, [&](std::error_code ec, auto s) {
+  seq.async_begin_step(tokens, [&](ghostlink::error_code ec, auto s) {
     REQUIRE_FALSE(ec);
     open = std::move(s);
   });
@@ -527,8 +525,8 @@ sequence_kv_cache::step_type begun(asio::io_context& io, sequence_kv_cache& seq,
 void start_writes(const sequence_kv_cache::step_type& open, const step& st, int& done,
                   asio::cancellation_signal& signal, std::size_t cancelled = layers) {
   for (std::size_t l = 0; l < layers; ++l) {
-    auto handler = [&done, l, cancelled](std::error_code ec) {
-      CHECK(ec == (l == cancelled ? std::error_code(asio::error::operation_aborted) : std::error_code()));
+    auto handler = [&done, l, cancelled](ghostlink::error_code ec) {
+      CHECK(ec == (l == cancelled ? ghostlink::error_code(asio::error::operation_aborted) : ghostlink::error_code()));
       if (!ec) ++done;
     };
     if (l == cancelled)
@@ -549,9 +547,9 @@ TEST_CASE("a commit waits for the step's writes in flight: a forward pass awaits
   int writes = 0;
   asio::cancellation_signal signal;
   start_writes(open, st, writes, signal);
-  std::optional<std::error_code> committed;
+  std::optional<ghostlink::error_code> committed;
   std::vector<std::size_t> published_at_commit;  // each layer's tokens when the commit completes
-  open.async_commit([&](std::error_code ec) {
+  open.async_commit([&](ghostlink::error_code ec) {
     committed = ec;
     for (std::size_t l = 0; l < layers; ++l) published_at_commit.push_back(open.snapshot(l).size());
   });
@@ -559,15 +557,15 @@ TEST_CASE("a commit waits for the step's writes in flight: a forward pass awaits
   CHECK(open.snapshot(0).size() == 0);  // nothing ran yet: the writes are in flight
 
   // While the commit waits, the step's writes, commits and abandons are refused.
-  std::vector<std::error_code> refused;
-  const auto note = [&](std::error_code ec) { refused.push_back(ec); };
+  std::vector<ghostlink::error_code> refused;
+  const auto note = [&](ghostlink::error_code ec) { refused.push_back(ec); };
   open.async_write(0, st.key_spans[0], st.value_spans[0], note);
   open.async_commit(note);
   open.async_abandon(note);
   io.restart();
   io.run();
-  CHECK(refused == std::vector<std::error_code>(3, kv_errc::operation_in_progress));
-  REQUIRE(committed == std::error_code());
+  CHECK(refused == std::vector<ghostlink::error_code>(3, kv_errc::operation_in_progress));
+  REQUIRE(committed == ghostlink::error_code());
   CHECK(published_at_commit == std::vector<std::size_t>(layers, 2));  // every write was done with its spans
   CHECK(writes == static_cast<int>(layers));
   CHECK(seq.size() == 2);
@@ -583,8 +581,8 @@ TEST_CASE("a commit whose waited-for write fails completes with step_incomplete;
   int writes = 0;
   asio::cancellation_signal signal;
   start_writes(open, st, writes, signal, 1);
-  std::optional<std::error_code> committed;
-  open.async_commit([&](std::error_code ec) { committed = ec; });
+  std::optional<ghostlink::error_code> committed;
+  open.async_commit([&](ghostlink::error_code ec) { committed = ec; });
   io.restart();
   io.run();
   CHECK(writes == static_cast<int>(layers) - 1);
@@ -593,12 +591,12 @@ TEST_CASE("a commit whose waited-for write fails completes with step_incomplete;
   CHECK(seq.layer(1).size() == 0);
 
   // Layer 1 written again, the step commits.
-  open.async_write(1, st.key_spans[1], st.value_spans[1], [](std::error_code ec) { CHECK_FALSE(ec); });
+  open.async_write(1, st.key_spans[1], st.value_spans[1], [](ghostlink::error_code ec) { CHECK_FALSE(ec); });
   committed.reset();
-  open.async_commit([&](std::error_code ec) { committed = ec; });
+  open.async_commit([&](ghostlink::error_code ec) { committed = ec; });
   io.restart();
   io.run();
-  CHECK(committed == std::error_code());
+  CHECK(committed == ghostlink::error_code());
   CHECK(diff_snapshot(seq.snapshot(), {5}).empty());
 }
 
@@ -614,8 +612,8 @@ TEST_CASE("a step destroyed while its commit waits is committed, or ended if tha
   {
     auto open = begun(io, seq, 1);
     start_writes(open, st, writes, signal, fails ? 0 : layers);
-    open.async_commit([fails](std::error_code ec) {
-      CHECK(ec == (fails ? std::error_code(kv_errc::step_incomplete) : std::error_code()));
+    open.async_commit([fails](ghostlink::error_code ec) {
+      CHECK(ec == (fails ? ghostlink::error_code(kv_errc::step_incomplete) : ghostlink::error_code()));
     });
   }  // the handle goes while the commit waits
   io.restart();
@@ -629,11 +627,11 @@ TEST_CASE("a step destroyed while its commit waits is committed, or ended if tha
   CHECK(seq.size() == 0);
   for (std::size_t l = 0; l < layers; ++l) CHECK(seq.layer(l).size() == 0);
   const step next(layers, width, 0, 4);
-  std::optional<std::error_code> appended;
-  seq.async_append(next.key_spans, next.value_spans, [&](std::error_code ec) { appended = ec; });
+  std::optional<ghostlink::error_code> appended;
+  seq.async_append(next.key_spans, next.value_spans, [&](ghostlink::error_code ec) { appended = ec; });
   io.restart();
   io.run();
-  CHECK(appended == std::error_code());
+  CHECK(appended == ghostlink::error_code());
   CHECK(diff_snapshot(seq.snapshot(), {4}).empty());
 }
 
@@ -656,7 +654,7 @@ TEST_CASE("forward passes on two threads start their writes unawaited and await 
           return;
         }
         for (std::size_t l = 0; l < layers; ++l)
-          open.async_write(l, st.key_spans[l], st.value_spans[l], [&](std::error_code e) {
+          open.async_write(l, st.key_spans[l], st.value_spans[l], [&](ghostlink::error_code e) {
             if (e) ++failures;
           });
         if (commit(open)) ++failures;  // st's spans are free once it completes

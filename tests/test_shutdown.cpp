@@ -9,7 +9,7 @@
 // - context destroyed: every pending handler is destroyed unrun.
 #include "support.hpp"
 
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <atomic>
 #include <memory>
@@ -27,7 +27,7 @@ struct probe {
   std::atomic<int> ran{0}, failed{0};
 
   auto handler() {
-    return [this, token = alive](std::error_code ec, auto&&...) {
+    return [this, token = alive](ghostlink::error_code ec, auto&&...) {
       ++ran;
       if (ec) ++failed;
     };

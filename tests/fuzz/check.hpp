@@ -80,11 +80,11 @@ struct where {
   }
 };
 
-inline std::string ec_name(std::error_code ec) {
+inline std::string ec_name(ghostlink::error_code ec) {
   return ec ? str(ec.category().name(), ':', ec.value(), " (", ec.message(), ')') : "success";
 }
 
-inline void expect_ec(std::error_code got, std::error_code want, const std::string& what) {
+inline void expect_ec(ghostlink::error_code got, ghostlink::error_code want, const std::string& what) {
   if (got != want) fail(str(what, ": got ", ec_name(got), ", model says ", ec_name(want)));
 }
 
@@ -159,7 +159,7 @@ GHOSTLINK_FUZZ_QUIET void check_snapshot(const basic_kv_snapshot<T>& s, const me
   for (std::size_t i = 0; i < win.count; ++i) {
     const auto [begin, end] = win.range[i];
     std::size_t next = begin;
-    const std::error_code ec =
+    const ghostlink::error_code ec =
         s.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto k, auto v) GHOSTLINK_FUZZ_QUIET {
           if (first != next || count == 0 || first + count > end || k.size() != count * width || v.size() != k.size())
             fail(str(what, ": for_each_block(", begin, ", ", end, ") gave run ", first, "+", count, " with ", k.size(),

@@ -5,13 +5,7 @@
 
 #include "world.hpp"
 
-#include <asio/bind_cancellation_slot.hpp>
-#include <asio/cancellation_signal.hpp>
-#include <asio/cancellation_type.hpp>
-#include <asio/co_spawn.hpp>
-#include <asio/detached.hpp>
-#include <asio/error.hpp>
-#include <asio/use_awaitable.hpp>
+#include "asio_compat.hpp"
 
 #include "../asio_compat.hpp"
 
@@ -51,7 +45,7 @@ struct layer_req {
 
   bool done = false;
   bool on_strand = false;  // the handler ran on the actor's strand (it must not)
-  std::error_code ec, want;
+  ghostlink::error_code ec, want;
   std::size_t size_seen = 0;  // the cache's size() when the handler ran
   kv_entry entry;
   kv_range range;
@@ -146,7 +140,7 @@ asio::awaitable<void> co_request(basic_layer_kv_cache<T> cache, std::shared_ptr<
       auto [ec] = co_await cache.async_write_batch(r->entries, as_tuple(asio::use_awaitable));
       r->ec = ec;
     }
-  } catch (const std::system_error& e) {
+  } catch (const ghostlink::test::async_error& e) {
     r->ec = e.code();
   }
   r->size_seen = cache.size();
@@ -158,7 +152,7 @@ template <class T>
 void start_req(world<T>& w, typename world<T>::cache_slot& slot, const std::shared_ptr<layer_req<T>>& r) {
   basic_layer_kv_cache<T> cache = slot.real;
   // One handler for every actor request (a fork's also takes the new cache).
-  auto completed = [r, cache](std::error_code ec, auto... child) {
+  auto completed = [r, cache](ghostlink::error_code ec, auto... child) {
     r->ec = ec;
     if constexpr (sizeof...(child) == 1) r->child = std::move(child...);
     r->size_seen = cache.size();  // includes every write whose handler has run
@@ -186,7 +180,7 @@ void start_req(world<T>& w, typename world<T>::cache_slot& slot, const std::shar
   switch (r->kind) {
     case req_kind::read_kv:
       r->read_epoch = slot.m->current;
-      cache.async_read_kv(r->a, [r](std::error_code ec, kv_entry&& e) {
+      cache.async_read_kv(r->a, [r](ghostlink::error_code ec, kv_entry&& e) {
         r->ec = ec;
         r->entry = std::move(e);
         r->done = true;
@@ -194,7 +188,7 @@ void start_req(world<T>& w, typename world<T>::cache_slot& slot, const std::shar
       break;
     case req_kind::read_range:
       r->read_epoch = slot.m->current;
-      cache.async_read_range(r->a, r->b, [r](std::error_code ec, kv_range&& range) {
+      cache.async_read_range(r->a, r->b, [r](ghostlink::error_code ec, kv_range&& range) {
         r->ec = ec;
         r->range = std::move(range);
         r->done = true;
@@ -240,7 +234,7 @@ void check_read(const world<T>& w, const layer_req<T>& r) {
   const mepoch& e = *r.read_epoch;
   const std::size_t width = w.width();
   if (r.kind == req_kind::read_kv) {
-    const std::error_code want = r.a >= e.length ? std::error_code(kv_errc::index_out_of_range) : std::error_code();
+    const ghostlink::error_code want = r.a >= e.length ? ghostlink::error_code(kv_errc::index_out_of_range) : ghostlink::error_code();
     expect_ec(r.ec, want, str("async_read_kv(", r.a, ')'));
     const std::size_t n = want ? 0 : width;
     if (r.entry.keys.size() != n || r.entry.values.size() != n)
@@ -248,7 +242,7 @@ void check_read(const world<T>& w, const layer_req<T>& r) {
     if (!want) compare_tokens<T>(e, r.a, 1, width, r.entry.keys, r.entry.values, "async_read_kv");
     return;
   }
-  std::error_code want;
+  ghostlink::error_code want;
   if (r.a > r.b)
     want = kv_errc::invalid_range;
   else if (r.b > e.length)

@@ -343,7 +343,7 @@ class model {
     return added;
   }
 
-  std::error_code initialize(mcache& c, std::size_t n) {
+  ghostlink::error_code initialize(mcache& c, std::size_t n) {
     if (n == 0) return kv_errc::zero_length;
     const std::size_t length = std::min(n, geometry_.max_tokens_per_seq);
     if (length > c.length) {
@@ -356,7 +356,7 @@ class model {
   }
 
   /// The checks in the documented order, then the page-writer's block policy.
-  std::error_code write(mcache& c, std::span<const mwrite> entries) {
+  ghostlink::error_code write(mcache& c, std::span<const mwrite> entries) {
     const std::size_t width = geometry_.token_width(), bt = geometry_.block_tokens;
     for (const mwrite& w : entries) {
       if (w.keys != w.values) return kv_errc::length_mismatch;
@@ -442,7 +442,7 @@ class model {
   /// working_state::reserve: drop the tokens from `index` on, free what was
   /// set aside, and set aside the fresh blocks a write of `tokens` tokens
   /// from `index` on takes (none for a block written in place).
-  std::error_code reserve(mcache& c, std::size_t index, std::size_t tokens) {
+  ghostlink::error_code reserve(mcache& c, std::size_t index, std::size_t tokens) {
     c.reserved.clear();
     if (tokens == 0) return truncate(c, index);
     const std::size_t bt = geometry_.block_tokens;
@@ -476,7 +476,7 @@ class model {
     return {};
   }
 
-  std::error_code truncate(mcache& c, std::size_t n) {
+  ghostlink::error_code truncate(mcache& c, std::size_t n) {
     if (n >= c.length) return {};
     const std::size_t bt = geometry_.block_tokens;
     const std::size_t stored = std::min(c.stored, n);

@@ -10,9 +10,7 @@
 
 #include "world.hpp"
 
-#include <asio/bind_cancellation_slot.hpp>
-#include <asio/cancellation_signal.hpp>
-#include <asio/cancellation_type.hpp>
+#include "asio_compat.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -47,7 +45,7 @@ struct seq_req {
   asio::cancellation_signal signal;  // outlives the operation (this outlives the run)
 
   bool done = false;
-  std::error_code ec, want;
+  ghostlink::error_code ec, want;
   std::size_t size_seen = 0;  // the sequence's size() when the handler ran
   std::size_t size_want = 0;  // the model's length once this operation is done
   basic_sequence_kv_cache<T> child;
@@ -104,7 +102,7 @@ std::shared_ptr<seq_req<T>> decode_seq_req(world<T>& w, seq_kind kind, const mse
 /// layer's keys and values of one length, a whole non-zero number of
 /// tokens, layer 0's number.
 template <class T>
-std::error_code check_append(const world<T>& w, const seq_req<T>& r, std::size_t layers) {
+ghostlink::error_code check_append(const world<T>& w, const seq_req<T>& r, std::size_t layers) {
   if (r.keys.size() != layers || r.values.size() != layers) return kv_errc::layer_mismatch;
   for (std::size_t i = 0; i < layers; ++i) {
     if (r.keys[i].size() != r.values[i].size()) return kv_errc::length_mismatch;
@@ -133,7 +131,7 @@ bool starts_busy(const world<T>& w, const seq_req<T>& r, const mseq& q) {
 
 /// An operation cancelled before any layer ran: every layer's request is
 /// drained unapplied, and the operation fails with operation_aborted.
-inline std::error_code model_cancelled(model& m, const mseq& q) {
+inline ghostlink::error_code model_cancelled(model& m, const mseq& q) {
   for (const auto& l : q.layers) m.end_drain(*l, 1, 0, 1);
   return asio::error::operation_aborted;
 }
@@ -142,28 +140,28 @@ inline std::error_code model_cancelled(model& m, const mseq& q) {
 /// Each layer's request is one drain, run in layer order (each layer's
 /// strand was posted in that order), so the budget is met layer by layer.
 template <class T>
-std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
+ghostlink::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
   if (r.kind == seq_kind::append)
-    if (std::error_code ec = check_append(w, r, q.layers.size())) return ec;
+    if (ghostlink::error_code ec = check_append(w, r, q.layers.size())) return ec;
   if (busy) return kv_errc::operation_in_progress;
   // An append to a full sequence and a truncate to no shorter one end
   // before any layer is asked, so a cancellation cannot reach them.
-  if (!starts_busy(w, r, q)) return r.kind == seq_kind::append ? kv_errc::index_out_of_range : std::error_code();
+  if (!starts_busy(w, r, q)) return r.kind == seq_kind::append ? kv_errc::index_out_of_range : ghostlink::error_code();
   if (r.cancel_early) return model_cancelled(w.m, q);
   switch (r.kind) {
     case seq_kind::append: {
       const std::size_t index = q.length, tokens = append_tokens(w, r);
       // Each layer applies the append's tokens as one request; each token
       // has a recipe of its own.
-      std::vector<std::error_code> errors;
+      std::vector<ghostlink::error_code> errors;
       std::vector<mwrite> writes(tokens);
       for (std::size_t i = 0; i < q.layers.size(); ++i) {
         for (std::size_t t = 0; t < tokens; ++t) writes[t] = {index + t, w.width(), w.width(), r.recipes[i][t]};
         errors.push_back(w.m.write(*q.layers[i], writes));
         w.m.end_drain(*q.layers[i], 1, errors.back() ? 1 : 0);
       }
-      std::error_code first;
-      for (std::error_code ec : errors)
+      ghostlink::error_code first;
+      for (ghostlink::error_code ec : errors)
         if (ec && !first) first = ec;
       if (!first) {
         q.length = index + tokens;
@@ -203,7 +201,7 @@ std::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
 /// Starts `r` on `s` with handlers made by `bind(handler)`.
 template <class T, class Bind>
 void start_seq(basic_sequence_kv_cache<T>& s, const std::shared_ptr<seq_req<T>>& r, Bind bind) {
-  auto completed = bind([r, s](std::error_code ec) {
+  auto completed = bind([r, s](ghostlink::error_code ec) {
     r->ec = ec;
     r->size_seen = s.size();
     r->done = true;
@@ -215,7 +213,7 @@ void start_seq(basic_sequence_kv_cache<T>& s, const std::shared_ptr<seq_req<T>>&
       break;
     case seq_kind::truncate: s.async_truncate(r->n, std::move(completed)); break;
     default:
-      s.async_fork(bind([r, s](std::error_code ec, basic_sequence_kv_cache<T> child) {
+      s.async_fork(bind([r, s](ghostlink::error_code ec, basic_sequence_kv_cache<T> child) {
         r->ec = ec;
         r->size_seen = s.size();
         r->child = std::move(child);
@@ -305,15 +303,15 @@ void hold_seq_snapshot(world<T>& w, std::size_t k) {
 /// The model of a step's begin on `q`: every layer, in order, sets aside
 /// the step's blocks; if one cannot, those that did free them again.
 template <class T>
-std::error_code model_begin_step(world<T>& w, mseq& q, std::size_t tokens) {
+ghostlink::error_code model_begin_step(world<T>& w, mseq& q, std::size_t tokens) {
   if (tokens == 0) return kv_errc::zero_length;
   if (tokens > w.max_tokens() - q.length) return kv_errc::index_out_of_range;
-  std::vector<std::error_code> errors;
+  std::vector<ghostlink::error_code> errors;
   for (const auto& l : q.layers) {
     errors.push_back(w.m.reserve(*l, q.length, tokens));
     w.m.end_drain(*l, 1, errors.back() ? 1 : 0);
   }
-  const auto failed = std::find_if(errors.begin(), errors.end(), [](std::error_code ec) { return bool(ec); });
+  const auto failed = std::find_if(errors.begin(), errors.end(), [](ghostlink::error_code ec) { return bool(ec); });
   if (failed == errors.end()) return {};
   for (std::size_t i = 0; i < q.layers.size(); ++i) {
     if (errors[i]) continue;
@@ -326,9 +324,9 @@ std::error_code model_begin_step(world<T>& w, mseq& q, std::size_t tokens) {
 /// Runs `start(handler)` for an operation completing with an error code
 /// alone, to completion, and checks its result against `want`.
 template <class T, class Start>
-void expect_completion(world<T>& w, Start start, std::error_code want, const std::string& what) {
-  std::optional<std::error_code> got;
-  start([&got](std::error_code ec) { got = ec; });
+void expect_completion(world<T>& w, Start start, ghostlink::error_code want, const std::string& what) {
+  std::optional<ghostlink::error_code> got;
+  start([&got](ghostlink::error_code ec) { got = ec; });
   if (got) fail(what + ": completed inside the initiating call");
   w.run_to_completion([&] { return got.has_value(); }, what.c_str());
   expect_ec(*got, want, what);
@@ -356,9 +354,9 @@ void run_step(world<T>& w, std::size_t k) {
   std::vector<token_id> ids;
   const bool with_ids = tokens <= 3 && w.in.byte() % 2 == 1;
   for (std::size_t t = 0; with_ids && t < tokens; ++t) ids.push_back(static_cast<token_id>(w.in.byte()) - 1);
-  std::optional<std::error_code> begun;
+  std::optional<ghostlink::error_code> begun;
   basic_sequence_step<T> step;
-  auto on_begun = [&](std::error_code ec, basic_sequence_step<T> s) {
+  auto on_begun = [&](ghostlink::error_code ec, basic_sequence_step<T> s) {
     begun = ec;
     step = std::move(s);
   };
@@ -367,7 +365,7 @@ void run_step(world<T>& w, std::size_t k) {
   else
     seq.async_begin_step(tokens, on_begun);
   if (begun) fail(what + ": begin completed inside the initiating call");
-  const std::error_code want = model_begin_step(w, *q, tokens);
+  const ghostlink::error_code want = model_begin_step(w, *q, tokens);
   w.run_to_completion([&] { return begun.has_value(); }, "step begin");
   expect_ec(*begun, want, what + ": begin");
   if (step.valid() != !want) fail(what + (want ? ": failed begin handed out a step" : ": begin gave no step"));
@@ -414,7 +412,7 @@ void run_step(world<T>& w, std::size_t k) {
     }
     std::vector<mwrite> entries;
     for (std::size_t t = 0; t < tokens; ++t) entries.push_back({index + t, width, width, recipes[t]});
-    const std::error_code written = w.m.write(*q->layers[l], entries);
+    const ghostlink::error_code written = w.m.write(*q->layers[l], entries);
     w.m.end_drain(*q->layers[l], 1, written ? 1 : 0);
     expect_completion(w, write(l, keys, values), written, str(what, ": write of layer ", l));
     if (written) fail(what + ": a write the model refused after the begin set its blocks aside");

@@ -35,7 +35,7 @@ void snapshot_read(world<T>& w, std::size_t k) {
   const std::size_t shown = s.shown, width = e ? w.width() : 0;
   const std::uint8_t variant = w.in.byte() % 5;
   std::size_t begin = w.pick_index(shown), end = variant == 0 || variant == 2 ? begin + 1 : w.pick_index(shown);
-  std::error_code want;
+  ghostlink::error_code want;
   if (variant == 0 || variant == 2) {
     if (begin >= shown) want = kv_errc::index_out_of_range;
   } else if (begin > end) {
@@ -56,7 +56,7 @@ void snapshot_read(world<T>& w, std::size_t k) {
     std::vector<float> keys = output_buffer(tokens * width, w.in.byte());
     std::vector<float> values = output_buffer(tokens * width, w.in.byte());
     if (!want && (keys.size() < tokens * width || values.size() < tokens * width)) want = kv_errc::buffer_too_small;
-    const std::error_code ec =
+    const ghostlink::error_code ec =
         variant == 0 ? s.real.read_kv(begin, keys, values) : s.real.read_range(begin, end, keys, values);
     expect_ec(ec, want, what);
     const std::size_t written = want ? 0 : tokens * width;
@@ -78,7 +78,7 @@ void snapshot_read(world<T>& w, std::size_t k) {
     if (n > 0) compare_tokens<T>(*e, begin, tokens, width, out.keys, out.values, what.c_str());
   } else {
     std::size_t next = begin;
-    const std::error_code ec = s.real.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto, auto) {
+    const ghostlink::error_code ec = s.real.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto, auto) {
       if (want) fail(what + ": called f on a failed read");
       if (first != next || count == 0 || first + count > end) fail(str(what, ": run ", first, "+", count));
       next = first + count;

@@ -10,7 +10,7 @@
 #include <ghostlink/kv_cache.hpp>
 #include "testing.hpp"
 
-#include <asio/io_context.hpp>
+#include "asio_compat.hpp"
 
 #include <algorithm>
 #include <cstdint>

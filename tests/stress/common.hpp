@@ -313,7 +313,7 @@ std::string decode_all(const Snapshot& snap, std::size_t layer, std::vector<std:
   tags.assign(snap.size(), 0);
   std::string error;
   const std::size_t w = snap.token_width();
-  const std::error_code ec =
+  const ghostlink::error_code ec =
       snap.for_each_block(0, snap.size(), [&](std::size_t first, std::size_t count, auto keys, auto values) {
         for (std::size_t t = 0; t < count && error.empty(); ++t)
           tags[first + t] = decode(keys.subspan(t * w, w), values.subspan(t * w, w), first + t, layer, error);
@@ -333,7 +333,7 @@ std::string spot_reads(const Snapshot& snap, std::size_t layer, std::span<const 
   if (n > 0) {
     const std::size_t b = r.below(n), e = r.between(b + 1, n);
     kv_range range;
-    if (std::error_code ec = snap.read_range(b, e, range)) return str("read_range(", b, ", ", e, "): ", ec.message());
+    if (ghostlink::error_code ec = snap.read_range(b, e, range)) return str("read_range(", b, ", ", e, "): ", ec.message());
     for (std::size_t i = b; i < e && error.empty(); ++i) {
       const auto k = std::span<const float>(range.keys).subspan((i - b) * w, w);
       const auto v = std::span<const float>(range.values).subspan((i - b) * w, w);
@@ -343,7 +343,7 @@ std::string spot_reads(const Snapshot& snap, std::size_t layer, std::span<const 
     }
     const std::size_t i = r.below(n);
     kv_entry entry;
-    if (std::error_code ec = snap.read_kv(i, entry)) return str("read_kv(", i, "): ", ec.message());
+    if (ghostlink::error_code ec = snap.read_kv(i, entry)) return str("read_kv(", i, "): ", ec.message());
     const std::uint64_t t = decode(entry.keys, entry.values, i, layer, error);
     if (error.empty() && t != tags[i])
       error = str("read_kv token ", i, ": ", tag_name(t), ", for_each_block showed ", tag_name(tags[i]));

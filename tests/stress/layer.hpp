@@ -10,7 +10,7 @@
 #include <deque>
 #include <functional>
 
-#include <asio/use_future.hpp>
+#include "asio_compat.hpp"
 
 namespace stress {
 

@@ -7,11 +7,7 @@
 
 #include "common.hpp"
 
-#include <asio/co_spawn.hpp>
-#include <asio/experimental/concurrent_channel.hpp>
-#include <asio/this_coro.hpp>
-#include <asio/thread_pool.hpp>
-#include <asio/use_awaitable.hpp>
+#include "asio_compat.hpp"
 
 #include "../asio_compat.hpp"
 
@@ -31,8 +27,8 @@ struct geometry {
 struct planned {
   enum class kind { write, batch, initialize, truncate, fork } op = kind::write;
   std::size_t p = 0;          // the state it leads to
-  std::error_code expected;   // what it must complete with
-  std::error_code ec;         // what it completed with
+  ghostlink::error_code expected;   // what it must complete with
+  ghostlink::error_code ec;         // what it completed with
   std::size_t n = 0;          // initialize / truncate argument
   std::vector<token_buffer> tokens;
   std::vector<kv_write> entries;
@@ -46,7 +42,7 @@ struct planned {
 
 /// The error a write of `entries` gets from a cache in state `s`, checked in
 /// the documented order: per entry length, width, index; then initialized.
-inline std::error_code expected_write_error(const state& s, std::span<const kv_write> entries, const geometry& g) {
+inline ghostlink::error_code expected_write_error(const state& s, std::span<const kv_write> entries, const geometry& g) {
   for (const kv_write& e : entries) {
     if (e.keys.size() != e.values.size()) return kv_errc::length_mismatch;
     if (e.keys.size() != g.width) return kv_errc::width_mismatch;
@@ -186,14 +182,14 @@ asio::awaitable<void> run_ops(const layer_kv_cache& cache, std::vector<std::uniq
       if (!channel->try_send(asio::error_code(), i)) fail("completion channel full");
     };
     if (op->op == planned::kind::fork) {
-      layer_kv_cache(cache).async_fork([op, done, signal](std::error_code ec, layer_kv_cache child) {
+      layer_kv_cache(cache).async_fork([op, done, signal](ghostlink::error_code ec, layer_kv_cache child) {
         op->ec = ec;
         op->child = std::move(child);
         done(*op);
         signal();
       });
     } else {
-      start(cache, *op, [op, done, signal](std::error_code ec) {
+      start(cache, *op, [op, done, signal](ghostlink::error_code ec) {
         op->ec = ec;
         done(*op);
         signal();

@@ -6,7 +6,7 @@
 
 #include "sequence.hpp"
 
-#include <asio/use_future.hpp>
+#include "asio_compat.hpp"
 
 namespace stress {
 
@@ -102,11 +102,11 @@ class reader {
     const std::size_t lo = t->hist.completed();
     const std::size_t n = t->hist.at(lo).tags.size();
     const std::size_t b = r_.below(n + 1), e = r_.between(b, n);
-    std::error_code ec;
+    ghostlink::error_code ec;
     kv_range range;
     try {
       range = layer_kv_cache(t->cache).async_read_range(b, e, asio::use_future).get();
-    } catch (const std::system_error& err) {
+    } catch (const ghostlink::test::async_error& err) {
       ec = err.code();
     }
     const std::size_t hi = t->hist.count() - 1;

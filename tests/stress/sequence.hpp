@@ -175,7 +175,7 @@ struct step_buffers {
 /// Records how an operation that may fail ended: `p` succeeded, or failed
 /// with one of the errors allowed (then the state before it is published
 /// again); anything else fails the run.
-inline void settle(seq_target& t, std::size_t p, std::error_code ec, std::initializer_list<kv_errc> allowed,
+inline void settle(seq_target& t, std::size_t p, ghostlink::error_code ec, std::initializer_list<kv_errc> allowed,
                    const char* what) {
   if (!ec) {
     t.hist.resolve(p, outcome::ok);
@@ -249,9 +249,9 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
     pb = t.hist.publish(std::move(after_b), outcome::pending);
   }
   auto channel = std::make_shared<completion_channel>(co_await asio::this_coro::executor, 2);
-  std::error_code ecs[2];
+  ghostlink::error_code ecs[2];
   auto handler = [channel, &ecs](std::size_t i) {
-    return [channel, &ecs, i](std::error_code ec) {
+    return [channel, &ecs, i](ghostlink::error_code ec) {
       ecs[i] = ec;
       if (!channel->try_send(asio::error_code(), i)) fail("completion channel full");
     };
@@ -298,7 +298,7 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
     // A forward pass's way: every write started unawaited, the commit
     // awaits them all (and must then find every layer written).
     bump(g_figures.steps_unawaited);
-    for (std::size_t l : order) open.async_write(l, step.keys[l], step.values[l], [](std::error_code) {});
+    for (std::size_t l : order) open.async_write(l, step.keys[l], step.values[l], [](ghostlink::error_code) {});
     std::uint64_t published_tag = 0;
     const std::size_t p = publish_append(t, s, published_tag, count);
     if (published_tag != tag) co_return fail(str(t.name, ": step tag ", tag_name(tag), " is not the next state's"));

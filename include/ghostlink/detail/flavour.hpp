@@ -88,4 +88,12 @@ using error_code = ::boost::system::error_code;
 using error_code = ::std::error_code;
 #endif
 
+namespace detail {
+/// A synchronous result (a `std::error_code`) as the error code a handler
+/// receives. Success must stay the flavour's own success: Boost.System would
+/// wrap std's as a code that compares unequal to `error_code()`. A
+/// `kv_errc` code keeps its category (see `kv_boost_category()`).
+inline error_code to_error_code(const std::error_code& ec) noexcept { return ec ? error_code(ec) : error_code(); }
+}  // namespace detail
+
 GHOSTLINK_NAMESPACE_END

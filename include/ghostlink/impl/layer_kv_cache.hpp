@@ -61,7 +61,7 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t index) const {
     kv_entry entry;
-    error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_kv(index, entry);
+    const error_code ec = to_error_code(cache_access::adopt<Snapshot>(pin(*target)).read_kv(index, entry));
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
                     std::move(entry));
   }
@@ -69,7 +69,7 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
-    error_code ec = cache_access::adopt<Snapshot>(pin(*target)).read_range(begin, end, range);
+    const error_code ec = to_error_code(cache_access::adopt<Snapshot>(pin(*target)).read_range(begin, end, range));
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
                     std::move(range));
   }
