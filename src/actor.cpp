@@ -141,8 +141,7 @@ void actor::apply(request* const* batch, error_code* results, std::size_t n) {
     return;
   }
   for (std::size_t i = 0; i < n; ++i)
-    ::new (results + i)
-        error_code(batch[i]->claim() ? apply(*batch[i]) : error_code(asio::error::operation_aborted));
+    ::new (results + i) error_code(batch[i]->claim() ? apply(*batch[i]) : error_code(asio::error::operation_aborted));
 }
 
 error_code actor::apply(request& r) {

@@ -12,7 +12,6 @@
 // widened in registers as they are loaded), else portable code the compiler
 // vectorises (16-bit chunks widened to floats first).
 
-#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -20,6 +19,7 @@
 #include <span>
 #include <type_traits>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/attend.hpp"
 

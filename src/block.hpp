@@ -16,10 +16,10 @@
 // lock, hands out a new reference to an idle block (an attach), so the
 // cache's view of which blocks are idle is kept exact by those two events.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "block_pool.hpp"
 #include "ghostlink/config.hpp"

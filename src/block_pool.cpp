@@ -1,5 +1,5 @@
-#include "ghostlink/detail/flavour.hpp"
 #include "block_pool.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <algorithm>
 #include <cstring>

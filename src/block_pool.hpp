@@ -2,13 +2,13 @@
 // The pool every block's memory comes from, under a budget; shared by every
 // cache made with it. Every member is safe from any thread.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/detail/ref_ptr.hpp"

@@ -1,5 +1,5 @@
-#include "ghostlink/detail/flavour.hpp"
 #include "ghostlink/config.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <limits>
 #include <ostream>

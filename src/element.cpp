@@ -2,8 +2,8 @@
 // cache spend their time on. Exact either way; on x86-64 processors with
 // F16C (half) or AVX2 (bfloat16) eight elements per instruction, chosen
 // once at run time so the library needs no special compiler flags.
-#include "ghostlink/detail/flavour.hpp"
 #include "ghostlink/element.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GHOSTLINK_X86_DISPATCH 1

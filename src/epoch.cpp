@@ -1,5 +1,5 @@
-#include "ghostlink/detail/flavour.hpp"
 #include "epoch.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <new>
 

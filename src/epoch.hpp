@@ -8,13 +8,13 @@
 // on whatever thread it runs; a freed block's memory goes back to its pool.
 // Tables and chunks belong to one cache (a fork copies them).
 
-#include "ghostlink/detail/flavour.hpp"
 #include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "block.hpp"
 #include "ghostlink/detail/pinned_epoch.hpp"

@@ -2,10 +2,10 @@
 // The cell that holds a cache's latest published epoch: readers pin it
 // without a lock and without waiting for the actor; only the actor publishes.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "epoch.hpp"
 #include "ghostlink/detail/ref_ptr.hpp"

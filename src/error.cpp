@@ -1,5 +1,5 @@
-#include "ghostlink/detail/flavour.hpp"
 #include "ghostlink/error.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <string>
 

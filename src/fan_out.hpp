@@ -11,7 +11,6 @@
 // own while it submits, so no part can end the stage (and free the fan-out)
 // before the last submission has returned.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -22,6 +21,7 @@
 #include <span>
 #include <system_error>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "actor.hpp"
 #include "ghostlink/error.hpp"

@@ -3,9 +3,9 @@
 // it whether to fail (allocations) or to pause (a submit), and only tests
 // set it.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {

@@ -1,5 +1,5 @@
-#include "ghostlink/detail/flavour.hpp"
 #include "mailbox.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <cstdlib>
 #include <new>

@@ -24,11 +24,11 @@
 //   order; with the above, requests initiated from one thread apply in the
 //   order they were initiated.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "concurrent_queue.hpp"
 #include "ghostlink/detail/layer_core.hpp"

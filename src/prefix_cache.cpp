@@ -1,13 +1,13 @@
 // The untyped interface of ghostlink/prefix_cache.hpp: making the index,
 // and attach and insert, which reach into sequences (src/sequence.hpp).
 
-#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <new>
 #include <system_error>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "actor.hpp"
 #include "ghostlink/error.hpp"

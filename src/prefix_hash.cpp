@@ -1,8 +1,8 @@
 // The prefix cache's block hash: OpenSSL's SHA-256 over the definition in
 // ghostlink/prefix_cache.hpp.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <openssl/evp.h>
+#include "ghostlink/detail/flavour.hpp"
 
 #include <array>
 #include <bit>

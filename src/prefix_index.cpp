@@ -1,11 +1,11 @@
 // The prefix cache's index: its entries, which of them are idle and
 // evictable, and their eviction (invariants in prefix_index.hpp).
 
-#include "ghostlink/detail/flavour.hpp"
 #include <algorithm>
 #include <ranges>
 #include <system_error>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/error.hpp"
 #include "prefix_index.hpp"

@@ -32,7 +32,6 @@
 // here releases an outside block reference under mutex_: a release may
 // call block_idle().
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +44,7 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "block.hpp"
 #include "block_pool.hpp"

@@ -3,8 +3,8 @@
 // operation once, when the last layer's request has completed. Steps are in
 // step.cpp; their begin and end are fan-out stages decided here.
 
-#include "ghostlink/detail/flavour.hpp"
 #include "sequence.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -138,8 +138,8 @@ namespace {
 /// The tokens an append carries per layer (at least one, the same for
 /// every layer), or its error.
 std::pair<error_code, std::size_t> check_append(std::size_t layers, std::size_t width,
-                                                     std::span<const std::span<const float>> keys,
-                                                     std::span<const std::span<const float>> values) noexcept {
+                                                std::span<const std::span<const float>> keys,
+                                                std::span<const std::span<const float>> values) noexcept {
   if (keys.size() != layers || values.size() != layers) return {kv_errc::layer_mismatch, 0};
   const std::size_t floats = keys[0].size();
   for (std::size_t i = 0; i < layers; ++i) {

@@ -2,8 +2,8 @@
 // its writes (one request to one layer each), its commit (no request at
 // all: every layer already holds the tokens) and its end.
 
-#include "ghostlink/detail/flavour.hpp"
 #include "step.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <new>
 #include <system_error>

@@ -24,12 +24,12 @@
 // - `abandon_requested_`: the handle went away while a commit waited; if
 //   that commit puts the step back to open, the step is ended instead.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstddef>
 #include <memory>
 #include <optional>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "fan_out.hpp"
 

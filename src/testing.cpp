@@ -1,5 +1,5 @@
-#include "ghostlink/detail/flavour.hpp"
 #include "testing.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include "block_pool.hpp"
 #include "fault_countdown.hpp"

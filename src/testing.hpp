@@ -3,9 +3,9 @@
 // header (its directory is on no consumer's include path); the library
 // defines these functions, and production code never calls them.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/block_pool.hpp"
 

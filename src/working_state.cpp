@@ -1,5 +1,5 @@
-#include "ghostlink/detail/flavour.hpp"
 #include "working_state.hpp"
+#include "ghostlink/detail/flavour.hpp"
 
 #include <algorithm>
 #include <cstring>

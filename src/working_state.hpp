@@ -39,7 +39,6 @@
 //   refers to, set aside by reserve() for the next write; the next write
 //   that succeeds frees what it did not use.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -47,6 +46,7 @@
 #include <system_error>
 #include <utility>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "block.hpp"
 #include "epoch.hpp"

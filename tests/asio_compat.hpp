@@ -8,6 +8,8 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
+// A path inside a macro argument: clang-format would space its slashes.
+// clang-format off
 #include GHOSTLINK_ASIO_HEADER(bind_allocator.hpp)
 #include GHOSTLINK_ASIO_HEADER(bind_cancellation_slot.hpp)
 #include GHOSTLINK_ASIO_HEADER(bind_executor.hpp)
@@ -34,6 +36,7 @@
 #include GHOSTLINK_ASIO_HEADER(experimental/as_tuple.hpp)
 #include GHOSTLINK_ASIO_HEADER(experimental/deferred.hpp)
 #endif
+// clang-format on
 
 #include <system_error>
 

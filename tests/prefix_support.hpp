@@ -100,7 +100,8 @@ std::string diff(const basic_sequence_kv_cache<T>& seq, std::span<const token_id
   const std::size_t width = seq.config().token_width();
   for (std::size_t l = 0; l < snap.num_layers(); ++l) {
     kv_range r;
-    if (ghostlink::error_code ec = snap.layer(l).read_range(0, ids.size(), r)) return str("layer ", l, ": ", ec.message());
+    if (ghostlink::error_code ec = snap.layer(l).read_range(0, ids.size(), r))
+      return str("layer ", l, ": ", ec.message());
     for (std::size_t i = 0; i < ids.size(); ++i)
       for (std::size_t lane = 0; lane < width; ++lane) {
         const float k = static_cast<float>(T(key(l, i, ids[i], lane, tag)));

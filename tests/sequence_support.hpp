@@ -57,7 +57,8 @@ ghostlink::error_code initialize(basic_layer_kv_cache<T>& c, std::size_t n) {
   return wait_ec([&](auto tk) { return c.async_initialize(n, tk); });
 }
 template <class T>
-ghostlink::error_code write(basic_layer_kv_cache<T>& c, std::size_t i, std::span<const float> k, std::span<const float> v) {
+ghostlink::error_code write(basic_layer_kv_cache<T>& c, std::size_t i, std::span<const float> k,
+                            std::span<const float> v) {
   return wait_ec([&](auto tk) { return c.async_write(i, k, v, tk); });
 }
 template <class T>
@@ -95,7 +96,7 @@ struct step {
 
 template <class T>
 ghostlink::error_code append(basic_sequence_kv_cache<T>& s, std::span<const std::span<const float>> keys,
-                       std::span<const std::span<const float>> values) {
+                             std::span<const std::span<const float>> values) {
   return wait_ec([&](auto token) { return s.async_append(keys, values, token); });
 }
 template <class T>

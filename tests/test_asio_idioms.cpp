@@ -139,7 +139,8 @@ TEST_CASE("a sequence's operations allocate for the handler with its associated 
   const std::vector<std::span<const float>> per_layer(3, std::span<const float>(v));
   alloc_counts counts;
   std::vector<ghostlink::error_code> results;
-  auto h = asio::bind_allocator(counting_allocator<void>(counts), [&](ghostlink::error_code ec) { results.push_back(ec); });
+  auto h =
+      asio::bind_allocator(counting_allocator<void>(counts), [&](ghostlink::error_code ec) { results.push_back(ec); });
   seq.async_append(per_layer, per_layer, h);
   io.run();
   io.restart();

@@ -110,7 +110,8 @@ TEST_CASE("requests waiting for room are destroyed unrun with the context, and f
     asio::io_context io;
     layer_kv_cache cache = initialized_cache(io, bounded_config(2));
     const auto v = token_pattern(cache.config().token_width(), 0, 1);
-    for (int i = 0; i < 6; ++i) cache.async_write(0, v, v, [alive, cache](ghostlink::error_code) { FAIL("a handler ran"); });
+    for (int i = 0; i < 6; ++i)
+      cache.async_write(0, v, v, [alive, cache](ghostlink::error_code) { FAIL("a handler ran"); });
     REQUIRE(cache.stats().requests_waiting == 4);
     CHECK(alive.use_count() == 7);
     cache = layer_kv_cache();  // only the handlers hold the cache now

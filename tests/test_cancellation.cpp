@@ -42,7 +42,8 @@ TEST_CASE("a write cancelled before the actor applies it completes with operatio
 
   asio::cancellation_signal signal;
   std::optional<ghostlink::error_code> result;
-  cache.async_write(3, v, v, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
+  cache.async_write(3, v, v,
+                    asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
   signal.emit(asio::cancellation_type::terminal);
   io.run();
 
@@ -64,7 +65,8 @@ TEST_CASE("a write the actor has applied completes normally when cancelled after
 
   asio::cancellation_signal signal;
   std::optional<ghostlink::error_code> result;
-  cache.async_write(1, v, v, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
+  cache.async_write(1, v, v,
+                    asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
   REQUIRE(io.run_one() == 1);  // the drain: applied and published, the completion queued
   REQUIRE_FALSE(result.has_value());
   signal.emit(asio::cancellation_type::terminal);

@@ -42,9 +42,8 @@ TEST_CASE("ghostlink::error_code is the flavour's error code; snapshot reads ret
   STATIC_REQUIRE(std::is_same_v<ghostlink::error_code, asio::error_code>);
 #endif
   using snapshot_read = decltype(std::declval<const kv_snapshot&>().read_kv(0, std::declval<kv_entry&>()));
-  using snapshot_range =
-      decltype(std::declval<const kv_snapshot&>().read_range(0, 0, std::declval<std::span<float>>(),
-                                                             std::declval<std::span<float>>()));
+  using snapshot_range = decltype(std::declval<const kv_snapshot&>().read_range(0, 0, std::declval<std::span<float>>(),
+                                                                                std::declval<std::span<float>>()));
   STATIC_REQUIRE(std::is_same_v<snapshot_read, std::error_code>);
   STATIC_REQUIRE(std::is_same_v<snapshot_range, std::error_code>);
 

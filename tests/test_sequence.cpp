@@ -169,7 +169,8 @@ TEST_CASE("an append, truncate or fork started while an append is in flight is o
   sequence_kv_cache seq(ctx, layers, small_config());
   const std::size_t width = seq.config().token_width();
   const step first(layers, width, 0, 1), second(layers, width, 0, 2), third(layers, width, 1, 3);
-  ghostlink::error_code first_ec = kv_errc::zero_length, second_ec, truncate_ec, fork_ec, third_ec = kv_errc::zero_length;
+  ghostlink::error_code first_ec = kv_errc::zero_length, second_ec, truncate_ec, fork_ec,
+                        third_ec = kv_errc::zero_length;
   sequence_kv_cache forked = seq;
   seq.async_append(first.key_spans, first.value_spans, [&](ghostlink::error_code ec) { first_ec = ec; });
   seq.async_append(second.key_spans, second.value_spans, [&](ghostlink::error_code ec) { second_ec = ec; });

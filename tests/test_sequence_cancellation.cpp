@@ -170,11 +170,12 @@ TEST_CASE("sequence appends cancelled at random from another thread apply on eve
     asio::cancellation_signal signal;
     std::promise<ghostlink::error_code> done;
     std::atomic<bool> finished{false};
-    seq.async_append(st.key_spans, st.value_spans,
-                     asio::bind_executor(strand, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) {
-                                           finished = true;
-                                           done.set_value(ec);
-                                         })));
+    seq.async_append(
+        st.key_spans, st.value_spans,
+        asio::bind_executor(strand, asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) {
+                              finished = true;
+                              done.set_value(ec);
+                            })));
     if (rng() % 2)
       asio::post(strand, [&] {
         if (!finished) signal.emit(asio::cancellation_type::terminal);

@@ -427,9 +427,8 @@ namespace {
 
 /// Writes layer `l` of every step of `open` in one batched call (step `i`
 /// from `tokens[i]`); the first error and every step's result.
-std::pair<ghostlink::error_code, std::vector<ghostlink::error_code>> write_batch(std::span<const sequence_kv_cache::step_type> open,
-                                                                     std::size_t l,
-                                                                     std::span<const step* const> tokens) {
+std::pair<ghostlink::error_code, std::vector<ghostlink::error_code>> write_batch(
+    std::span<const sequence_kv_cache::step_type> open, std::size_t l, std::span<const step* const> tokens) {
   std::vector<std::span<const float>> keys, values;
   for (const step* st : tokens) {
     keys.push_back(st->key_spans[l]);
@@ -437,10 +436,10 @@ std::pair<ghostlink::error_code, std::vector<ghostlink::error_code>> write_batch
   }
   auto result = std::make_shared<std::promise<std::pair<ghostlink::error_code, std::vector<ghostlink::error_code>>>>();
   auto done = result->get_future();
-  sequence_kv_cache::step_type::async_write_layer(open, l, keys, values,
-                                                  [result](ghostlink::error_code ec, std::vector<ghostlink::error_code> each) {
-                                                    result->set_value({ec, std::move(each)});
-                                                  });
+  sequence_kv_cache::step_type::async_write_layer(
+      open, l, keys, values, [result](ghostlink::error_code ec, std::vector<ghostlink::error_code> each) {
+        result->set_value({ec, std::move(each)});
+      });
   return done.get();
 }
 

@@ -3,10 +3,10 @@
 /// `ghostlink::attend`: a reference attention kernel over a snapshot's
 /// blocks and a step's pending tokens.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <span>
 #include <system_error>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"

@@ -2,10 +2,10 @@
 /// @file
 /// `kv_block_pool`: the storage blocks of many caches under one budget.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <limits>
 #include <system_error>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/config.hpp"
 #include "ghostlink/element.hpp"

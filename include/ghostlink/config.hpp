@@ -3,10 +3,10 @@
 /// The shape of one layer's KV cache: how many tokens, how wide a token is,
 /// how tokens are grouped into storage blocks, and the storage budget.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <iosfwd>
 #include <limits>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 

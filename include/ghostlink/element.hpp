@@ -10,7 +10,6 @@
 /// `float` is exact (a signalling NaN, which a cache never stores, may come
 /// back quiet).
 
-#include "ghostlink/detail/flavour.hpp"
 #include <bit>
 #include <concepts>
 #include <cstddef>
@@ -18,6 +17,7 @@
 #include <cstring>
 #include <span>
 #include <type_traits>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 

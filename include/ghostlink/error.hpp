@@ -2,8 +2,8 @@
 /// @file
 /// Errors of ghostlink: `kv_errc` values in `kv_category()`.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <system_error>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 

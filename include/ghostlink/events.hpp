@@ -3,10 +3,10 @@
 /// Events a `kv_block_pool` reports as they happen (in the spirit of vLLM's
 /// KV cache events): blocks allocated and freed, epochs published.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 

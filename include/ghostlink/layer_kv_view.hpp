@@ -2,10 +2,10 @@
 /// @file
 /// `basic_layer_kv_view<T>`: a read-only handle on one layer of a sequence.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <ostream>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/layer_kv_cache.hpp"
 

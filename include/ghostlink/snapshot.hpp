@@ -3,7 +3,6 @@
 /// `basic_kv_snapshot<T>` (`kv_snapshot` for float caches): a pinned,
 /// immutable view of one published epoch.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +10,7 @@
 #include <system_error>
 #include <type_traits>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/pinned_epoch.hpp"

@@ -2,10 +2,10 @@
 /// @file
 /// Counters a `layer_kv_cache` and a `kv_block_pool` keep about themselves.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 

@@ -3,11 +3,11 @@
 /// Value types that cross the API: one write of a batch, one read token, one
 /// read range.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 

@@ -14,8 +14,10 @@ int main() {
   int failed = 0;
   if (!standalone.empty()) std::printf("standalone part: %s\n", standalone.c_str()), failed = 1;
   if (!boost.empty()) std::printf("boost part: %s\n", boost.c_str()), failed = 1;
-  if (standalone_name.find("standalone_asio") == std::string::npos || boost_name.find("boost_asio") == std::string::npos)
+  if (standalone_name.find("standalone_asio") == std::string::npos ||
+      boost_name.find("boost_asio") == std::string::npos)
     std::printf("the parts ran in %s and %s\n", standalone_name.c_str(), boost_name.c_str()), failed = 1;
-  if (failed == 0) std::printf("both flavours in one process: %s and %s work\n", standalone_name.c_str(), boost_name.c_str());
+  if (failed == 0)
+    std::printf("both flavours in one process: %s and %s work\n", standalone_name.c_str(), boost_name.c_str());
   return failed;
 }

@@ -234,7 +234,8 @@ void check_read(const world<T>& w, const layer_req<T>& r) {
   const mepoch& e = *r.read_epoch;
   const std::size_t width = w.width();
   if (r.kind == req_kind::read_kv) {
-    const ghostlink::error_code want = r.a >= e.length ? ghostlink::error_code(kv_errc::index_out_of_range) : ghostlink::error_code();
+    const ghostlink::error_code want =
+        r.a >= e.length ? ghostlink::error_code(kv_errc::index_out_of_range) : ghostlink::error_code();
     expect_ec(r.ec, want, str("async_read_kv(", r.a, ')'));
     const std::size_t n = want ? 0 : width;
     if (r.entry.keys.size() != n || r.entry.values.size() != n)

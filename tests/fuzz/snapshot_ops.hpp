@@ -78,11 +78,12 @@ void snapshot_read(world<T>& w, std::size_t k) {
     if (n > 0) compare_tokens<T>(*e, begin, tokens, width, out.keys, out.values, what.c_str());
   } else {
     std::size_t next = begin;
-    const ghostlink::error_code ec = s.real.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto, auto) {
-      if (want) fail(what + ": called f on a failed read");
-      if (first != next || count == 0 || first + count > end) fail(str(what, ": run ", first, "+", count));
-      next = first + count;
-    });
+    const ghostlink::error_code ec =
+        s.real.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto, auto) {
+          if (want) fail(what + ": called f on a failed read");
+          if (first != next || count == 0 || first + count > end) fail(str(what, ": run ", first, "+", count));
+          next = first + count;
+        });
     expect_ec(ec, want, what);
     if (!want && next != end) fail(str(what, ": runs stopped at ", next));
   }

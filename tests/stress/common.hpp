@@ -333,7 +333,8 @@ std::string spot_reads(const Snapshot& snap, std::size_t layer, std::span<const 
   if (n > 0) {
     const std::size_t b = r.below(n), e = r.between(b + 1, n);
     kv_range range;
-    if (ghostlink::error_code ec = snap.read_range(b, e, range)) return str("read_range(", b, ", ", e, "): ", ec.message());
+    if (ghostlink::error_code ec = snap.read_range(b, e, range))
+      return str("read_range(", b, ", ", e, "): ", ec.message());
     for (std::size_t i = b; i < e && error.empty(); ++i) {
       const auto k = std::span<const float>(range.keys).subspan((i - b) * w, w);
       const auto v = std::span<const float>(range.values).subspan((i - b) * w, w);

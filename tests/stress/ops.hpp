@@ -42,7 +42,8 @@ struct planned {
 
 /// The error a write of `entries` gets from a cache in state `s`, checked in
 /// the documented order: per entry length, width, index; then initialized.
-inline ghostlink::error_code expected_write_error(const state& s, std::span<const kv_write> entries, const geometry& g) {
+inline ghostlink::error_code expected_write_error(const state& s, std::span<const kv_write> entries,
+                                                  const geometry& g) {
   for (const kv_write& e : entries) {
     if (e.keys.size() != e.values.size()) return kv_errc::length_mismatch;
     if (e.keys.size() != g.width) return kv_errc::width_mismatch;

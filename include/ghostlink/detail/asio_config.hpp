@@ -4,6 +4,8 @@
 
 #include "ghostlink/detail/flavour.hpp"
 
+// A path inside a macro argument: clang-format would space its slashes.
+// clang-format off
 #include GHOSTLINK_ASIO_HEADER(any_io_executor.hpp)
 #include GHOSTLINK_ASIO_HEADER(associated_allocator.hpp)
 #include GHOSTLINK_ASIO_HEADER(associated_cancellation_slot.hpp)
@@ -26,9 +28,9 @@
 #include GHOSTLINK_ASIO_HEADER(strand.hpp)
 #include GHOSTLINK_ASIO_HEADER(system_executor.hpp)
 #include GHOSTLINK_ASIO_HEADER(use_awaitable.hpp)
+// clang-format on
 
 // Whether the flavour's Asio has C++20 coroutines (asio::awaitable).
 #if defined(ASIO_HAS_CO_AWAIT) || defined(BOOST_ASIO_HAS_CO_AWAIT)
 #define GHOSTLINK_HAS_CO_AWAIT 1
 #endif
-

@@ -3,9 +3,9 @@
 // machinery in src/ (a fork's new actor, a pinned epoch) without public
 // constructors that users could reach.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <memory>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {

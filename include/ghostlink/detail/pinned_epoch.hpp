@@ -4,11 +4,11 @@
 // range of tokens are. The epoch itself (its block table, its layout) lives
 // in src/epoch.hpp.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {

@@ -3,10 +3,10 @@
 // page tables, epochs). Intrusive, not std::shared_ptr, because the epoch
 // publication cell (epoch_cell.hpp) must manipulate the count directly.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <atomic>
 #include <cstdint>
 #include <utility>
+#include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {

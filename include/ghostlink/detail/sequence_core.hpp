@@ -6,13 +6,13 @@
 // fans out to every layer's actor and completes once, when the last layer
 // has applied its part.
 
-#include "ghostlink/detail/flavour.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <system_error>
 #include <vector>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/detail/layer_core.hpp"  // the layers' actors, the pool, the completion piece

@@ -81,7 +81,7 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
-                                                                      detail::initialize_args{seq_len});
+                                                                 detail::initialize_args{seq_len});
 }
 
 template <storage_element T>
@@ -89,7 +89,7 @@ template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
                                           CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
-                                                                      kv_write{index, keys, values});
+                                                                 kv_write{index, keys, values});
 }
 
 template <storage_element T>
@@ -102,7 +102,7 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
-                                                                      detail::truncate_args{n});
+                                                                 detail::truncate_args{n});
 }
 
 template <storage_element T>
@@ -115,15 +115,15 @@ auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) const {
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(
-      detail::initiate_read<snapshot_type>{core_}, token, index);
+  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(detail::initiate_read<snapshot_type>{core_},
+                                                                           token, index);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(
-      detail::initiate_read<snapshot_type>{core_}, token, begin, end);
+  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(detail::initiate_read<snapshot_type>{core_},
+                                                                           token, begin, end);
 }
 
 GHOSTLINK_NAMESPACE_END

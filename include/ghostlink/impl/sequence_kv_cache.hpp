@@ -153,7 +153,7 @@ auto basic_sequence_kv_cache<T>::async_append(std::span<const token_id> ids,
                                               std::span<const std::span<const float>> values_per_layer,
                                               CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_sequence_op<>{core_}, token,
-                                                                      keys_per_layer, values_per_layer, ids);
+                                                                 keys_per_layer, values_per_layer, ids);
 }
 
 template <storage_element T>
