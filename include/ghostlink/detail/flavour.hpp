@@ -21,7 +21,9 @@
 #define GHOSTLINK_DETAIL_STR(x) #x
 #define GHOSTLINK_DETAIL_XSTR(x) GHOSTLINK_DETAIL_STR(x)
 /// `#include GHOSTLINK_ASIO_HEADER(post.hpp)`: the flavour's Asio header.
-#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(boost / asio / name)
+// clang-format off
+#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(boost/asio/name)
+// clang-format on
 
 #if defined(__clang__) && __clang_major__ < 17 && !defined(BOOST_ASIO_DISABLE_AWAITABLE_FRAME_RECYCLING)
 // LLVM issue 63022: a thread_local's address kept across co_await.
@@ -42,7 +44,9 @@
 #define GHOSTLINK_DETAIL_STR(x) #x
 #define GHOSTLINK_DETAIL_XSTR(x) GHOSTLINK_DETAIL_STR(x)
 /// `#include GHOSTLINK_ASIO_HEADER(post.hpp)`: the flavour's Asio header.
-#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(asio / name)
+// clang-format off
+#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(asio/name)
+// clang-format on
 
 #if defined(__clang__) && defined(__cpp_impl_coroutine) && !defined(ASIO_HAS_CO_AWAIT)
 // Asio 1.22 looks for <experimental/coroutine>, which libstdc++ lacks.
