@@ -25,6 +25,11 @@
 # benchmark), check that the given versions were picked up, run the whole
 # test suite and the examples with short arguments.
 #
+# The Boost flavour is built and tested too (-Dasio=both, the whole suite in
+# both flavours) when Boost 1.81 or newer is found: under BOOST_ROOT if set
+# (BOOST_ROOT/include/boost/version.hpp), else Debian's libboost1.81-dev in
+# /usr/include. BOOST=off skips it.
+#
 # Environment: GCC_CXX (default g++), CLANG_CXX (default clang++-16), JOBS
 # (default 2, for compiling and for meson test), KEEP_WORK=1 to keep the
 # build directories (in a mktemp dir, printed at the end).
@@ -57,6 +62,19 @@ case "$catch2_version" in
   *) echo "$catch2_dir is Catch2 '$catch2_version', not v3" >&2; exit 2 ;;
 esac
 
+boost_args=()
+boost_version="not checked"
+if [ "${BOOST:-auto}" != off ]; then
+  boost_header="${BOOST_ROOT:-/usr}/include/boost/version.hpp"
+  boost_number=$(sed -n 's/^#define BOOST_VERSION \([0-9]*\).*/\1/p' "$boost_header" 2>/dev/null)
+  if [ -n "$boost_number" ] && [ "$boost_number" -ge 108100 ]; then
+    boost_version="$((boost_number / 100000)).$((boost_number / 100 % 1000)).$((boost_number % 100))"
+    boost_args=(-Dasio=both)
+  else
+    boost_version="not checked (no Boost >= 1.81 at $boost_header)"
+  fi
+fi
+
 work=$(mktemp -d "${TMPDIR:-/tmp}/ghostlink-deps-range.XXXXXX")
 if [ "${KEEP_WORK:-0}" != 1 ]; then trap 'rm -rf "$work"' EXIT; fi
 
@@ -77,7 +95,7 @@ step() {
   return 1
 }
 
-section "Asio $asio_version from $asio_inc; Catch2 $catch2_version from $catch2_dir; ghostlink from $src"
+section "Asio $asio_version from $asio_inc; Catch2 $catch2_version from $catch2_dir; Boost $boost_version; ghostlink from $src"
 
 section "Catch2 $catch2_version: build and install into $work/catch2"
 catch2_prefix=$work/catch2
@@ -104,7 +122,7 @@ for entry in "${compilers[@]}"; do
   cxx_version=$("$cxx" -dumpfullversion -dumpversion 2>/dev/null | head -n1)
 
   section "$name ($cxx $cxx_version): configure"
-  if ! CXX=$cxx meson setup "$build" "$src" --wrap-mode=nofallback \
+  if ! CXX=$cxx meson setup "$build" "$src" --wrap-mode=nofallback "${boost_args[@]}" \
        -Dcpp_args="-isystem $asio_inc" >"$work/setup-$name.log" 2>&1; then
     cat "$work/setup-$name.log"
     note "$name ($cxx_version): configure FAILED"; failed=1; continue
@@ -117,6 +135,13 @@ for entry in "${compilers[@]}"; do
     note "$name ($cxx_version): configured with Asio '$got_asio', Catch2 '$got_catch2' instead of $asio_version, $catch2_version: FAILED"
     failed=1; continue
   fi
+  if [ ${#boost_args[@]} -gt 0 ]; then
+    got_boost=$(sed -n 's/^ *boost *: *\([0-9.]*\).*/\1/p' "$work/setup-$name.log" | head -n1)
+    if [ "$got_boost" != "$boost_version" ]; then
+      note "$name ($cxx_version): configured with Boost '$got_boost' instead of $boost_version: FAILED"
+      failed=1; continue
+    fi
+  fi
 
   section "$name: build"
   if ! step "$work/compile-$name.log" meson compile -C "$build" -j "$jobs" --ninja-args=-k0; then
@@ -124,7 +149,8 @@ for entry in "${compilers[@]}"; do
   fi
   # An Asio header missing from the given tree would silently come from
   # another Asio on the include path (e.g. Debian's in /usr/include).
-  foreign=$(ninja -C "$build" -t deps | grep -E '/asio(\.hpp|/)' | sed 's/^ *//' | grep -v "^$asio_inc/" | sort -u)
+  foreign=$(ninja -C "$build" -t deps | grep -E '/asio(\.hpp|/)' | grep -v '/boost/asio' | sed 's/^ *//' |
+            grep -v "^$asio_inc/" | sort -u)
   if [ -n "$foreign" ]; then
     echo "$foreign"
     note "$name ($cxx_version): Asio headers from outside $asio_inc (listed above): FAILED"; failed=1; continue
@@ -165,7 +191,7 @@ for entry in "${compilers[@]}"; do
   note "$name ($cxx $cxx_version): meson test $result [$counts]; examples $examples_result; $((SECONDS - t0)) s"
 done
 
-section "Summary: Asio $asio_version ($asio_inc), Catch2 $catch2_version ($catch2_dir)"
+section "Summary: Asio $asio_version ($asio_inc), Catch2 $catch2_version ($catch2_dir), Boost $boost_version"
 for line in "${summary[@]}"; do echo "  $line"; done
 echo "  total time: $((SECONDS - started)) s"
 if [ "${KEEP_WORK:-0}" = 1 ]; then echo "  build directories kept in $work"; fi

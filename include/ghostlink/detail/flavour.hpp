@@ -22,7 +22,7 @@
 #define GHOSTLINK_DETAIL_XSTR(x) GHOSTLINK_DETAIL_STR(x)
 /// `#include GHOSTLINK_ASIO_HEADER(post.hpp)`: the flavour's Asio header.
 // clang-format off
-#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(boost/asio/name)
+#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(boost/asio/name)  // NOLINT(bugprone-macro-parentheses): a path
 // clang-format on
 
 #if defined(__clang__) && __clang_major__ < 17 && !defined(BOOST_ASIO_DISABLE_AWAITABLE_FRAME_RECYCLING)
@@ -45,7 +45,7 @@
 #define GHOSTLINK_DETAIL_XSTR(x) GHOSTLINK_DETAIL_STR(x)
 /// `#include GHOSTLINK_ASIO_HEADER(post.hpp)`: the flavour's Asio header.
 // clang-format off
-#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(asio/name)
+#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(asio/name)  // NOLINT(bugprone-macro-parentheses): a path
 // clang-format on
 
 #if defined(__clang__) && defined(__cpp_impl_coroutine) && !defined(ASIO_HAS_CO_AWAIT)
