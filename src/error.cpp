@@ -6,7 +6,7 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace {
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 // A Boost.System category, of which kv_category() is the std view. Its id
 // makes two copies of it (two shared objects) compare equal.
 using category_base = boost::system::error_category;
@@ -16,7 +16,7 @@ using category_base = std::error_category;
 
 class kv_category_impl final : public category_base {
  public:
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
   constexpr kv_category_impl() noexcept : category_base(0x9a1f3c5e7b2d4086ULL) {}
 #endif
   const char* name() const noexcept override { return "ghostlink.kv"; }
@@ -49,7 +49,7 @@ class kv_category_impl final : public category_base {
 
 }  // namespace
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 const boost::system::error_category& kv_boost_category() noexcept {
   static const kv_category_impl category;
   return category;

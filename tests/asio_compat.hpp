@@ -40,7 +40,7 @@
 
 #include <system_error>
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 #include <boost/system/system_error.hpp>
 namespace asio = ::boost::asio;
 #endif
@@ -59,7 +59,7 @@ using asio::experimental::as_tuple;
 /// `std::system_error` standalone, `boost::system::system_error` with Boost.
 /// (Constructors and other synchronous calls throw `std::system_error` in
 /// both flavours.)
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 using async_error = ::boost::system::system_error;
 #else
 using async_error = ::std::system_error;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <exception>
 #include <future>
 #include <memory>
 #include <string>
@@ -16,6 +17,19 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+namespace ghostlink::test {
+
+/// Runs `aw` on `io` to completion (this thread runs io); rethrows what the
+/// coroutine threw.
+inline void run_on(asio::io_context& io, asio::awaitable<void> aw) {
+  std::exception_ptr failure;
+  asio::co_spawn(io, std::move(aw), [&](std::exception_ptr e) { failure = std::move(e); });
+  io.run();
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace ghostlink::test
 
 namespace ghostlink::test::completion {
 

@@ -7,22 +7,11 @@
 #include "asio_compat.hpp"
 
 using namespace ghostlink;
+using ghostlink::test::run_on;
 using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
 using ghostlink::test::completion::alloc_counts;
 using ghostlink::test::completion::counting_allocator;
-
-namespace {
-
-/// Runs `aw` on `io` to completion (this thread runs io).
-void run_on(asio::io_context& io, asio::awaitable<void> aw) {
-  std::exception_ptr failure;
-  asio::co_spawn(io, std::move(aw), [&](std::exception_ptr e) { failure = std::move(e); });
-  io.run();
-  if (failure) std::rethrow_exception(failure);
-}
-
-}  // namespace
 
 TEST_CASE("co_await works without naming a token, for every operation; errors throw system_error", "[idioms]") {
   asio::io_context io;

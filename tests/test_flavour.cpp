@@ -2,7 +2,7 @@
 // built: the error code handlers receive, kv_errc in that flavour's error
 // system, what use_awaitable throws, synchronous results as std::error_code,
 // and the inline namespace the library's names live in.
-#include "support.hpp"
+#include "completion_support.hpp"
 
 #include "asio_compat.hpp"
 
@@ -12,29 +12,16 @@
 #include <typeinfo>
 
 using namespace ghostlink;
+using ghostlink::test::run_on;
 using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
 
 namespace {
-
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
-constexpr bool boost_flavour = true;
-#else
-constexpr bool boost_flavour = false;
-#endif
-
-/// Runs `aw` on `io` to completion (this thread runs io).
-void run_on(asio::io_context& io, asio::awaitable<void> aw) {
-  std::exception_ptr failure;
-  asio::co_spawn(io, std::move(aw), [&](std::exception_ptr e) { failure = std::move(e); });
-  io.run();
-  if (failure) std::rethrow_exception(failure);
-}
-
+constexpr bool boost_flavour = GHOSTLINK_ASIO_BOOST != 0;
 }  // namespace
 
 TEST_CASE("ghostlink::error_code is the flavour's error code; snapshot reads return std::error_code", "[flavour]") {
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
   STATIC_REQUIRE(std::is_same_v<ghostlink::error_code, boost::system::error_code>);
   STATIC_REQUIRE(std::is_same_v<ghostlink::test::async_error, boost::system::system_error>);
 #else
@@ -80,7 +67,7 @@ TEST_CASE("kv_errc converts to the flavour's error code and back, keeping its ca
   const ghostlink::error_code back = as_std;
   CHECK(back == e);
   CHECK(back == kv_errc::capacity_exhausted);
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
   // Registered with Boost.System: a native Boost code of kv_boost_category(),
   // not a wrapped std one.
   STATIC_REQUIRE(boost::system::is_error_code_enum<kv_errc>::value);

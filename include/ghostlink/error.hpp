@@ -51,7 +51,7 @@ const std::error_category& kv_category() noexcept;
 /// flavour, a `boost::system::error_code`) is expected.
 std::error_code make_error_code(kv_errc e) noexcept;
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 /// The category of `kv_errc` as Boost.System sees it (Boost flavour only):
 /// a `boost::system::error_code` made from a `kv_errc` has this category.
 const boost::system::error_category& kv_boost_category() noexcept;
@@ -63,7 +63,7 @@ GHOSTLINK_NAMESPACE_END
 template <>
 struct std::is_error_code_enum<ghostlink::kv_errc> : std::true_type {};
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 /// Lets a `ghostlink::kv_errc` convert to, and compare with, a
 /// `boost::system::error_code` (Boost flavour only).
 template <>

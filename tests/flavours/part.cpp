@@ -9,7 +9,7 @@
 #include <typeinfo>
 #include <vector>
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 #define PART_FUNCTION run_boost_part
 #else
 #define PART_FUNCTION run_standalone_part

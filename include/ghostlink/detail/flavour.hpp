@@ -5,7 +5,7 @@
 //
 // Standalone Asio unless GHOSTLINK_ASIO_BOOST is defined to 1, which the
 // build passes through the dependency of the Boost flavour
-// (`ghostlink-boost`: Meson, pkg-config, CMake). Nobody defines it by hand.
+// (`ghostlink-boost`: Meson, pkg-config). Nobody defines it by hand.
 // Each flavour lives in its own inline namespace of `ghostlink`, so both can
 // link into one process, and a header built with one flavour against the
 // library of the other fails at link time instead of running.
@@ -15,14 +15,22 @@
 // `boost::system::error_code` with Boost). Completion handlers receive that
 // type; synchronous results (snapshot reads) are `std::error_code` in both.
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#ifndef GHOSTLINK_ASIO_BOOST
+#define GHOSTLINK_ASIO_BOOST 0  // from here on, `#if GHOSTLINK_ASIO_BOOST` is the one test of the flavour
+#endif
 
-#define GHOSTLINK_FLAVOUR boost_asio
 #define GHOSTLINK_DETAIL_STR(x) #x
 #define GHOSTLINK_DETAIL_XSTR(x) GHOSTLINK_DETAIL_STR(x)
 /// `#include GHOSTLINK_ASIO_HEADER(post.hpp)`: the flavour's Asio header.
 // clang-format off
-#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(boost/asio/name)  // NOLINT(bugprone-macro-parentheses): a path
+#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(GHOSTLINK_DETAIL_ASIO_DIR/name)  // NOLINT(bugprone-macro-parentheses): a path
+// clang-format on
+
+#if GHOSTLINK_ASIO_BOOST
+
+#define GHOSTLINK_FLAVOUR boost_asio
+// clang-format off
+#define GHOSTLINK_DETAIL_ASIO_DIR boost/asio
 // clang-format on
 
 #if defined(__clang__) && __clang_major__ < 17 && !defined(BOOST_ASIO_DISABLE_AWAITABLE_FRAME_RECYCLING)
@@ -38,15 +46,12 @@
 #error "ghostlink's Boost flavour needs Boost.Asio 1.26 (Boost 1.81) or newer"
 #endif
 
+namespace boost::asio {}  // namespace boost::asio
+
 #else  // standalone Asio
 
 #define GHOSTLINK_FLAVOUR standalone_asio
-#define GHOSTLINK_DETAIL_STR(x) #x
-#define GHOSTLINK_DETAIL_XSTR(x) GHOSTLINK_DETAIL_STR(x)
-/// `#include GHOSTLINK_ASIO_HEADER(post.hpp)`: the flavour's Asio header.
-// clang-format off
-#define GHOSTLINK_ASIO_HEADER(name) GHOSTLINK_DETAIL_XSTR(asio/name)  // NOLINT(bugprone-macro-parentheses): a path
-// clang-format on
+#define GHOSTLINK_DETAIL_ASIO_DIR asio
 
 #if defined(__clang__) && defined(__cpp_impl_coroutine) && !defined(ASIO_HAS_CO_AWAIT)
 // Asio 1.22 looks for <experimental/coroutine>, which libstdc++ lacks.
@@ -75,13 +80,9 @@
   }                             \
   }
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
-namespace boost::asio {}  // namespace boost::asio
-#endif
-
 GHOSTLINK_NAMESPACE_BEGIN
 
-#if defined(GHOSTLINK_ASIO_BOOST) && GHOSTLINK_ASIO_BOOST
+#if GHOSTLINK_ASIO_BOOST
 namespace asio = ::boost::asio;
 /// The error code completion handlers receive: the flavour's (with Boost,
 /// `boost::system::error_code`, so that `asio::use_awaitable` throws it).
