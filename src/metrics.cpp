@@ -14,6 +14,7 @@
 #include <string_view>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 #include "ghostlink/detail/flavour.hpp"
 
@@ -27,8 +28,15 @@ struct label {
   std::string_view value;
 };
 
-/// An unlimited budget (`kv_pool_limits` left at its defaults).
-constexpr std::size_t unlimited = std::numeric_limits<std::size_t>::max();
+/// A sample's value: counts exact as integers, ratios and +Inf as doubles.
+using number = std::variant<std::uint64_t, double>;
+
+/// Whether the budget is unlimited: `kv_pool_limits` left at its defaults,
+/// where the byte limit over the block size is the budget.
+bool unlimited(const kv_pool_stats& s) noexcept {
+  constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
+  return s.max_blocks == most || (s.block_bytes != 0 && s.max_blocks == most / s.block_bytes);
+}
 
 /// Builds the exposition text, one family after another.
 class exposition {
@@ -55,7 +63,7 @@ class exposition {
 
   /// One sample line: `name{labels} value`.
   template <class Number>
-  void sample(std::string_view name, std::initializer_list<label> labels, Number value) {
+  void sample(std::string_view name, std::initializer_list<label> labels, const Number& v) {
     text_ += name;
     char separator = '{';
     for (const label& l : labels) {
@@ -68,7 +76,7 @@ class exposition {
     }
     if (separator == ',') text_ += '}';
     text_ += ' ';
-    number(value);
+    this->value(v);
     text_ += '\n';
   }
 
@@ -89,13 +97,17 @@ class exposition {
     }
   }
 
-  void number(std::uint64_t v) { append_chars(v); }
+  void value(std::uint64_t v) { append_chars(v); }
 
-  void number(double v) {
+  void value(double v) {
     if (v == std::numeric_limits<double>::infinity())
       text_ += "+Inf";
     else
       append_chars(v);  // shortest text that reads back as the same double
+  }
+
+  void value(const number& v) {
+    std::visit([this](auto x) { value(x); }, v);
   }
 
   template <class T>
@@ -108,16 +120,17 @@ class exposition {
   std::string text_;
 };
 
-/// The budget as a value: +Inf when unlimited.
-double budget(std::size_t blocks, const kv_pool_stats& s) {
-  return s.max_blocks == unlimited ? std::numeric_limits<double>::infinity() : static_cast<double>(blocks);
+/// A count of blocks against the budget: +Inf when it is unlimited.
+number budget(std::size_t blocks, const kv_pool_stats& s) {
+  if (unlimited(s)) return std::numeric_limits<double>::infinity();
+  return std::uint64_t{blocks};
 }
 
 /// vLLM's `kv_cache_usage_perc`: the blocks that are not free for a new
 /// request (idle cached blocks are, as vLLM counts its cached free blocks),
 /// over the budget. 0 for an unlimited or empty budget.
 double usage_ratio(const kv_pool_stats& s) {
-  if (s.max_blocks == 0 || s.max_blocks == unlimited) return 0;
+  if (s.max_blocks == 0 || unlimited(s)) return 0;
   const std::size_t used = s.blocks_in_use > s.blocks_cached_idle ? s.blocks_in_use - s.blocks_cached_idle : 0;
   return static_cast<double>(used) / static_cast<double>(s.max_blocks);
 }
@@ -132,7 +145,7 @@ struct pool_family {
   std::string_view name;
   std::string_view type;
   std::string_view help;
-  double (*value)(const kv_pool_stats&);
+  number (*value)(const kv_pool_stats&);
 };
 
 // clang-format off
@@ -140,38 +153,38 @@ constexpr std::array pool_families{
   pool_family{"ghostlink_kv_cache_usage_ratio", "gauge",
     "Fraction (0..1) of the block budget not free for new tokens: blocks in use less idle cached blocks, over the "
     "budget (vLLM kv_cache_usage_perc). 0 for an unlimited budget.",
-    [](const kv_pool_stats& s) { return usage_ratio(s); }},
+    [](const kv_pool_stats& s) -> number { return usage_ratio(s); }},
   pool_family{"ghostlink_kv_blocks_max", "gauge", "The block budget (+Inf when unlimited).",
-    [](const kv_pool_stats& s) { return budget(s.max_blocks, s); }},
+    [](const kv_pool_stats& s) -> number { return budget(s.max_blocks, s); }},
   pool_family{"ghostlink_kv_blocks_in_use", "gauge",
     "Blocks some cache, epoch, snapshot, prefix cache or reservation holds.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.blocks_in_use); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_in_use}; }},
   pool_family{"ghostlink_kv_blocks_in_use_peak", "gauge", "The most blocks in use at once so far.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.peak_blocks_in_use); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.peak_blocks_in_use}; }},
   pool_family{"ghostlink_kv_blocks_available", "gauge",
     "Blocks a new request can have: the budget left plus idle cached blocks (+Inf when unlimited).",
-    [](const kv_pool_stats& s) { return budget(s.blocks_available, s); }},
+    [](const kv_pool_stats& s) -> number { return budget(s.blocks_available, s); }},
   pool_family{"ghostlink_kv_blocks_cached", "gauge", "Of the blocks in use, those a prefix cache references.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.blocks_cached); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_cached}; }},
   pool_family{"ghostlink_kv_blocks_cached_idle", "gauge",
     "Of the cached blocks, those only the prefix cache references: evictable.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.blocks_cached_idle); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_cached_idle}; }},
   pool_family{"ghostlink_kv_blocks_reserved", "gauge",
     "Of the blocks in use, budget held by reservations and not yet allocated.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.blocks_reserved); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_reserved}; }},
   pool_family{"ghostlink_kv_blocks_shared", "gauge", "Blocks referenced from more than one place (forks, pinned epochs).",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.blocks_shared); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_shared}; }},
   pool_family{"ghostlink_kv_blocks_free", "gauge", "Freed blocks the pool keeps for reuse (trim() returns them).",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.blocks_free); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_free}; }},
   pool_family{"ghostlink_kv_blocks_allocated", "gauge",
     "Blocks' memory obtained from the system and not yet returned.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.blocks_allocated); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_allocated}; }},
   pool_family{"ghostlink_kv_block_size_bytes", "gauge", "Payload bytes of one block (keys and values).",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.block_bytes); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.block_bytes}; }},
   pool_family{"ghostlink_kv_in_use_bytes", "gauge", "Payload bytes of the blocks in use.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.bytes_in_use()); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.bytes_in_use()}; }},
   pool_family{"ghostlink_kv_block_copies_total", "counter", "Blocks copied because a write hit a shared one.",
-    [](const kv_pool_stats& s) { return static_cast<double>(s.cow_copies); }},
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.cow_copies}; }},
 };
 // clang-format on
 
@@ -180,32 +193,32 @@ struct prefix_family {
   std::string_view name;
   std::string_view type;
   std::string_view help;
-  double (*value)(const kv_prefix_stats&);
+  number (*value)(const kv_prefix_stats&);
 };
 
 // clang-format off
 constexpr std::array prefix_families{
   prefix_family{"ghostlink_prefix_cache_queries_total", "counter",
     "Tokens of full blocks looked up by match() and attach() (vLLM prefix_cache_queries).",
-    [](const kv_prefix_stats& s) { return static_cast<double>(s.query_tokens); }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.query_tokens}; }},
   prefix_family{"ghostlink_prefix_cache_hits_total", "counter",
     "Of the queried tokens, those found cached (vLLM prefix_cache_hits).",
-    [](const kv_prefix_stats& s) { return static_cast<double>(s.hit_tokens); }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.hit_tokens}; }},
   prefix_family{"ghostlink_prefix_cache_hit_ratio", "gauge",
     "Hits over queries, in tokens, since the cache was made (0 before any query); "
     "rate(hits_total) / rate(queries_total) gives it over a window.",
-    [](const kv_prefix_stats& s) { return hit_ratio(s); }},
+    [](const kv_prefix_stats& s) -> number { return hit_ratio(s); }},
   prefix_family{"ghostlink_prefix_cache_lookups_total", "counter", "match() and attach() calls.",
-    [](const kv_prefix_stats& s) { return static_cast<double>(s.queries); }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.queries}; }},
   prefix_family{"ghostlink_prefix_cache_insertions_total", "counter", "Entries (one block of tokens each) insert() added.",
-    [](const kv_prefix_stats& s) { return static_cast<double>(s.inserted_blocks); }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.inserted_blocks}; }},
   prefix_family{"ghostlink_prefix_cache_evictions_total", "counter",
     "Entries (one block of tokens each) evicted for room in the pool.",
-    [](const kv_prefix_stats& s) { return static_cast<double>(s.evicted_blocks); }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.evicted_blocks}; }},
   prefix_family{"ghostlink_prefix_cache_entries", "gauge", "Entries (one block of tokens each, every layer) cached now.",
-    [](const kv_prefix_stats& s) { return static_cast<double>(s.cached_blocks); }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.cached_blocks}; }},
   prefix_family{"ghostlink_prefix_cache_idle_entries", "gauge", "Of the entries, those nothing but the cache uses.",
-    [](const kv_prefix_stats& s) { return static_cast<double>(s.idle_blocks); }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.idle_blocks}; }},
 };
 // clang-format on
 

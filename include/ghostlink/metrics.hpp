@@ -24,13 +24,13 @@ GHOSTLINK_NAMESPACE_BEGIN
 struct kv_metrics_source {
   /// The value of the `pool` label: what tells this pool from the others
   /// of the process, for example the model it serves. Distinct per source.
-  std::string pool;
-  kv_pool_stats pool_stats;              ///< The pool's counters.
-  std::optional<kv_prefix_stats> prefix;  ///< The pool's prefix cache's counters, if it has one.
+  std::string pool{};
+  kv_pool_stats pool_stats{};              ///< The pool's counters.
+  std::optional<kv_prefix_stats> prefix{};  ///< The pool's prefix cache's counters, if it has one.
   /// Caches on the pool (layers, of sequences or on their own), summed into
   /// the pool's `ghostlink_kv_cache_*` series: requests by outcome,
   /// requests per drain, queue lengths, epochs and snapshots alive.
-  std::vector<kv_cache_stats> caches;
+  std::vector<kv_cache_stats> caches{};
   /// Also write one `ghostlink_kv_layer_*` series per cache in `caches`,
   /// labelled `cache="<cache_id>"`. Off by default: with a cache per layer
   /// per sequence, the series would multiply with every request.
