@@ -12,6 +12,7 @@
 #include <asio/use_future.hpp>
 
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -125,13 +126,7 @@ void json(std::ostream& out, const std::vector<gl::kv_metrics_source>& sources) 
   out << "]\n";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: metrics_dump READINGS.json > exposition.txt\n";
-    return 2;
-  }
+int dump(const char* readings_path) {
   asio::thread_pool threads(2);
 
   // Pool 1: a model's pool of 24 blocks with a prefix cache on it. Three
@@ -183,7 +178,22 @@ int main(int argc, char** argv) {
 
   const std::vector<gl::kv_metrics_source> sources{model, odd};
   gl::write_prometheus(std::cout, sources);
-  std::ofstream readings(argv[1]);
+  std::ofstream readings(readings_path);
   json(readings, sources);
   return readings && std::cout ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: metrics_dump READINGS.json > exposition.txt\n";
+    return 2;
+  }
+  try {
+    return dump(argv[1]);
+  } catch (const std::exception& e) {
+    std::cerr << "metrics_dump: " << e.what() << '\n';
+    return 1;
+  }
 }
