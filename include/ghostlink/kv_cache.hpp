@@ -18,6 +18,7 @@
 #include "ghostlink/events.hpp"
 #include "ghostlink/layer_kv_cache.hpp"
 #include "ghostlink/layer_kv_view.hpp"
+#include "ghostlink/metrics.hpp"
 #include "ghostlink/prefix_cache.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/sequence_step.hpp"

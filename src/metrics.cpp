@@ -1,0 +1,395 @@
+// The Prometheus text exposition format 0.0.4 (see include/ghostlink/metrics.hpp
+// and docs/API.md, "Metrics", for the names). The text is built in a string
+// with std::to_chars, so the stream's locale never touches a number, and
+// written in one call once every argument has been checked.
+#include "ghostlink/metrics.hpp"
+
+#include <array>
+#include <charconv>
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <variant>
+#include <vector>
+#include "ghostlink/detail/flavour.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+
+namespace {
+
+/// A label's name and value (the value is escaped when written).
+struct label {
+  std::string_view name;
+  std::string_view value;
+};
+
+/// A sample's value: counts exact as integers, ratios and +Inf as doubles.
+using number = std::variant<std::uint64_t, double>;
+
+/// Whether the budget is unlimited: `kv_pool_limits` left at its defaults,
+/// where the byte limit over the block size is the budget.
+bool unlimited(const kv_pool_stats& s) noexcept {
+  constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
+  return s.max_blocks == most || (s.block_bytes != 0 && s.max_blocks == most / s.block_bytes);
+}
+
+/// Builds the exposition text, one family after another.
+class exposition {
+ public:
+  /// Starts a family: its HELP and TYPE lines.
+  void family(std::string_view name, std::string_view type, std::string_view help) {
+    text_ += "# HELP ";
+    text_ += name;
+    text_ += ' ';
+    for (const char c : help) {
+      if (c == '\\')
+        text_ += "\\\\";
+      else if (c == '\n')
+        text_ += "\\n";
+      else
+        text_ += c;
+    }
+    text_ += "\n# TYPE ";
+    text_ += name;
+    text_ += ' ';
+    text_ += type;
+    text_ += '\n';
+  }
+
+  /// One sample line: `name{labels} value`.
+  template <class Number>
+  void sample(std::string_view name, std::initializer_list<label> labels, const Number& v) {
+    text_ += name;
+    char separator = '{';
+    for (const label& l : labels) {
+      text_ += separator;
+      separator = ',';
+      text_ += l.name;
+      text_ += "=\"";
+      escape(l.value);
+      text_ += '"';
+    }
+    if (separator == ',') text_ += '}';
+    text_ += ' ';
+    this->value(v);
+    text_ += '\n';
+  }
+
+  /// The text so far.
+  const std::string& text() const noexcept { return text_; }
+
+ private:
+  void escape(std::string_view value) {
+    for (const char c : value) {
+      if (c == '\\')
+        text_ += "\\\\";
+      else if (c == '"')
+        text_ += "\\\"";
+      else if (c == '\n')
+        text_ += "\\n";
+      else
+        text_ += c;
+    }
+  }
+
+  void value(std::uint64_t v) { append_chars(v); }
+
+  void value(double v) {
+    if (v == std::numeric_limits<double>::infinity())
+      text_ += "+Inf";
+    else
+      append_chars(v);  // shortest text that reads back as the same double
+  }
+
+  void value(const number& v) {
+    std::visit([this](auto x) { value(x); }, v);
+  }
+
+  template <class T>
+  void append_chars(T v) {
+    std::array<char, 32> buffer{};
+    const std::to_chars_result r = std::to_chars(buffer.data(), buffer.data() + buffer.size(), v);
+    text_.append(buffer.data(), r.ptr);
+  }
+
+  std::string text_;
+};
+
+/// A count of blocks against the budget: +Inf when it is unlimited.
+number budget(std::size_t blocks, const kv_pool_stats& s) {
+  if (unlimited(s)) return std::numeric_limits<double>::infinity();
+  return std::uint64_t{blocks};
+}
+
+/// vLLM's `kv_cache_usage_perc`: the blocks that are not free for a new
+/// request (idle cached blocks are, as vLLM counts its cached free blocks),
+/// over the budget. 0 for an unlimited or empty budget.
+double usage_ratio(const kv_pool_stats& s) {
+  if (s.max_blocks == 0 || unlimited(s)) return 0;
+  const std::size_t used = s.blocks_in_use > s.blocks_cached_idle ? s.blocks_in_use - s.blocks_cached_idle : 0;
+  return static_cast<double>(used) / static_cast<double>(s.max_blocks);
+}
+
+/// The lifetime prefix hit rate, in tokens; 0 before any query.
+double hit_ratio(const kv_prefix_stats& s) {
+  return s.query_tokens == 0 ? 0 : static_cast<double>(s.hit_tokens) / static_cast<double>(s.query_tokens);
+}
+
+/// One gauge or counter of a pool's readings.
+struct pool_family {
+  std::string_view name;
+  std::string_view type;
+  std::string_view help;
+  number (*value)(const kv_pool_stats&);
+};
+
+// clang-format off
+constexpr std::array pool_families{
+  pool_family{"ghostlink_kv_cache_usage_ratio", "gauge",
+    "Fraction (0..1) of the block budget not free for new tokens: blocks in use less idle cached blocks, over the "
+    "budget (vLLM kv_cache_usage_perc). 0 for an unlimited budget.",
+    [](const kv_pool_stats& s) -> number { return usage_ratio(s); }},
+  pool_family{"ghostlink_kv_blocks_max", "gauge", "The block budget (+Inf when unlimited).",
+    [](const kv_pool_stats& s) -> number { return budget(s.max_blocks, s); }},
+  pool_family{"ghostlink_kv_blocks_in_use", "gauge",
+    "Blocks some cache, epoch, snapshot, prefix cache or reservation holds.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_in_use}; }},
+  pool_family{"ghostlink_kv_blocks_in_use_peak", "gauge", "The most blocks in use at once so far.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.peak_blocks_in_use}; }},
+  pool_family{"ghostlink_kv_blocks_available", "gauge",
+    "Blocks a new request can have: the budget left plus idle cached blocks (+Inf when unlimited).",
+    [](const kv_pool_stats& s) -> number { return budget(s.blocks_available, s); }},
+  pool_family{"ghostlink_kv_blocks_cached", "gauge", "Of the blocks in use, those a prefix cache references.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_cached}; }},
+  pool_family{"ghostlink_kv_blocks_cached_idle", "gauge",
+    "Of the cached blocks, those only the prefix cache references: evictable.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_cached_idle}; }},
+  pool_family{"ghostlink_kv_blocks_reserved", "gauge",
+    "Of the blocks in use, budget held by reservations and not yet allocated.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_reserved}; }},
+  pool_family{"ghostlink_kv_blocks_shared", "gauge", "Blocks referenced from more than one place (forks, pinned epochs).",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_shared}; }},
+  pool_family{"ghostlink_kv_blocks_free", "gauge", "Freed blocks the pool keeps for reuse (trim() returns them).",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_free}; }},
+  pool_family{"ghostlink_kv_blocks_allocated", "gauge",
+    "Blocks' memory obtained from the system and not yet returned.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_allocated}; }},
+  pool_family{"ghostlink_kv_block_size_bytes", "gauge", "Payload bytes of one block (keys and values).",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.block_bytes}; }},
+  pool_family{"ghostlink_kv_in_use_bytes", "gauge", "Payload bytes of the blocks in use.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.bytes_in_use()}; }},
+  pool_family{"ghostlink_kv_block_copies_total", "counter", "Blocks copied because a write hit a shared one.",
+    [](const kv_pool_stats& s) -> number { return std::uint64_t{s.cow_copies}; }},
+};
+// clang-format on
+
+/// One gauge or counter of a prefix cache's readings.
+struct prefix_family {
+  std::string_view name;
+  std::string_view type;
+  std::string_view help;
+  number (*value)(const kv_prefix_stats&);
+};
+
+// clang-format off
+constexpr std::array prefix_families{
+  prefix_family{"ghostlink_prefix_cache_queries_total", "counter",
+    "Tokens of full blocks looked up by match() and attach() (vLLM prefix_cache_queries).",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.query_tokens}; }},
+  prefix_family{"ghostlink_prefix_cache_hits_total", "counter",
+    "Of the queried tokens, those found cached (vLLM prefix_cache_hits).",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.hit_tokens}; }},
+  prefix_family{"ghostlink_prefix_cache_hit_ratio", "gauge",
+    "Hits over queries, in tokens, since the cache was made (0 before any query); "
+    "rate(hits_total) / rate(queries_total) gives it over a window.",
+    [](const kv_prefix_stats& s) -> number { return hit_ratio(s); }},
+  prefix_family{"ghostlink_prefix_cache_lookups_total", "counter", "match() and attach() calls.",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.queries}; }},
+  prefix_family{"ghostlink_prefix_cache_insertions_total", "counter", "Entries (one block of tokens each) insert() added.",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.inserted_blocks}; }},
+  prefix_family{"ghostlink_prefix_cache_evictions_total", "counter",
+    "Entries (one block of tokens each) evicted for room in the pool.",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.evicted_blocks}; }},
+  prefix_family{"ghostlink_prefix_cache_entries", "gauge", "Entries (one block of tokens each, every layer) cached now.",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.cached_blocks}; }},
+  prefix_family{"ghostlink_prefix_cache_idle_entries", "gauge", "Of the entries, those nothing but the cache uses.",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.idle_blocks}; }},
+};
+// clang-format on
+
+/// One cache's readings, or several caches' summed.
+struct cache_totals {
+  std::uint64_t applied = 0, failed = 0, cancelled = 0, delayed = 0;
+  std::uint64_t queued = 0, waiting = 0, epochs_alive = 0, snapshots_alive = 0;
+  kv_cache_stats::drain_histogram drain_sizes{};
+
+  void add(const kv_cache_stats& s) noexcept {
+    applied += s.requests_applied;
+    failed += s.requests_failed;
+    cancelled += s.requests_cancelled;
+    delayed += s.requests_delayed;
+    queued += s.requests_queued;
+    waiting += s.requests_waiting;
+    epochs_alive += s.epochs_alive;
+    snapshots_alive += s.snapshots_alive;
+    for (std::size_t i = 0; i < drain_sizes.size(); ++i) drain_sizes[i] += s.requests_per_drain[i];
+  }
+};
+
+/// The sample labels of one pool or one cache of it.
+struct series {
+  std::string_view pool;
+  std::string_view cache;  // empty: the pool's sums
+
+  template <class Number>
+  void write(exposition& e, std::string_view name, Number v) const {
+    if (cache.empty())
+      e.sample(name, {{"pool", pool}}, v);
+    else
+      e.sample(name, {{"pool", pool}, {"cache", cache}}, v);
+  }
+  template <class Number>
+  void write(exposition& e, std::string_view name, label extra, Number v) const {
+    if (cache.empty())
+      e.sample(name, {{"pool", pool}, extra}, v);
+    else
+      e.sample(name, {{"pool", pool}, {"cache", cache}, extra}, v);
+  }
+};
+
+/// The upper bounds (`le`) of kv_cache_stats::drain_histogram's buckets:
+/// bucket i holds drains of [2^i, 2^(i+1)) requests, so at most
+/// 2^(i+1) - 1; the last holds drains of 128.
+constexpr std::array<std::string_view, 8> drain_bounds{"1", "3", "7", "15", "31", "63", "127", "128"};
+static_assert(drain_bounds.size() == std::tuple_size_v<kv_cache_stats::drain_histogram>);
+
+/// The request families of `prefix` (`ghostlink_kv_cache` or
+/// `ghostlink_kv_layer`), for every entry of `rows`.
+void write_requests(exposition& e, std::string_view prefix, const std::vector<std::pair<series, cache_totals>>& rows) {
+  const std::string p(prefix);
+  e.family(p + "_requests_total", "counter",
+           "Write requests the actor took, by outcome: applied, failed, or cancelled before it applied them.");
+  for (const auto& [s, t] : rows) {
+    s.write(e, p + "_requests_total", {"outcome", "applied"}, t.applied);
+    s.write(e, p + "_requests_total", {"outcome", "failed"}, t.failed);
+    s.write(e, p + "_requests_total", {"outcome", "cancelled"}, t.cancelled);
+  }
+  e.family(p + "_requests_delayed_total", "counter", "Requests that had to wait for room in a full mailbox.");
+  for (const auto& [s, t] : rows) s.write(e, p + "_requests_delayed_total", t.delayed);
+  e.family(p + "_requests_queued", "gauge", "Requests in the mailboxes now.");
+  for (const auto& [s, t] : rows) s.write(e, p + "_requests_queued", t.queued);
+  e.family(p + "_requests_waiting", "gauge", "Requests waiting for room in a full mailbox now.");
+  for (const auto& [s, t] : rows) s.write(e, p + "_requests_waiting", t.waiting);
+  e.family(p + "_requests_per_drain", "histogram",
+           "Mailbox drains by the requests each took (group commit); the sum is the requests taken in all drains "
+           "(applied + failed + cancelled).");
+  for (const auto& [s, t] : rows) {
+    std::uint64_t cumulative = 0;
+    for (std::size_t i = 0; i < drain_bounds.size(); ++i) {
+      cumulative += t.drain_sizes[i];
+      s.write(e, p + "_requests_per_drain_bucket", {"le", drain_bounds[i]}, cumulative);
+    }
+    s.write(e, p + "_requests_per_drain_bucket", {"le", "+Inf"}, cumulative);
+    s.write(e, p + "_requests_per_drain_sum", t.applied + t.failed + t.cancelled);
+    s.write(e, p + "_requests_per_drain_count", cumulative);
+  }
+  e.family(p + "_epochs_alive", "gauge", "Epochs in memory: the latest of each cache and older ones snapshots pin.");
+  for (const auto& [s, t] : rows) s.write(e, p + "_epochs_alive", t.epochs_alive);
+  e.family(p + "_snapshots_alive", "gauge", "Snapshots open now (reads in progress included).");
+  for (const auto& [s, t] : rows) s.write(e, p + "_snapshots_alive", t.snapshots_alive);
+}
+
+void check(std::span<const kv_metrics_source> sources) {
+  std::set<std::string_view> pools;
+  for (const kv_metrics_source& source : sources) {
+    if (!pools.insert(source.pool).second)
+      throw std::invalid_argument("write_prometheus: two sources with pool=\"" + source.pool + "\"");
+    if (!source.per_cache_series) continue;
+    std::set<std::uint64_t> ids;
+    for (const kv_cache_stats& c : source.caches)
+      if (!ids.insert(c.cache_id).second)
+        throw std::invalid_argument("write_prometheus: cache " + std::to_string(c.cache_id) + " twice in pool=\"" +
+                                    source.pool + "\"");
+  }
+}
+
+}  // namespace
+
+void write_prometheus(std::ostream& out, std::span<const kv_metrics_source> sources) {
+  check(sources);
+  exposition e;
+
+  for (const pool_family& f : pool_families) {
+    e.family(f.name, f.type, f.help);
+    for (const kv_metrics_source& source : sources)
+      e.sample(f.name, {{"pool", source.pool}}, f.value(source.pool_stats));
+  }
+
+  bool any_prefix = false;
+  for (const kv_metrics_source& source : sources) any_prefix = any_prefix || source.prefix.has_value();
+  if (any_prefix) {
+    for (const prefix_family& f : prefix_families) {
+      e.family(f.name, f.type, f.help);
+      for (const kv_metrics_source& source : sources)
+        if (source.prefix) e.sample(f.name, {{"pool", source.pool}}, f.value(*source.prefix));
+    }
+  }
+
+  e.family("ghostlink_kv_caches", "gauge",
+           "Caches (layers) the readings of the pool's ghostlink_kv_cache_* series sum.");
+  for (const kv_metrics_source& source : sources)
+    e.sample("ghostlink_kv_caches", {{"pool", source.pool}}, static_cast<std::uint64_t>(source.caches.size()));
+
+  std::vector<std::pair<series, cache_totals>> pools;
+  pools.reserve(sources.size());
+  for (const kv_metrics_source& source : sources) {
+    cache_totals t;
+    for (const kv_cache_stats& c : source.caches) t.add(c);
+    pools.emplace_back(series{.pool = source.pool, .cache = {}}, t);
+  }
+  write_requests(e, "ghostlink_kv_cache", pools);
+
+  // Per cache, opt-in. The ids' text lives in `ids` while the rows point at it.
+  std::vector<std::string> ids;
+  std::vector<const kv_cache_stats*> stats;
+  std::vector<std::string_view> owners;
+  for (const kv_metrics_source& source : sources)
+    if (source.per_cache_series)
+      for (const kv_cache_stats& c : source.caches) {
+        ids.push_back(std::to_string(c.cache_id));
+        stats.push_back(&c);
+        owners.emplace_back(source.pool);
+      }
+  if (!ids.empty()) {
+    std::vector<std::pair<series, cache_totals>> caches;
+    caches.reserve(ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      cache_totals t;
+      t.add(*stats[i]);
+      caches.emplace_back(series{.pool = owners[i], .cache = ids[i]}, t);
+    }
+    write_requests(e, "ghostlink_kv_layer", caches);
+    e.family("ghostlink_kv_layer_tokens", "gauge", "Tokens in the cache's latest epoch.");
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      caches[i].first.write(e, "ghostlink_kv_layer_tokens", static_cast<std::uint64_t>(stats[i]->size));
+    e.family("ghostlink_kv_layer_epoch", "gauge", "The cache's latest published epoch number.");
+    for (std::size_t i = 0; i < ids.size(); ++i) caches[i].first.write(e, "ghostlink_kv_layer_epoch", stats[i]->epoch);
+    e.family("ghostlink_kv_layer_oldest_epoch_alive", "gauge",
+             "The cache's oldest epoch in memory; far behind its epoch, a reader holds an old snapshot.");
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      caches[i].first.write(e, "ghostlink_kv_layer_oldest_epoch_alive", stats[i]->oldest_epoch_alive);
+  }
+
+  out.write(e.text().data(), static_cast<std::streamsize>(e.text().size()));
+}
+
+void write_prometheus(std::ostream& out, const kv_metrics_source& source) {
+  write_prometheus(out, std::span<const kv_metrics_source>(&source, 1));
+}
+
+GHOSTLINK_NAMESPACE_END
