@@ -10,8 +10,9 @@
 #   look-alike identifiers; see .clang-tidy).
 # - clang-tidy-16 (.clang-tidy): no finding in any project .cpp file listed in
 #   BUILD_DIR/compile_commands.json, nor in the project headers they include
-#   (HeaderFilterRegex). Configure BUILD_DIR with Clang (CXX=clang++-16
-#   meson setup BUILD_DIR): the compile commands then carry the Asio
+#   (HeaderFilterRegex). Configure BUILD_DIR with Clang and one unit a test
+#   file (CXX=clang++-16 meson setup -Dtests_unity=false BUILD_DIR): the
+#   compile commands then carry the Asio
 #   coroutine defines Clang needs. It need not be compiled.
 # Prints the unformatted files and the findings, then a one-line summary with
 # the time taken; exits non-zero if either check fails.
@@ -27,7 +28,7 @@ for tool in clang-format-16 clang-tidy-16; do
   command -v "$tool" >/dev/null || { echo "$tool not found (apt-get install $tool)" >&2; exit 2; }
 done
 [[ -f $build/compile_commands.json ]] || {
-  echo "$build/compile_commands.json not found: configure it first (CXX=clang++-16 meson setup $build)" >&2
+  echo "$build/compile_commands.json not found: configure it first (CXX=clang++-16 meson setup -Dtests_unity=false $build)" >&2
   exit 2
 }
 
@@ -55,11 +56,14 @@ for f in "${non_ascii[@]}"; do echo "not ASCII: $f ($(LC_ALL=C grep -n -m 1 '[^[
 
 # The project's .cpp files in the build's compile commands (each once).
 mapfile -t units < <(python3 - "$build/compile_commands.json" "$root" <<'PY'
-import json, os, sys
+import json, os, re, sys
 db, root = sys.argv[1], os.path.realpath(sys.argv[2])
 seen = set()
 for entry in json.load(open(db)):
     f = os.path.realpath(os.path.join(entry["directory"], entry["file"]))
+    if re.search(r"-unity[0-9]+\.cpp$", f):
+        sys.exit(f"{db}: {entry['file']} is a unity unit: clang-tidy needs one unit a file "
+                 "(configure BUILD_DIR with -Dtests_unity=false)")
     rel = os.path.relpath(f, root)
     if rel.startswith("..") or not f.endswith(".cpp") or "subprojects" in rel.split(os.sep):
         continue

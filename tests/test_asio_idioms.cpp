@@ -6,6 +6,8 @@
 
 #include "asio_compat.hpp"
 
+namespace asio_idioms_tests {
+
 using namespace ghostlink;
 using ghostlink::test::run_on;
 using ghostlink::test::small_config;
@@ -143,3 +145,5 @@ TEST_CASE("a sequence's operations allocate for the handler with its associated 
   CHECK(counts.allocations.load() >= 2);
   CHECK(counts.allocations.load() == counts.deallocations.load());
 }
+
+}  // namespace asio_idioms_tests

@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+namespace attend_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::seq;
 
@@ -248,3 +250,5 @@ TEST_CASE("attend runs on two threads at once over one snapshot while it is writ
   CHECK(worst[0] < 2e-5);
   CHECK(worst[1] < 2e-5);
 }
+
+}  // namespace attend_tests

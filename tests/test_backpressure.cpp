@@ -15,6 +15,8 @@
 #include <optional>
 #include <thread>
 
+namespace backpressure_tests {
+
 using namespace ghostlink;
 using ghostlink::test::initialized_cache;
 using ghostlink::test::small_config;
@@ -283,3 +285,5 @@ TEST_CASE("a sequence whose layers have a bound appends through it", "[backpress
   CHECK(appended == 4);
   CHECK(seq.size() == 4);
 }
+
+}  // namespace backpressure_tests

@@ -8,6 +8,8 @@
 #include <latch>
 #include <thread>
 
+namespace block_pool_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::pool;
 using ghostlink::test::as_tuple;
@@ -454,3 +456,5 @@ TEST_CASE("blocks shared by a fork are freed exactly once when both sides let go
     CHECK(pool.stats().blocks_shared == 0);
   }
 }
+
+}  // namespace block_pool_tests

@@ -13,6 +13,8 @@
 #include <thread>
 #include <variant>
 
+namespace cancellation_tests {
+
 using namespace ghostlink;
 using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
@@ -203,3 +205,5 @@ TEST_CASE("writes cancelled at random from another thread are either stored and 
   INFO(ok << " stored, " << cancelled << " cancelled");
   CHECK(ok + cancelled == n);
 }
+
+}  // namespace cancellation_tests

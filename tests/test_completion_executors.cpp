@@ -9,6 +9,8 @@
 #include <catch2/generators/catch_generators.hpp>
 #endif
 
+namespace completion_executors_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::completion;
 namespace t = ghostlink::test;
@@ -273,3 +275,5 @@ TEST_CASE("a write copies the caller's spans: changing them after completion cha
     CHECK(e.values == v);
   }
 }
+
+}  // namespace completion_executors_tests

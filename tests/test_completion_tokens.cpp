@@ -4,6 +4,8 @@
 
 #include "completion_support.hpp"
 
+namespace completion_tokens_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::completion;
 namespace t = ghostlink::test;
@@ -228,3 +230,5 @@ TEST_CASE("every operation completes through a plain callback", "[completion]") 
   INFO("token: a lambda");
   check(with_callbacks(calls<false>{f.cache, f.tk}), f);
 }
+
+}  // namespace completion_tokens_tests

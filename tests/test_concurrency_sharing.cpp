@@ -3,6 +3,8 @@
 
 #include "concurrency_support.hpp"
 
+namespace concurrency_sharing_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::concurrency;
 using ghostlink::test::run;
@@ -150,3 +152,5 @@ TEST_CASE("copies of a cache used from different threads share one cache", "[con
   check_all(log, "original", original.snapshot(), 1);
   log.require_none();
 }
+
+}  // namespace concurrency_sharing_tests

@@ -7,6 +7,8 @@
 
 #include <condition_variable>
 
+namespace concurrency_visibility_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::concurrency;
 using ghostlink::test::run;
@@ -358,3 +360,5 @@ TEST_CASE("epochs strictly increase with each publication and no reader sees one
   CHECK(stats.epoch == initial_epoch + (n - 1));
   CHECK(cache.snapshot().epoch() == stats.epoch);
 }
+
+}  // namespace concurrency_visibility_tests

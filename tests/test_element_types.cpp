@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace element_types_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::seq;
 
@@ -420,3 +422,5 @@ TEMPLATE_TEST_CASE("a 16-bit cache forks sharing its blocks and truncates, each 
   INFO(bad.count << " mismatch(es), first:\n" << bad.first);
   CHECK(bad.count == 0);
 }
+
+}  // namespace element_types_tests

@@ -7,6 +7,8 @@
 #include <latch>
 #include <thread>
 
+namespace epoch_cell_tests {
+
 using namespace ghostlink::detail;
 
 namespace {
@@ -82,3 +84,5 @@ TEST_CASE("a pin taken on one thread is released on another", "[epoch_cell]") {
   other.join();
   CHECK(pool->blocks_in_use() == 1);
 }
+
+}  // namespace epoch_cell_tests

@@ -5,6 +5,8 @@
 #include <set>
 #include <string>
 
+namespace errors_tests {
+
 using namespace ghostlink;
 using ghostlink::test::filled;
 using ghostlink::test::observe;
@@ -256,3 +258,5 @@ TEST_CASE("error codes compare, convert and describe themselves", "[errors]") {
   CHECK(messages.size() == 15);
   CHECK_FALSE(kv_category().message(999).empty());
 }
+
+}  // namespace errors_tests

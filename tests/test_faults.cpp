@@ -12,6 +12,8 @@
 #include <optional>
 #include <stdexcept>
 
+namespace faults_tests {
+
 using namespace ghostlink;
 using ghostlink::test::blocking;
 using ghostlink::test::observe;
@@ -213,3 +215,5 @@ TEST_CASE("an allocation failure in one layer of a sequence append stores the to
       [](const auto&, const std::vector<std::size_t>& after) { return after == std::vector<std::size_t>(4, 1); });
   CHECK(allocations >= 3);  // an epoch in every layer
 }
+
+}  // namespace faults_tests

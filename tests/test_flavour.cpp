@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <typeinfo>
 
+namespace flavour_tests {
+
 using namespace ghostlink;
 using ghostlink::test::run_on;
 using ghostlink::test::small_config;
@@ -122,3 +124,5 @@ TEST_CASE("the library's names live in the flavour's inline namespace", "[flavou
   CHECK(cache.find(mine) != std::string_view::npos);
   CHECK(pool.find(other) == std::string_view::npos);
 }
+
+}  // namespace flavour_tests

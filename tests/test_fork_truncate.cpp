@@ -6,6 +6,8 @@
 #include <future>
 #include <string>
 
+namespace fork_truncate_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::pool;
 using ghostlink::test::as_tuple;
@@ -493,3 +495,5 @@ TEST_CASE("concurrent forks and appends under a 2-thread pool leave every cache 
   }
   CHECK(pool.stats().blocks_in_use == 0);
 }
+
+}  // namespace fork_truncate_tests

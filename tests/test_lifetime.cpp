@@ -8,6 +8,8 @@
 #include <memory>
 #include <optional>
 
+namespace lifetime_tests {
+
 using namespace ghostlink;
 using ghostlink::test::cache_fixture;
 using ghostlink::test::filled;
@@ -78,3 +80,5 @@ TEST_CASE("every block is freed when the cache and its snapshots are gone", "[li
   REQUIRE_FALSE(survivor.read_kv(8, entry));
   CHECK(entry.keys == ghostlink::test::token_pattern(width, 8, 1));
 }
+
+}  // namespace lifetime_tests

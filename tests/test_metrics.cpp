@@ -11,6 +11,8 @@
 #include <string>
 #include <string_view>
 
+namespace metrics_tests {
+
 using namespace ghostlink;
 
 namespace {
@@ -283,3 +285,5 @@ TEST_CASE("a real pool's and cache's readings come out as they read", "[metrics]
   CHECK(value_of(text, "ghostlink_kv_layer_tokens{pool=\"real\",cache=\"" + id + "\"}") == "6");
   CHECK(value_of(text, "ghostlink_kv_layer_epoch{pool=\"real\",cache=\"" + id + "\"}") == std::to_string(c.epoch));
 }
+
+}  // namespace metrics_tests

@@ -11,6 +11,8 @@
 #include <numeric>
 #include <thread>
 
+namespace observability_tests {
+
 using namespace ghostlink;
 using ghostlink::test::initialized_cache;
 using ghostlink::test::small_config;
@@ -192,3 +194,5 @@ TEST_CASE("event handlers may be replaced while caches on two threads allocate a
   CHECK(second.load() > 0);
   threads.join();
 }
+
+}  // namespace observability_tests

@@ -13,6 +13,8 @@
 #include <set>
 #include <thread>
 
+namespace prefix_behaviours_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::prefix;
 
@@ -804,3 +806,5 @@ TEST_CASE("concurrency: two tenants with the same prompts under their own salts 
   CHECK(f.pool.stats().peak_blocks_in_use <= 24);
   expect_balanced(f);
 }
+
+}  // namespace prefix_behaviours_tests

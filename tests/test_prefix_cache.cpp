@@ -9,6 +9,8 @@
 #include <mutex>
 #include <thread>
 
+namespace prefix_cache_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::prefix;
 
@@ -712,3 +714,5 @@ TEST_CASE("concurrency: attach, insert, append and release on 2 threads under bu
   f.cache.clear();
   CHECK(f.pool.stats().blocks_in_use == 0);
 }
+
+}  // namespace prefix_cache_tests

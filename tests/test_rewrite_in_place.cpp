@@ -6,6 +6,8 @@
 
 #include <string>
 
+namespace rewrite_in_place_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::pool;
 using ghostlink::test::small_config;
@@ -118,3 +120,5 @@ TEST_CASE("an overwrite of a token the cache still holds copies its block, even 
   CHECK(f.c.diff() == "");
   CHECK(f.pool.stats().cow_copies == 0);
 }
+
+}  // namespace rewrite_in_place_tests

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <thread>
 
+namespace seed_parity_tests {
+
 using namespace ghostlink;
 using ghostlink::test::blocking;
 using ghostlink::test::filled;
@@ -174,3 +176,5 @@ TEST_CASE("debug_output_shows_config_and_length_not_buffers", "[seed]") {
   CHECK(text.find("size=3") != std::string::npos);
   CHECK(text.find("42.5") == std::string::npos);
 }
+
+}  // namespace seed_parity_tests

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <numeric>
 
+namespace semantics_tests {
+
 using namespace ghostlink;
 using ghostlink::test::blocking;
 using ghostlink::test::filled;
@@ -361,3 +363,5 @@ TEST_CASE("stats count drains, applied and failed requests", "[stats]") {
   CHECK(s.size == 4);
   CHECK(s.epoch == f.cache.snapshot().epoch());
 }
+
+}  // namespace semantics_tests

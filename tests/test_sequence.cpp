@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cstdint>
 
+namespace sequence_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::seq;
 using ghostlink::test::small_config;
@@ -496,3 +498,5 @@ TEST_CASE("a multi-token append that runs out of pool blocks in any layer stores
   f.tags.insert(f.tags.end(), 4, 3);
   f.check_contents();
 }
+
+}  // namespace sequence_tests

@@ -10,6 +10,8 @@
 #include <optional>
 #include <random>
 
+namespace sequence_cancellation_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::seq;
 
@@ -201,3 +203,5 @@ TEST_CASE("sequence appends cancelled at random from another thread apply on eve
   CHECK(tags.size() + aborted_count > 0);
   pool.join();
 }
+
+}  // namespace sequence_cancellation_tests

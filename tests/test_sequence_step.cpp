@@ -11,6 +11,8 @@
 #include <optional>
 #include <thread>
 
+namespace sequence_step_tests {
+
 using namespace ghostlink;
 using namespace ghostlink::test::seq;
 using ghostlink::test::small_config;
@@ -667,3 +669,5 @@ TEST_CASE("forward passes on two threads start their writes unawaited and await 
     CHECK(diff_snapshot(seq.snapshot(), std::vector<int>(steps, 1 + d)).empty());
   }
 }
+
+}  // namespace sequence_step_tests

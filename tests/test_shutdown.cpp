@@ -14,6 +14,8 @@
 #include <atomic>
 #include <memory>
 
+namespace shutdown_tests {
+
 using namespace ghostlink;
 using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
@@ -107,3 +109,5 @@ TEST_CASE("destroying a thread_pool with writes in flight neither hangs nor leak
   CHECK(p.failed == 0);
   CHECK(p.pending_handlers() == 0);
 }
+
+}  // namespace shutdown_tests
