@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -142,10 +143,10 @@ class load_job : public std::enable_shared_from_this<load_job> {
     // Every block the tokens fill, reserved at once: nothing taken if short.
     const std::size_t blocks = (header_.tokens + header_.block_tokens - 1) / header_.block_tokens;
     std::error_code short_of;
-    kv_block_reservation reservation = pool_.reserve(blocks * header_.num_layers, short_of);
+    kv_block_reservation reservation = pool_->reserve(blocks * header_.num_layers, short_of);
     if (short_of) return to_error_code(short_of);
     try {
-      seq_ = make_sequence(ex_, header_.num_layers, expected_.config, expected_.element.codec, &pool_);
+      seq_ = make_sequence(ex_, header_.num_layers, expected_.config, expected_.element.codec, &*pool_);
     } catch (const std::system_error& e) {
       return to_error_code(e.code());
     }
@@ -195,13 +196,19 @@ class load_job : public std::enable_shared_from_this<load_job> {
       op_->loaded = std::move(seq_);
       op_->ids = std::move(ids_);
     }
-    seq_.reset();  // a failed load's sequence goes, and its blocks with it
+    // Everything that holds the pool or the sequence goes before the handler
+    // runs (a failed load's sequence with it), as the caller may expect them
+    // gone once it has.
+    seq_.reset();
+    pool_.reset();
+    ex_ = asio::any_io_executor();
+    (void)file_.close();
     std::exchange(op_, nullptr)->complete(ec, queueing::post);
   }
 
   asio::any_io_executor ex_;
   std::filesystem::path path_;
-  kv_block_pool pool_;
+  std::optional<kv_block_pool> pool_;  // reset once the load ends
   file_expectation expected_;
   decltype(track_work(std::declval<const asio::any_io_executor&>())) io_;  // work held until the job ends
   persist_op* op_;  // null once completed or discarded

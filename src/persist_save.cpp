@@ -93,6 +93,9 @@ class save_job {
     } catch (const std::bad_alloc&) {
       ec = kv_errc::capacity_exhausted;
     }
+    // The snapshot goes before the handler runs: once it has, the caller may
+    // expect every block (and the pool) it pinned to be gone.
+    snapshot_.reset();
     std::exchange(op_, nullptr)->complete(ec, queueing::post);
   }
 
