@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -143,10 +142,10 @@ class load_job : public std::enable_shared_from_this<load_job> {
     // Every block the tokens fill, reserved at once: nothing taken if short.
     const std::size_t blocks = (header_.tokens + header_.block_tokens - 1) / header_.block_tokens;
     std::error_code short_of;
-    kv_block_reservation reservation = pool_->reserve(blocks * header_.num_layers, short_of);
+    kv_block_reservation reservation = pool_.reserve(blocks * header_.num_layers, short_of);
     if (short_of) return to_error_code(short_of);
     try {
-      seq_ = make_sequence(ex_, header_.num_layers, expected_.config, expected_.element.codec, &*pool_);
+      seq_ = make_sequence(ex_, header_.num_layers, expected_.config, expected_.element.codec, &pool_);
     } catch (const std::system_error& e) {
       return to_error_code(e.code());
     }
@@ -200,7 +199,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
     // runs (a failed load's sequence with it), as the caller may expect them
     // gone once it has.
     seq_.reset();
-    pool_.reset();
+    { const kv_block_pool released(std::move(pool_)); }
     ex_ = asio::any_io_executor();
     (void)file_.close();
     std::exchange(op_, nullptr)->complete(ec, queueing::post);
@@ -208,7 +207,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
 
   asio::any_io_executor ex_;
   std::filesystem::path path_;
-  std::optional<kv_block_pool> pool_;  // reset once the load ends
+  kv_block_pool pool_;  // moved from (released) once the load ends
   file_expectation expected_;
   decltype(track_work(std::declval<const asio::any_io_executor&>())) io_;  // work held until the job ends
   persist_op* op_;  // null once completed or discarded
@@ -285,14 +284,14 @@ class read_layer_job {
 }  // namespace
 
 void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
-                file_expectation expected, asio::any_io_executor io, persist_op* op) {
+                file_expectation expected, const asio::any_io_executor& io, persist_op* op) {
   if (error_code ec = check_fits(expected, pool)) return op->complete(ec, queueing::post);
   auto job = std::make_shared<load_job>(std::move(ex), std::move(path), pool, std::move(expected), io, op);
   asio::post(io, [job = std::move(job)] { job->start(); });
 }
 
 void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,
-                      asio::any_io_executor io, persist_op* op) {
+                      const asio::any_io_executor& io, persist_op* op) {
   if (layer >= expected.num_layers) return op->complete(kv_errc::layer_mismatch, queueing::post);
   auto job = std::make_shared<read_layer_job>(std::move(path), layer, std::move(expected), op);
   asio::post(io, [job = std::move(job)] { job->run(); });

@@ -129,7 +129,7 @@ class save_job {
 }  // namespace
 
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
-                std::string model, file_element_type element, asio::any_io_executor io, persist_op* op) {
+                std::string model, file_element_type element, const asio::any_io_executor& io, persist_op* op) {
   if (snapshot->num_layers() == 0) return op->complete(kv_errc::layer_mismatch, queueing::post);
   try {
     validate(config, element.codec.size);

@@ -133,11 +133,11 @@ asio::any_io_executor persist_executor(const std::optional<asio::any_io_executor
 /// Each takes ownership of `op` and completes it exactly once, never inside
 /// this call; the file I/O runs on `io`. They throw only if queueing does.
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
-                std::string model, file_element_type element, asio::any_io_executor io, persist_op* op);
+                std::string model, file_element_type element, const asio::any_io_executor& io, persist_op* op);
 void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
-                file_expectation expected, asio::any_io_executor io, persist_op* op);
+                file_expectation expected, const asio::any_io_executor& io, persist_op* op);
 void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,
-                      asio::any_io_executor io, persist_op* op);
+                      const asio::any_io_executor& io, persist_op* op);
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

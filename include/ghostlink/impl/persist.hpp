@@ -28,7 +28,7 @@ struct initiate_save {
     handler_type h(std::forward<Handler>(handler));
     persist_op* started = op::make(std::move(h), io);
     start_save(std::make_unique<typed_saved_sequence<T>>(std::move(snapshot)), std::move(path), options.config,
-               std::move(options.model), file_element_of<T>, std::move(io), started);
+               std::move(options.model), file_element_of<T>, io, started);
   }
 };
 
@@ -60,8 +60,8 @@ struct initiate_read_layer {
     handler_type h(std::forward<Handler>(handler));
     persist_op* started = op::make(std::move(h), io);
     start_read_layer(std::move(path), layer,
-                     {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>},
-                     std::move(io), started);
+                     {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>}, io,
+                     started);
   }
 };
 
