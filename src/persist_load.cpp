@@ -93,11 +93,11 @@ class load_append_op final : public sequence_op {
 
 class load_job : public std::enable_shared_from_this<load_job> {
  public:
-  load_job(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool, file_expectation expected,
+  load_job(asio::any_io_executor ex, std::filesystem::path path, kv_block_pool pool, file_expectation expected,
            const asio::any_io_executor& io, persist_op* op)
       : ex_(std::move(ex)),
         path_(std::move(path)),
-        pool_(pool),
+        pool_(std::move(pool)),
         expected_(std::move(expected)),
         io_(track_work(io)),
         op_(op) {}

@@ -37,7 +37,7 @@ template <storage_element T>
 struct initiate_load {
   template <class Handler>
   void operator()(Handler&& handler, asio::any_io_executor ex, std::filesystem::path path, kv_block_pool pool,
-                  kv_sequence_expectation expected, kv_load_options options) const {
+                  kv_sequence_expectation expected, const kv_load_options& options) const {
     using handler_type = std::decay_t<Handler>;
     using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_loaded<basic_sequence_kv_cache<T>>>;
     handler_type h(std::forward<Handler>(handler));
@@ -53,7 +53,7 @@ template <storage_element T>
 struct initiate_read_layer {
   template <class Handler>
   void operator()(Handler&& handler, std::filesystem::path path, std::size_t layer, kv_sequence_expectation expected,
-                  kv_load_options options) const {
+                  const kv_load_options& options) const {
     using handler_type = std::decay_t<Handler>;
     using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_layer>;
     asio::any_io_executor io = persist_executor(options.io_executor);
