@@ -337,7 +337,7 @@ TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   CHECK(u32_at(bytes, tokens_at) == 1000);
   CHECK(u32_at(bytes, tokens_at + 16) == 1004);
   CHECK(table_at % 8 == 0);
-  const std::uint64_t layer_bytes = std::uint64_t{2 * 5 * 8} * sizeof(bfloat16);
+  const std::uint64_t layer_bytes = std::uint64_t{2} * 5 * 8 * sizeof(bfloat16);
   for (std::size_t l = 0; l < layers; ++l) {
     INFO("layer " << l);
     const std::uint64_t at = u64_at(bytes, table_at + 24 * l);
@@ -376,7 +376,7 @@ TEST_CASE("one layer reads alone through the offset table", "[persist]") {
   // A damaged layer 2 spoils layer 2 only: layer 0 is read without it.
   std::vector<std::byte> bytes = read_file(f.file);
   const std::uint64_t table_at = u64_at(bytes, 72);
-  bytes[u64_at(bytes, table_at + std::uint64_t{24 * 2}) + 3] ^= std::byte{0x10};
+  bytes[u64_at(bytes, table_at + std::uint64_t{24} * 2) + 3] ^= std::byte{0x10};
   write_file(f.file, bytes);
   CHECK_FALSE(read_layer<half>(f.file, 0).first);
   CHECK(read_layer<half>(f.file, 2).first == kv_errc::file_corrupt);
@@ -407,7 +407,7 @@ TEST_CASE("a load refuses a damaged file, making no sequence and taking no block
   SECTION("the token ids, or their checksum") {
     damaged(tokens_at + 1);
     check_refused(f, bad, kv_errc::file_corrupt);
-    damaged(tokens_at + std::uint64_t{4 * 9 + 2});
+    damaged(tokens_at + std::uint64_t{4} * 9 + 2);
     check_refused(f, bad, kv_errc::file_corrupt);
   }
   SECTION("the layer table, or its checksum") {
