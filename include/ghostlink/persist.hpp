@@ -20,8 +20,9 @@
 /// Cancellation: each operation honours its handler's associated
 /// cancellation slot (any type) until it finishes: a save stops before its
 /// rename (the temporary file is removed, any old file is intact), a load
-/// between chunks (the partly loaded sequence is released). Either then
-/// completes with `asio::error::operation_aborted`.
+/// between chunks (the partly loaded sequence is released), a layer read
+/// before it starts. Each then completes with
+/// `asio::error::operation_aborted`.
 
 #include <concepts>
 #include <cstddef>
@@ -88,8 +89,10 @@ struct kv_sequence_expectation {
 /// `options.config`, or a model id over 65536 bytes), `width_mismatch`
 /// (`options.config.token_width()` not the snapshot's), all before any
 /// I/O; the operating system's (`errno` in the generic category, e.g.
-/// `ENOENT`, `ENOTDIR`, `EACCES`, `ENOSPC`); `asio::error::operation_aborted`
-/// if cancelled before the rename.
+/// `ENOENT`, `ENOTDIR`, `EACCES`, `ENOSPC`; after the rename, only the
+/// directory's `fsync` can fail: the new file is in place then, but may not
+/// survive a crash); `capacity_exhausted` if memory is refused;
+/// `asio::error::operation_aborted` if cancelled before the rename.
 ///
 /// Handler: queued on its associated executor (without one, the I/O
 /// executor), never run inside this call.
