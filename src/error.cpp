@@ -42,6 +42,13 @@ class kv_category_impl final : public category_base {
       case kv_errc::step_closed: return "the step has already been committed or ended";
       case kv_errc::invalid_shape:
         return "invalid attention shape: every field must be non-zero and query heads a multiple of KV heads";
+      case kv_errc::file_corrupt: return "the file is not a saved sequence, or a checksum or size in it is wrong";
+      case kv_errc::file_truncated: return "the saved sequence's file is shorter than its header says";
+      case kv_errc::file_version_unsupported: return "the saved sequence's format version is not supported";
+      case kv_errc::geometry_mismatch:
+        return "the saved sequence has other layers, heads, head size or block size than expected";
+      case kv_errc::element_type_mismatch: return "the saved sequence stores another element type";
+      case kv_errc::model_mismatch: return "the saved sequence is of another model";
     }
     return "unknown ghostlink.kv error " + std::to_string(ev);
   }

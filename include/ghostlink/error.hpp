@@ -20,7 +20,8 @@ GHOSTLINK_NAMESPACE_BEGIN
 /// `invalid_config`. `capacity_exhausted` also stands for memory the system
 /// refused (a block, a page table, an epoch, room in the mailbox). A
 /// cancelled operation completes with `asio::error::operation_aborted`,
-/// which is not a `kv_errc`.
+/// which is not a `kv_errc`. Saving and loading (persist.hpp) also report
+/// the operating system's errors (`errno`) in the generic category.
 enum class kv_errc {
   zero_length = 1,      ///< `initialize(0)`.
   length_mismatch,      ///< `keys.size() != values.size()`.
@@ -39,6 +40,12 @@ enum class kv_errc {
   step_incomplete,        ///< a step committed before every layer was written.
   step_closed,            ///< a step written or committed after its commit or its end.
   invalid_shape,          ///< an `attention_shape` with a zero field, or query heads not a multiple of KV heads.
+  file_corrupt,           ///< a saved sequence's file whose checksum or structure is wrong, or not such a file.
+  file_truncated,         ///< a saved sequence's file shorter than its header says.
+  file_version_unsupported,  ///< a saved sequence's file of a format version this build cannot read.
+  geometry_mismatch,         ///< a saved sequence of other layers, heads, head size or block size than expected.
+  element_type_mismatch,     ///< a saved sequence of another element type than the one loaded.
+  model_mismatch,            ///< a saved sequence of another model id than expected.
 };
 
 /// The category of `kv_errc`; its name is `"ghostlink.kv"`. In the Boost

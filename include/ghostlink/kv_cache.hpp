@@ -6,7 +6,8 @@
 /// @namespace ghostlink
 /// The public API: `layer_kv_cache` and `sequence_kv_cache` (written through
 /// actors, read through snapshots), `kv_snapshot`, `kv_block_pool`,
-/// `kv_prefix_cache` (reuse of prompt prefixes across requests), the
+/// `kv_prefix_cache` (reuse of prompt prefixes across requests), saving and
+/// loading sequences (`async_save`, `async_load`), the
 /// config, errors, statistics and events. Names in `ghostlink::detail` are
 /// internals, with no stability promise.
 
@@ -19,6 +20,7 @@
 #include "ghostlink/layer_kv_cache.hpp"
 #include "ghostlink/layer_kv_view.hpp"
 #include "ghostlink/metrics.hpp"
+#include "ghostlink/persist.hpp"
 #include "ghostlink/prefix_cache.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/sequence_step.hpp"

@@ -189,11 +189,18 @@ class operation {
   ref_ptr<cancel_state> cancel_;  // null unless something can cancel the operation
 };
 
+/// Whether a `MakeResult` makes several arguments (a `std::tuple` of them).
+template <class T>
+struct is_tuple : std::false_type {};
+template <class... T>
+struct is_tuple<std::tuple<T...>> : std::true_type {};
+
 /// An operation of shape `Base` (a request, a sequence operation) carrying
 /// its completion handler and a hold on the handler's executor's work (so
 /// that context does not run out of work while the operation waits).
 /// `MakeResult`, if not void, turns the finished `Base` into the handler's
-/// second argument (a fork's new cache).
+/// second argument (a fork's new cache), or into its arguments after the
+/// first as a `std::tuple` (a load's sequence and token ids).
 template <class Base, class Handler, class IoExecutor, class MakeResult = void>
 class handler_op final : public Base {
  public:
@@ -239,7 +246,13 @@ class handler_op final : public Base {
       auto result = MakeResult{}(static_cast<Base&>(*self));
       self->~handler_op();
       std::allocator_traits<allocator_type>::deallocate(alloc, self, 1);
-      if (ec) post_completion(how, std::move(handler), executor_of(work), *ec, std::move(result));
+      if (!ec) return;
+      if constexpr (is_tuple<decltype(result)>::value)  // several results: the handler's arguments after `ec`
+        std::apply(
+            [&](auto&... r) { post_completion(how, std::move(handler), executor_of(work), *ec, std::move(r)...); },
+            result);
+      else
+        post_completion(how, std::move(handler), executor_of(work), *ec, std::move(result));
     }
   }
 

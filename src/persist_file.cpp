@@ -1,0 +1,123 @@
+#include "persist_file.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <string>
+
+#include "ghostlink/error.hpp"
+
+#if GHOSTLINK_ASIO_BOOST
+#include <boost/system/error_category.hpp>
+#endif
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+error_code errno_code(int e) noexcept {
+#if GHOSTLINK_ASIO_BOOST
+  return {e, boost::system::generic_category()};
+#else
+  return {e, std::generic_category()};
+#endif
+}
+
+namespace {
+error_code last_error() noexcept { return errno_code(errno); }
+}  // namespace
+
+file_descriptor& file_descriptor::operator=(file_descriptor&& other) noexcept {
+  if (this != &other) {
+    (void)close();
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+file_descriptor::~file_descriptor() { (void)close(); }
+
+error_code file_descriptor::close() noexcept {
+  if (fd_ < 0) return {};
+  // Linux frees the descriptor even when close() fails (EINTR included):
+  // never retry it.
+  const int result = ::close(release());
+  return result == 0 ? error_code() : last_error();
+}
+
+error_code open_for_reading(const std::filesystem::path& path, file_descriptor& out, std::uint64_t& file_bytes) {
+  file_descriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));  // NOLINT(cppcoreguidelines-pro-type-vararg)
+  if (file.get() < 0) return last_error();
+  struct stat st {};
+  if (::fstat(file.get(), &st) != 0) return last_error();
+  if (!S_ISREG(st.st_mode)) return errno_code(S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
+  file_bytes = static_cast<std::uint64_t>(st.st_size);
+  out = std::move(file);
+  return {};
+}
+
+error_code read_at(const file_descriptor& file, std::uint64_t offset, std::span<std::byte> out) {
+  while (!out.empty()) {
+    const ssize_t n = ::pread(file.get(), out.data(), out.size(), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return last_error();
+    if (n == 0) return kv_errc::file_truncated;
+    out = out.subspan(static_cast<std::size_t>(n));
+    offset += static_cast<std::uint64_t>(n);
+  }
+  return {};
+}
+
+error_code write_at(const file_descriptor& file, std::uint64_t offset, std::span<const std::byte> bytes) {
+  while (!bytes.empty()) {
+    const ssize_t n = ::pwrite(file.get(), bytes.data(), bytes.size(), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return last_error();
+    bytes = bytes.subspan(static_cast<std::size_t>(n));
+    offset += static_cast<std::uint64_t>(n);
+  }
+  return {};
+}
+
+replacement_file::~replacement_file() {
+  (void)file_.close();
+  if (created_) (void)::unlink(temporary_.c_str());
+}
+
+error_code replacement_file::create(const std::filesystem::path& target, std::uint64_t bytes) {
+  // A name no other save (of this process or another) uses: the target's,
+  // hidden, with the process id and a counter; O_EXCL makes sure.
+  static std::atomic<std::uint64_t> counter{0};
+  target_ = target;
+  const std::string stem = "." + target.filename().string() + ".tmp." + std::to_string(::getpid()) + ".";
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    temporary_ = target.parent_path() / (stem + std::to_string(counter.fetch_add(1, std::memory_order_relaxed)));
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg): open's mode argument
+    file_ = file_descriptor(::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
+    if (file_.get() >= 0) break;
+    if (errno != EEXIST) return last_error();
+  }
+  if (file_.get() < 0) return errno_code(EEXIST);
+  created_ = true;
+  if (::ftruncate(file_.get(), static_cast<off_t>(bytes)) != 0) return last_error();
+  return {};
+}
+
+error_code replacement_file::commit() {
+  if (::fsync(file_.get()) != 0) return last_error();
+  if (error_code ec = file_.close()) return ec;
+  if (::rename(temporary_.c_str(), target_.c_str()) != 0) return last_error();
+  created_ = false;
+  // The rename reaches the disk with the directory.
+  const std::filesystem::path dir = target_.parent_path().empty() ? std::filesystem::path(".") : target_.parent_path();
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg)
+  const file_descriptor d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.get() < 0) return last_error();
+  if (::fsync(d.get()) != 0) return last_error();
+  return {};
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

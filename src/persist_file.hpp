@@ -1,0 +1,72 @@
+#pragma once
+// The file I/O of saving and loading sequences (POSIX): whole reads and
+// writes at an offset, and the atomic replacement of a file by a new one.
+// Everything here blocks: it runs on the I/O executor only
+// (detail::persist_executor), never on a cache's strand.
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include "ghostlink/detail/flavour.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+/// `errno` value `e` as the flavour's error code, in the generic category.
+error_code errno_code(int e) noexcept;
+
+/// An open file descriptor, closed on destruction.
+class file_descriptor {
+ public:
+  file_descriptor() noexcept = default;
+  explicit file_descriptor(int fd) noexcept : fd_(fd) {}
+  file_descriptor(file_descriptor&& other) noexcept : fd_(other.release()) {}
+  file_descriptor& operator=(file_descriptor&& other) noexcept;
+  ~file_descriptor();
+
+  int get() const noexcept { return fd_; }
+  int release() noexcept {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  /// Closes it now, reporting close()'s error.
+  error_code close() noexcept;
+
+ private:
+  int fd_ = -1;
+};
+
+/// Opens `path` to read, and its length.
+error_code open_for_reading(const std::filesystem::path& path, file_descriptor& out, std::uint64_t& file_bytes);
+/// Reads exactly `out.size()` bytes at `offset`; `file_truncated` if the
+/// file ends first (it shrank since it was opened).
+error_code read_at(const file_descriptor& file, std::uint64_t offset, std::span<std::byte> out);
+/// Writes all of `bytes` at `offset`.
+error_code write_at(const file_descriptor& file, std::uint64_t offset, std::span<const std::byte> bytes);
+
+/// A new file that replaces `target` atomically: created beside it under a
+/// unique name, it takes `target`'s name only in commit(), after reaching
+/// the disk. Removed on destruction unless committed.
+class replacement_file {
+ public:
+  replacement_file() = default;
+  replacement_file(const replacement_file&) = delete;
+  replacement_file& operator=(const replacement_file&) = delete;
+  ~replacement_file();
+
+  /// Creates the temporary file, of `bytes` bytes (zeros).
+  error_code create(const std::filesystem::path& target, std::uint64_t bytes);
+  const file_descriptor& file() const noexcept { return file_; }
+  /// fsync, close, rename over the target, fsync the directory.
+  error_code commit();
+
+ private:
+  std::filesystem::path target_, temporary_;
+  file_descriptor file_;
+  bool created_ = false;  // temporary_ exists under its name, ours to remove
+};
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

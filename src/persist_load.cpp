@@ -1,0 +1,301 @@
+// Loading a saved sequence (start_load) and reading one layer of it
+// (start_read_layer).
+//
+// Threads: the file is read and checked on the I/O executor. A load then
+// appends the tokens chunk by chunk through the new sequence's actors (on
+// their strands, as any append): each append's completion posts the next
+// chunk back to the I/O executor, so no thread ever waits for an actor.
+// While appends are in flight the job holds work on the I/O executor; the
+// load_append_op in flight holds the job.
+
+#include <algorithm>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include "ghostlink/detail/sequence_core.hpp"
+#include "ghostlink/error.hpp"
+#include "persist_file.hpp"
+#include "persist_format.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+/// Reads and checks everything in the file up to the layers' payload: the
+/// header (against `expected`) and the layer table, and the token ids if
+/// `ids` is not null.
+error_code open_checked(const std::filesystem::path& path, const file_expectation& expected, file_descriptor& file,
+                        file_header& header, std::vector<layer_entry>& table, std::vector<token_id>* ids) {
+  std::uint64_t file_bytes = 0;
+  if (error_code ec = open_for_reading(path, file, file_bytes)) return ec;
+  std::vector<std::byte> bytes(std::min<std::uint64_t>(file_bytes, fixed_header_bytes));
+  std::size_t header_bytes = 0;
+  if (error_code ec = read_at(file, 0, bytes)) return ec;
+  if (error_code ec = header_length(bytes, file_bytes, header_bytes)) return ec;
+  bytes.resize(header_bytes);
+  if (error_code ec = read_at(file, 0, bytes)) return ec;
+  if (error_code ec = decode_header(bytes, file_bytes, header)) return ec;
+  if (error_code ec = check_expected(header, expected)) return ec;
+  if (ids) {
+    bytes.resize(token_section_bytes(header));
+    if (error_code ec = read_at(file, header.layout.tokens_offset, bytes)) return ec;
+    if (error_code ec = decode_tokens(header, bytes, *ids)) return ec;
+  }
+  bytes.resize(table_bytes(header));
+  if (error_code ec = read_at(file, header.layout.table_offset, bytes)) return ec;
+  return decode_table(header, bytes, table);
+}
+
+/// Checks `entry`'s payload against its checksum, reading it in pieces.
+error_code check_layer(const file_descriptor& file, const layer_entry& entry) {
+  constexpr std::uint64_t piece = std::uint64_t{1} << 20;
+  std::vector<std::byte> bytes(std::min(entry.bytes, piece));
+  xxh3_stream hash;
+  for (std::uint64_t done = 0; done < entry.bytes;) {
+    const std::span<std::byte> part = std::span(bytes).first(std::min(piece, entry.bytes - done));
+    if (error_code ec = read_at(file, entry.offset + done, part)) return ec;
+    hash.update(part);
+    done += part.size();
+  }
+  return hash.digest() == entry.checksum ? error_code() : error_code(kv_errc::file_corrupt);
+}
+
+/// `invalid_config` unless a sequence of `expected` can be made on `pool`
+/// (what make_sequence() would throw), checked before any I/O.
+error_code check_fits(const file_expectation& expected, const kv_block_pool& pool) {
+  if (expected.num_layers == 0 || expected.config.max_blocks != kv_cache_config{}.max_blocks)
+    return kv_errc::invalid_config;
+  try {
+    validate(expected.config, expected.element.codec.size);
+  } catch (const std::system_error&) {
+    return kv_errc::invalid_config;
+  }
+  const std::size_t block =
+      2 * expected.config.block_tokens * expected.config.token_width() * expected.element.codec.size;
+  return block == pool.block_bytes() ? error_code() : error_code(kv_errc::invalid_config);
+}
+
+class load_job;
+
+/// One chunk's append: its completion hands the result back to the job.
+class load_append_op final : public sequence_op {
+ public:
+  explicit load_append_op(std::shared_ptr<load_job> job) noexcept : sequence_op(&finish), job_(std::move(job)) {}
+
+ private:
+  static void finish(operation* base, const error_code* ec, queueing how);
+  std::shared_ptr<load_job> job_;
+};
+
+class load_job : public std::enable_shared_from_this<load_job> {
+ public:
+  load_job(asio::any_io_executor ex, std::filesystem::path path, kv_block_pool pool, file_expectation expected,
+           const asio::any_io_executor& io, persist_op* op)
+      : ex_(std::move(ex)),
+        path_(std::move(path)),
+        pool_(std::move(pool)),
+        expected_(std::move(expected)),
+        io_(track_work(io)),
+        op_(op) {}
+  load_job(const load_job&) = delete;
+  load_job& operator=(const load_job&) = delete;
+  ~load_job() {
+    if (op_) op_->discard();  // dropped unrun: the I/O executor or an actor was destroyed
+  }
+
+  /// On the I/O executor: checks the whole file, then makes the sequence.
+  void start() {
+    error_code ec;
+    try {
+      ec = op_->claim() ? check_and_make() : error_code(asio::error::operation_aborted);
+    } catch (const std::bad_alloc&) {
+      ec = kv_errc::capacity_exhausted;
+    }
+    if (ec) return finish(ec);
+    append_next();
+  }
+
+  /// Where a chunk's append ended (on a layer's strand): back to the I/O
+  /// executor. Null: the actor dropped the append unapplied.
+  void appended(const error_code* ec) {
+    if (!ec) {
+      std::exchange(op_, nullptr)->discard();
+      return;
+    }
+    asio::post(io_, [self = shared_from_this(), result = *ec] {
+      if (result) return self->finish(result);
+      self->append_next();
+    });
+  }
+
+ private:
+  error_code check_and_make() {
+    std::vector<layer_entry> table;
+    if (error_code ec = open_checked(path_, expected_, file_, header_, table, &ids_)) return ec;
+    if (header_.tokens > expected_.config.max_tokens_per_seq) return kv_errc::index_out_of_range;
+    for (const layer_entry& entry : table)
+      if (error_code ec = check_layer(file_, entry)) return ec;
+    // Every block the tokens fill, reserved at once: nothing taken if short.
+    const std::size_t blocks = (header_.tokens + header_.block_tokens - 1) / header_.block_tokens;
+    std::error_code short_of;
+    kv_block_reservation reservation = pool_.reserve(blocks * header_.num_layers, short_of);
+    if (short_of) return to_error_code(short_of);
+    try {
+      seq_ = make_sequence(ex_, header_.num_layers, expected_.config, expected_.element.codec, &pool_);
+    } catch (const std::system_error& e) {
+      return to_error_code(e.code());
+    }
+    use_reservation(*seq_, reservation);
+    // Chunks of whole blocks, about 16 MiB of floats for all layers.
+    const std::size_t width = header_.token_width();
+    const std::size_t per_block = header_.block_tokens * width * 2 * sizeof(float) * header_.num_layers;
+    chunk_ = header_.block_tokens * std::max<std::size_t>(1, (std::size_t{16} << 20) / per_block);
+    chunk_ = std::min<std::size_t>(chunk_, header_.tokens);
+    raw_.resize(chunk_ * width * header_.element_bytes);
+    keys_.assign(header_.num_layers, std::vector<float>(chunk_ * width));
+    values_.assign(header_.num_layers, std::vector<float>(chunk_ * width));
+    key_spans_.resize(header_.num_layers);
+    value_spans_.resize(header_.num_layers);
+    return {};
+  }
+
+  /// On the I/O executor: appends the next chunk, or completes.
+  void append_next() {
+    if (!op_->claim()) return finish(asio::error::operation_aborted);
+    if (next_ == header_.tokens) return finish({});
+    const std::size_t n = std::min<std::size_t>(chunk_, header_.tokens - next_);
+    const std::size_t width = header_.token_width();
+    const std::span<std::byte> raw = std::span(raw_).first(n * width * header_.element_bytes);
+    for (std::size_t l = 0; l < header_.num_layers; ++l) {
+      const std::uint64_t at = header_.layout.layer_offset(l) + next_ * width * header_.element_bytes;
+      for (auto [out, from] : {std::pair{&keys_[l], at}, std::pair{&values_[l], at + header_.half_layer_bytes()}}) {
+        if (error_code ec = read_at(file_, from, raw)) return finish(ec);
+        widen_stored(header_.element, raw.data(), n * width, out->data());
+      }
+      key_spans_[l] = std::span<const float>(keys_[l]).first(n * width);
+      value_spans_[l] = std::span<const float>(values_[l]).first(n * width);
+    }
+    const std::span<const token_id> ids = std::span(ids_).subspan(next_, n);
+    next_ += n;
+    load_append_op* op = nullptr;
+    try {
+      op = new load_append_op(shared_from_this());
+    } catch (const std::bad_alloc&) {
+      return finish(kv_errc::capacity_exhausted);
+    }
+    start_append(seq_, op, key_spans_, value_spans_, ids);
+  }
+
+  void finish(error_code ec) {
+    if (!ec) {
+      op_->loaded = std::move(seq_);
+      op_->ids = std::move(ids_);
+    }
+    // Everything that holds the pool or the sequence goes before the handler
+    // runs (a failed load's sequence with it), as the caller may expect them
+    // gone once it has.
+    seq_.reset();
+    { const kv_block_pool released(std::move(pool_)); }
+    ex_ = asio::any_io_executor();
+    (void)file_.close();
+    std::exchange(op_, nullptr)->complete(ec, queueing::post);
+  }
+
+  asio::any_io_executor ex_;
+  std::filesystem::path path_;
+  kv_block_pool pool_;  // moved from (released) once the load ends
+  file_expectation expected_;
+  decltype(track_work(std::declval<const asio::any_io_executor&>())) io_;  // work held until the job ends
+  persist_op* op_;  // null once completed or discarded
+
+  file_descriptor file_;
+  file_header header_;
+  std::vector<token_id> ids_;
+  std::shared_ptr<sequence_core> seq_;
+  std::size_t chunk_ = 0;  // tokens per append
+  std::size_t next_ = 0;   // the next token to append
+  std::vector<std::byte> raw_;
+  std::vector<std::vector<float>> keys_, values_;
+  std::vector<std::span<const float>> key_spans_, value_spans_;
+};
+
+void load_append_op::finish(operation* base, const error_code* ec, queueing) {
+  auto* self = static_cast<load_append_op*>(base);
+  const std::shared_ptr<load_job> job = std::move(self->job_);
+  delete self;  // NOLINT(cppcoreguidelines-owning-memory): made by load_job::append_next
+  job->appended(ec);
+}
+
+/// Reads one layer: all of it on the I/O executor, in one go.
+class read_layer_job {
+ public:
+  read_layer_job(std::filesystem::path path, std::size_t layer, file_expectation expected, persist_op* op)
+      : path_(std::move(path)), layer_(layer), expected_(std::move(expected)), op_(op) {}
+  read_layer_job(const read_layer_job&) = delete;
+  read_layer_job& operator=(const read_layer_job&) = delete;
+  ~read_layer_job() {
+    if (op_) op_->discard();
+  }
+
+  void run() {
+    error_code ec;
+    try {
+      ec = op_->claim() ? read() : error_code(asio::error::operation_aborted);
+    } catch (const std::bad_alloc&) {
+      ec = kv_errc::capacity_exhausted;
+    }
+    if (ec) op_->layer = {};
+    std::exchange(op_, nullptr)->complete(ec, queueing::post);
+  }
+
+ private:
+  error_code read() {
+    file_descriptor file;
+    file_header header;
+    std::vector<layer_entry> table;
+    if (error_code ec = open_checked(path_, expected_, file, header, table, nullptr)) return ec;
+    const layer_entry& entry = table[layer_];
+    std::vector<std::byte> bytes(entry.bytes);
+    if (error_code ec = read_at(file, entry.offset, bytes)) return ec;
+    xxh3_stream hash;
+    hash.update(bytes);
+    if (hash.digest() != entry.checksum) return kv_errc::file_corrupt;
+    const std::size_t elements = header.tokens * header.token_width();
+    kv_range& out = op_->layer;
+    out.begin = 0;
+    out.end = header.tokens;
+    out.keys.resize(elements);
+    out.values.resize(elements);
+    widen_stored(header.element, bytes.data(), elements, out.keys.data());
+    widen_stored(header.element, bytes.data() + header.half_layer_bytes(), elements, out.values.data());
+    return {};
+  }
+
+  std::filesystem::path path_;
+  std::size_t layer_;
+  file_expectation expected_;
+  persist_op* op_;  // null once completed
+};
+
+}  // namespace
+
+void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
+                file_expectation expected, const asio::any_io_executor& io, persist_op* op) {
+  if (error_code ec = check_fits(expected, pool)) return op->complete(ec, queueing::post);
+  auto job = std::make_shared<load_job>(std::move(ex), std::move(path), pool, std::move(expected), io, op);
+  asio::post(io, [job = std::move(job)] { job->start(); });
+}
+
+void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,
+                      const asio::any_io_executor& io, persist_op* op) {
+  if (layer >= expected.num_layers) return op->complete(kv_errc::layer_mismatch, queueing::post);
+  auto job = std::make_shared<read_layer_job>(std::move(path), layer, std::move(expected), op);
+  asio::post(io, [job = std::move(job)] { job->run(); });
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END
