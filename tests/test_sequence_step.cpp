@@ -5,6 +5,10 @@
 
 #include "asio_compat.hpp"
 
+#ifdef GHOSTLINK_CATCH2_V3
+#include <catch2/generators/catch_generators.hpp>
+#endif
+
 #include <atomic>
 #include <future>
 #include <memory>
