@@ -7,8 +7,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <new>
 #include <span>
-#include "ghostlink/detail/flavour.hpp"
+#include <utility>
+#include "ghostlink/detail/asio_config.hpp"
+
+#include "ghostlink/detail/persist_core.hpp"
+#include "ghostlink/error.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -67,6 +72,17 @@ class replacement_file {
   file_descriptor file_;
   bool created_ = false;  // temporary_ exists under its name, ours to remove
 };
+
+/// A job's start on the I/O executor: `work()` unless `op` was cancelled
+/// first (then `operation_aborted`); memory refused is `capacity_exhausted`.
+template <class Work>
+error_code run_claimed(const persist_op& op, Work&& work) noexcept {
+  try {
+    return op.claim() ? std::forward<Work>(work)() : error_code(asio::error::operation_aborted);
+  } catch (const std::bad_alloc&) {
+    return kv_errc::capacity_exhausted;
+  }
+}
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -109,12 +109,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
 
   /// On the I/O executor: checks the whole file, then makes the sequence.
   void start() {
-    error_code ec;
-    try {
-      ec = op_->claim() ? check_and_make() : error_code(asio::error::operation_aborted);
-    } catch (const std::bad_alloc&) {
-      ec = kv_errc::capacity_exhausted;
-    }
+    const error_code ec = run_claimed(*op_, [&] { return check_and_make(); });
     if (ec) return finish(ec);
     append_next();
   }
@@ -242,12 +237,7 @@ class read_layer_job {
   }
 
   void run() {
-    error_code ec;
-    try {
-      ec = op_->claim() ? read() : error_code(asio::error::operation_aborted);
-    } catch (const std::bad_alloc&) {
-      ec = kv_errc::capacity_exhausted;
-    }
+    const error_code ec = run_claimed(*op_, [&] { return read(); });
     if (ec) op_->layer = {};
     std::exchange(op_, nullptr)->complete(ec, queueing::post);
   }

@@ -87,12 +87,7 @@ class save_job {
   }
 
   void run() {
-    error_code ec;
-    try {
-      ec = op_->claim() ? write() : error_code(asio::error::operation_aborted);
-    } catch (const std::bad_alloc&) {
-      ec = kv_errc::capacity_exhausted;
-    }
+    const error_code ec = run_claimed(*op_, [&] { return write(); });
     // The snapshot goes before the handler runs: once it has, the caller may
     // expect every block (and the pool) it pinned to be gone.
     snapshot_.reset();
