@@ -116,6 +116,17 @@ template <class T>
 struct fixture {
   fixture() = default;
   explicit fixture(kv_pool_limits limits) : pool(kv_block_pool::for_caches<T>(test_config(), limits)) {}
+  fixture(const fixture&) = delete;
+  fixture& operator=(const fixture&) = delete;
+  /// Ends `threads` as Asio wants a pool that other threads post to ended:
+  /// joined once its work is done. A load completes from the I/O thread,
+  /// which lets go of its hold on the handler's executor (`threads`) just
+  /// after queueing the handler, so the handler may have run before that;
+  /// destroying the pool unjoined would race with it.
+  ~fixture() {
+    seq = {};
+    threads.join();
+  }
 
   asio::thread_pool threads{2};
   kv_block_pool pool = kv_block_pool::for_caches<T>(test_config());
