@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX sigaction
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -542,6 +543,32 @@ TEST_CASE("a missing file or an impossible path is the operating system's error"
   CHECK(ec == errno_error(ENOTDIR));
   CHECK(f.dir.entries() == std::vector<std::string>{"plain"});
   check_refused(f, not_a_dir / "seq.glkv", errno_error(ENOTDIR));
+}
+
+TEST_CASE("a FIFO is refused as not a regular file (EINVAL), without waiting for a writer", "[persist]") {
+  fixture<float> f;
+  const fs::path fifo = f.dir.path / "fifo.glkv";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // Bounded: if the open blocked, a writer is opened to release it, so the
+  // test fails instead of hanging.
+  const auto bounded = [&](auto start) {
+    auto done = std::async(std::launch::async, start);
+    if (done.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
+      const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);  // NOLINT(*-vararg)
+      FAIL_CHECK("the open of a FIFO blocked");
+      if (writer >= 0) ::close(writer);
+    }
+    return done.get();
+  };
+  const std::size_t blocks = f.blocks_in_use();
+  const loaded<float> got = bounded([&] { return load<float>(f.threads, fifo, f.pool); });
+  INFO(got.ec.message());
+  CHECK(got.ec == errno_error(EINVAL));
+  CHECK_FALSE(got.seq.valid());
+  CHECK(f.blocks_in_use() == blocks);
+  const ghostlink::error_code layer_ec = bounded([&] { return read_layer<float>(fifo, 0).first; });
+  INFO(layer_ec.message());
+  CHECK(layer_ec == errno_error(EINVAL));
 }
 
 TEST_CASE("a save checks its arguments before any I/O", "[persist]") {
