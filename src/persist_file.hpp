@@ -86,5 +86,25 @@ error_code run_claimed(const persist_op& op, Work&& work) noexcept {
   }
 }
 
+/// A started operation that no job owns yet: discarded (its handler
+/// destroyed unrun, its work released) if an exception (memory refused,
+/// queueing) unwinds past it before take() hands it on.
+class unstarted_op {
+ public:
+  explicit unstarted_op(persist_op* op) noexcept : op_(op) {}
+  unstarted_op(const unstarted_op&) = delete;
+  unstarted_op& operator=(const unstarted_op&) = delete;
+  ~unstarted_op() {
+    if (op_) op_->discard();
+  }
+
+  persist_op* take() noexcept { return std::exchange(op_, nullptr); }
+  /// Ends it early, with `ec` (posted).
+  void complete(error_code ec) { take()->complete(ec, queueing::post); }
+
+ private:
+  persist_op* op_;
+};
+
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -72,8 +72,7 @@ error_code open_checked(const std::filesystem::path& path, const file_expectatio
   if (error_code ec = read_at(file, layout.table_offset, bytes)) return ec;
   if (error_code ec = decode_table(header, bytes, table)) return ec;
   if (error_code ec = check_padding(file, layout.header_bytes, layout.tokens_offset)) return ec;
-  if (error_code ec =
-          check_padding(file, layout.tokens_offset + token_section_bytes(header), layout.table_offset))
+  if (error_code ec = check_padding(file, layout.tokens_offset + token_section_bytes(header), layout.table_offset))
     return ec;
   return check_padding(file, layout.table_offset + table_bytes(header), layout.first_layer);
 }
@@ -122,13 +121,13 @@ class load_append_op final : public sequence_op {
 class load_job : public std::enable_shared_from_this<load_job> {
  public:
   load_job(asio::any_io_executor ex, std::filesystem::path path, kv_block_pool pool, file_expectation expected,
-           const asio::any_io_executor& io, persist_op* op)
+           const asio::any_io_executor& io, unstarted_op& op)
       : ex_(std::move(ex)),
         path_(std::move(path)),
         pool_(std::move(pool)),
         expected_(std::move(expected)),
         io_(track_work(io)),
-        op_(op) {}
+        op_(op.take()) {}  // last: `op` is taken only once nothing else can throw
   load_job(const load_job&) = delete;
   load_job& operator=(const load_job&) = delete;
   ~load_job() {
@@ -257,8 +256,8 @@ void load_append_op::finish(operation* base, const error_code* ec, queueing) {
 /// Reads one layer: all of it on the I/O executor, in one go.
 class read_layer_job {
  public:
-  read_layer_job(std::filesystem::path path, std::size_t layer, file_expectation expected, persist_op* op)
-      : path_(std::move(path)), layer_(layer), expected_(std::move(expected)), op_(op) {}
+  read_layer_job(std::filesystem::path path, std::size_t layer, file_expectation expected, unstarted_op& op) noexcept
+      : path_(std::move(path)), layer_(layer), expected_(std::move(expected)), op_(op.take()) {}
   read_layer_job(const read_layer_job&) = delete;
   read_layer_job& operator=(const read_layer_job&) = delete;
   ~read_layer_job() {
@@ -305,15 +304,18 @@ class read_layer_job {
 
 void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
                 file_expectation expected, const asio::any_io_executor& io, persist_op* op) {
-  if (error_code ec = check_fits(expected, pool)) return op->complete(ec, queueing::post);
-  auto job = std::make_shared<load_job>(std::move(ex), std::move(path), pool, std::move(expected), io, op);
+  unstarted_op pending(op);
+  if (error_code ec = check_fits(expected, pool)) return pending.complete(ec);
+  auto job = std::make_shared<load_job>(std::move(ex), std::move(path), pool, std::move(expected), io, pending);
+  // From here the job owns the operation (a throwing post discards it).
   asio::post(io, [job = std::move(job)] { job->start(); });
 }
 
 void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,
                       const asio::any_io_executor& io, persist_op* op) {
-  if (layer >= expected.num_layers) return op->complete(kv_errc::layer_mismatch, queueing::post);
-  auto job = std::make_shared<read_layer_job>(std::move(path), layer, std::move(expected), op);
+  unstarted_op pending(op);
+  if (layer >= expected.num_layers) return pending.complete(kv_errc::layer_mismatch);
+  auto job = std::make_shared<read_layer_job>(std::move(path), layer, std::move(expected), pending);
   asio::post(io, [job = std::move(job)] { job->run(); });
 }
 
