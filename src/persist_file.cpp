@@ -48,7 +48,11 @@ error_code file_descriptor::close() noexcept {
 }
 
 error_code open_for_reading(const std::filesystem::path& path, file_descriptor& out, std::uint64_t& file_bytes) {
-  file_descriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));  // NOLINT(cppcoreguidelines-pro-type-vararg)
+  // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer
+  // before the S_ISREG check refuses it; it changes nothing for a regular
+  // file, whose reads never block on it.
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg)
+  file_descriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (file.get() < 0) return last_error();
   struct stat st {};
   if (::fstat(file.get(), &st) != 0) return last_error();
@@ -75,6 +79,7 @@ error_code write_at(const file_descriptor& file, std::uint64_t offset, std::span
     const ssize_t n = ::pwrite(file.get(), bytes.data(), bytes.size(), static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return last_error();
+    if (n == 0) return errno_code(EIO);  // no progress: retrying would loop forever
     bytes = bytes.subspan(static_cast<std::size_t>(n));
     offset += static_cast<std::uint64_t>(n);
   }

@@ -43,12 +43,14 @@ class file_descriptor {
   int fd_ = -1;
 };
 
-/// Opens `path` to read, and its length.
+/// Opens `path` to read, and its length: `EISDIR` for a directory, `EINVAL`
+/// for anything else that is not a regular file (a FIFO, a device), refused
+/// without waiting for a writer.
 error_code open_for_reading(const std::filesystem::path& path, file_descriptor& out, std::uint64_t& file_bytes);
 /// Reads exactly `out.size()` bytes at `offset`; `file_truncated` if the
 /// file ends first (it shrank since it was opened).
 error_code read_at(const file_descriptor& file, std::uint64_t offset, std::span<std::byte> out);
-/// Writes all of `bytes` at `offset`.
+/// Writes all of `bytes` at `offset`; `EIO` if a write makes no progress.
 error_code write_at(const file_descriptor& file, std::uint64_t offset, std::span<const std::byte> bytes);
 
 /// A new file that replaces `target` atomically: created beside it under a
@@ -83,6 +85,26 @@ error_code run_claimed(const persist_op& op, Work&& work) noexcept {
     return kv_errc::capacity_exhausted;
   }
 }
+
+/// A started operation that no job owns yet: discarded (its handler
+/// destroyed unrun, its work released) if an exception (memory refused,
+/// queueing) unwinds past it before take() hands it on.
+class unstarted_op {
+ public:
+  explicit unstarted_op(persist_op* op) noexcept : op_(op) {}
+  unstarted_op(const unstarted_op&) = delete;
+  unstarted_op& operator=(const unstarted_op&) = delete;
+  ~unstarted_op() {
+    if (op_) op_->discard();
+  }
+
+  persist_op* take() noexcept { return std::exchange(op_, nullptr); }
+  /// Ends it early, with `ec` (posted).
+  void complete(error_code ec) { take()->complete(ec, queueing::post); }
+
+ private:
+  persist_op* op_;
+};
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

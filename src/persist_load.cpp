@@ -9,6 +9,7 @@
 // load_append_op in flight holds the job.
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <span>
 #include <utility>
@@ -25,9 +26,29 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
+/// `file_corrupt` unless bytes [from, to) of `file` are zero, as padding is.
+error_code check_padding(const file_descriptor& file, std::uint64_t from, std::uint64_t to) {
+  std::array<std::byte, layer_alignment> bytes{};
+  while (from < to) {
+    const std::span<std::byte> part = std::span(bytes).first(std::min<std::uint64_t>(bytes.size(), to - from));
+    if (error_code ec = read_at(file, from, part)) return ec;
+    if (std::ranges::any_of(part, [](std::byte b) { return b != std::byte{0}; })) return kv_errc::file_corrupt;
+    from += part.size();
+  }
+  return {};
+}
+
+/// The padding after layer `layer`'s payload, up to the next layer's.
+error_code check_layer_padding(const file_descriptor& file, const file_header& header, std::size_t layer) {
+  if (layer + 1 >= header.num_layers) return {};  // the file ends right after the last layer
+  const std::uint64_t end = header.layout.layer_offset(layer) + header.layout.layer_bytes;
+  return check_padding(file, end, header.layout.layer_offset(layer + 1));
+}
+
 /// Reads and checks everything in the file up to the layers' payload: the
-/// header (against `expected`) and the layer table, and the token ids if
-/// `ids` is not null.
+/// header (against `expected`, and its token count against the config's
+/// limit before anything of that size is read), the layer table, the
+/// padding between them, and the token ids if `ids` is not null.
 error_code open_checked(const std::filesystem::path& path, const file_expectation& expected, file_descriptor& file,
                         file_header& header, std::vector<layer_entry>& table, std::vector<token_id>* ids) {
   std::uint64_t file_bytes = 0;
@@ -40,14 +61,20 @@ error_code open_checked(const std::filesystem::path& path, const file_expectatio
   if (error_code ec = read_at(file, 0, bytes)) return ec;
   if (error_code ec = decode_header(bytes, file_bytes, header)) return ec;
   if (error_code ec = check_expected(header, expected)) return ec;
+  if (header.tokens > expected.config.max_tokens_per_seq) return kv_errc::index_out_of_range;
+  const file_layout& layout = header.layout;
   if (ids) {
     bytes.resize(token_section_bytes(header));
-    if (error_code ec = read_at(file, header.layout.tokens_offset, bytes)) return ec;
+    if (error_code ec = read_at(file, layout.tokens_offset, bytes)) return ec;
     if (error_code ec = decode_tokens(header, bytes, *ids)) return ec;
   }
   bytes.resize(table_bytes(header));
-  if (error_code ec = read_at(file, header.layout.table_offset, bytes)) return ec;
-  return decode_table(header, bytes, table);
+  if (error_code ec = read_at(file, layout.table_offset, bytes)) return ec;
+  if (error_code ec = decode_table(header, bytes, table)) return ec;
+  if (error_code ec = check_padding(file, layout.header_bytes, layout.tokens_offset)) return ec;
+  if (error_code ec = check_padding(file, layout.tokens_offset + token_section_bytes(header), layout.table_offset))
+    return ec;
+  return check_padding(file, layout.table_offset + table_bytes(header), layout.first_layer);
 }
 
 /// Checks `entry`'s payload against its checksum, reading it in pieces.
@@ -94,13 +121,13 @@ class load_append_op final : public sequence_op {
 class load_job : public std::enable_shared_from_this<load_job> {
  public:
   load_job(asio::any_io_executor ex, std::filesystem::path path, kv_block_pool pool, file_expectation expected,
-           const asio::any_io_executor& io, persist_op* op)
+           const asio::any_io_executor& io, unstarted_op& op)
       : ex_(std::move(ex)),
         path_(std::move(path)),
         pool_(std::move(pool)),
         expected_(std::move(expected)),
         io_(track_work(io)),
-        op_(op) {}
+        op_(op.take()) {}  // last: `op` is taken only once nothing else can throw
   load_job(const load_job&) = delete;
   load_job& operator=(const load_job&) = delete;
   ~load_job() {
@@ -131,9 +158,10 @@ class load_job : public std::enable_shared_from_this<load_job> {
   error_code check_and_make() {
     std::vector<layer_entry> table;
     if (error_code ec = open_checked(path_, expected_, file_, header_, table, &ids_)) return ec;
-    if (header_.tokens > expected_.config.max_tokens_per_seq) return kv_errc::index_out_of_range;
-    for (const layer_entry& entry : table)
-      if (error_code ec = check_layer(file_, entry)) return ec;
+    for (std::size_t l = 0; l < table.size(); ++l) {
+      if (error_code ec = check_layer(file_, table[l])) return ec;
+      if (error_code ec = check_layer_padding(file_, header_, l)) return ec;
+    }
     // Every block the tokens fill, reserved at once: nothing taken if short.
     const std::size_t blocks = (header_.tokens + header_.block_tokens - 1) / header_.block_tokens;
     std::error_code short_of;
@@ -228,8 +256,8 @@ void load_append_op::finish(operation* base, const error_code* ec, queueing) {
 /// Reads one layer: all of it on the I/O executor, in one go.
 class read_layer_job {
  public:
-  read_layer_job(std::filesystem::path path, std::size_t layer, file_expectation expected, persist_op* op)
-      : path_(std::move(path)), layer_(layer), expected_(std::move(expected)), op_(op) {}
+  read_layer_job(std::filesystem::path path, std::size_t layer, file_expectation expected, unstarted_op& op) noexcept
+      : path_(std::move(path)), layer_(layer), expected_(std::move(expected)), op_(op.take()) {}
   read_layer_job(const read_layer_job&) = delete;
   read_layer_job& operator=(const read_layer_job&) = delete;
   ~read_layer_job() {
@@ -254,6 +282,7 @@ class read_layer_job {
     xxh3_stream hash;
     hash.update(bytes);
     if (hash.digest() != entry.checksum) return kv_errc::file_corrupt;
+    if (error_code ec = check_layer_padding(file, header, layer_)) return ec;
     const std::size_t elements = header.tokens * header.token_width();
     kv_range& out = op_->layer;
     out.begin = 0;
@@ -275,15 +304,18 @@ class read_layer_job {
 
 void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
                 file_expectation expected, const asio::any_io_executor& io, persist_op* op) {
-  if (error_code ec = check_fits(expected, pool)) return op->complete(ec, queueing::post);
-  auto job = std::make_shared<load_job>(std::move(ex), std::move(path), pool, std::move(expected), io, op);
+  unstarted_op pending(op);
+  if (error_code ec = check_fits(expected, pool)) return pending.complete(ec);
+  auto job = std::make_shared<load_job>(std::move(ex), std::move(path), pool, std::move(expected), io, pending);
+  // From here the job owns the operation (a throwing post discards it).
   asio::post(io, [job = std::move(job)] { job->start(); });
 }
 
 void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,
                       const asio::any_io_executor& io, persist_op* op) {
-  if (layer >= expected.num_layers) return op->complete(kv_errc::layer_mismatch, queueing::post);
-  auto job = std::make_shared<read_layer_job>(std::move(path), layer, std::move(expected), op);
+  unstarted_op pending(op);
+  if (layer >= expected.num_layers) return pending.complete(kv_errc::layer_mismatch);
+  auto job = std::make_shared<read_layer_job>(std::move(path), layer, std::move(expected), pending);
   asio::post(io, [job = std::move(job)] { job->run(); });
 }
 

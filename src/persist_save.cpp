@@ -77,9 +77,10 @@ class layer_writer {
 
 class save_job {
  public:
+  /// Takes `op` once nothing can throw.
   save_job(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, file_header header,
-           persist_op* op) noexcept
-      : snapshot_(std::move(snapshot)), path_(std::move(path)), header_(std::move(header)), op_(op) {}
+           unstarted_op& op) noexcept
+      : snapshot_(std::move(snapshot)), path_(std::move(path)), header_(std::move(header)), op_(op.take()) {}
   save_job(const save_job&) = delete;
   save_job& operator=(const save_job&) = delete;
   ~save_job() {
@@ -125,18 +126,21 @@ class save_job {
 
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
                 std::string model, file_element_type element, const asio::any_io_executor& io, persist_op* op) {
-  if (snapshot->num_layers() == 0) return op->complete(kv_errc::layer_mismatch, queueing::post);
+  unstarted_op pending(op);
+  if (snapshot->num_layers() == 0) return pending.complete(kv_errc::layer_mismatch);
   try {
     validate(config, element.codec.size);
   } catch (const std::system_error&) {
-    return op->complete(kv_errc::invalid_config, queueing::post);
+    return pending.complete(kv_errc::invalid_config);
   }
-  if (model.size() > max_model_bytes) return op->complete(kv_errc::invalid_config, queueing::post);
-  if (snapshot->token_width() != config.token_width()) return op->complete(kv_errc::width_mismatch, queueing::post);
+  if (model.size() > max_model_bytes) return pending.complete(kv_errc::invalid_config);
+  if (snapshot->token_width() != config.token_width()) return pending.complete(kv_errc::width_mismatch);
   file_header header;
   if (error_code ec = make_header(snapshot->num_layers(), config, snapshot->size(), element, std::move(model), header))
-    return op->complete(ec, queueing::post);
-  auto job = std::make_shared<save_job>(std::move(snapshot), std::move(path), std::move(header), op);
+    return pending.complete(ec);
+  auto job = std::make_shared<save_job>(std::move(snapshot), std::move(path), std::move(header), pending);
+  // From here the job owns the operation: a throwing post destroys it, and
+  // it discards the operation.
   asio::post(io, [job = std::move(job)] { job->run(); });
 }
 

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX sigaction
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -451,6 +452,39 @@ TEST_CASE("a load refuses a damaged file, making no sequence and taking no block
   }
 }
 
+TEST_CASE("a load refuses a file with any one byte changed, padding included", "[persist]") {
+  // One half token in 3 layers: every kind of padding is there (after the
+  // header, the ids and the table, and 32 bytes after each layer but the
+  // last), in a file small enough to damage byte by byte.
+  fixture<half> f;
+  f.append(1);
+  REQUIRE_FALSE(f.save());
+  const std::vector<std::byte> good = read_file(f.file);
+  REQUIRE(good.size() < 1024);
+  const std::uint64_t table_at = u64_at(good, 72);
+  const std::uint64_t layer0 = u64_at(good, table_at), layer1 = u64_at(good, table_at + 24);
+  const std::uint64_t layer0_end = layer0 + u64_at(good, table_at + 8);
+  REQUIRE(layer0_end < layer1);  // the test needs padding after a layer
+  const fs::path bad = f.dir.path / "bad.glkv";
+  const std::size_t blocks = f.blocks_in_use();
+  for (std::size_t at = 0; at < good.size(); ++at) {
+    std::vector<std::byte> b = good;
+    b[at] ^= std::byte{0x01};
+    write_file(bad, b);
+    const loaded<half> got = load<half>(f.threads, bad, f.pool);
+    if (!got.ec || got.seq.valid() || !got.ids.empty() || f.blocks_in_use() != blocks)
+      FAIL_CHECK("byte " << at << " of " << good.size() << " changed, yet the load gave: " << got.ec.message());
+  }
+  // A layer read checks the padding it passes and its own layer's tail.
+  for (const std::uint64_t at : {std::uint64_t{u32_at(good, 12)}, table_at - 1, layer0 - 1, layer0_end, layer1 - 1}) {
+    INFO("byte " << at);
+    std::vector<std::byte> b = good;
+    b[at] = std::byte{0x80};
+    write_file(bad, b);
+    CHECK(read_layer<half>(bad, 0).first == kv_errc::file_corrupt);
+  }
+}
+
 TEST_CASE("a load refuses a truncated file at any length", "[persist]") {
   fixture<half> f;
   f.append(9);
@@ -522,6 +556,7 @@ TEST_CASE("a load refuses another version, geometry, element type or model", "[p
     kv_cache_config small = test_config();
     small.max_tokens_per_seq = 4;
     check_refused(f, f.file, kv_errc::index_out_of_range, expectation(small));
+    CHECK(read_layer<float>(f.file, 0, expectation(small)).first == kv_errc::index_out_of_range);
   }
   SECTION("a config that does not fit the pool") {
     kv_cache_config other = test_config();
@@ -553,6 +588,32 @@ TEST_CASE("a missing file or an impossible path is the operating system's error"
   CHECK(ec == errno_error(ENOTDIR));
   CHECK(f.dir.entries() == std::vector<std::string>{"plain"});
   check_refused(f, not_a_dir / "seq.glkv", errno_error(ENOTDIR));
+}
+
+TEST_CASE("a FIFO is refused as not a regular file (EINVAL), without waiting for a writer", "[persist]") {
+  fixture<float> f;
+  const fs::path fifo = f.dir.path / "fifo.glkv";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // Bounded: if the open blocked, a writer is opened to release it, so the
+  // test fails instead of hanging.
+  const auto bounded = [&](auto start) {
+    auto done = std::async(std::launch::async, start);
+    if (done.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
+      const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);  // NOLINT(*-vararg)
+      FAIL_CHECK("the open of a FIFO blocked");
+      if (writer >= 0) ::close(writer);
+    }
+    return done.get();
+  };
+  const std::size_t blocks = f.blocks_in_use();
+  const loaded<float> got = bounded([&] { return load<float>(f.threads, fifo, f.pool); });
+  INFO(got.ec.message());
+  CHECK(got.ec == errno_error(EINVAL));
+  CHECK_FALSE(got.seq.valid());
+  CHECK(f.blocks_in_use() == blocks);
+  const ghostlink::error_code layer_ec = bounded([&] { return read_layer<float>(fifo, 0).first; });
+  INFO(layer_ec.message());
+  CHECK(layer_ec == errno_error(EINVAL));
 }
 
 TEST_CASE("a save checks its arguments before any I/O", "[persist]") {

@@ -8,14 +8,19 @@
 /// Where the I/O runs: file I/O (open, read, write, fsync, rename) runs on
 /// the executor given as `io_executor` in the options, else on a small
 /// private pool of two threads, created at the first save or load that
-/// needs it and joined at exit. Never on a cache's strand: a load appends
+/// needs it and joined at exit. A save's or a layer read's handler without
+/// an associated executor runs on that I/O executor, so on the private pool
+/// when none is given: it must not block there (nor wait for another save
+/// or load), or it stalls every save and load of the process. Never on a cache's strand: a load appends
 /// what it read through the sequence's actors like any other append, and a
 /// save reads its snapshot (lock-free) on the I/O executor.
 ///
 /// Cost: a save writes every layer's stored elements as they are (`T`'s
 /// bits), hashing them with XXH3 (several GB/s) on the way; a load reads the
 /// file twice through one open descriptor, first checking every checksum,
-/// then appending the tokens in chunks of at most about 16 MiB of floats.
+/// then appending the tokens in chunks of whole blocks: as many blocks as
+/// 16 MiB of floats (all layers together) holds, but at least one, so a
+/// chunk is one block, over 16 MiB, when a block of all layers is bigger.
 ///
 /// Cancellation: each operation honours its handler's associated
 /// cancellation slot (any type) until it finishes: a save stops before its
@@ -95,7 +100,7 @@ struct kv_sequence_expectation {
 /// `asio::error::operation_aborted` if cancelled before the rename.
 ///
 /// Handler: queued on its associated executor (without one, the I/O
-/// executor), never run inside this call.
+/// executor: it must not block there), never run inside this call.
 ///
 /// @param snapshot what to save (moved in: it stays pinned until completion).
 /// @param path     the file to write or replace.
@@ -119,11 +124,14 @@ auto async_save(basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
 /// each token's id (`no_token_id` for a token stored without one). Errors:
 /// `invalid_config` (a bad `expected.config`, one that does not fit `pool`,
 /// zero layers), the operating system's (`errno` in the generic category:
-/// `ENOENT` for a missing file), `file_corrupt`, `file_truncated`,
+/// `ENOENT` for a missing file, `EISDIR` for a directory, `EINVAL` for
+/// anything else that is not a regular file, such as a FIFO, refused
+/// without waiting for a writer), `file_corrupt` (also a nonzero padding
+/// byte), `file_truncated`,
 /// `file_version_unsupported`, `element_type_mismatch` (a file of another
 /// `T`), `geometry_mismatch`, `model_mismatch`, `index_out_of_range` (more
 /// tokens than `expected.config.max_tokens_per_seq`), `capacity_exhausted`
-/// (the pool cannot give the blocks: none taken), and
+/// (the pool cannot give the blocks: none taken; or memory refused), and
 /// `asio::error::operation_aborted` if cancelled first.
 ///
 /// Handler: queued on its associated executor (without one, `ex`), never
@@ -155,12 +163,15 @@ auto async_load(asio::any_io_executor ex, std::filesystem::path path, kv_block_p
 ///
 /// Completion signature: `void(error_code, kv_range)`: every token of the
 /// layer (`begin` 0, `end` the tokens saved), widened exactly to floats.
-/// Errors: as `async_load` (without `capacity_exhausted` and
-/// `index_out_of_range`), and `layer_mismatch` if `layer >=
-/// expected.num_layers`.
+/// Errors: as `async_load` (`capacity_exhausted` only if memory is refused;
+/// `index_out_of_range`, more tokens than
+/// `expected.config.max_tokens_per_seq`, is checked before the layer is
+/// read), and `layer_mismatch` if `layer >= expected.num_layers`. Of the
+/// padding, what precedes the layer table and the layer's own tail are
+/// checked.
 ///
 /// Handler: queued on its associated executor (without one, the I/O
-/// executor), never run inside this call.
+/// executor: it must not block there), never run inside this call.
 ///
 /// @param path     the file to read.
 /// @param layer    the layer to read.

@@ -131,7 +131,9 @@ struct file_expectation {
 asio::any_io_executor persist_executor(const std::optional<asio::any_io_executor>& given);
 
 /// Each takes ownership of `op` and completes it exactly once, never inside
-/// this call; the file I/O runs on `io`. They throw only if queueing does.
+/// this call; the file I/O runs on `io`. They throw only if memory is
+/// refused or queueing throws, and then discard `op` (its handler destroyed
+/// unrun, its work released) first.
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
                 std::string model, file_element_type element, const asio::any_io_executor& io, persist_op* op);
 void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,

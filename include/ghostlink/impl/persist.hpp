@@ -24,11 +24,14 @@ struct initiate_save {
                   kv_save_options options) const {
     using handler_type = std::decay_t<Handler>;
     using op = handler_op<persist_op, handler_type, asio::any_io_executor>;
+    // Whatever may throw (memory, the private pool's threads) before the
+    // operation exists; start_save discards it if it throws.
     asio::any_io_executor io = persist_executor(options.io_executor);
+    auto saved = std::make_unique<typed_saved_sequence<T>>(std::move(snapshot));
     handler_type h(std::forward<Handler>(handler));
     persist_op* started = op::make(std::move(h), io);
-    start_save(std::make_unique<typed_saved_sequence<T>>(std::move(snapshot)), std::move(path), options.config,
-               std::move(options.model), file_element_of<T>, io, started);
+    start_save(std::move(saved), std::move(path), options.config, std::move(options.model), file_element_of<T>, io,
+               started);
   }
 };
 
@@ -40,11 +43,13 @@ struct initiate_load {
                   kv_sequence_expectation expected, const kv_load_options& options) const {
     using handler_type = std::decay_t<Handler>;
     using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_loaded<basic_sequence_kv_cache<T>>>;
+    // The private pool's threads, which may fail to start, before the
+    // operation exists; start_load discards it if it throws.
+    asio::any_io_executor io = persist_executor(options.io_executor);
     handler_type h(std::forward<Handler>(handler));
     persist_op* started = op::make(std::move(h), ex);
     start_load(std::move(ex), std::move(path), pool,
-               {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>},
-               persist_executor(options.io_executor), started);
+               {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>}, io, started);
   }
 };
 
