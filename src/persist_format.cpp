@@ -153,7 +153,8 @@ std::vector<std::byte> encode_front(const file_header& h, std::span<const token_
 error_code header_length(std::span<const std::byte> start, std::uint64_t file_bytes, std::size_t& header_bytes) {
   const std::size_t have = std::min<std::uint64_t>(start.size(), file_bytes);
   const std::size_t magic = std::min(have, file_magic.size());
-  if (std::memcmp(start.data(), file_magic.data(), magic) != 0) return kv_errc::file_corrupt;
+  // (An empty file has no data pointer to compare: memcmp must not see it.)
+  if (magic != 0 && std::memcmp(start.data(), file_magic.data(), magic) != 0) return kv_errc::file_corrupt;
   if (have < at_version + 4) return kv_errc::file_truncated;
   if (get<std::uint32_t>(start.data() + at_version) != file_version) return kv_errc::file_version_unsupported;
   if (have < fixed_header_bytes) return kv_errc::file_truncated;
