@@ -65,9 +65,9 @@ bool align(std::uint64_t a, std::uint64_t to, std::uint64_t& out) noexcept {
 
 std::uint32_t element_bytes_of(std::uint32_t element) noexcept {
   switch (element) {
-    case file_element<float>: return sizeof(float);
-    case file_element<half>: return sizeof(half);
-    case file_element<bfloat16>: return sizeof(bfloat16);
+    case element_code<float>: return sizeof(float);
+    case element_code<half>: return sizeof(half);
+    case element_code<bfloat16>: return sizeof(bfloat16);
     default: return 0;
   }
 }
@@ -242,8 +242,8 @@ std::uint64_t xxh3_stream::digest() const noexcept { return XXH3_64bits_digest(&
 
 void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out) noexcept {
   switch (element) {
-    case file_element<half>: widen(reinterpret_cast<const half*>(stored), n, out); break;
-    case file_element<bfloat16>: widen(reinterpret_cast<const bfloat16*>(stored), n, out); break;
+    case element_code<half>: widen(reinterpret_cast<const half*>(stored), n, out); break;
+    case element_code<bfloat16>: widen(reinterpret_cast<const bfloat16*>(stored), n, out); break;
     default:
       if (n != 0) std::memcpy(out, stored, n * sizeof(float));
       break;

@@ -46,7 +46,7 @@ struct file_layout {
 
 /// What the header says.
 struct file_header {
-  std::uint32_t element = 0;  // file_element<T>
+  std::uint32_t element = 0;  // element_code<T>
   std::uint32_t element_bytes = 0;
   std::uint64_t num_layers = 0, num_heads = 0, head_dim = 0, block_tokens = 0;
   std::uint64_t tokens = 0;
@@ -107,7 +107,7 @@ class xxh3_stream {
   std::unique_ptr<state> state_;
 };
 
-/// Widens `n` stored elements of type `element` (file_element<T>) exactly
+/// Widens `n` stored elements of type `element` (element_code<T>) exactly
 /// into floats.
 void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out) noexcept;
 

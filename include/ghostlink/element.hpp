@@ -157,5 +157,13 @@ void store_as(std::span<const float> src, std::byte* dst) noexcept {
 template <storage_element T>
 inline constexpr element_codec codec_of{sizeof(T), &store_as<T>};
 
+/// The number that names an element type wherever one is written down:
+/// the prefix cache's root hash (one byte) and a saved sequence's header
+/// (docs/FORMAT.md). 0 float, 1 half, 2 bfloat16.
+template <storage_element T>
+inline constexpr std::uint8_t element_code = std::is_same_v<T, float>  ? 0
+                                             : std::is_same_v<T, half> ? 1
+                                                                       : 2;
+
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -81,12 +81,6 @@ namespace detail {
 class prefix_index;
 class sequence_core;
 
-/// The one byte of the root hash that names the element type.
-template <storage_element T>
-inline constexpr std::uint8_t element_code = std::is_same_v<T, float>  ? 0
-                                             : std::is_same_v<T, half> ? 1
-                                                                       : 2;
-
 // The untyped machinery (src/prefix_cache.cpp).
 std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
                                                 element_codec codec, std::uint8_t element, const kv_block_pool& pool,

@@ -59,20 +59,14 @@ struct take_layer {
   kv_range operator()(persist_op& op) const noexcept { return std::move(op.layer); }
 };
 
-/// How a file names its element type (docs/FORMAT.md).
-template <storage_element T>
-inline constexpr std::uint32_t file_element = std::is_same_v<T, float>  ? 0
-                                              : std::is_same_v<T, half> ? 1
-                                                                        : 2;
-
 /// The element type a save writes or a load expects.
 struct file_element_type {
-  std::uint32_t code;   // file_element<T>
+  std::uint32_t code;   // element_code<T>
   element_codec codec;  // its size, and how floats become it
 };
 
 template <storage_element T>
-inline constexpr file_element_type file_element_of{file_element<T>, codec_of<T>};
+inline constexpr file_element_type file_element_of{element_code<T>, codec_of<T>};
 
 /// The snapshot a save writes, untyped. Read on the I/O executor: its
 /// members are const and a snapshot is safe to read from any thread.
