@@ -110,11 +110,12 @@ error_code replacement_file::create(const std::filesystem::path& target, std::ui
   return {};
 }
 
-error_code replacement_file::commit() {
-  if (::fsync(file_.get()) != 0) return last_error();
+error_code replacement_file::commit(bool durable) {
+  if (durable && ::fsync(file_.get()) != 0) return last_error();
   if (error_code ec = file_.close()) return ec;
   if (::rename(temporary_.c_str(), target_.c_str()) != 0) return last_error();
   created_ = false;
+  if (!durable) return {};
   // The rename reaches the disk with the directory.
   const std::filesystem::path dir = target_.parent_path().empty() ? std::filesystem::path(".") : target_.parent_path();
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg)

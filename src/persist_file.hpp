@@ -66,8 +66,10 @@ class replacement_file {
   /// Creates the temporary file, of `bytes` bytes (zeros).
   error_code create(const std::filesystem::path& target, std::uint64_t bytes);
   const file_descriptor& file() const noexcept { return file_; }
-  /// fsync, close, rename over the target, fsync the directory.
-  error_code commit();
+  /// fsync (if `durable`), close, rename over the target, fsync the
+  /// directory (if `durable`). Without fsync a killed process still leaves
+  /// the old file or the new one, never a torn one; a power loss may not.
+  error_code commit(bool durable = true);
 
  private:
   std::filesystem::path target_, temporary_;

@@ -17,6 +17,9 @@ static_assert(std::endian::native == std::endian::little, "the saved-sequence fo
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
+
+std::uint64_t xxh3_64(std::span<const std::byte> bytes) noexcept { return XXH3_64bits(bytes.data(), bytes.size()); }
+
 namespace {
 
 // Byte offsets of the header's fixed fields (docs/FORMAT.md).
@@ -39,19 +42,6 @@ enum header_field : std::size_t {
 };
 constexpr std::size_t checksum_bytes = 8;
 constexpr std::size_t entry_bytes = 24;
-
-template <class U>
-void put(std::byte* at, U v) noexcept {
-  for (std::size_t i = 0; i < sizeof(U); ++i) at[i] = static_cast<std::byte>((v >> (8 * i)) & 0xffu);
-}
-template <class U>
-U get(const std::byte* at) noexcept {
-  U v = 0;
-  for (std::size_t i = 0; i < sizeof(U); ++i) v |= static_cast<U>(std::to_integer<unsigned>(at[i])) << (8 * i);
-  return v;
-}
-
-std::uint64_t xxh3(std::span<const std::byte> bytes) noexcept { return XXH3_64bits(bytes.data(), bytes.size()); }
 
 // Checked arithmetic on what a file says: false on overflow.
 bool mul(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept { return !__builtin_mul_overflow(a, b, &out); }
@@ -118,35 +108,35 @@ std::vector<std::byte> encode_front(const file_header& h, std::span<const token_
   std::vector<std::byte> out(l.first_layer);  // zeros: the padding
   std::byte* p = out.data();
   std::memcpy(p + at_magic, file_magic.data(), file_magic.size());
-  put<std::uint32_t>(p + at_version, file_version);
-  put<std::uint32_t>(p + at_header_bytes, static_cast<std::uint32_t>(l.header_bytes));
-  put<std::uint32_t>(p + at_element, h.element);
-  put<std::uint32_t>(p + at_element_bytes, h.element_bytes);
-  put<std::uint64_t>(p + at_num_layers, h.num_layers);
-  put<std::uint64_t>(p + at_num_heads, h.num_heads);
-  put<std::uint64_t>(p + at_head_dim, h.head_dim);
-  put<std::uint64_t>(p + at_block_tokens, h.block_tokens);
-  put<std::uint64_t>(p + at_tokens, h.tokens);
-  put<std::uint64_t>(p + at_tokens_offset, l.tokens_offset);
-  put<std::uint64_t>(p + at_table_offset, l.table_offset);
-  put<std::uint64_t>(p + at_file_bytes, l.file_bytes);
-  put<std::uint32_t>(p + at_model_bytes, static_cast<std::uint32_t>(h.model.size()));
+  put_le<std::uint32_t>(p + at_version, file_version);
+  put_le<std::uint32_t>(p + at_header_bytes, static_cast<std::uint32_t>(l.header_bytes));
+  put_le<std::uint32_t>(p + at_element, h.element);
+  put_le<std::uint32_t>(p + at_element_bytes, h.element_bytes);
+  put_le<std::uint64_t>(p + at_num_layers, h.num_layers);
+  put_le<std::uint64_t>(p + at_num_heads, h.num_heads);
+  put_le<std::uint64_t>(p + at_head_dim, h.head_dim);
+  put_le<std::uint64_t>(p + at_block_tokens, h.block_tokens);
+  put_le<std::uint64_t>(p + at_tokens, h.tokens);
+  put_le<std::uint64_t>(p + at_tokens_offset, l.tokens_offset);
+  put_le<std::uint64_t>(p + at_table_offset, l.table_offset);
+  put_le<std::uint64_t>(p + at_file_bytes, l.file_bytes);
+  put_le<std::uint32_t>(p + at_model_bytes, static_cast<std::uint32_t>(h.model.size()));
   std::memcpy(p + fixed_header_bytes, h.model.data(), h.model.size());
   const std::size_t hashed = fixed_header_bytes + h.model.size();
-  put<std::uint64_t>(p + hashed, xxh3(std::span(out).first(hashed)));
+  put_le<std::uint64_t>(p + hashed, xxh3_64(std::span(out).first(hashed)));
 
   std::byte* t = p + l.tokens_offset;
-  for (std::size_t i = 0; i < ids.size(); ++i) put<std::uint32_t>(t + 4 * i, std::bit_cast<std::uint32_t>(ids[i]));
-  put<std::uint64_t>(t + 4 * ids.size(), xxh3(std::span(out).subspan(l.tokens_offset, 4 * ids.size())));
+  for (std::size_t i = 0; i < ids.size(); ++i) put_le<std::uint32_t>(t + 4 * i, std::bit_cast<std::uint32_t>(ids[i]));
+  put_le<std::uint64_t>(t + 4 * ids.size(), xxh3_64(std::span(out).subspan(l.tokens_offset, 4 * ids.size())));
 
   std::byte* e = p + l.table_offset;
   for (std::size_t i = 0; i < table.size(); ++i) {
-    put<std::uint64_t>(e + entry_bytes * i, table[i].offset);
-    put<std::uint64_t>(e + entry_bytes * i + 8, table[i].bytes);
-    put<std::uint64_t>(e + entry_bytes * i + 16, table[i].checksum);
+    put_le<std::uint64_t>(e + entry_bytes * i, table[i].offset);
+    put_le<std::uint64_t>(e + entry_bytes * i + 8, table[i].bytes);
+    put_le<std::uint64_t>(e + entry_bytes * i + 16, table[i].checksum);
   }
-  put<std::uint64_t>(e + entry_bytes * table.size(),
-                     xxh3(std::span(out).subspan(l.table_offset, entry_bytes * table.size())));
+  put_le<std::uint64_t>(e + entry_bytes * table.size(),
+                     xxh3_64(std::span(out).subspan(l.table_offset, entry_bytes * table.size())));
   return out;
 }
 
@@ -156,10 +146,10 @@ error_code header_length(std::span<const std::byte> start, std::uint64_t file_by
   // (An empty file has no data pointer to compare: memcmp must not see it.)
   if (magic != 0 && std::memcmp(start.data(), file_magic.data(), magic) != 0) return kv_errc::file_corrupt;
   if (have < at_version + 4) return kv_errc::file_truncated;
-  if (get<std::uint32_t>(start.data() + at_version) != file_version) return kv_errc::file_version_unsupported;
+  if (get_le<std::uint32_t>(start.data() + at_version) != file_version) return kv_errc::file_version_unsupported;
   if (have < fixed_header_bytes) return kv_errc::file_truncated;
-  const std::uint32_t model = get<std::uint32_t>(start.data() + at_model_bytes);
-  header_bytes = get<std::uint32_t>(start.data() + at_header_bytes);
+  const std::uint32_t model = get_le<std::uint32_t>(start.data() + at_model_bytes);
+  header_bytes = get_le<std::uint32_t>(start.data() + at_header_bytes);
   if (model > max_model_bytes || header_bytes != fixed_header_bytes + model + checksum_bytes)
     return kv_errc::file_corrupt;
   if (file_bytes < header_bytes) return kv_errc::file_truncated;
@@ -170,23 +160,23 @@ error_code decode_header(std::span<const std::byte> bytes, std::uint64_t file_by
   out = {};
   const std::byte* p = bytes.data();
   const std::size_t hashed = bytes.size() - checksum_bytes;
-  if (get<std::uint64_t>(p + hashed) != xxh3(bytes.first(hashed))) return kv_errc::file_corrupt;
-  out.element = get<std::uint32_t>(p + at_element);
-  out.element_bytes = get<std::uint32_t>(p + at_element_bytes);
-  out.num_layers = get<std::uint64_t>(p + at_num_layers);
-  out.num_heads = get<std::uint64_t>(p + at_num_heads);
-  out.head_dim = get<std::uint64_t>(p + at_head_dim);
-  out.block_tokens = get<std::uint64_t>(p + at_block_tokens);
-  out.tokens = get<std::uint64_t>(p + at_tokens);
+  if (get_le<std::uint64_t>(p + hashed) != xxh3_64(bytes.first(hashed))) return kv_errc::file_corrupt;
+  out.element = get_le<std::uint32_t>(p + at_element);
+  out.element_bytes = get_le<std::uint32_t>(p + at_element_bytes);
+  out.num_layers = get_le<std::uint64_t>(p + at_num_layers);
+  out.num_heads = get_le<std::uint64_t>(p + at_num_heads);
+  out.head_dim = get_le<std::uint64_t>(p + at_head_dim);
+  out.block_tokens = get_le<std::uint64_t>(p + at_block_tokens);
+  out.tokens = get_le<std::uint64_t>(p + at_tokens);
   out.model.assign(reinterpret_cast<const char*>(p + fixed_header_bytes), hashed - fixed_header_bytes);
   if (out.element_bytes == 0 || out.element_bytes != element_bytes_of(out.element) || out.num_layers == 0 ||
-      out.num_heads == 0 || out.head_dim == 0 || out.block_tokens == 0 || get<std::uint32_t>(p + at_reserved) != 0 ||
+      out.num_heads == 0 || out.head_dim == 0 || out.block_tokens == 0 || get_le<std::uint32_t>(p + at_reserved) != 0 ||
       !lay_out(out))
     return kv_errc::file_corrupt;
   const file_layout& l = out.layout;
-  if (get<std::uint64_t>(p + at_tokens_offset) != l.tokens_offset ||
-      get<std::uint64_t>(p + at_table_offset) != l.table_offset ||
-      get<std::uint64_t>(p + at_file_bytes) != l.file_bytes)
+  if (get_le<std::uint64_t>(p + at_tokens_offset) != l.tokens_offset ||
+      get_le<std::uint64_t>(p + at_table_offset) != l.table_offset ||
+      get_le<std::uint64_t>(p + at_file_bytes) != l.file_bytes)
     return kv_errc::file_corrupt;
   if (file_bytes < l.file_bytes) return kv_errc::file_truncated;
   if (file_bytes > l.file_bytes) return kv_errc::file_corrupt;
@@ -208,10 +198,10 @@ std::uint64_t token_section_bytes(const file_header& h) noexcept {
 
 error_code decode_tokens(const file_header& h, std::span<const std::byte> bytes, std::vector<token_id>& out) {
   const std::size_t ids = bytes.size() - checksum_bytes;
-  if (get<std::uint64_t>(bytes.data() + ids) != xxh3(bytes.first(ids))) return kv_errc::file_corrupt;
+  if (get_le<std::uint64_t>(bytes.data() + ids) != xxh3_64(bytes.first(ids))) return kv_errc::file_corrupt;
   out.resize(h.tokens);
   for (std::size_t i = 0; i < out.size(); ++i)
-    out[i] = std::bit_cast<token_id>(get<std::uint32_t>(bytes.data() + sizeof(token_id) * i));
+    out[i] = std::bit_cast<token_id>(get_le<std::uint32_t>(bytes.data() + sizeof(token_id) * i));
   return {};
 }
 
@@ -219,11 +209,11 @@ std::uint64_t table_bytes(const file_header& h) noexcept { return entry_bytes * 
 
 error_code decode_table(const file_header& h, std::span<const std::byte> bytes, std::vector<layer_entry>& out) {
   const std::size_t entries = bytes.size() - checksum_bytes;
-  if (get<std::uint64_t>(bytes.data() + entries) != xxh3(bytes.first(entries))) return kv_errc::file_corrupt;
+  if (get_le<std::uint64_t>(bytes.data() + entries) != xxh3_64(bytes.first(entries))) return kv_errc::file_corrupt;
   out.resize(h.num_layers);
   for (std::size_t i = 0; i < out.size(); ++i) {
     const std::byte* e = bytes.data() + entry_bytes * i;
-    out[i] = {get<std::uint64_t>(e), get<std::uint64_t>(e + 8), get<std::uint64_t>(e + 16)};
+    out[i] = {get_le<std::uint64_t>(e), get_le<std::uint64_t>(e + 8), get_le<std::uint64_t>(e + 16)};
     if (out[i].offset != h.layout.layer_offset(i) || out[i].bytes != h.layout.layer_bytes) return kv_errc::file_corrupt;
   }
   return {};

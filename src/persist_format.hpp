@@ -92,6 +92,22 @@ std::uint64_t token_section_bytes(const file_header& header) noexcept;
 error_code decode_table(const file_header& header, std::span<const std::byte> bytes, std::vector<layer_entry>& out);
 std::uint64_t table_bytes(const file_header& header) noexcept;
 
+/// Writes `v` little-endian at `at`.
+template <class U>
+void put_le(std::byte* at, U v) noexcept {
+  for (std::size_t i = 0; i < sizeof(U); ++i) at[i] = static_cast<std::byte>((v >> (8 * i)) & 0xffu);
+}
+/// Reads a little-endian `U` at `at`.
+template <class U>
+U get_le(const std::byte* at) noexcept {
+  U v = 0;
+  for (std::size_t i = 0; i < sizeof(U); ++i) v |= static_cast<U>(std::to_integer<unsigned>(at[i])) << (8 * i);
+  return v;
+}
+
+/// XXH3-64 (seed 0) of `bytes`.
+std::uint64_t xxh3_64(std::span<const std::byte> bytes) noexcept;
+
 /// XXH3-64 (seed 0) of bytes given in pieces.
 class xxh3_stream {
  public:

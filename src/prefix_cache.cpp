@@ -13,6 +13,7 @@
 #include "ghostlink/error.hpp"
 #include "prefix_index.hpp"
 #include "sequence.hpp"
+#include "store_entry.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -30,7 +31,7 @@ std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv
       2 * config.block_tokens * config.token_width() * codec.size != pool.block_bytes())
     throw_errc(kv_errc::invalid_config);
   return std::make_shared<prefix_index>(num_layers, config, codec, element, pool_access::state(pool),
-                                        std::move(options.model));
+                                        std::move(options.model), std::move(options.store), options.store_policy);
 }
 
 namespace {
@@ -93,6 +94,27 @@ pinned_sequence pin_sequence(const sequence_core& seq) {
   return p;
 }
 
+/// Hands the store the entries `insert()` just added (indices `added` of
+/// `hashes`), each holding its blocks until written. The caller still pins
+/// them, so they are busy: the references taken here are not an idle
+/// block's (which only an attach may hand out). Memory refused loses the
+/// write-through of the rest, nothing else.
+void write_through(prefix_index& p, std::span<const kv_block_hash> hashes,
+                   std::span<const std::vector<const block*>> blocks, std::span<const std::size_t> added) noexcept {
+  std::size_t handed = 0;
+  try {
+    for (const std::size_t i : added) {
+      std::vector<ref_ptr<block>> held;
+      held.reserve(blocks[i].size());
+      for (const block* b : blocks[i]) held.push_back(ref_ptr<block>::share(const_cast<block*>(b)));
+      p.store()->put(std::make_shared<held_entry>(p.geometry(), hashes[i], std::move(held)));
+      ++handed;
+    }
+  } catch (const std::bad_alloc&) {
+  }
+  p.count_store_puts(handed);
+}
+
 token_id stored_id(const epoch& ids, std::size_t i) {
   if (i >= ids.stored) return no_token_id;
   float bits = 0;
@@ -144,7 +166,12 @@ std::size_t prefix_insert(prefix_index& p, const sequence_core* seq, const std::
   const std::span<const token_id> used =
       tokens ? tokens->first(blocks.size() * bt) : std::span<const token_id>(stored).first(blocks.size() * bt);
   const std::vector<kv_block_hash> h = p.hashes(used, salt);
-  return p.insert(h, blocks);
+  if (!p.store() || p.store_policy() != kv_store_policy::write_through) return p.insert(h, blocks);
+  std::vector<std::size_t> added;
+  added.reserve(h.size());
+  const std::size_t n = p.insert(h, blocks, &added);
+  write_through(p, h, blocks, added);
+  return n;
 }
 
 void prefix_clear(prefix_index& p) noexcept { p.clear(); }

@@ -14,14 +14,19 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec,
-                           std::uint8_t element, ref_ptr<block_pool> pool, std::string model)
+                           std::uint8_t element, ref_ptr<block_pool> pool, std::string model,
+                           std::shared_ptr<kv_block_store> store, kv_store_policy policy)
     : num_layers_(num_layers),
       config_(config),
       codec_(codec),
       element_(element),
       pool_(std::move(pool)),
       model_(std::move(model)),
-      unsalted_root_(root_hash(model_, {}, num_layers_, config_, element_)) {
+      unsalted_root_(root_hash(model_, {}, num_layers_, config_, element_)),
+      store_(std::move(store)),
+      policy_(policy),
+      geometry_(num_layers_, config_, element_, static_cast<std::uint32_t>(codec_.size)),
+      payloads_(num_layers_) {
   if (!pool_->attach_index(this)) throw std::system_error(make_error_code(kv_errc::invalid_config));
 }
 
@@ -89,7 +94,8 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
 }
 
 std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
-                                 std::span<const std::vector<const block*>> blocks) {
+                                 std::span<const std::vector<const block*>> blocks, std::vector<std::size_t>* added,
+                                 bool from_store) {
   std::vector<prefix_entry*> chain(hashes.size(), nullptr);
   std::vector<bool> is_new(hashes.size(), false);
   std::vector<kv_block_hash> created;
@@ -139,6 +145,8 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
   for (std::size_t i = 0; i < hashes.size(); ++i) {
     if (!is_new[i]) continue;
     prefix_entry& e = *chain[i];
+    e.from_store = from_store;
+    if (added) added->push_back(i);  // room reserved by the caller
     e.parent = i == 0 ? nullptr : chain[i - 1];
     if (e.parent && e.parent->children++ == 0 && e.parent->in_lru()) lru_remove(*e.parent);
     // The caller holds every block, so every node is busy (an idle node's
@@ -232,15 +240,28 @@ void prefix_index::block_idle(const block* b) noexcept {
 }
 
 bool prefix_index::evict_one() noexcept {
-  std::lock_guard lock(mutex_);
-  if (lru_.empty()) return false;
-  prefix_entry& e = *lru_.begin()->second;
-  lru_remove(e);
-  const kv_block_hash hash = e.hash;
-  remove(e);
-  evicted_.fetch_add(1, std::memory_order_relaxed);
-  emit(kv_prefix_event::kind::removed, hash, nullptr);
-  publish_counts();
+  std::shared_ptr<copied_entry> written_back;
+  {
+    std::lock_guard lock(mutex_);
+    if (lru_.empty()) return false;
+    prefix_entry& e = *lru_.begin()->second;
+    lru_remove(e);
+    if (store_ && policy_ == kv_store_policy::write_back && !e.from_store) {
+      // The copy is made here, as the blocks are about to be freed; memory
+      // refused only loses the write-back.
+      for (std::size_t l = 0; l < num_layers_; ++l) payloads_[l] = e.nodes[l]->blk->payload();
+      written_back = copied_entry::make(geometry_, e.hash, payloads_);
+    }
+    const kv_block_hash hash = e.hash;
+    remove(e);
+    evicted_.fetch_add(1, std::memory_order_relaxed);
+    emit(kv_prefix_event::kind::removed, hash, nullptr);
+    publish_counts();
+  }
+  if (written_back) {
+    store_->put(std::move(written_back));
+    store_puts_.fetch_add(1, std::memory_order_relaxed);
+  }
   return true;
 }
 
@@ -304,6 +325,9 @@ kv_prefix_stats prefix_index::stats() const noexcept {
   s.evicted_blocks = evicted_.load(std::memory_order_relaxed);
   s.cached_blocks = cached_.load(std::memory_order_relaxed);
   s.idle_blocks = idle_.load(std::memory_order_relaxed);
+  s.store_hit_tokens = store_hit_tokens_.load(std::memory_order_relaxed);
+  s.store_puts = store_puts_.load(std::memory_order_relaxed);
+  s.store_rejects = store_rejects_.load(std::memory_order_relaxed);
   return s;
 }
 

@@ -50,6 +50,7 @@
 #include "block_pool.hpp"
 #include "epoch.hpp"
 #include "ghostlink/prefix_cache.hpp"
+#include "store_entry.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -77,6 +78,7 @@ struct prefix_entry {
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // busy, or a pinned child: eviction cannot reach it now
   std::vector<prefix_node*> nodes;  // one per layer
+  bool from_store = false;          // fetched from the store: write-back skips it
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
@@ -99,7 +101,8 @@ class prefix_index {
   /// Claims `pool` for this index.
   /// @throws std::system_error(kv_errc::invalid_config) if the pool has an index already.
   prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec, std::uint8_t element,
-               ref_ptr<block_pool> pool, std::string model);
+               ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
+               kv_store_policy policy);
   /// Lets go of the pool, then of every entry.
   ~prefix_index();
   prefix_index(const prefix_index&) = delete;
@@ -109,6 +112,11 @@ class prefix_index {
   const kv_cache_config& config() const noexcept { return config_; }
   element_codec codec() const noexcept { return codec_; }
   const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
+  /// The tier below RAM (null: none), and when entries go to it.
+  const std::shared_ptr<kv_block_store>& store() const noexcept { return store_; }
+  kv_store_policy store_policy() const noexcept { return policy_; }
+  /// The geometry of its entries as a store keeps them.
+  const entry_geometry& geometry() const noexcept { return geometry_; }
 
   /// The hashes of the full blocks of `tokens` under `salt` (no lock).
   std::vector<kv_block_hash> hashes(std::span<const token_id> tokens, std::string_view salt) const;
@@ -121,9 +129,17 @@ class prefix_index {
   std::size_t take(std::span<const kv_block_hash> hashes, std::vector<std::vector<ref_ptr<block>>>& out);
   /// Adds an entry for each of `hashes` that has none, referencing
   /// `blocks[i]` (one per layer, held by the caller throughout); existing
-  /// ones become the most recently used. Returns the entries added. Throws
-  /// std::bad_alloc, changing nothing.
-  std::size_t insert(std::span<const kv_block_hash> hashes, std::span<const std::vector<const block*>> blocks);
+  /// ones become the most recently used. Returns the entries added, and
+  /// appends their indices into `hashes` to `added` (if given, with room
+  /// for `hashes.size()` reserved). `from_store`: they came from the store.
+  /// Throws std::bad_alloc, changing nothing.
+  std::size_t insert(std::span<const kv_block_hash> hashes, std::span<const std::vector<const block*>> blocks,
+                     std::vector<std::size_t>* added = nullptr, bool from_store = false);
+  /// Counts an attach's tokens from the store, the entries handed to it,
+  /// and the values it returned that were refused.
+  void count_store_hits(std::size_t tokens) noexcept { store_hit_tokens_.fetch_add(tokens, std::memory_order_relaxed); }
+  void count_store_puts(std::size_t entries) noexcept { store_puts_.fetch_add(entries, std::memory_order_relaxed); }
+  void count_store_reject() noexcept { store_rejects_.fetch_add(1, std::memory_order_relaxed); }
   void clear() noexcept;
   kv_prefix_stats stats() const noexcept;
   void set_event_handler(kv_prefix_event_handler handler);
@@ -161,6 +177,9 @@ class prefix_index {
   const ref_ptr<block_pool> pool_;
   const std::string model_;
   const kv_block_hash unsalted_root_;
+  const std::shared_ptr<kv_block_store> store_;
+  const kv_store_policy policy_;
+  const entry_geometry geometry_;
 
   mutable std::mutex mutex_;
   std::unordered_map<kv_block_hash, std::unique_ptr<prefix_entry>, block_hash_hasher> entries_;
@@ -172,6 +191,7 @@ class prefix_index {
   std::size_t reclaimable_ = 0;
   kv_prefix_event_handler handler_;
   std::uint64_t event_sequence_ = 0;
+  std::vector<const std::byte*> payloads_;  // a write-back's, one per layer: eviction allocates no room for them
 
   // Counters (relaxed; stats() reads them without the lock). A match()
   // counts a query without changing any entry.
@@ -182,6 +202,9 @@ class prefix_index {
   std::atomic<std::uint64_t> evicted_{0};
   std::atomic<std::size_t> cached_{0};
   std::atomic<std::size_t> idle_{0};
+  std::atomic<std::uint64_t> store_hit_tokens_{0};
+  std::atomic<std::uint64_t> store_puts_{0};
+  std::atomic<std::uint64_t> store_rejects_{0};
 };
 
 }  // namespace detail

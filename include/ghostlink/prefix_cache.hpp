@@ -4,9 +4,9 @@
 /// of the key/value blocks of prompt prefixes across requests, under the
 /// pool's budget.
 
-#include <array>
-#include <compare>
+#include <chrono>
 #include <cstddef>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -19,30 +19,52 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
+#include "ghostlink/block_hash.hpp"
 #include "ghostlink/block_pool.hpp"
+#include "ghostlink/block_store.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
+#include "ghostlink/detail/completion.hpp"
+#include "ghostlink/detail/persist_core.hpp"
 #include "ghostlink/element.hpp"
+#include "ghostlink/error.hpp"
+#include "ghostlink/layer_kv_cache.hpp"  // default_completion_token
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/types.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 
-/// The hash of one full block of tokens and of every token before it (see
-/// the definition in `basic_kv_prefix_cache`): SHA-256, so that another
-/// process or language computes the same from the same tokens.
-struct kv_block_hash {
-  std::array<std::uint8_t, 32> bytes{};  ///< The digest.
-  /// 64 lowercase hex digits.
-  std::string hex() const;
-  /// Bytewise order.
-  friend auto operator<=>(const kv_block_hash&, const kv_block_hash&) = default;
+/// When a prefix cache with a store writes an entry to it.
+enum class kv_store_policy : std::uint8_t {
+  /// Every entry `insert()` adds is also stored, in the background, from
+  /// its blocks (held until written, as a snapshot holds them).
+  write_through,
+  /// An entry is stored when it is evicted from RAM: eviction copies its
+  /// blocks (`num_layers` blocks) on the evicting thread, then the store
+  /// writes the copy in the background. Entries that came from the store
+  /// are not written again.
+  write_back,
 };
 
-/// What a prefix cache's hashes cover besides the tokens and the geometry.
+/// What a prefix cache's hashes cover besides the tokens and the geometry,
+/// and the tier below its RAM.
 struct kv_prefix_options {
   /// The model (and revision) the KV belongs to: two models never share an entry.
   std::string model;
+  /// The tier below RAM (a `kv_file_store`, or any `kv_block_store`); none
+  /// (the default): RAM only. Shared: several prefix caches (of other
+  /// models, geometries or pools) may use one store, as the hash tells
+  /// their entries apart.
+  std::shared_ptr<kv_block_store> store;
+  /// When entries are written to `store`.
+  kv_store_policy store_policy = kv_store_policy::write_through;
+};
+
+/// Limits of one `async_attach`.
+struct kv_attach_options {
+  /// How long the store may take: when it passes, the blocks fetched so far
+  /// are attached and the rest are a miss. None: no limit but the store's own.
+  std::optional<std::chrono::steady_clock::duration> timeout;
 };
 
 /// A prefix cache's counters (`basic_kv_prefix_cache::stats`), each read
@@ -56,6 +78,9 @@ struct kv_prefix_stats {
   std::uint64_t evicted_blocks = 0;   ///< Entries evicted for room in the pool.
   std::size_t cached_blocks = 0;      ///< Entries now.
   std::size_t idle_blocks = 0;        ///< Entries now that nothing but the cache uses.
+  std::uint64_t store_hit_tokens = 0;  ///< Tokens `async_attach()` attached from the store.
+  std::uint64_t store_puts = 0;        ///< Entries handed to the store (write-through or write-back).
+  std::uint64_t store_rejects = 0;     ///< Values from the store refused as corrupt or of another entry.
 };
 
 /// One change to a prefix cache's entries, for a consumer that mirrors them
@@ -98,6 +123,24 @@ std::size_t prefix_insert(prefix_index& p, const sequence_core* seq, const std::
 void prefix_clear(prefix_index& p) noexcept;
 kv_prefix_stats prefix_stats(const prefix_index& p) noexcept;
 void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler);
+/// Takes ownership of `op` and completes it exactly once, never inside this
+/// call (src/prefix_attach.cpp). Throws only if memory is refused, then
+/// discarding `op` first.
+void start_attach(const std::shared_ptr<prefix_index>& p, asio::any_io_executor ex, std::span<const token_id> tokens,
+                  std::string_view salt, const kv_attach_options& options, persist_op* op);
+
+/// Starts an `async_attach`.
+template <storage_element T>
+struct initiate_attach {
+  template <class Handler>
+  void operator()(Handler&& handler, const std::shared_ptr<prefix_index>& p, asio::any_io_executor ex,
+                  std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options) const {
+    using handler_type = std::decay_t<Handler>;
+    using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_sequence<basic_sequence_kv_cache<T>>>;
+    handler_type h(std::forward<Handler>(handler));
+    start_attach(p, ex, tokens, salt, options, op::make(std::move(h), ex));
+  }
+};
 
 }  // namespace detail
 
@@ -199,6 +242,41 @@ class basic_kv_prefix_cache {
     requires std::is_convertible_v<ExecutionContext&, asio::execution_context&>
   sequence_type attach(ExecutionContext& ctx, std::span<const token_id> tokens, std::string_view salt = {}) {
     return attach(asio::any_io_executor(ctx.get_executor()), tokens, salt);
+  }
+
+  /// As `attach()`, then from the store (`kv_prefix_options::store`): the
+  /// blocks after the RAM hits are looked up in the store, pipelined, and
+  /// each value, in block order, is checked (its checksums, and that it is
+  /// this entry: hash, geometry, element type), copied into new blocks of
+  /// the pool, and attached; the fetched entries are then inserted, so the
+  /// next attach finds them in RAM. A block that is missing, corrupt, of
+  /// another entry, late (past `options.timeout`) or that the pool has no
+  /// room for ends the match there: the rest is a miss, never wrong data.
+  /// Without a store it is `attach()`, completing through the executor.
+  ///
+  /// Completion signature: `void(error_code, sequence_type)`. The sequence
+  /// is on `ex`, holding the tokens attached (`size()` of them, their ids
+  /// stored); the error is empty. The handler runs on its associated
+  /// executor, default `ex`; the store's checks and copies run on the
+  /// store's threads, never on a cache's strand.
+  ///
+  /// Per-operation cancellation (any type): seen when the store delivers
+  /// its next value and before the match starts; the operation then
+  /// completes with `asio::error::operation_aborted` and a sequence holding
+  /// what was attached until then (RAM hits at least). Memory refused is
+  /// `kv_errc::capacity_exhausted`, with the RAM hits.
+  template <class CompletionToken = default_completion_token>
+    requires(!std::same_as<std::decay_t<CompletionToken>, kv_attach_options>)
+  auto async_attach(asio::any_io_executor ex, std::span<const token_id> tokens, std::string_view salt,
+                    CompletionToken&& token = default_completion_token()) {
+    return async_attach(std::move(ex), tokens, salt, kv_attach_options{}, std::forward<CompletionToken>(token));
+  }
+  /// As above, within `options`.
+  template <class CompletionToken = default_completion_token>
+  auto async_attach(asio::any_io_executor ex, std::span<const token_id> tokens, std::string_view salt,
+                    kv_attach_options options, CompletionToken&& token = default_completion_token()) {
+    return asio::async_initiate<CompletionToken, void(error_code, sequence_type)>(
+        detail::initiate_attach<T>{}, token, index_, std::move(ex), tokens, salt, options);
   }
 
   /// For each full block of the first `min(tokens.size(), seq.snapshot().size())`

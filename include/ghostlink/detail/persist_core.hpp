@@ -31,10 +31,11 @@ namespace detail {
 
 class sequence_core;
 
-/// A save, a load or a layer read.
+/// A save, a load, a layer read or a prefix cache's attach from its store.
 class persist_op : public operation {
  public:
-  /// A load's new sequence, set by the machinery when the load succeeds.
+  /// A load's new sequence, set by the machinery when the load succeeds;
+  /// an attach's, always.
   std::shared_ptr<sequence_core> loaded;
   /// A load's token ids.
   std::vector<token_id> ids;
@@ -52,6 +53,12 @@ struct take_loaded {
   std::tuple<Sequence, std::vector<token_id>> operator()(persist_op& op) const noexcept {
     return {cache_access::adopt<Sequence>(std::move(op.loaded)), std::move(op.ids)};
   }
+};
+
+/// Turns a finished attach into the handler's second argument.
+template <class Sequence>
+struct take_sequence {
+  Sequence operator()(persist_op& op) const noexcept { return cache_access::adopt<Sequence>(std::move(op.loaded)); }
 };
 
 /// Turns a finished layer read into the handler's second argument.

@@ -1,0 +1,168 @@
+#pragma once
+/// @file
+/// Tiers below a prefix cache's RAM: the block-store interface
+/// (`kv_block_store`) that a prefix cache writes its entries to and fetches
+/// them back from, the entries it stores (`kv_store_value`), and the file
+/// store (`kv_file_store`), a directory on local disk under a byte budget.
+///
+/// A prefix cache uses a store only when its `kv_prefix_options::store` is
+/// set: the default is RAM only. What a store holds is one value per block
+/// hash: a header (the hash, the geometry, the element type, checksums)
+/// and the keys and values of that block in every layer (docs/FORMAT.md,
+/// "Block entries"). The prefix cache encodes and verifies values; a store
+/// only keeps bytes under a hash. So a store never needs to be trusted to
+/// return the right bytes: a value that is missing, truncated, corrupt,
+/// of another hash, model or geometry, or late, is a miss, never data.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include "ghostlink/block_hash.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+
+/// One entry as a prefix cache hands it to a store: its hash, and its bytes
+/// encoded on demand. The prefix cache makes it; the store encodes it on its
+/// own thread (a write-through value holds the entry's blocks until then,
+/// so encoding it copies them out of the pool only once).
+class kv_store_value {
+ public:
+  kv_store_value() = default;
+  kv_store_value(const kv_store_value&) = delete;
+  kv_store_value& operator=(const kv_store_value&) = delete;
+  virtual ~kv_store_value() = default;
+
+  /// The block hash it is stored under.
+  virtual const kv_block_hash& hash() const noexcept = 0;
+  /// Its encoded bytes in all.
+  virtual std::size_t size() const noexcept = 0;
+  /// Writes its encoded bytes to `out` (of exactly `size()` bytes). Safe
+  /// from any thread, any number of times.
+  virtual void encode(std::span<std::byte> out) const noexcept = 0;
+};
+
+/// A store's counters, each read separately: exact when the store is idle.
+struct kv_store_stats {
+  std::uint64_t puts = 0;          ///< Values handed to `put()`.
+  std::uint64_t stored = 0;        ///< Of those, stored.
+  std::uint64_t dropped = 0;       ///< Of those, not stored because of a limit (see the store's limits).
+  std::uint64_t write_errors = 0;  ///< Of those, not stored because of an error (I/O, memory).
+  std::uint64_t lookups = 0;       ///< Hashes asked of `fetch()`.
+  std::uint64_t hits = 0;          ///< Of those, answered with bytes.
+  std::uint64_t evictions = 0;     ///< Entries removed for the budget.
+  std::size_t entries = 0;         ///< Entries now.
+  std::size_t bytes = 0;           ///< Their bytes now.
+  std::size_t pending_bytes = 0;   ///< Bytes of puts not yet stored or dropped.
+};
+
+/// Where a prefix cache keeps entries beyond RAM: a map from block hashes to
+/// bytes, written in the background and read pipelined. The interface the
+/// file store (`kv_file_store`) implements, and any other tier: a store
+/// needs no knowledge of the entries' format.
+///
+/// Thread safety: every member may be called from any thread, concurrently.
+class kv_block_store {
+ public:
+  /// Receives one looked-up value: `index` into the hashes given to
+  /// `fetch()`, and the bytes stored under it, empty for a miss or for any
+  /// failure. Returns false when the values not yet delivered are no longer
+  /// wanted (the store may then skip them).
+  using fetch_handler = std::function<bool(std::size_t index, std::vector<std::byte> bytes)>;
+
+  kv_block_store() = default;
+  kv_block_store(const kv_block_store&) = delete;
+  kv_block_store& operator=(const kv_block_store&) = delete;
+  virtual ~kv_block_store() = default;
+
+  /// Stores `value` under `value->hash()` in the background, replacing any
+  /// value stored under it. Returns at once: no I/O on the caller's thread,
+  /// which may be inside an actor's drain (a write-back on eviction). A
+  /// value not stored (a limit, an error) is counted, never reported: the
+  /// tier is a cache.
+  virtual void put(std::shared_ptr<const kv_store_value> value) noexcept = 0;
+
+  /// Looks up every hash of `hashes`, pipelined (all requests in flight at
+  /// once, not one after another), and calls `on_value` once per index
+  /// whose answer it has, in any order, from any thread (concurrently
+  /// too), until one call returns false. A store that cannot answer in time
+  /// answers with no bytes (so does one refused memory part way). Returns
+  /// at once.
+  /// @throws std::bad_alloc, having requested and called nothing.
+  virtual void fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) = 0;
+
+  /// The counters now.
+  virtual kv_store_stats stats() const noexcept = 0;
+};
+
+/// The limits and I/O of a `kv_file_store`.
+struct kv_file_store_limits {
+  /// The bytes its files may take together: storing beyond evicts the
+  /// least recently used files (written or read last) until the new one
+  /// fits. A value larger than the budget is dropped.
+  std::uint64_t max_bytes = std::uint64_t{1} << 30;
+  /// The bytes of puts waiting to be written, beyond which a put is
+  /// dropped: what a slow disk may hold of the pool (a write-through value
+  /// holds its blocks) and of memory (a write-back value is a copy).
+  std::size_t max_pending_bytes = std::size_t{256} << 20;
+  /// fsync every file before its rename, and the directory after: stored
+  /// entries then survive a power loss. Without it (the default) a killed
+  /// process still leaves whole files or none (the rename is atomic), and a
+  /// file torn by a power loss fails its checksum: a miss.
+  bool durable = false;
+  /// Where the file I/O runs; none: ghostlink's private I/O pool (the one
+  /// saves and loads use, two threads).
+  std::optional<asio::any_io_executor> io_executor;
+};
+
+namespace detail {
+class file_store_state;
+}
+
+/// A block store in one directory of local disk: one file per entry, named
+/// `<hash hex>.kvb`, written to a temporary name and renamed, under a byte
+/// budget enforced by LRU eviction. Several processes may share the
+/// directory for reading; each evicts only what it knows of (its own
+/// writes, and the files found when it was made).
+///
+/// Costs: a put is queued (no I/O on the caller's thread); the file I/O runs
+/// on the I/O executor, so lookups and writes of different entries overlap
+/// on its threads. A value is encoded into one buffer and written with one
+/// `pwrite`; a lookup reads one file with one `pread`.
+class kv_file_store final : public kv_block_store {
+ public:
+  /// A store in `directory` (made if absent). Lists the entries already
+  /// there (from an earlier run), the least recently modified first in the
+  /// eviction order, evicting beyond the budget; removes temporary files
+  /// that a killed process left. Blocks on that I/O.
+  /// @throws std::system_error if the directory cannot be made or listed.
+  explicit kv_file_store(std::filesystem::path directory, kv_file_store_limits limits = {});
+  /// Puts still queued go on in the background; their I/O keeps what it
+  /// needs alive.
+  ~kv_file_store() override;
+
+  void put(std::shared_ptr<const kv_store_value> value) noexcept override;
+  void fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) override;
+  kv_store_stats stats() const noexcept override;
+
+  /// The directory it stores in.
+  const std::filesystem::path& directory() const noexcept;
+  /// The file an entry is stored in, whether or not it exists.
+  std::filesystem::path path_of(const kv_block_hash& hash) const;
+  /// Blocks the calling thread until every put queued before the call is
+  /// stored or dropped. Never call it from the I/O executor's threads.
+  void flush();
+
+ private:
+  std::shared_ptr<detail::file_store_state> state_;
+};
+
+GHOSTLINK_NAMESPACE_END
