@@ -4,6 +4,7 @@
 // isolation under a concurrent writer, where the I/O and the handlers run,
 // and cancellation.
 #include "sequence_support.hpp"
+#include "common/files.hpp"
 
 #include <fcntl.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX sigaction
@@ -37,42 +38,9 @@ using ghostlink::test::seq::str;
 
 namespace {
 
-/// A fresh directory under the system's temporary one, removed with
-/// everything in it.
-struct temp_dir {
-  temp_dir() {
-    std::string name = (fs::temp_directory_path() / "ghostlink-persist-XXXXXX").string();
-    REQUIRE(::mkdtemp(name.data()) != nullptr);
-    path = name;
-  }
-  temp_dir(const temp_dir&) = delete;
-  temp_dir& operator=(const temp_dir&) = delete;
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  /// The names of the entries in the directory, sorted.
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path)) out.push_back(e.path().filename().string());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-  fs::path path;
-};
-
-std::vector<std::byte> read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::vector<char> chars((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> out(chars.size());
-  std::memcpy(out.data(), chars.data(), chars.size());
-  return out;
-}
-
-void write_file(const fs::path& p, const std::vector<std::byte>& bytes) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-}
+using ghostlink::test::temp_dir;
+using ghostlink::test::read_file;
+using ghostlink::test::write_file;
 
 std::uint64_t u64_at(const std::vector<std::byte>& bytes, std::size_t at) {
   std::uint64_t v = 0;

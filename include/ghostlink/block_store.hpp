@@ -120,7 +120,7 @@ struct kv_file_store_limits {
   bool durable = false;
   /// Where the file I/O runs; none: ghostlink's private I/O pool (the one
   /// saves and loads use, two threads).
-  std::optional<asio::any_io_executor> io_executor;
+  std::optional<asio::any_io_executor> io_executor{};
 };
 
 namespace detail {

@@ -50,12 +50,12 @@ enum class kv_store_policy : std::uint8_t {
 /// and the tier below its RAM.
 struct kv_prefix_options {
   /// The model (and revision) the KV belongs to: two models never share an entry.
-  std::string model;
+  std::string model{};
   /// The tier below RAM (a `kv_file_store`, or any `kv_block_store`); none
   /// (the default): RAM only. Shared: several prefix caches (of other
   /// models, geometries or pools) may use one store, as the hash tells
   /// their entries apart.
-  std::shared_ptr<kv_block_store> store;
+  std::shared_ptr<kv_block_store> store{};
   /// When entries are written to `store`.
   kv_store_policy store_policy = kv_store_policy::write_through;
 };
@@ -64,7 +64,7 @@ struct kv_prefix_options {
 struct kv_attach_options {
   /// How long the store may take: when it passes, the blocks fetched so far
   /// are attached and the rest are a miss. None: no limit but the store's own.
-  std::optional<std::chrono::steady_clock::duration> timeout;
+  std::optional<std::chrono::steady_clock::duration> timeout{};
 };
 
 /// A prefix cache's counters (`basic_kv_prefix_cache::stats`), each read

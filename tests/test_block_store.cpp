@@ -1,0 +1,516 @@
+// The tier below a prefix cache's RAM (block_store.hpp, async_attach): the
+// file store's entries, its budget and its faults; write-through and
+// write-back; async_attach taking RAM hits first, then the store's blocks in
+// order, each checked, and ending the match at the first block missing,
+// corrupt, forged or late; its cancellation; attaches from several threads.
+#include "prefix_support.hpp"
+#include "common/files.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace block_store_tests {
+
+using namespace ghostlink;
+using namespace ghostlink::test::prefix;
+namespace fs = std::filesystem;
+using ghostlink::test::read_file;
+using ghostlink::test::temp_dir;
+using ghostlink::test::write_file;
+
+namespace {
+
+using attach_result = std::pair<ghostlink::error_code, sequence_kv_cache>;
+
+/// A file store on its own I/O pool, under a prefix cache of 2 layers; the
+/// pools are joined before anything is destroyed, so no job of the store
+/// outlives the test's pool.
+struct store_fixture {
+  explicit store_fixture(kv_file_store_limits limits = {}, kv_store_policy policy = kv_store_policy::write_through,
+                         std::size_t max_blocks = 1000, std::string model = "model-a", std::size_t layers = 2)
+      : store(make_store(dir.path, std::move(limits))),
+        pool(kv_block_pool::for_caches<float>(config(), {.max_blocks = max_blocks})),
+        cache(layers, config(), pool, {.model = std::move(model), .store = store, .store_policy = policy}) {}
+  store_fixture(const store_fixture&) = delete;
+  store_fixture& operator=(const store_fixture&) = delete;
+  ~store_fixture() {
+    store->flush();
+    io.join();
+    threads.join();
+  }
+
+  std::shared_ptr<kv_file_store> make_store(const fs::path& where, kv_file_store_limits limits) {
+    limits.io_executor = io.get_executor();
+    return std::make_shared<kv_file_store>(where, std::move(limits));
+  }
+
+  /// A sequence holding `ids`, inserted (so written through), then let go of.
+  std::size_t insert(std::span<const token_id> ids, std::string_view salt = {}) {
+    sequence_kv_cache seq(threads, cache.num_layers(), config(), pool);
+    REQUIRE(append(seq, ids) == ghostlink::error_code());
+    const std::size_t added = cache.insert(seq, ids, salt);
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
+    return added;
+  }
+
+  attach_result attach(std::span<const token_id> ids, kv_attach_options options = {}, std::string_view salt = {}) {
+    std::promise<attach_result> done;
+    cache.async_attach(threads.get_executor(), ids, salt, options,
+                       [&](ghostlink::error_code ec, sequence_kv_cache seq) { done.set_value({ec, std::move(seq)}); });
+    return done.get_future().get();
+  }
+
+  /// The entry file of block `b` of `ids`.
+  fs::path file_of(std::span<const token_id> ids, std::size_t b) const {
+    return store->path_of(cache.block_hashes(ids)[b]);
+  }
+
+  temp_dir dir;
+  asio::thread_pool io{2};
+  asio::thread_pool threads{2};
+  std::shared_ptr<kv_file_store> store;
+  kv_block_pool pool;
+  kv_prefix_cache cache;
+};
+
+/// 16 tokens: 4 full blocks of config().
+std::vector<token_id> prompt() { return run(100, 16); }
+
+/// A store that answers lookups only when told to: for deadlines and
+/// cancellation at a chosen moment.
+class held_store final : public kv_block_store {
+ public:
+  void put(std::shared_ptr<const kv_store_value> value) noexcept override {
+    std::vector<std::byte> bytes(value->size());
+    value->encode(bytes);
+    std::lock_guard lock(mutex_);
+    values_[value->hash()] = std::move(bytes);
+  }
+  void fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) override {
+    std::lock_guard lock(mutex_);
+    requests_.emplace_back(std::move(hashes), std::move(on_value));
+  }
+  kv_store_stats stats() const noexcept override { return {}; }
+
+  /// Answers value `i` of every request so far; how many calls said "more".
+  std::size_t answer(std::size_t i) {
+    std::vector<std::pair<std::vector<kv_block_hash>, fetch_handler>> requests;
+    std::map<kv_block_hash, std::vector<std::byte>> values;
+    {
+      std::lock_guard lock(mutex_);
+      requests = requests_;
+      values = values_;
+    }
+    std::size_t more = 0;
+    for (auto& [hashes, on_value] : requests)
+      if (i < hashes.size() && on_value(i, values[hashes[i]])) ++more;
+    return more;
+  }
+  std::size_t requests() {
+    std::lock_guard lock(mutex_);
+    return requests_.size();
+  }
+  /// Lets go of every request (and what it holds).
+  void drop() {
+    std::lock_guard lock(mutex_);
+    requests_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<kv_block_hash, std::vector<std::byte>> values_;
+  std::vector<std::pair<std::vector<kv_block_hash>, fetch_handler>> requests_;
+};
+
+}  // namespace
+
+TEST_CASE("write-through stores every inserted entry in its own file, and a cleared cache attaches them back exactly") {
+  store_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  const kv_store_stats s = f.store->stats();
+  CHECK(s.puts == 4);
+  CHECK(s.stored == 4);
+  CHECK(s.entries == 4);
+  CHECK(f.cache.stats().store_puts == 4);
+  for (std::size_t b = 0; b < 4; ++b) CHECK(fs::exists(f.file_of(ids, b)));
+
+  f.cache.clear();
+  REQUIRE(f.cache.match(ids) == 0);
+  auto [ec, seq] = f.attach(ids);
+  REQUIRE(ec == ghostlink::error_code());
+  CHECK(diff(seq, ids) == "");
+  CHECK(f.cache.stats().store_hit_tokens == 16);
+  CHECK(f.store->stats().hits == 4);
+  // Fetched entries are in RAM again: the next attach reads no file.
+  CHECK(f.cache.match(ids) == 16);
+  auto [ec2, again] = f.attach(ids);
+  CHECK(ec2 == ghostlink::error_code());
+  CHECK(diff(again, ids) == "");
+  CHECK(f.store->stats().lookups == 4);
+}
+
+TEST_CASE("async_attach takes the RAM hits first and asks the store only for the blocks after them") {
+  store_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  f.cache.clear();
+  // The first two blocks back in RAM, from the store.
+  const std::vector<token_id> half(ids.begin(), ids.begin() + 8);
+  REQUIRE(diff(f.attach(half).second, half) == "");
+  REQUIRE(f.store->stats().lookups == 2);
+  REQUIRE(f.cache.match(ids) == 8);
+
+  auto [ec, seq] = f.attach(ids);
+  REQUIRE(ec == ghostlink::error_code());
+  CHECK(diff(seq, ids) == "");
+  CHECK(f.store->stats().lookups == 4);  // blocks 2 and 3 only
+  CHECK(f.cache.stats().store_hit_tokens == 16);
+}
+
+TEST_CASE("a block missing from the store ends the match there: the blocks before it attach, none after") {
+  store_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  f.cache.clear();
+  REQUIRE(fs::remove(f.file_of(ids, 2)));
+  auto [ec, seq] = f.attach(ids);
+  REQUIRE(ec == ghostlink::error_code());
+  const std::vector<token_id> first(ids.begin(), ids.begin() + 8);
+  CHECK(diff(seq, first) == "");
+  CHECK(f.cache.match(ids) == 8);
+}
+
+TEST_CASE("a corrupted or truncated entry file is a miss, counted as a reject, never data") {
+  store_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  const fs::path victim = f.file_of(ids, 1);
+  const std::vector<std::byte> good = read_file(victim);
+  const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
+
+  std::size_t rejects = 1;
+  SECTION("truncated") {
+    write_file(victim, std::vector<std::byte>(good.begin(), good.end() - 9));
+  }
+  SECTION("one byte longer") {
+    std::vector<std::byte> longer = good;
+    longer.push_back(std::byte{0});
+    write_file(victim, longer);
+  }
+  SECTION("empty: no bytes, a plain miss") {
+    write_file(victim, {});
+    rejects = 0;
+  }
+  f.cache.clear();
+  auto [ec, seq] = f.attach(ids);
+  REQUIRE(ec == ghostlink::error_code());
+  CHECK(diff(seq, first) == "");
+  CHECK(f.cache.stats().store_rejects == rejects);
+  CHECK(f.cache.match(ids) == 4);
+}
+
+TEST_CASE("every single flipped byte of an entry file makes it a miss") {
+  store_fixture f;
+  const std::vector<token_id> ids = run(7, 4);  // one block
+  REQUIRE(f.insert(ids) == 1);
+  f.store->flush();
+  const fs::path file = f.file_of(ids, 0);
+  const std::vector<std::byte> good = read_file(file);
+  REQUIRE(good.size() == 96 + 2 * 2 * 4 * 8 * sizeof(float) + 8);
+  std::size_t attached = 0;
+  for (std::size_t i = 0; i < good.size(); ++i) {
+    std::vector<std::byte> bad = good;
+    bad[i] ^= std::byte{0x01};
+    write_file(file, bad);
+    f.cache.clear();
+    const attach_result r = f.attach(ids);
+    REQUIRE(r.first == ghostlink::error_code());
+    attached += r.second.size();
+  }
+  CHECK(attached == 0);
+  CHECK(f.cache.stats().store_rejects == good.size());
+  // The good bytes again: a hit.
+  write_file(file, good);
+  f.cache.clear();
+  CHECK(diff(f.attach(ids).second, ids) == "");
+}
+
+TEST_CASE("an entry of another model or geometry put under an entry's name is refused") {
+  store_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+
+  SECTION("another model") {
+    store_fixture other({}, kv_store_policy::write_through, 1000, "model-b");
+    REQUIRE(other.insert(ids) == 4);
+    other.store->flush();
+    for (std::size_t b = 0; b < 4; ++b) fs::copy_file(other.file_of(ids, b), f.file_of(ids, b), fs::copy_options::overwrite_existing);
+  }
+  SECTION("another geometry (3 layers)") {
+    store_fixture other({}, kv_store_policy::write_through, 1000, "model-a", 3);
+    REQUIRE(other.insert(ids) == 4);
+    other.store->flush();
+    for (std::size_t b = 0; b < 4; ++b) fs::copy_file(other.file_of(ids, b), f.file_of(ids, b), fs::copy_options::overwrite_existing);
+  }
+  SECTION("another block of the same model") {
+    for (std::size_t b = 0; b < 4; ++b) fs::copy_file(f.file_of(ids, 3 - b), f.file_of(ids, b).string() + ".x");
+    for (std::size_t b = 0; b < 4; ++b) fs::rename(f.file_of(ids, b).string() + ".x", f.file_of(ids, b));
+  }
+  f.cache.clear();
+  auto [ec, seq] = f.attach(ids);
+  REQUIRE(ec == ghostlink::error_code());
+  CHECK(seq.size() == 0);
+  CHECK(f.cache.stats().store_rejects == 1);
+  CHECK(f.cache.match(ids) == 0);
+}
+
+TEST_CASE("an unwritable directory loses the writes, counted; RAM keeps serving every entry") {
+  store_fixture f;
+  // The directory becomes a file: every write fails (ENOTDIR), also as root.
+  fs::remove_all(f.dir.path);
+  write_file(f.dir.path, {});
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  const kv_store_stats s = f.store->stats();
+  CHECK(s.puts == 4);
+  CHECK(s.stored == 0);
+  CHECK(s.write_errors == 4);
+  CHECK(s.entries == 0);
+  CHECK(s.bytes == 0);
+  CHECK(f.cache.match(ids) == 16);
+  auto [ec, seq] = f.attach(ids);
+  CHECK(ec == ghostlink::error_code());
+  CHECK(diff(seq, ids) == "");
+  // After a clear the store has nothing to give: a miss, not an error.
+  f.cache.clear();
+  auto [ec2, none] = f.attach(ids);
+  CHECK(ec2 == ghostlink::error_code());
+  CHECK(none.size() == 0);
+  fs::remove(f.dir.path);
+}
+
+TEST_CASE("a directory that cannot be made throws from the store's constructor") {
+  temp_dir dir;
+  write_file(dir.path / "file", {});
+  CHECK_THROWS_AS(kv_file_store(dir.path / "file" / "store"), std::system_error);
+}
+
+TEST_CASE("the disk budget evicts the least recently used entries, and never exceeds the budget") {
+  const std::size_t entry = 96 + 2 * 2 * 4 * 8 * sizeof(float) + 8;
+  store_fixture f({.max_bytes = 3 * entry});
+  const std::vector<token_id> a = run(0, 8), b = run(1000, 8);
+  REQUIRE(f.insert(a) == 2);
+  f.store->flush();
+  // a's block 0 read last: the least recently used is a's block 1.
+  f.cache.clear();
+  const std::vector<token_id> a0(a.begin(), a.begin() + 4);
+  REQUIRE(diff(f.attach(a0).second, a0) == "");
+  REQUIRE(f.insert(b) == 2);
+  f.store->flush();
+  const kv_store_stats s = f.store->stats();
+  CHECK(s.bytes <= 3 * entry);
+  CHECK(s.entries == 3);
+  CHECK(s.evictions == 1);
+  CHECK(fs::exists(f.file_of(a, 0)));
+  CHECK_FALSE(fs::exists(f.file_of(a, 1)));
+  CHECK(fs::exists(f.file_of(b, 0)));
+  CHECK(fs::exists(f.file_of(b, 1)));
+
+  SECTION("a value larger than the whole budget is dropped") {
+    store_fixture tiny({.max_bytes = entry - 1});
+    REQUIRE(tiny.insert(a) == 2);
+    tiny.store->flush();
+    CHECK(tiny.store->stats().dropped == 2);
+    CHECK(tiny.store->stats().entries == 0);
+  }
+  SECTION("puts beyond the pending limit are dropped, not queued") {
+    store_fixture slow({.max_pending_bytes = 0});
+    REQUIRE(slow.insert(a) == 2);
+    slow.store->flush();
+    CHECK(slow.store->stats().dropped == 2);
+    CHECK(slow.cache.match(a) == 8);
+  }
+}
+
+TEST_CASE("a store made on an existing directory finds its entries: a restarted server attaches them") {
+  temp_dir shared;
+  const std::vector<token_id> ids = prompt();
+  {
+    store_fixture first;
+    first.store = first.make_store(shared.path, {});
+    // A cache on the new store (the fixture's own keeps the first).
+    kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
+    kv_prefix_cache cache(2, config(), pool, {.model = "model-a", .store = first.store});
+    sequence_kv_cache seq(first.threads, 2, config(), pool);
+    REQUIRE(append(seq, ids) == ghostlink::error_code());
+    REQUIRE(cache.insert(seq, ids) == 4);
+    first.store->flush();
+  }
+  // A leftover temporary file of a process that is gone is removed.
+  write_file(shared.path / ".0000.kvb.tmp.2147483646.0", {});
+  store_fixture second;
+  second.store = second.make_store(shared.path, {});
+  CHECK(second.store->stats().entries == 4);
+  CHECK_FALSE(fs::exists(shared.path / ".0000.kvb.tmp.2147483646.0"));
+  kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
+  kv_prefix_cache cache(2, config(), pool, {.model = "model-a", .store = second.store});
+  std::promise<attach_result> done;
+  cache.async_attach(second.threads.get_executor(), ids, {},
+                     [&](ghostlink::error_code ec, sequence_kv_cache seq) { done.set_value({ec, std::move(seq)}); });
+  auto [ec, seq] = done.get_future().get();
+  CHECK(ec == ghostlink::error_code());
+  CHECK(diff(seq, ids) == "");
+}
+
+TEST_CASE("write-back stores an entry when it is evicted, not before, and attaches it back") {
+  // 2 layers x 4 blocks of budget: one 16-token prompt fills it.
+  store_fixture f({}, kv_store_policy::write_back, 8);
+  const std::vector<token_id> a = run(0, 16), b = run(500, 8);
+  REQUIRE(f.insert(a) == 4);
+  f.store->flush();
+  CHECK(f.store->stats().puts == 0);
+  // A new prompt needs 4 blocks: a's two deepest entries are evicted.
+  REQUIRE(f.insert(b) == 2);
+  f.store->flush();
+  CHECK(f.cache.stats().evicted_blocks == 2);
+  CHECK(f.store->stats().stored == 2);
+  CHECK(fs::exists(f.file_of(a, 3)));
+  CHECK(fs::exists(f.file_of(a, 2)));
+  CHECK_FALSE(fs::exists(f.file_of(a, 0)));
+  // b is let go of; attaching a evicts b (written back too) and reads a's tail.
+  {
+    auto [ec, seq] = f.attach(a);
+    REQUIRE(ec == ghostlink::error_code());
+    CHECK(diff(seq, a) == "");
+    f.store->flush();
+    CHECK(f.store->stats().stored == 4);
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
+  }
+  // A prompt that needs the whole pool evicts a's four entries: the two that
+  // came from the store are not written again, the two others are.
+  REQUIRE(f.insert(run(900, 16)) == 4);
+  f.store->flush();
+  CHECK(f.store->stats().puts == 6);
+  CHECK(f.cache.stats().store_puts == 6);
+}
+
+TEST_CASE("a store that does not answer in time is a miss after the deadline, with the RAM hits attached") {
+  asio::thread_pool threads(2);
+  auto store = std::make_shared<held_store>();
+  kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
+  kv_prefix_cache cache(2, config(), pool, {.model = "m", .store = store});
+  const std::vector<token_id> ids = prompt();
+  {
+    sequence_kv_cache seq(threads, 2, config(), pool);
+    REQUIRE(append(seq, ids) == ghostlink::error_code());
+    REQUIRE(cache.insert(seq, ids) == 4);
+  }
+  cache.clear();
+  const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
+  std::promise<attach_result> one;
+  cache.async_attach(threads.get_executor(), first, {},
+                     [&](ghostlink::error_code ec, sequence_kv_cache s) { one.set_value({ec, std::move(s)}); });
+  REQUIRE(store->answer(0) == 0);  // the one block asked: done
+  REQUIRE(diff(one.get_future().get().second, first) == "");
+
+  std::promise<attach_result> done;
+  cache.async_attach(threads.get_executor(), ids, {}, {.timeout = std::chrono::milliseconds(50)},
+                     [&](ghostlink::error_code ec, sequence_kv_cache s) { done.set_value({ec, std::move(s)}); });
+  auto [ec, seq] = done.get_future().get();  // nothing answers: the deadline ends it
+  CHECK(ec == ghostlink::error_code());
+  CHECK(diff(seq, first) == "");
+  CHECK(store->requests() == 2);
+  CHECK(store->answer(0) == 0);  // a late answer is not wanted
+  CHECK(cache.match(ids) == 4);
+  store->drop();
+  seq = {};
+  threads.join();
+}
+
+TEST_CASE("cancelling an attach that waits on the store completes it with operation_aborted and the blocks so far") {
+  asio::thread_pool threads(2);
+  auto store = std::make_shared<held_store>();
+  kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
+  kv_prefix_cache cache(2, config(), pool, {.model = "m", .store = store});
+  const std::vector<token_id> ids = prompt();
+  {
+    sequence_kv_cache seq(threads, 2, config(), pool);
+    REQUIRE(append(seq, ids) == ghostlink::error_code());
+    REQUIRE(cache.insert(seq, ids) == 4);
+  }
+  cache.clear();
+  asio::cancellation_signal signal;
+  std::promise<attach_result> done;
+  cache.async_attach(threads.get_executor(), ids, {},
+                     asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec, sequence_kv_cache s) {
+                       done.set_value({ec, std::move(s)});
+                     }));
+  REQUIRE(store->answer(0) == 1);  // block 0 attached, more wanted
+  signal.emit(asio::cancellation_type::terminal);
+  CHECK(store->answer(1) == 0);  // seen at the next value
+  auto [ec, seq] = done.get_future().get();
+  CHECK(ec == asio::error::operation_aborted);
+  const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
+  CHECK(diff(seq, first) == "");
+  store->drop();
+  seq = {};
+  threads.join();
+}
+
+TEST_CASE("without a store async_attach is attach, completing through the handler's executor") {
+  asio::thread_pool threads(2);
+  kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
+  kv_prefix_cache cache(2, config(), pool, {.model = "m"});
+  const std::vector<token_id> ids = prompt();
+  sequence_kv_cache seq(threads, 2, config(), pool);
+  REQUIRE(append(seq, ids) == ghostlink::error_code());
+  REQUIRE(cache.insert(seq, ids) == 4);
+  CHECK(cache.stats().store_puts == 0);
+  auto attached = cache.async_attach(threads.get_executor(), ids, {}, asio::use_future).get();
+  CHECK(diff(attached, ids) == "");
+  attached = {};
+  seq = {};
+  threads.join();
+}
+
+TEST_CASE("attaches from several threads at once each get the prefix exactly, from the store or from RAM") {
+  store_fixture f;
+  std::vector<std::vector<token_id>> prompts;
+  for (token_id p = 0; p < 4; ++p) prompts.push_back(run(p * 1000, 16));
+  for (const auto& p : prompts) REQUIRE(f.insert(p) == 4);
+  f.store->flush();
+  f.cache.clear();
+  std::atomic<std::size_t> wrong{0};
+  std::vector<std::thread> workers;
+  for (std::size_t t = 0; t < 4; ++t)
+    workers.emplace_back([&, t] {
+      for (std::size_t round = 0; round < 8; ++round) {
+        const auto& p = prompts[(t + round) % prompts.size()];
+        const attach_result r = f.attach(p);
+        if (r.first || diff(r.second, p) != "") ++wrong;
+        if (round % 3 == 2) f.cache.clear();
+      }
+    });
+  for (std::thread& w : workers) w.join();
+  CHECK(wrong.load() == 0);
+}
+
+}  // namespace block_store_tests
