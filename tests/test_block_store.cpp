@@ -5,6 +5,17 @@
 // corrupt, forged or late; its cancellation; attaches from several threads.
 #include "prefix_support.hpp"
 #include "common/files.hpp"
+#include "store/store_writer.hpp"
+
+#include <poll.h>
+#include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX kill
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ghostlink/persist.hpp>
+
+#include "store_entry.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -133,7 +144,136 @@ class held_store final : public kv_block_store {
   std::vector<std::pair<std::vector<kv_block_hash>, fetch_handler>> requests_;
 };
 
+/// The store_writer program (tests/store/store_writer.cpp), built beside
+/// this test program.
+fs::path writer_program() {
+  if (const char* p = std::getenv("GHOSTLINK_STORE_WRITER")) return p;  // NOLINT(concurrency-mt-unsafe)
+  return fs::read_symlink("/proc/self/exe").parent_path() / "store_writer";
+}
+
+/// Runs the writer on `dir` until it has printed `saves` "saved" lines (60 s
+/// at most), then, `fraction` of the time between two of its saves later
+/// (where the kill lands: a line comes just after a save), kills it with
+/// SIGKILL; whether it had a temporary file (of its save or of its store)
+/// then.
+bool run_and_kill(const fs::path& dir, std::size_t saves, double fraction) {
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  const std::string program = writer_program().string(), where = dir.string();
+  std::vector<char*> argv{const_cast<char*>(program.c_str()), const_cast<char*>(where.c_str()), nullptr};
+  pid_t pid = 0;
+  const int spawned = ::posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  REQUIRE(spawned == 0);
+  std::string text;
+  std::size_t seen = 0;
+  std::chrono::steady_clock::time_point first;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (seen < saves && std::chrono::steady_clock::now() < deadline) {
+    pollfd p{out[0], POLLIN, 0};
+    if (::poll(&p, 1, 1000) <= 0) continue;
+    char buffer[256];
+    const ssize_t n = ::read(out[0], buffer, sizeof buffer);
+    if (n <= 0) break;
+    text.append(buffer, static_cast<std::size_t>(n));
+    const auto lines = static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n'));
+    if (lines > seen && seen == 0) first = std::chrono::steady_clock::now();
+    seen = lines;
+  }
+  if (seen > 1) {  // fault timing, not synchronisation: where in a save the kill lands
+    const auto between = (std::chrono::steady_clock::now() - first) / (seen - 1);
+    std::this_thread::sleep_for(std::chrono::duration_cast<std::chrono::microseconds>(between * fraction));
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ::close(out[0]);
+  REQUIRE(seen >= saves);
+  REQUIRE(WIFSIGNALED(status));
+  bool temporary = false;
+  for (const fs::path& d : {dir, dir / "store"})
+    for (const auto& e : fs::directory_iterator(d))
+      if (e.path().filename().string().find(".tmp.") != std::string::npos) temporary = true;
+  return temporary;
+}
+
+/// "" when `seq` holds the first `n` tokens of writer run `r` exactly.
+std::string writer_diff(const sequence_kv_cache& seq, std::size_t r, std::size_t n) {
+  namespace w = ghostlink::test::store_writer;
+  const std::vector<token_id> ids = w::tokens(r);
+  const auto snap = seq.snapshot();
+  if (snap.size() != n) return str("size ", snap.size(), ", expected ", n);
+  const std::size_t width = w::config().token_width();
+  for (std::size_t l = 0; l < w::layers; ++l) {
+    kv_range range;
+    if (snap.layer(l).read_range(0, n, range)) return str("layer ", l, " unreadable");
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t lane = 0; lane < width; ++lane)
+        if (range.keys[i * width + lane] != w::key(l, i, ids[i], lane) ||
+            range.values[i * width + lane] != -w::key(l, i, ids[i], lane))
+          return str("layer ", l, " token ", i, " lane ", lane, " differs");
+  }
+  return {};
+}
+
 }  // namespace
+
+TEST_CASE("a process killed in the middle of its saves and store writes leaves whole files or none, never torn") {
+  namespace w = ghostlink::test::store_writer;
+  // Up to 10 runs, until a kill lands while a temporary file exists (a save
+  // or a store write in progress); every run's files are checked.
+  bool landed_mid_write = false;
+  for (std::size_t attempt = 0; attempt < 10 && !landed_mid_write; ++attempt) {
+    temp_dir dir;
+    landed_mid_write = run_and_kill(dir.path, 3 + attempt % 3, 0.1 + 0.08 * static_cast<double>(attempt));
+    asio::thread_pool threads(2), io(2);
+    {
+      kv_block_pool pool = kv_block_pool::for_caches<float>(w::config(), {.max_blocks = 4096});
+      // The saved file is one of the two sequences, whole.
+      auto [loaded, ids] = async_load<float>(threads.get_executor(), dir.path / "saved.kv", pool,
+                                             {.num_layers = w::layers, .config = w::config(), .model = "writer"},
+                                             asio::use_future)
+                               .get();
+      REQUIRE(ids.size() == w::length);
+      const std::size_t r = ids[0] == 0 ? 0 : 1;
+      CHECK(writer_diff(loaded, r, w::length) == "");
+      // Every entry file is whole, and attaching from the store gives the
+      // runs' data exactly, as far as their entries reach.
+      const detail::entry_geometry g(w::layers, w::config(), 0, sizeof(float));
+      auto store = std::make_shared<kv_file_store>(dir.path / "store", kv_file_store_limits{.io_executor = io.get_executor()});
+      std::size_t files = 0;
+      for (const auto& e : fs::directory_iterator(dir.path / "store")) {
+        const std::string name = e.path().filename().string();
+        CHECK(name.find(".tmp.") == std::string::npos);  // the killed writer's are removed
+        ++files;
+        bool whole = false;
+        kv_prefix_cache probe(w::layers, w::config(), pool, {.model = "writer"});
+        for (std::size_t run_index = 0; run_index < 2 && !whole; ++run_index)
+          for (const kv_block_hash& h : probe.block_hashes(w::tokens(run_index)))
+            if (store->path_of(h).filename() == name) whole = detail::check_entry(g, h, read_file(e.path()));
+        CHECK(whole);
+      }
+      CHECK(store->stats().entries == files);
+      kv_prefix_cache cache(w::layers, w::config(), pool, {.model = "writer", .store = store});
+      for (std::size_t run_index = 0; run_index < 2; ++run_index) {
+        std::promise<attach_result> done;
+        cache.async_attach(threads.get_executor(), w::tokens(run_index), {},
+                           [&](ghostlink::error_code ec, sequence_kv_cache s) { done.set_value({ec, std::move(s)}); });
+        auto [ec, seq] = done.get_future().get();
+        CHECK(ec == ghostlink::error_code());
+        CHECK(writer_diff(seq, run_index, seq.size()) == "");
+      }
+    }
+    io.join();
+    threads.join();
+  }
+  CHECK(landed_mid_write);
+}
 
 TEST_CASE("write-through stores every inserted entry in its own file, and a cleared cache attaches them back exactly") {
   store_fixture f;

@@ -58,15 +58,15 @@ struct kv_save_options {
   kv_cache_config config;
   /// The model the keys and values are of, stored as given (at most
   /// 65536 bytes): a load refuses the file unless it expects the same.
-  std::string model;
+  std::string model{};
   /// Where the file I/O runs; none: ghostlink's private I/O pool.
-  std::optional<asio::any_io_executor> io_executor;
+  std::optional<asio::any_io_executor> io_executor{};
 };
 
 /// Where a load's (or a layer read's) file I/O runs.
 struct kv_load_options {
   /// None: ghostlink's private I/O pool.
-  std::optional<asio::any_io_executor> io_executor;
+  std::optional<asio::any_io_executor> io_executor{};
 };
 
 /// What a load expects of the file: it refuses any other.
@@ -78,7 +78,7 @@ struct kv_sequence_expectation {
   /// and it must fit the pool, as for any sequence made on it.
   kv_cache_config config;
   /// The model id the file was saved with (`model_mismatch` otherwise).
-  std::string model;
+  std::string model{};
 };
 
 /// Saves the tokens `snapshot` shows, with their token ids, to `path`: a
