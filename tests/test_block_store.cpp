@@ -421,6 +421,24 @@ TEST_CASE("an entry of another model or geometry put under an entry's name is re
   CHECK(f.cache.match(ids) == 0);
 }
 
+TEST_CASE("a fetched block the pool has no room for ends the match there, without an error") {
+  // 2 layers x 4 blocks of budget.
+  store_fixture f({}, kv_store_policy::write_through, 8);
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  f.cache.clear();
+  // A sequence in use holds 3 blocks a layer: room for one fetched block.
+  sequence_kv_cache busy(f.threads, 2, config(), f.pool);
+  REQUIRE(append(busy, run(5000, 12)) == ghostlink::error_code());
+  auto [ec, seq] = f.attach(ids);
+  CHECK(ec == ghostlink::error_code());
+  const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
+  CHECK(diff(seq, first) == "");
+  CHECK(f.cache.match(ids) == 4);
+  CHECK(diff(busy, run(5000, 12)) == "");
+}
+
 TEST_CASE("an unwritable directory loses the writes, counted; RAM keeps serving every entry") {
   store_fixture f;
   // The directory becomes a file: every write fails (ENOTDIR), also as root.
