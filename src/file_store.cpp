@@ -216,12 +216,12 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
       stored = !ec;
     } catch (...) {  // memory refused: not stored
     }
-    finish_put(size, stored);
-    if (!stored) {
+    if (!stored) {  // its room back, before flush() may return
       std::lock_guard lock(mutex_);
       auto it = entries_.find(value.hash());
       if (it != entries_.end() && it->second.bytes == size) forget(value.hash());
     }
+    finish_put(size, stored);
   }
 
   void finish_put(std::size_t size, bool stored) noexcept {
