@@ -96,7 +96,9 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   }
 
   const std::filesystem::path& directory() const noexcept { return directory_; }
-  std::filesystem::path path_of(const kv_block_hash& h) const { return directory_ / (h.hex() + std::string(entry_suffix)); }
+  std::filesystem::path path_of(const kv_block_hash& h) const {
+    return directory_ / (h.hex() + std::string(entry_suffix));
+  }
 
   void put(std::shared_ptr<const kv_store_value> value) noexcept {
     const std::size_t size = value->size();

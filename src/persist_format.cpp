@@ -136,7 +136,7 @@ std::vector<std::byte> encode_front(const file_header& h, std::span<const token_
     put_le<std::uint64_t>(e + entry_bytes * i + 16, table[i].checksum);
   }
   put_le<std::uint64_t>(e + entry_bytes * table.size(),
-                     xxh3_64(std::span(out).subspan(l.table_offset, entry_bytes * table.size())));
+                        xxh3_64(std::span(out).subspan(l.table_offset, entry_bytes * table.size())));
   return out;
 }
 

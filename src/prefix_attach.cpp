@@ -206,8 +206,8 @@ void start_attach(const std::shared_ptr<prefix_index>& p, asio::any_io_executor 
     complete_with(*p, started.take(), ex, ec, std::move(blocks), tokens, in_ram);
     return;
   }
-  auto job = std::make_shared<attach_job>(p, ex, std::vector<token_id>(usable.begin(), usable.end()),
-                                          std::move(hashes), in_ram, std::move(blocks), op);
+  auto job = std::make_shared<attach_job>(p, ex, std::vector<token_id>(usable.begin(), usable.end()), std::move(hashes),
+                                          in_ram, std::move(blocks), op);
   started.take();  // the job's now
   job->start(options);
 }

@@ -60,8 +60,7 @@ bool check_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<c
     return false;
   if (std::memcmp(p + at_hash, hash.bytes.data(), hash.bytes.size()) != 0) return false;
   const std::size_t payload = g.num_layers * g.block_bytes();
-  return get_le<std::uint64_t>(p + entry_header_bytes + payload) ==
-         xxh3_64(bytes.subspan(entry_header_bytes, payload));
+  return get_le<std::uint64_t>(p + entry_header_bytes + payload) == xxh3_64(bytes.subspan(entry_header_bytes, payload));
 }
 
 held_entry::held_entry(const entry_geometry& g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks)
@@ -84,7 +83,9 @@ std::shared_ptr<copied_entry> copied_entry::make(const entry_geometry& g, const 
   }
 }
 
-void copied_entry::encode(std::span<std::byte> out) const noexcept { std::copy(bytes_.begin(), bytes_.end(), out.begin()); }
+void copied_entry::encode(std::span<std::byte> out) const noexcept {
+  std::copy(bytes_.begin(), bytes_.end(), out.begin());
+}
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -3,8 +3,8 @@
 // write-back; async_attach taking RAM hits first, then the store's blocks in
 // order, each checked, and ending the match at the first block missing,
 // corrupt, forged or late; its cancellation; attaches from several threads.
-#include "prefix_support.hpp"
 #include "common/files.hpp"
+#include "prefix_support.hpp"
 #include "store/store_writer.hpp"
 
 #include <poll.h>
@@ -78,7 +78,9 @@ struct store_fixture {
   attach_result attach(std::span<const token_id> ids, kv_attach_options options = {}, std::string_view salt = {}) {
     std::promise<attach_result> done;
     cache.async_attach(threads.get_executor(), ids, salt, options,
-                       [&](ghostlink::error_code ec, sequence_kv_cache seq) { done.set_value({ec, std::move(seq)}); });
+                       [&](ghostlink::error_code ec, sequence_kv_cache seq) {
+                         done.set_value({ec, std::move(seq)});
+                       });
     return done.get_future().get();
   }
 
@@ -235,17 +237,18 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
     {
       kv_block_pool pool = kv_block_pool::for_caches<float>(w::config(), {.max_blocks = 4096});
       // The saved file is one of the two sequences, whole.
-      auto [loaded, ids] = async_load<float>(threads.get_executor(), dir.path / "saved.kv", pool,
-                                             {.num_layers = w::layers, .config = w::config(), .model = "writer"},
-                                             asio::use_future)
-                               .get();
+      auto [loaded, ids] =
+          async_load<float>(threads.get_executor(), dir.path / "saved.kv", pool,
+                            {.num_layers = w::layers, .config = w::config(), .model = "writer"}, asio::use_future)
+              .get();
       REQUIRE(ids.size() == w::length);
       const std::size_t r = ids[0] == 0 ? 0 : 1;
       CHECK(writer_diff(loaded, r, w::length) == "");
       // Every entry file is whole, and attaching from the store gives the
       // runs' data exactly, as far as their entries reach.
       const detail::entry_geometry g(w::layers, w::config(), 0, sizeof(float));
-      auto store = std::make_shared<kv_file_store>(dir.path / "store", kv_file_store_limits{.io_executor = io.get_executor()});
+      auto store =
+          std::make_shared<kv_file_store>(dir.path / "store", kv_file_store_limits{.io_executor = io.get_executor()});
       std::size_t files = 0;
       for (const auto& e : fs::directory_iterator(dir.path / "store")) {
         const std::string name = e.path().filename().string();
@@ -263,7 +266,9 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
       for (std::size_t run_index = 0; run_index < 2; ++run_index) {
         std::promise<attach_result> done;
         cache.async_attach(threads.get_executor(), w::tokens(run_index), {},
-                           [&](ghostlink::error_code ec, sequence_kv_cache s) { done.set_value({ec, std::move(s)}); });
+                           [&](ghostlink::error_code ec, sequence_kv_cache s) {
+                             done.set_value({ec, std::move(s)});
+                           });
         auto [ec, seq] = done.get_future().get();
         CHECK(ec == ghostlink::error_code());
         CHECK(writer_diff(seq, run_index, seq.size()) == "");
@@ -345,9 +350,7 @@ TEST_CASE("a corrupted or truncated entry file is a miss, counted as a reject, n
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
 
   std::size_t rejects = 1;
-  SECTION("truncated") {
-    write_file(victim, std::vector<std::byte>(good.begin(), good.end() - 9));
-  }
+  SECTION("truncated") { write_file(victim, std::vector<std::byte>(good.begin(), good.end() - 9)); }
   SECTION("one byte longer") {
     std::vector<std::byte> longer = good;
     longer.push_back(std::byte{0});
@@ -401,13 +404,15 @@ TEST_CASE("an entry of another model or geometry put under an entry's name is re
     store_fixture other({}, kv_store_policy::write_through, 1000, "model-b");
     REQUIRE(other.insert(ids) == 4);
     other.store->flush();
-    for (std::size_t b = 0; b < 4; ++b) fs::copy_file(other.file_of(ids, b), f.file_of(ids, b), fs::copy_options::overwrite_existing);
+    for (std::size_t b = 0; b < 4; ++b)
+      fs::copy_file(other.file_of(ids, b), f.file_of(ids, b), fs::copy_options::overwrite_existing);
   }
   SECTION("another geometry (3 layers)") {
     store_fixture other({}, kv_store_policy::write_through, 1000, "model-a", 3);
     REQUIRE(other.insert(ids) == 4);
     other.store->flush();
-    for (std::size_t b = 0; b < 4; ++b) fs::copy_file(other.file_of(ids, b), f.file_of(ids, b), fs::copy_options::overwrite_existing);
+    for (std::size_t b = 0; b < 4; ++b)
+      fs::copy_file(other.file_of(ids, b), f.file_of(ids, b), fs::copy_options::overwrite_existing);
   }
   SECTION("another block of the same model") {
     for (std::size_t b = 0; b < 4; ++b) fs::copy_file(f.file_of(ids, 3 - b), f.file_of(ids, b).string() + ".x");
@@ -531,8 +536,9 @@ TEST_CASE("a store made on an existing directory finds its entries: a restarted 
   kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
   kv_prefix_cache cache(2, config(), pool, {.model = "model-a", .store = second.store});
   std::promise<attach_result> done;
-  cache.async_attach(second.threads.get_executor(), ids, {},
-                     [&](ghostlink::error_code ec, sequence_kv_cache seq) { done.set_value({ec, std::move(seq)}); });
+  cache.async_attach(second.threads.get_executor(), ids, {}, [&](ghostlink::error_code ec, sequence_kv_cache seq) {
+    done.set_value({ec, std::move(seq)});
+  });
   auto [ec, seq] = done.get_future().get();
   CHECK(ec == ghostlink::error_code());
   CHECK(diff(seq, ids) == "");
@@ -584,14 +590,17 @@ TEST_CASE("a store that does not answer in time is a miss after the deadline, wi
   cache.clear();
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
   std::promise<attach_result> one;
-  cache.async_attach(threads.get_executor(), first, {},
-                     [&](ghostlink::error_code ec, sequence_kv_cache s) { one.set_value({ec, std::move(s)}); });
+  cache.async_attach(threads.get_executor(), first, {}, [&](ghostlink::error_code ec, sequence_kv_cache s) {
+    one.set_value({ec, std::move(s)});
+  });
   REQUIRE(store->answer(0) == 0);  // the one block asked: done
   REQUIRE(diff(one.get_future().get().second, first) == "");
 
   std::promise<attach_result> done;
   cache.async_attach(threads.get_executor(), ids, {}, {.timeout = std::chrono::milliseconds(50)},
-                     [&](ghostlink::error_code ec, sequence_kv_cache s) { done.set_value({ec, std::move(s)}); });
+                     [&](ghostlink::error_code ec, sequence_kv_cache s) {
+                       done.set_value({ec, std::move(s)});
+                     });
   auto [ec, seq] = done.get_future().get();  // nothing answers: the deadline ends it
   CHECK(ec == ghostlink::error_code());
   CHECK(diff(seq, first) == "");

@@ -3,8 +3,8 @@
 // made and no block taken), the atomic replacement of a file, snapshot
 // isolation under a concurrent writer, where the I/O and the handlers run,
 // and cancellation.
-#include "sequence_support.hpp"
 #include "common/files.hpp"
+#include "sequence_support.hpp"
 
 #include <fcntl.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX sigaction
@@ -38,8 +38,8 @@ using ghostlink::test::seq::str;
 
 namespace {
 
-using ghostlink::test::temp_dir;
 using ghostlink::test::read_file;
+using ghostlink::test::temp_dir;
 using ghostlink::test::write_file;
 
 std::uint64_t u64_at(const std::vector<std::byte>& bytes, std::size_t at) {

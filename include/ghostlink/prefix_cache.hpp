@@ -5,8 +5,8 @@
 /// pool's budget.
 
 #include <chrono>
-#include <cstddef>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
