@@ -12,7 +12,7 @@
 // then writes a temporary file and renames it over the entry's name. A
 // failed write gives its room back.
 
-#include <signal.h>
+#include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX kill
 #include <sys/types.h>
 #include <unistd.h>
 

@@ -75,7 +75,7 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
 
   /// Arms the deadline and asks the store for the blocks after the RAM
   /// hits. Memory refused ends the operation with capacity_exhausted.
-  void start(const kv_attach_options& options) noexcept {
+  void start(const kv_attach_options& options) {
     try {
       {
         std::lock_guard lock(mutex_);
@@ -100,7 +100,7 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
 
  private:
   /// A value for block `in_ram_ + i`; false once no more are wanted.
-  bool deliver(std::size_t i, std::vector<std::byte> bytes) noexcept {
+  bool deliver(std::size_t i, std::vector<std::byte> bytes) {
     std::lock_guard lock(mutex_);
     if (done_) return false;
     if (!op_->claim()) {
@@ -148,14 +148,14 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
     return true;
   }
 
-  void expire() noexcept {
+  void expire() {
     std::lock_guard lock(mutex_);
     if (!done_) finish({});
   }
 
   /// Ends the operation (under mutex_, once): the fetched entries go into
   /// the index, the handler gets the sequence.
-  void finish(error_code ec) noexcept {
+  void finish(error_code ec) {
     done_ = true;
     if (timer_) timer_->cancel();
     prefix_index& p = *index_;
@@ -193,8 +193,9 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
 
 }  // namespace
 
-void start_attach(const std::shared_ptr<prefix_index>& p, asio::any_io_executor ex, std::span<const token_id> tokens,
-                  std::string_view salt, const kv_attach_options& options, persist_op* op) {
+void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_executor& ex,
+                  std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options,
+                  persist_op* op) {
   unstarted_op started(op);
   const std::span<const token_id> usable = within_max(*p, tokens);
   std::vector<kv_block_hash> hashes = p->hashes(usable, salt);

@@ -375,7 +375,7 @@ TEST_CASE("every single flipped byte of an entry file makes it a miss") {
   f.store->flush();
   const fs::path file = f.file_of(ids, 0);
   const std::vector<std::byte> good = read_file(file);
-  REQUIRE(good.size() == 96 + 2 * 2 * 4 * 8 * sizeof(float) + 8);
+  REQUIRE(good.size() == 96 + sizeof(float) * 2 * 2 * 4 * 8 + 8);
   std::size_t attached = 0;
   for (std::size_t i = 0; i < good.size(); ++i) {
     std::vector<std::byte> bad = good;
@@ -477,7 +477,7 @@ TEST_CASE("a directory that cannot be made throws from the store's constructor")
 }
 
 TEST_CASE("the disk budget evicts the least recently used entries, and never exceeds the budget") {
-  const std::size_t entry = 96 + 2 * 2 * 4 * 8 * sizeof(float) + 8;
+  const std::size_t entry = 96 + sizeof(float) * 2 * 2 * 4 * 8 + 8;
   store_fixture f({.max_bytes = 3 * entry});
   const std::vector<token_id> a = run(0, 8), b = run(1000, 8);
   REQUIRE(f.insert(a) == 2);

@@ -126,8 +126,9 @@ void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler);
 /// Takes ownership of `op` and completes it exactly once, never inside this
 /// call (src/prefix_attach.cpp). Throws only if memory is refused, then
 /// discarding `op` first.
-void start_attach(const std::shared_ptr<prefix_index>& p, asio::any_io_executor ex, std::span<const token_id> tokens,
-                  std::string_view salt, const kv_attach_options& options, persist_op* op);
+void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_executor& ex,
+                  std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options,
+                  persist_op* op);
 
 /// Starts an `async_attach`.
 template <storage_element T>

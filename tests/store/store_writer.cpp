@@ -15,19 +15,17 @@
 #include "../asio_compat.hpp"
 
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <vector>
 
 #include "store_writer.hpp"
 
-int main(int argc, char** argv) {
+namespace {
+
+[[noreturn]] void write_forever(const std::filesystem::path& dir) {
   using namespace ghostlink;
-  if (argc != 2) {
-    std::fputs("usage: store_writer <dir>\n", stderr);
-    return 2;
-  }
-  const std::filesystem::path dir = argv[1];
   namespace w = ghostlink::test::store_writer;
   asio::thread_pool threads(2);
   auto store = std::make_shared<kv_file_store>(dir / "store", kv_file_store_limits{.durable = true});
@@ -47,5 +45,20 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     cache.clear();
     cache.insert_stored_tokens(seq);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fputs("usage: store_writer <dir>\n", stderr);
+    return 2;
+  }
+  try {
+    write_forever(argv[1]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "store_writer: %s\n", e.what());
+    return 1;
   }
 }
