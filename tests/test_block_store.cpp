@@ -223,6 +223,29 @@ std::string writer_diff(const sequence_kv_cache& seq, std::size_t r, std::size_t
   return {};
 }
 
+/// A held_store under a prefix cache whose prompt() entries it holds, RAM
+/// cleared: every attach of prompt() waits on the store.
+struct held_fixture {
+  held_fixture() {
+    sequence_kv_cache seq(threads, 2, config(), pool);
+    REQUIRE(append(seq, prompt()) == ghostlink::error_code());
+    REQUIRE(cache.insert(seq, prompt()) == 4);
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
+    cache.clear();
+  }
+  held_fixture(const held_fixture&) = delete;
+  held_fixture& operator=(const held_fixture&) = delete;
+  ~held_fixture() {
+    store->drop();
+    threads.join();
+  }
+
+  asio::thread_pool threads{2};
+  std::shared_ptr<held_store> store = std::make_shared<held_store>();
+  kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
+  kv_prefix_cache cache{2, config(), pool, {.model = "m", .store = store}};
+};
+
 }  // namespace
 
 TEST_CASE("a process killed in the middle of its saves and store writes leaves whole files or none, never torn") {
@@ -577,17 +600,9 @@ TEST_CASE("write-back stores an entry when it is evicted, not before, and attach
 }
 
 TEST_CASE("a store that does not answer in time is a miss after the deadline, with the RAM hits attached") {
-  asio::thread_pool threads(2);
-  auto store = std::make_shared<held_store>();
-  kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
-  kv_prefix_cache cache(2, config(), pool, {.model = "m", .store = store});
+  held_fixture f;
+  auto& [threads, store, pool, cache] = f;
   const std::vector<token_id> ids = prompt();
-  {
-    sequence_kv_cache seq(threads, 2, config(), pool);
-    REQUIRE(append(seq, ids) == ghostlink::error_code());
-    REQUIRE(cache.insert(seq, ids) == 4);
-  }
-  cache.clear();
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
   std::promise<attach_result> one;
   cache.async_attach(threads.get_executor(), first, {}, [&](ghostlink::error_code ec, sequence_kv_cache s) {
@@ -607,23 +622,13 @@ TEST_CASE("a store that does not answer in time is a miss after the deadline, wi
   CHECK(store->requests() == 2);
   CHECK(store->answer(0) == 0);  // a late answer is not wanted
   CHECK(cache.match(ids) == 4);
-  store->drop();
   seq = {};
-  threads.join();
 }
 
 TEST_CASE("cancelling an attach that waits on the store completes it with operation_aborted and the blocks so far") {
-  asio::thread_pool threads(2);
-  auto store = std::make_shared<held_store>();
-  kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
-  kv_prefix_cache cache(2, config(), pool, {.model = "m", .store = store});
+  held_fixture f;
+  auto& [threads, store, pool, cache] = f;
   const std::vector<token_id> ids = prompt();
-  {
-    sequence_kv_cache seq(threads, 2, config(), pool);
-    REQUIRE(append(seq, ids) == ghostlink::error_code());
-    REQUIRE(cache.insert(seq, ids) == 4);
-  }
-  cache.clear();
   asio::cancellation_signal signal;
   std::promise<attach_result> done;
   cache.async_attach(threads.get_executor(), ids, {},
@@ -637,9 +642,7 @@ TEST_CASE("cancelling an attach that waits on the store completes it with operat
   CHECK(ec == asio::error::operation_aborted);
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
   CHECK(diff(seq, first) == "");
-  store->drop();
   seq = {};
-  threads.join();
 }
 
 TEST_CASE("without a store async_attach is attach, completing through the handler's executor") {
