@@ -17,7 +17,9 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <future>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "store_writer.hpp"
@@ -38,9 +40,10 @@ namespace {
   }
   for (std::size_t n = 0;; ++n) {
     const sequence_kv_cache& seq = seqs[n % 2];
+    std::promise<ghostlink::error_code> saved;
     async_save(seq.snapshot(), dir / "saved.kv", kv_save_options{.config = w::config(), .model = "writer"},
-               asio::use_future)
-        .get();
+               [&](ghostlink::error_code ec) { saved.set_value(ec); });
+    if (const ghostlink::error_code ec = saved.get_future().get()) throw std::runtime_error(ec.message());
     std::printf("saved %zu\n", n);
     std::fflush(stdout);
     cache.clear();
