@@ -96,7 +96,11 @@ error_code replacement_file::create(const std::filesystem::path& target, std::ui
   // hidden, with the process id and a counter; O_EXCL makes sure.
   static std::atomic<std::uint64_t> counter{0};
   target_ = target;
-  const std::string stem = "." + target.filename().string() + ".tmp." + std::to_string(::getpid()) + ".";
+  // The target's name cut to 200 bytes: the temporary name stays within
+  // NAME_MAX (255) whatever the target's length.
+  std::string name = target.filename().string();
+  if (name.size() > 200) name.resize(200);
+  const std::string stem = "." + name + ".tmp." + std::to_string(::getpid()) + ".";
   for (int attempt = 0; attempt < 100; ++attempt) {
     temporary_ = target.parent_path() / (stem + std::to_string(counter.fetch_add(1, std::memory_order_relaxed)));
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg): open's mode argument

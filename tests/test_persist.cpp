@@ -295,6 +295,17 @@ TEST_CASE("an empty sequence saves and loads as an empty sequence, taking no blo
   CHECK(range.keys.empty());
 }
 
+TEST_CASE("a save to a name of 250 bytes works: its temporary name stays within NAME_MAX", "[persist]") {
+  fixture<float> f;
+  f.append(5);
+  const fs::path target = f.dir.path / std::string(250, 'n');
+  REQUIRE_FALSE(f.save(target));
+  const loaded<float> got = load<float>(f.threads, target, f.pool);
+  REQUIRE_FALSE(got.ec);
+  CHECK(got.seq.size() == 5);
+  CHECK(f.dir.entries() == std::vector<std::string>{target.filename().string()});
+}
+
 TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   fixture<bfloat16> f;
   f.append(5);
