@@ -7,10 +7,13 @@
 // reads the file whether or not the index knows it, so a file another
 // process wrote is found, and an index entry whose file is gone is a miss.
 //
-// A put reserves its room in the budget when its job starts (evicting the
-// least recently used entries, whose files are unlinked outside the lock),
-// then writes a temporary file and renames it over the entry's name. A
-// failed write gives its room back.
+// A write reserves its room when its job starts (reserved_, beside the
+// indexed bytes_), evicting the least recently used entries that no write
+// is rewriting, and unlinking their files under mutex_. It renames its
+// temporary file over the entry's name and indexes it under mutex_ too, so
+// an eviction never unlinks a file it does not index. Its room is given
+// back, indexed or not, when it ends. A lookup that reads a file this
+// process did not know of indexes it, evicting to stay within the budget.
 
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX kill
 #include <sys/types.h>
@@ -82,6 +85,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
       kv_block_hash h;
       if (!f.is_regular_file(ec) || !parse_entry_name(name, h)) continue;
       const std::uintmax_t bytes = f.file_size(ec);
+      if (ec) continue;
       const auto modified = f.last_write_time(ec);
       if (ec) continue;
       entries_[h].bytes = bytes;
@@ -90,9 +94,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     }
     std::sort(found.begin(), found.end());
     for (const auto& [time, h] : found) touch(h);
-    std::vector<kv_block_hash> victims;
-    evict_until(0, victims);
-    unlink_all(victims);
+    evict_until(0);
   }
 
   const std::filesystem::path& directory() const noexcept { return directory_; }
@@ -102,20 +104,28 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
 
   void put(std::shared_ptr<const kv_store_value> value) noexcept {
     const std::size_t size = value->size();
-    {
+    std::uint64_t ticket = 0;
+    try {
       std::lock_guard lock(mutex_);
       ++stats_.puts;
       if (size > limits_.max_bytes || pending_bytes_ + size > limits_.max_pending_bytes) {
         ++stats_.dropped;
         return;
       }
+      ticket = ++issued_;
+      pending_.insert(ticket);
       pending_bytes_ += size;
-      ++pending_puts_;
+    } catch (...) {  // memory refused
+      std::lock_guard lock(mutex_);
+      ++stats_.write_errors;
+      return;
     }
     try {
-      asio::post(io_, [self = shared_from_this(), value = std::move(value)] { self->write(*value); });
+      asio::post(io_, [self = shared_from_this(), value = std::move(value), ticket]() mutable {
+        self->write(std::move(value), ticket);
+      });
     } catch (...) {  // memory refused, or the executor's own failure: not stored
-      finish_put(size, false);
+      finish_put(ticket, size, false);
     }
   }
 
@@ -146,7 +156,8 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
 
   void flush() {
     std::unique_lock lock(mutex_);
-    idle_.wait(lock, [&] { return pending_puts_ == 0; });
+    const std::uint64_t last = issued_;
+    idle_.wait(lock, [&] { return pending_.empty() || *pending_.begin() > last; });
   }
 
  private:
@@ -180,57 +191,79 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     return true;
   }
 
-  /// Evicts the least recently used entries until `incoming` more bytes
-  /// fit the budget (under mutex_); their files go in `victims`.
-  void evict_until(std::uint64_t incoming, std::vector<kv_block_hash>& victims) {
-    while (!lru_.empty() && bytes_ + incoming > limits_.max_bytes) {
-      const kv_block_hash h = lru_.begin()->second;
+  /// Evicts the least recently used entries, their files unlinked, until
+  /// `incoming` more bytes fit the budget beside those indexed and those
+  /// being written (under mutex_: a write's rename and its indexing happen
+  /// under it too, so no eviction removes a file it does not index). An
+  /// entry being rewritten is skipped.
+  void evict_until(std::uint64_t incoming) {
+    auto it = lru_.begin();
+    while (it != lru_.end() && bytes_ + reserved_ + incoming > limits_.max_bytes) {
+      const kv_block_hash h = (it++)->second;
+      if (writing_.contains(h)) continue;
       forget(h);
-      victims.push_back(h);
+      (void)::unlink(path_of(h).c_str());
       ++stats_.evictions;
     }
   }
 
-  void unlink_all(const std::vector<kv_block_hash>& victims) const {
-    for (const kv_block_hash& h : victims) (void)::unlink(path_of(h).c_str());
-  }
-
-  void write(const kv_store_value& value) noexcept {
-    const std::size_t size = value.size();
+  void write(std::shared_ptr<const kv_store_value> value, std::uint64_t ticket) noexcept {
+    const std::size_t size = value->size();
+    const kv_block_hash h = value->hash();
     bool stored = false;
+    bool reserved = false;
+    replacement_file file;
     try {
-      std::vector<kv_block_hash> victims;
       {
         std::lock_guard lock(mutex_);
-        forget(value.hash());  // a replaced file frees its room
-        evict_until(size, victims);
-        touch(value.hash());
-        entries_[value.hash()].bytes = size;
-        bytes_ += size;
+        evict_until(size);
+        ++writing_[h];
+        reserved_ += size;
+        reserved = true;
       }
-      unlink_all(victims);
       std::vector<std::byte> bytes(size);
-      value.encode(bytes);
-      replacement_file file;
-      error_code ec = file.create(path_of(value.hash()), 0);
+      value->encode(bytes);
+      error_code ec = file.create(path_of(h), 0);
       if (!ec) ec = write_at(file.file(), 0, bytes);
-      if (!ec) ec = file.commit(limits_.durable);
-      stored = !ec;
+      if (!ec && limits_.durable) ec = file.sync();
+      if (!ec) {
+        // The rename and the indexing under one hold of the lock: an
+        // eviction sees the file indexed or not yet there.
+        std::lock_guard lock(mutex_);
+        ec = file.rename();
+        if (!ec) {
+          forget(h);  // a replaced file's room
+          touch(h);
+          entries_[h].bytes = size;
+          bytes_ += size;
+          stored = true;
+          release_reservation(h, size);  // in the same hold: never counted twice
+          reserved = false;
+        }
+      }
     } catch (...) {  // memory refused: not stored
     }
-    if (!stored) {  // its room back, before flush() may return
+    if (reserved) {
       std::lock_guard lock(mutex_);
-      auto it = entries_.find(value.hash());
-      if (it != entries_.end() && it->second.bytes == size) forget(value.hash());
+      release_reservation(h, size);
     }
-    finish_put(size, stored);
+    if (stored && limits_.durable && file.sync_directory()) stored = false;  // renamed, but not known to be on disk
+    value.reset();  // its blocks back to the pool before flush() may return
+    finish_put(ticket, size, stored);
   }
 
-  void finish_put(std::size_t size, bool stored) noexcept {
+  /// A write's room and mark given back (under mutex_).
+  void release_reservation(const kv_block_hash& h, std::size_t size) noexcept {
+    reserved_ -= size;
+    if (auto w = writing_.find(h); w != writing_.end() && --w->second == 0) writing_.erase(w);
+  }
+
+  void finish_put(std::uint64_t ticket, std::size_t size, bool stored) noexcept {
     std::lock_guard lock(mutex_);
     ++(stored ? stats_.stored : stats_.write_errors);
     pending_bytes_ -= size;
-    if (--pending_puts_ == 0) idle_.notify_all();
+    pending_.erase(ticket);
+    idle_.notify_all();
   }
 
   void read(fetch_request& request, std::size_t i) noexcept {
@@ -249,9 +282,10 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
         ++stats_.hits;
         const bool known = entries_.contains(h);
         touch(h);
-        if (!known) {  // written by another process: it counts now
+        if (!known) {  // written by another process: it counts now, within the budget
           entries_[h].bytes = bytes.size();
           bytes_ += bytes.size();
+          evict_until(0);
         }
       }
     } catch (...) {  // memory refused: a miss
@@ -270,13 +304,16 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   const asio::any_io_executor io_;
 
   mutable std::mutex mutex_;
-  std::condition_variable idle_;  // pending_puts_ reached 0
+  std::condition_variable idle_;  // a put finished
   std::map<kv_block_hash, indexed> entries_;
   std::set<std::pair<std::uint64_t, kv_block_hash>> lru_;  // (tick, hash), least recent first
   std::uint64_t clock_ = 0;
   std::uint64_t bytes_ = 0;
+  std::uint64_t reserved_ = 0;                  // bytes of the writes in progress
+  std::map<kv_block_hash, std::size_t> writing_;  // writes in progress, by hash
   std::size_t pending_bytes_ = 0;
-  std::size_t pending_puts_ = 0;
+  std::uint64_t issued_ = 0;          // puts numbered 1, 2, ...
+  std::set<std::uint64_t> pending_;   // the numbers of those not finished
   kv_store_stats stats_;
 };
 

@@ -114,19 +114,28 @@ error_code replacement_file::create(const std::filesystem::path& target, std::ui
   return {};
 }
 
-error_code replacement_file::commit(bool durable) {
-  if (durable && ::fsync(file_.get()) != 0) return last_error();
+error_code replacement_file::sync() noexcept { return ::fsync(file_.get()) == 0 ? error_code() : last_error(); }
+
+error_code replacement_file::rename() {
   if (error_code ec = file_.close()) return ec;
   if (::rename(temporary_.c_str(), target_.c_str()) != 0) return last_error();
   created_ = false;
-  if (!durable) return {};
-  // The rename reaches the disk with the directory.
+  return {};
+}
+
+error_code replacement_file::sync_directory() const {
   const std::filesystem::path dir = target_.parent_path().empty() ? std::filesystem::path(".") : target_.parent_path();
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg)
   const file_descriptor d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (d.get() < 0) return last_error();
   if (::fsync(d.get()) != 0) return last_error();
   return {};
+}
+
+error_code replacement_file::commit() {
+  if (error_code ec = sync()) return ec;
+  if (error_code ec = rename()) return ec;
+  return sync_directory();  // the rename reaches the disk with the directory
 }
 
 }  // namespace detail

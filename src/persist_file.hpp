@@ -66,10 +66,17 @@ class replacement_file {
   /// Creates the temporary file, of `bytes` bytes (zeros).
   error_code create(const std::filesystem::path& target, std::uint64_t bytes);
   const file_descriptor& file() const noexcept { return file_; }
-  /// fsync (if `durable`), close, rename over the target, fsync the
-  /// directory (if `durable`). Without fsync a killed process still leaves
-  /// the old file or the new one, never a torn one; a power loss may not.
-  error_code commit(bool durable = true);
+  /// sync(), rename(), sync_directory(): the new file reaches the disk,
+  /// then takes the target's name, then the name reaches the disk.
+  error_code commit();
+  /// fsync of the temporary file.
+  error_code sync() noexcept;
+  /// Closes the file and renames it over the target. Without the syncs a
+  /// killed process still leaves the old file or the new one, never a torn
+  /// one; a power loss may not.
+  error_code rename();
+  /// fsync of the target's directory (after rename()).
+  error_code sync_directory() const;
 
  private:
   std::filesystem::path target_, temporary_;

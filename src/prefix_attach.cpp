@@ -14,6 +14,8 @@
 // Lock order: mutex_, then the pool's and the prefix index's (a block
 // allocation may evict; the insert). Nothing under those takes mutex_.
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -56,6 +58,10 @@ void complete_with(prefix_index& p, persist_op* op, const asio::any_io_executor&
   op->complete(ec, queueing::post);
 }
 
+/// Blocks asked of the store at once: enough to keep its reads pipelined,
+/// few enough that values arriving out of order hold little memory.
+constexpr std::size_t fetch_window = 16;
+
 class attach_job : public std::enable_shared_from_this<attach_job> {
  public:
   attach_job(std::shared_ptr<prefix_index> p, asio::any_io_executor ex, std::vector<token_id> tokens,
@@ -67,69 +73,123 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
         hashes_(std::move(hashes)),
         in_ram_(in_ram),
         next_(in_ram),
+        window_start_(in_ram),
+        geometry_(index_->geometry()),
         blocks_(std::move(blocks)),
-        arrived_(hashes_.size() - in_ram),
-        present_(hashes_.size() - in_ram, false),
         owner_(block_pool::new_owner_id()),
         op_(op) {}
+  attach_job(const attach_job&) = delete;
+  attach_job& operator=(const attach_job&) = delete;
+  /// A store that let go of the job without answering (its context
+  /// stopped, a connection dropped): the operation ends with what came.
+  ~attach_job() {
+    if (done_) return;
+    try {
+      finish({});
+    } catch (...) {  // queueing the handler failed: it is gone, as with any completion that throws
+    }
+  }
 
-  /// Arms the deadline and asks the store for the blocks after the RAM
-  /// hits. Memory refused ends the operation with capacity_exhausted.
+  /// Arms the deadline and asks the store for the first window. Memory
+  /// refused ends the operation with capacity_exhausted.
   void start(const kv_attach_options& options) {
     try {
+      std::lock_guard lock(mutex_);
+      if (!op_->claim()) {  // emitted before the job could be woken
+        finish(asio::error::operation_aborted);
+        return;
+      }
+      if (options.timeout) {
+        timer_.emplace(ex_, *options.timeout);
+        timer_->async_wait([self = shared_from_this()](const error_code& ec) {
+          if (!ec) self->expire();
+        });
+      }
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      if (!done_) finish(kv_errc::capacity_exhausted);
+      return;
+    }
+    request(in_ram_);
+  }
+
+  const asio::any_io_executor& executor() const noexcept { return ex_; }
+
+  /// The handler's slot was emitted: ends the operation, with what came.
+  void cancel() {
+    std::lock_guard lock(mutex_);
+    if (!done_) finish(asio::error::operation_aborted);
+  }
+
+ private:
+  /// Asks the store for the window of blocks from `start`. Not under
+  /// mutex_: a store may answer inside fetch().
+  void request(std::size_t start) {
+    try {
+      std::vector<kv_block_hash> wanted(hashes_.begin() + static_cast<std::ptrdiff_t>(start),
+                                        hashes_.begin() + static_cast<std::ptrdiff_t>(window_end(start)));
+      std::shared_ptr<kv_block_store> store;
       {
         std::lock_guard lock(mutex_);
-        if (options.timeout) {
-          timer_.emplace(ex_, *options.timeout);
-          timer_->async_wait([self = shared_from_this()](const error_code& ec) {
-            if (!ec) self->expire();
-          });
-        }
+        if (done_) return;
+        store = index_->store();
       }
-      // Not under mutex_: a store may answer inside fetch().
-      std::vector<kv_block_hash> wanted(hashes_.begin() + static_cast<std::ptrdiff_t>(in_ram_), hashes_.end());
-      index_->store()->fetch(std::move(wanted),
-                             [self = shared_from_this()](std::size_t i, std::vector<std::byte> bytes) {
-                               return self->deliver(i, std::move(bytes));
-                             });
+      store->fetch(std::move(wanted), [self = shared_from_this(), start](std::size_t i, std::vector<std::byte> bytes) {
+        return self->deliver(start, i, std::move(bytes));
+      });
     } catch (...) {
       std::lock_guard lock(mutex_);
       if (!done_) finish(kv_errc::capacity_exhausted);
     }
   }
 
- private:
-  /// A value for block `in_ram_ + i`; false once no more are wanted.
-  bool deliver(std::size_t i, std::vector<std::byte> bytes) {
-    std::lock_guard lock(mutex_);
-    if (done_) return false;
-    if (!op_->claim()) {
-      finish(asio::error::operation_aborted);
-      return false;
-    }
-    arrived_[i] = std::move(bytes);
-    present_[i] = true;
-    while (!done_ && present_[next_ - in_ram_]) {
-      std::vector<std::byte> value = std::move(arrived_[next_ - in_ram_]);
-      if (!attach_one(value)) {
-        finish({});
-        break;
+  std::size_t window_end(std::size_t start) const noexcept { return std::min(start + fetch_window, hashes_.size()); }
+
+  /// Value `i` of the window from `start`; false once no more of it are wanted.
+  bool deliver(std::size_t start, std::size_t i, std::vector<std::byte> bytes) {
+    // Checked before the lock: the store's threads check values in parallel.
+    const bool asked = start + i < window_end(start);
+    const bool rejected = asked && !bytes.empty() && !check_entry(geometry_, hashes_[start + i], bytes);
+    if (rejected) bytes.clear();
+    bool next_window = false;
+    {
+      std::lock_guard lock(mutex_);
+      if (done_ || start != window_start_) return false;
+      if (!op_->claim()) {
+        finish(asio::error::operation_aborted);
+        return false;
       }
-      if (++next_ == hashes_.size()) finish({});
+      if (!asked || arrived_[i]) return true;  // not a value asked for: ignored
+      arrived_[i] = std::move(bytes);
+      rejected_[i] = rejected;
+      while (!done_ && arrived_[next_ - window_start_]) {
+        const std::size_t at = next_ - window_start_;
+        const std::vector<std::byte> value = *std::exchange(arrived_[at], std::nullopt);
+        if (rejected_[at]) index_->count_store_reject();
+        if (!attach_one(value)) {
+          finish({});
+        } else if (++next_ == hashes_.size()) {
+          finish({});
+        } else if (next_ == window_end(window_start_)) {
+          window_start_ = next_;
+          arrived_ = {};
+          rejected_ = {};
+          next_window = true;
+          break;
+        }
+      }
+      if (done_) return false;
     }
-    return !done_;
+    if (next_window) request(window_start_);
+    return !next_window;
   }
 
-  /// Checks block `next_`'s value and appends it in new blocks; false if
-  /// the match ends here.
+  /// Appends block `next_`'s checked value in new blocks; false if the
+  /// match ends here (no value, or no room).
   bool attach_one(std::span<const std::byte> value) noexcept {
     prefix_index& p = *index_;
-    const entry_geometry& g = p.geometry();
+    const entry_geometry& g = geometry_;
     if (value.empty()) return false;
-    if (!check_entry(g, hashes_[next_], value)) {
-      p.count_store_reject();
-      return false;
-    }
     std::vector<ref_ptr<block>> fresh;
     try {
       fresh.reserve(g.num_layers);
@@ -150,42 +210,45 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
 
   void expire() {
     std::lock_guard lock(mutex_);
-    if (!done_) finish({});
+    if (!done_) finish(op_->claim() ? error_code() : error_code(asio::error::operation_aborted));
   }
 
   /// Ends the operation (under mutex_, once): the fetched entries go into
-  /// the index, the handler gets the sequence.
+  /// the index, the handler gets the sequence, and the job lets go of the
+  /// index (values still in flight only find it done).
   void finish(error_code ec) {
     done_ = true;
     if (timer_) timer_->cancel();
-    prefix_index& p = *index_;
+    const std::shared_ptr<prefix_index> p = std::move(index_);
     const std::size_t fetched = next_ - in_ram_;
     if (fetched != 0) {
-      p.count_store_hits(fetched * p.config().block_tokens);
+      p->count_store_hits(fetched * p->config().block_tokens);
       try {
         std::vector<std::vector<const block*>> per_block(next_);
         for (std::size_t b = 0; b < next_; ++b) {
           per_block[b].reserve(blocks_.size());
           for (const auto& layer : blocks_) per_block[b].push_back(layer[b].get());
         }
-        p.insert(std::span(hashes_).first(next_), per_block, nullptr, true);
+        p->insert(std::span(hashes_).first(next_), per_block, nullptr, true);
       } catch (const std::bad_alloc&) {  // not cached for the next attach; this one has them
       }
     }
-    complete_with(p, op_, ex_, ec, std::move(blocks_), tokens_, next_);
+    complete_with(*p, op_, ex_, ec, std::move(blocks_), tokens_, next_);
   }
 
   std::mutex mutex_;
-  const std::shared_ptr<prefix_index> index_;
+  std::shared_ptr<prefix_index> index_;  // null once done
   const asio::any_io_executor ex_;
   const std::vector<token_id> tokens_;
   const std::vector<kv_block_hash> hashes_;
   const std::size_t in_ram_;                         // blocks attached from RAM
   std::size_t next_;                                 // the first block not attached yet
+  std::size_t window_start_;                         // the first block of the window asked of the store
+  const entry_geometry geometry_;                    // of the entries, as the index's
   std::vector<std::vector<ref_ptr<block>>> blocks_;  // per layer, blocks [0, next_)
-  std::vector<std::vector<std::byte>> arrived_;      // values of blocks in_ram_ + i not yet taken
-  std::vector<bool> present_;                        // whether arrived_[i] came
-  const std::uint64_t owner_;                        // of the blocks made here, which no one writes
+  std::array<std::optional<std::vector<std::byte>>, fetch_window> arrived_{};  // the window's values not yet taken
+  std::array<bool, fetch_window> rejected_{};  // arrived_[i] was a value that failed its checks
+  const std::uint64_t owner_;  // of the blocks made here, which no one writes
   persist_op* op_;
   std::optional<asio::steady_timer> timer_;
   bool done_ = false;
@@ -193,9 +256,39 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
 
 }  // namespace
 
+/// Wakes an attach waiting on its store when its handler's slot is emitted.
+class attach_wakeup {
+ public:
+  void attach(const std::shared_ptr<attach_job>& job) {
+    std::lock_guard lock(mutex_);
+    job_ = job;
+  }
+  void wake() noexcept {
+    std::shared_ptr<attach_job> job;
+    {
+      std::lock_guard lock(mutex_);
+      job = job_.lock();
+    }
+    if (!job) return;
+    // Not inside the emit: the completion must not clear the slot while
+    // its handler is still running.
+    try {
+      asio::post(job->executor(), [job] { job->cancel(); });
+    } catch (...) {  // memory refused: the job sees the cancellation at its next value or deadline
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::weak_ptr<attach_job> job_;
+};
+
+std::shared_ptr<attach_wakeup> make_attach_wakeup() { return std::make_shared<attach_wakeup>(); }
+void wake(attach_wakeup& w) noexcept { w.wake(); }
+
 void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_executor& ex,
                   std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options,
-                  persist_op* op) {
+                  const std::shared_ptr<attach_wakeup>& wakeup, persist_op* op) {
   unstarted_op started(op);
   const std::span<const token_id> usable = within_max(*p, tokens);
   std::vector<kv_block_hash> hashes = p->hashes(usable, salt);
@@ -210,6 +303,7 @@ void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_exe
   auto job = std::make_shared<attach_job>(p, ex, std::vector<token_id>(usable.begin(), usable.end()), std::move(hashes),
                                           in_ram, std::move(blocks), op);
   started.take();  // the job's now
+  if (wakeup) wakeup->attach(job);
   job->start(options);
 }
 

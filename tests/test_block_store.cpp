@@ -284,8 +284,10 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
             if (store->path_of(h).filename() == name) whole = detail::check_entry(g, h, read_file(e.path()));
         CHECK(whole);
       }
+      CHECK(files > 0);
       CHECK(store->stats().entries == files);
       kv_prefix_cache cache(w::layers, w::config(), pool, {.model = "writer", .store = store});
+      std::size_t attached = 0;
       for (std::size_t run_index = 0; run_index < 2; ++run_index) {
         std::promise<attach_result> done;
         cache.async_attach(threads.get_executor(), w::tokens(run_index), {},
@@ -295,7 +297,9 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
         auto [ec, seq] = done.get_future().get();
         CHECK(ec == ghostlink::error_code());
         CHECK(writer_diff(seq, run_index, seq.size()) == "");
+        attached += seq.size();
       }
+      CHECK(attached > 0);
     }
     io.join();
     threads.join();
@@ -643,6 +647,89 @@ TEST_CASE("cancelling an attach that waits on the store completes it with operat
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
   CHECK(diff(seq, first) == "");
   seq = {};
+}
+
+TEST_CASE("values the store delivers out of order attach in block order") {
+  held_fixture f;
+  auto& [threads, store, pool, cache] = f;
+  const std::vector<token_id> ids = prompt();
+  std::promise<attach_result> done;
+  cache.async_attach(threads.get_executor(), ids, {}, [&](ghostlink::error_code ec, sequence_kv_cache s) {
+    done.set_value({ec, std::move(s)});
+  });
+  CHECK(store->answer(3) == 1);
+  CHECK(store->answer(1) == 1);
+  CHECK(store->answer(2) == 1);
+  CHECK(store->answer(0) == 0);  // block 0 lets all four attach: done
+  auto [ec, seq] = done.get_future().get();
+  CHECK(ec == ghostlink::error_code());
+  CHECK(diff(seq, ids) == "");
+  seq = {};
+}
+
+TEST_CASE("cancelling an attach whose store never answers completes it with operation_aborted and the RAM hits") {
+  held_fixture f;
+  auto& [threads, store, pool, cache] = f;
+  const std::vector<token_id> ids = prompt();
+  asio::cancellation_signal signal;
+  std::promise<attach_result> done;
+  cache.async_attach(threads.get_executor(), ids, {},
+                     asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec, sequence_kv_cache s) {
+                       done.set_value({ec, std::move(s)});
+                     }));
+  REQUIRE(store->requests() == 1);
+  signal.emit(asio::cancellation_type::terminal);  // no value comes after it
+  auto [ec, seq] = done.get_future().get();
+  CHECK(ec == asio::error::operation_aborted);
+  CHECK(seq.size() == 0);
+  CHECK(store->answer(0) == 0);  // a late value is refused
+  seq = {};
+}
+
+TEST_CASE("a store that lets go of a lookup without answering ends the attach with what came") {
+  held_fixture f;
+  auto& [threads, store, pool, cache] = f;
+  const std::vector<token_id> ids = prompt();
+  std::promise<attach_result> done;
+  cache.async_attach(threads.get_executor(), ids, {}, [&](ghostlink::error_code ec, sequence_kv_cache s) {
+    done.set_value({ec, std::move(s)});
+  });
+  REQUIRE(store->answer(0) == 1);
+  store->drop();  // the store's context went away with the request
+  auto [ec, seq] = done.get_future().get();
+  CHECK(ec == ghostlink::error_code());
+  const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
+  CHECK(diff(seq, first) == "");
+  seq = {};
+}
+
+TEST_CASE("a well-formed entry of another geometry under the right hash is refused by its header") {
+  store_fixture f;
+  const std::vector<token_id> ids = run(7, 4);  // one block
+  REQUIRE(f.insert(ids) == 1);
+  f.store->flush();
+  const kv_block_hash h = f.cache.block_hashes(ids)[0];
+  // 4 heads of 2 lanes for 2 heads of 4: the same size, valid checksums and
+  // hash; only the header's geometry tells it apart. Likewise element code 1
+  // (half) with 4-byte elements.
+  kv_cache_config other = config();
+  other.num_heads = 4;
+  other.head_dim = 2;
+  const detail::entry_geometry swapped(2, other, 0, sizeof(float));
+  detail::entry_geometry relabelled(2, config(), 1, sizeof(float));
+  for (const detail::entry_geometry& g : {swapped, relabelled}) {
+    std::vector<std::byte> payload(g.block_bytes(), std::byte{0x3f});
+    const std::vector<const std::byte*> layers(2, payload.data());
+    std::vector<std::byte> forged(g.entry_bytes());
+    detail::encode_entry(g, h, layers, forged);
+    REQUIRE(forged.size() == read_file(f.file_of(ids, 0)).size());
+    write_file(f.file_of(ids, 0), forged);
+    f.cache.clear();
+    const attach_result r = f.attach(ids);
+    CHECK(r.first == ghostlink::error_code());
+    CHECK(r.second.size() == 0);
+  }
+  CHECK(f.cache.stats().store_rejects == 2);
 }
 
 TEST_CASE("without a store async_attach is attach, completing through the handler's executor") {

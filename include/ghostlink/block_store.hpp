@@ -111,8 +111,11 @@ struct kv_file_store_limits {
   std::uint64_t max_bytes = std::uint64_t{1} << 30;
   /// The bytes of puts waiting to be written, beyond which a put is
   /// dropped: what a slow disk may hold of the pool (a write-through value
-  /// holds its blocks) and of memory (a write-back value is a copy).
-  std::size_t max_pending_bytes = std::size_t{256} << 20;
+  /// holds its blocks) and of memory (a write-back value is a copy). A
+  /// dropped write-through entry is not offered again while RAM holds it:
+  /// set this above the bytes of the longest prompt's entries (4096 tokens
+  /// of 32 layers of 8 x 128 floats: 256 entries of 1 MiB).
+  std::size_t max_pending_bytes = std::size_t{1} << 30;
   /// fsync every file before its rename, and the directory after: stored
   /// entries then survive a power loss. Without it (the default) a killed
   /// process still leaves whole files or none (the rename is atomic), and a
@@ -158,7 +161,9 @@ class kv_file_store final : public kv_block_store {
   /// The file an entry is stored in, whether or not it exists.
   std::filesystem::path path_of(const kv_block_hash& hash) const;
   /// Blocks the calling thread until every put queued before the call is
-  /// stored or dropped. Never call it from the I/O executor's threads.
+  /// stored or dropped, and has let go of its value (a write-through
+  /// value's blocks are back with their pool). Never call it from the I/O
+  /// executor's threads.
   void flush();
 
  private:

@@ -123,23 +123,56 @@ std::size_t prefix_insert(prefix_index& p, const sequence_core* seq, const std::
 void prefix_clear(prefix_index& p) noexcept;
 kv_prefix_stats prefix_stats(const prefix_index& p) noexcept;
 void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler);
+/// Wakes an attach that waits on its store when its handler's cancellation
+/// slot is emitted (src/prefix_attach.cpp).
+class attach_wakeup;
+std::shared_ptr<attach_wakeup> make_attach_wakeup();
+/// Queues the cancellation of the attach `w` wakes, if it is still running.
+void wake(attach_wakeup& w) noexcept;
+
+/// What an attach's cancellation slot holds: the operation's cancel_state
+/// (as every operation's), and the wakeup of the job waiting on the store.
+struct attach_cancel_handler {
+  ref_ptr<cancel_state> state;
+  std::shared_ptr<attach_wakeup> wakeup;
+  void operator()(asio::cancellation_type type) const noexcept {
+    if (type == asio::cancellation_type::none) return;
+    state->cancel();
+    wake(*wakeup);
+  }
+};
+
 /// Takes ownership of `op` and completes it exactly once, never inside this
 /// call (src/prefix_attach.cpp). Throws only if memory is refused, then
 /// discarding `op` first.
 void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_executor& ex,
                   std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options,
-                  persist_op* op);
+                  const std::shared_ptr<attach_wakeup>& wakeup, persist_op* op);
 
 /// Starts an `async_attach`.
 template <storage_element T>
 struct initiate_attach {
   template <class Handler>
-  void operator()(Handler&& handler, const std::shared_ptr<prefix_index>& p, asio::any_io_executor ex,
+  void operator()(Handler&& handler, const std::shared_ptr<prefix_index>& p, const asio::any_io_executor& ex,
                   std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options) const {
     using handler_type = std::decay_t<Handler>;
     using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_sequence<basic_sequence_kv_cache<T>>>;
     handler_type h(std::forward<Handler>(handler));
-    start_attach(p, ex, tokens, salt, options, op::make(std::move(h), ex));
+    auto slot = asio::get_associated_cancellation_slot(h);
+    persist_op* started = op::make(std::move(h), ex);
+    std::shared_ptr<attach_wakeup> wakeup;
+    if (started->cancellation()) {
+      // Not started yet, so nothing else touches the slot: its handler
+      // becomes one that also wakes the job waiting on the store.
+      try {
+        wakeup = make_attach_wakeup();
+        slot.template emplace<attach_cancel_handler>(attach_cancel_handler{started->cancellation(), wakeup});
+      } catch (...) {
+        started->discard();
+        throw;
+      }
+    }
+    start_attach(p, ex, tokens, salt, options, wakeup, started);
   }
 };
 
