@@ -55,6 +55,15 @@ inline void sync_directory(const std::filesystem::path& dir) {
   ::close(d);
 }
 
+/// syncfs of the file system holding `dir`: what earlier unlinks left to
+/// do reaches the disk before a timed write starts.
+inline void sync_filesystem(const std::filesystem::path& dir) {
+  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);  // NOLINT(cppcoreguidelines-pro-type-vararg)
+  if (d < 0) fail_errno("open", dir);
+  if (::syncfs(d) != 0) fail_errno("syncfs", dir);
+  ::close(d);
+}
+
 /// Writes `bytes` bytes to `target` the plain way: a temporary file beside
 /// it, written in chunks of at most chunk_bytes taken from `source` over
 /// and over, then (if `durable`) fsync, close, rename over `target`, and
