@@ -13,7 +13,7 @@
 //   write_through; the offload is cache.insert_stored_tokens(seq), whose new
 //   entry is written through from the blocks themselves (no copy on the
 //   decode thread). Every sequence's prompt is the same 2048 token ids, so
-//   its 128 entries are inserted and flushed before the timed phase; the
+//   its 128 entries are inserted and flushed before the timed phases; the
 //   decoded ids are each sequence's own.
 // - rwlock_zero_copy (bench/baselines/locked_cache.hpp, attention straight
 //   from the buffer under the shared lock): the block's bytes, every layer,
@@ -21,11 +21,16 @@
 //   lock and queued; one writer thread checksums it (XXH3, as ghostlink's
 //   entry) and writes it as a file: temporary name, write, close, rename,
 //   no fsync (the file store's default).
-// Reported: decode steps/s, the p50/p99 time between two tokens of one
-// sequence (TPOT), and what was offloaded during the timed phase: entries
-// and bytes actually stored per second (ghostlink: from store->stats();
-// the baseline: files its writer completed). Targets: ghostlink steps/s >=
-// the lock's, p99 TPOT <= the lock's.
+// Each sequence decodes 2 blocks' worth of steps (32 at 16-token blocks)
+// without offloading (the reference: what the decode path costs alone),
+// then, after an untimed catch-up (ghostlink inserts and flushes the blocks
+// of those steps), 3.5 blocks' worth (56) offloading every completed block.
+// Fixed step counts, not a time: at the default shape a step takes about
+// 150 ms, and a phase must complete blocks. Reported per phase: decode steps/s and the p50/p99 time between
+// two tokens of one sequence (TPOT); for the offloading phase also the
+// entries and bytes actually stored per second during it (ghostlink: from
+// store->stats(); the baseline: files its writer completed). Targets:
+// ghostlink steps/s >= the lock's, p99 TPOT <= the lock's.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
@@ -53,19 +58,23 @@ namespace ghostlink::bench {
 namespace {
 
 constexpr std::size_t context = 2048;
-constexpr std::size_t decode_room = 1024;   // steps a run may take (about 30 a second at the default shape)
 constexpr std::size_t entry_frame = 96 + 8;  // a store entry's header and trailing checksum
 
-struct outcome {
+/// Steps of each sequence in the reference phase and the offloading one.
+std::size_t reference_steps(const options& o) { return 2 * o.block_tokens; }
+std::size_t offload_steps(const options& o) { return 3 * o.block_tokens + o.block_tokens / 2; }
+
+struct phase {
   double steps_per_s = 0, entries_per_s = 0, bytes_per_s = 0;
   latencies tpot;
 };
-
-double phase_seconds(const options& o) { return o.quick ? o.seconds : std::max(o.seconds, 3.0); }
+struct outcome {
+  phase reference, offload;
+};
 
 kv_cache_config offload_config(const options& o) {
   kv_cache_config c = o.config();
-  c.max_tokens_per_seq = context + decode_room;
+  c.max_tokens_per_seq = context + reference_steps(o) + offload_steps(o);
   return c;
 }
 
@@ -79,24 +88,15 @@ struct progress {
   void tick() { at.push_back(clock_type::now()); }
 };
 
-/// Blocks handed to the offloader so far (both designs count them).
-using block_count = std::atomic<std::size_t>;
-
-/// Starts the decoders, lets them run the phase (with --quick, also until
-/// every sequence has offloaded a block, so that the smoke run takes the
-/// offload path), stops and joins them; `stored()` is read right after the
-/// join (entries, bytes so far). Fills `out` from every sequence's progress.
-template <class Start, class Join, class Stored>
-void timed_phase(const options& o, std::atomic<bool>& stop, const block_count& blocks,
-                 const std::vector<progress>& seqs, Start start, Join join, Stored stored, outcome& out) {
+/// Runs one phase (`run()` returns when every sequence has done its
+/// steps); `stored()` (entries, bytes) is read before and right after it.
+template <class Run, class Stored>
+phase timed_phase(std::vector<progress>& seqs, Run run, Stored stored) {
+  for (progress& p : seqs) p.at.clear();
+  phase out;
   const auto [entries0, bytes0] = stored();
   const auto t0 = clock_type::now();
-  start();
-  while (seconds_since(t0) < phase_seconds(o) ||
-         (o.quick && blocks.load(std::memory_order_relaxed) < seqs.size() && seconds_since(t0) < 10))
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  stop = true;
-  join();
+  run();
   const double elapsed = seconds_since(t0);
   const auto [entries1, bytes1] = stored();
   std::size_t tokens = 0;
@@ -108,12 +108,14 @@ void timed_phase(const options& o, std::atomic<bool>& stop, const block_count& b
   out.steps_per_s = double(tokens) / double(seqs.size()) / elapsed;
   out.entries_per_s = double(entries1 - entries0) / elapsed;
   out.bytes_per_s = double(bytes1 - bytes0) / elapsed;
+  return out;
 }
 
-asio::awaitable<void> decode(const options& o, kv_prefix_cache& cache, const sequence_kv_cache& seq, std::size_t s,
-                             const std::vector<token>& data, const std::atomic<bool>& stop, block_count& blocks,
-                             progress& done) {
-  for (std::size_t step = context; !stop.load(std::memory_order_relaxed) && step < context + decode_room; ++step) {
+/// Steps [first, end) of sequence `s`, through sequence steps; with a
+/// `cache`, every completed block is inserted (so written through).
+asio::awaitable<void> decode(const options& o, kv_prefix_cache* cache, const sequence_kv_cache& seq, std::size_t s,
+                             std::size_t first, std::size_t end, const std::vector<token>& data, progress& done) {
+  for (std::size_t step = first; step < end; ++step) {
     const token_id id = id_of(s, step);
     const token& t = data[step % data.size()];
     const auto open = co_await seq.async_begin_step(std::span<const token_id>(&id, 1), asio::use_awaitable);
@@ -124,10 +126,8 @@ asio::awaitable<void> decode(const options& o, kv_prefix_cache& cache, const seq
       keep(a.checksum());
     }
     co_await open.async_commit(asio::use_awaitable);
-    if ((step + 1) % o.block_tokens == 0) {
-      if (cache.insert_stored_tokens(seq) != 1) fail("decode_with_offload", "a completed block made no new entry");
-      blocks.fetch_add(1, std::memory_order_relaxed);
-    }
+    if (cache && (step + 1) % o.block_tokens == 0 && cache->insert_stored_tokens(seq) != 1)
+      fail("decode_with_offload", "a completed block made no new entry");
     done.tick();
   }
 }
@@ -154,25 +154,23 @@ outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vec
   store->flush();
 
   outcome out;
-  std::atomic<bool> stop{false};
-  block_count blocks{0};
   std::vector<progress> done(o.sequences);
-  std::vector<std::future<void>> running;
-  timed_phase(
-      o, stop, blocks, done,
-      [&] {
-        for (std::size_t s = 0; s < o.sequences; ++s)
-          running.push_back(
-              asio::co_spawn(threads, decode(o, cache, seqs[s], s, data, stop, blocks, done[s]), asio::use_future));
-      },
-      [&] {
-        for (auto& f : running) f.get();
-      },
-      [&] {
-        const kv_store_stats st = store->stats();
-        return std::pair{double(st.stored), double(st.bytes)};
-      },
-      out);
+  const auto stored = [&] {
+    const kv_store_stats st = store->stats();
+    return std::pair{double(st.stored), double(st.bytes)};
+  };
+  const auto decode_all = [&](bool offload, std::size_t first, std::size_t end) {
+    std::vector<std::future<void>> running;
+    for (std::size_t s = 0; s < o.sequences; ++s)
+      running.push_back(asio::co_spawn(
+          threads, decode(o, offload ? &cache : nullptr, seqs[s], s, first, end, data, done[s]), asio::use_future));
+    for (auto& f : running) f.get();
+  };
+  const std::size_t middle = context + reference_steps(o), end = middle + offload_steps(o);
+  out.reference = timed_phase(done, [&] { decode_all(false, context, middle); }, stored);
+  for (const auto& seq : seqs) cache.insert_stored_tokens(seq);  // the catch-up, untimed
+  store->flush();
+  out.offload = timed_phase(done, [&] { decode_all(true, middle, end); }, stored);
   store->flush();
   const kv_store_stats st = store->stats();
   if (st.write_errors != 0 || st.dropped != 0 || st.evictions != 0)
@@ -247,10 +245,7 @@ outcome run_locked(const options& o, const token_rows& prompt, const std::vector
       for (std::size_t i = 0; i < context; ++i) layers.back()->write(i, prompt.keys_of(i, 1), prompt.values_of(i, 1));
     }
   outcome out;
-  std::atomic<bool> stop{false};
-  block_count blocks{0};
   std::vector<progress> done(o.sequences);
-  std::vector<std::thread> workers;
   {
     entry_writer writer(dir.path);
     const auto offload = [&](std::size_t s, std::size_t block) {  // copied under each layer's shared lock
@@ -261,11 +256,10 @@ outcome run_locked(const options& o, const token_rows& prompt, const std::vector
           std::memcpy(entry.data() + 96 + (2 * l + 1) * half_block, v.data(), half_block);
         });
       writer.push(std::move(entry));
-      blocks.fetch_add(1, std::memory_order_relaxed);
     };
-    const auto decode_from = [&](std::size_t first_seq) {
-      // Round robin over this thread's sequences, one step each.
-      for (std::size_t step = context; !stop.load(std::memory_order_relaxed) && step < context + decode_room; ++step)
+    // Each thread: round robin over its sequences, one step each.
+    const auto decode_from = [&](std::size_t first_seq, bool offloading, std::size_t first, std::size_t end) {
+      for (std::size_t step = first; step < end; ++step)
         for (std::size_t s = first_seq; s < o.sequences; s += o.threads) {
           const token& t = data[step % data.size()];
           for (auto& cache : seqs[s]) {
@@ -274,19 +268,18 @@ outcome run_locked(const options& o, const token_rows& prompt, const std::vector
             cache->visit_range(0, step + 1, [&](auto k, auto v) { a.over(k, v); });
             keep(a.checksum());
           }
-          if ((step + 1) % bt == 0) offload(s, step / bt);
+          if (offloading && (step + 1) % bt == 0) offload(s, step / bt);
           done[s].tick();
         }
     };
-    timed_phase(
-        o, stop, blocks, done,
-        [&] {
-          for (std::size_t t = 0; t < o.threads; ++t) workers.emplace_back(decode_from, t);
-        },
-        [&] {
-          for (auto& w : workers) w.join();
-        },
-        [&] { return writer.stored(); }, out);
+    const auto decode_all = [&](bool offloading, std::size_t first, std::size_t end) {
+      std::vector<std::thread> workers;
+      for (std::size_t t = 0; t < o.threads; ++t) workers.emplace_back(decode_from, t, offloading, first, end);
+      for (auto& w : workers) w.join();
+    };
+    const std::size_t middle = context + reference_steps(o), end = middle + offload_steps(o);
+    out.reference = timed_phase(done, [&] { decode_all(false, context, middle); }, [&] { return writer.stored(); });
+    out.offload = timed_phase(done, [&] { decode_all(true, middle, end); }, [&] { return writer.stored(); });
   }  // the writer writes what is queued and ends
   return out;
 }
@@ -302,19 +295,25 @@ void decode_with_offload(const options& o, report& out) {
     metric& p99 = declare(m, "3 p99", "TPOT p99", "ns", false);
     metric& entries = declare(m, "4 entries", "blocks offloaded", "entries/s");
     metric& bytes = declare(m, "5 bytes", "offloaded to disk", "bytes/s");
+    metric& ref_rate = declare(m, "6 ref steps", "reference: decode steps, no offload", "steps/s");
+    metric& ref_p99 = declare(m, "7 ref p99", "reference: TPOT p99, no offload", "ns", false);
     const auto record = [&](const std::string& impl, outcome r) {
-      rate.values[impl] = r.steps_per_s;
-      p50.values[impl] = r.tpot.p(0.5);
-      p99.values[impl] = r.tpot.p(0.99);
-      entries.values[impl] = r.entries_per_s;
-      bytes.values[impl] = r.bytes_per_s;
+      rate.values[impl] = r.offload.steps_per_s;
+      p50.values[impl] = r.offload.tpot.p(0.5);
+      p99.values[impl] = r.offload.tpot.p(0.99);
+      entries.values[impl] = r.offload.entries_per_s;
+      bytes.values[impl] = r.offload.bytes_per_s;
+      ref_rate.values[impl] = r.reference.steps_per_s;
+      ref_p99.values[impl] = r.reference.tpot.p(0.99);
     };
     if (o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data));
     if (o.wants("rwlock_zero_copy")) record("rwlock_zero_copy", run_locked(o, prompt, data));
   });
   out.add_note("decode_with_offload",
                std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, 2048-token " +
-                   "contexts, " + std::to_string(o.threads) + " decode threads; every completed " +
+                   "contexts, " + std::to_string(o.threads) + " decode threads; " +
+                   std::to_string(reference_steps(o)) + " steps a sequence without offload (reference), then " +
+                   std::to_string(offload_steps(o)) + " offloading every completed " +
                    std::to_string(o.block_tokens) + "-token block (" +
                    std::to_string(entry_frame + o.layers * 2 * o.block_tokens * o.config().token_width() * 4) +
                    "-byte file) offloaded to a temporary directory, no fsync. ghostlink: sequence steps, "
