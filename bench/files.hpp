@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
-#include <cstring>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -26,7 +25,7 @@ namespace ghostlink::bench {
 struct temp_dir {
   explicit temp_dir(const std::string& scenario) {
     std::string name = (std::filesystem::temp_directory_path() / ("ghostlink-bench-" + scenario + "-XXXXXX")).string();
-    if (::mkdtemp(name.data()) == nullptr) fail(scenario, "mkdtemp: " + std::string(std::strerror(errno)));
+    if (::mkdtemp(name.data()) == nullptr) fail(scenario, "mkdtemp: " + std::generic_category().message(errno));
     path = name;
   }
   temp_dir(const temp_dir&) = delete;
@@ -44,7 +43,7 @@ namespace raw {
 inline constexpr std::size_t chunk_bytes = std::size_t{4} << 20;
 
 [[noreturn]] inline void fail_errno(const char* what, const std::filesystem::path& p) {
-  fail("raw I/O", std::string(what) + " " + p.string() + ": " + std::strerror(errno));
+  fail("raw I/O", std::string(what) + " " + p.string() + ": " + std::generic_category().message(errno));
 }
 
 /// fsync of the directory `dir`, as a rename reaches the disk with it.

@@ -51,8 +51,8 @@ void attach_from_disk(const options& o, report& out) {
   const auto pool = kv_block_pool::for_caches(config);
   // Room for every put of one insert (kv_file_store_limits' default of
   // 256 MiB pending is just short of the 256 entries of 1 MiB + 104 bytes).
-  const auto store =
-      std::make_shared<kv_file_store>(dir.path / "store", kv_file_store_limits{.max_pending_bytes = std::size_t{1} << 30});
+  const auto store = std::make_shared<kv_file_store>(dir.path / "store",
+                                                     kv_file_store_limits{.max_pending_bytes = std::size_t{1} << 30});
   kv_prefix_cache cache(o.layers, config, pool,
                         {.model = "ghostlink-bench", .store = store, .store_policy = kv_store_policy::write_through});
   double write_through_s = 0;
@@ -87,8 +87,8 @@ void attach_from_disk(const options& o, report& out) {
       const sequence_kv_cache seq = cache.async_attach(threads.get_executor(), ids, {}, asio::use_future).get();
       time.values["ghostlink"] = 1e6 * seconds_since(t0);
       if (seq.size() != n)
-        fail("attach_from_disk", "attached " + std::to_string(seq.size()) + " tokens from disk, not " +
-                                     std::to_string(n));
+        fail("attach_from_disk",
+             "attached " + std::to_string(seq.size()) + " tokens from disk, not " + std::to_string(n));
       if (cache.stats().store_hit_tokens - before.store_hit_tokens != n)
         fail("attach_from_disk", "not every block came from the store");
     }  // released untimed

@@ -79,9 +79,7 @@ kv_cache_config offload_config(const options& o) {
 }
 
 /// Token i of sequence s: the shared prompt's, then the sequence's own.
-token_id id_of(std::size_t s, std::size_t i) {
-  return i < context ? token_id(i) : token_id(((s + 1) << 20) | i);
-}
+token_id id_of(std::size_t s, std::size_t i) { return i < context ? token_id(i) : token_id(((s + 1) << 20) | i); }
 
 struct progress {
   std::vector<clock_type::time_point> at;
@@ -167,10 +165,12 @@ outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vec
     for (auto& f : running) f.get();
   };
   const std::size_t middle = context + reference_steps(o), end = middle + offload_steps(o);
-  out.reference = timed_phase(done, [&] { decode_all(false, context, middle); }, stored);
+  out.reference = timed_phase(
+      done, [&] { decode_all(false, context, middle); }, stored);
   for (const auto& seq : seqs) cache.insert_stored_tokens(seq);  // the catch-up, untimed
   store->flush();
-  out.offload = timed_phase(done, [&] { decode_all(true, middle, end); }, stored);
+  out.offload = timed_phase(
+      done, [&] { decode_all(true, middle, end); }, stored);
   store->flush();
   const kv_store_stats st = store->stats();
   if (st.write_errors != 0 || st.dropped != 0 || st.evictions != 0)
@@ -278,8 +278,10 @@ outcome run_locked(const options& o, const token_rows& prompt, const std::vector
       for (auto& w : workers) w.join();
     };
     const std::size_t middle = context + reference_steps(o), end = middle + offload_steps(o);
-    out.reference = timed_phase(done, [&] { decode_all(false, context, middle); }, [&] { return writer.stored(); });
-    out.offload = timed_phase(done, [&] { decode_all(true, middle, end); }, [&] { return writer.stored(); });
+    out.reference = timed_phase(
+        done, [&] { decode_all(false, context, middle); }, [&] { return writer.stored(); });
+    out.offload = timed_phase(
+        done, [&] { decode_all(true, middle, end); }, [&] { return writer.stored(); });
   }  // the writer writes what is queued and ends
   return out;
 }
@@ -311,10 +313,9 @@ void decode_with_offload(const options& o, report& out) {
   });
   out.add_note("decode_with_offload",
                std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, 2048-token " +
-                   "contexts, " + std::to_string(o.threads) + " decode threads; " +
-                   std::to_string(reference_steps(o)) + " steps a sequence without offload (reference), then " +
-                   std::to_string(offload_steps(o)) + " offloading every completed " +
-                   std::to_string(o.block_tokens) + "-token block (" +
+                   "contexts, " + std::to_string(o.threads) + " decode threads; " + std::to_string(reference_steps(o)) +
+                   " steps a sequence without offload (reference), then " + std::to_string(offload_steps(o)) +
+                   " offloading every completed " + std::to_string(o.block_tokens) + "-token block (" +
                    std::to_string(entry_frame + o.layers * 2 * o.block_tokens * o.config().token_width() * 4) +
                    "-byte file) offloaded to a temporary directory, no fsync. ghostlink: sequence steps, "
                    "insert_stored_tokens into a prefix cache with a write-through kv_file_store (2 I/O threads); "
