@@ -31,7 +31,10 @@ int main(int argc, char** argv) {
       {"prefix_hash", prefix_hash},
       {"prefix_match", prefix_match},
       {"prefix_eviction", prefix_eviction},
-      {"prefix_workload", prefix_workload}};
+      {"prefix_workload", prefix_workload},
+      {"save_load", save_load},
+      {"decode_with_offload", decode_with_offload},
+      {"attach_from_disk", attach_from_disk}};
   if (!opts.only.empty() && !scenarios.contains(opts.only)) {
     std::fprintf(stderr, "unknown scenario %s\n", opts.only.c_str());
     return 2;
@@ -57,7 +60,10 @@ int main(int argc, char** argv) {
                            "prefix_hash",
                            "prefix_match",
                            "prefix_eviction",
-                           "prefix_workload"})
+                           "prefix_workload",
+                           "save_load",
+                           "decode_with_offload",
+                           "attach_from_disk"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",
               opts.tokens, opts.heads, opts.head_dim, opts.block_tokens, opts.runs, opts.quick ? ", --quick" : "");
