@@ -22,6 +22,7 @@
 
 #include "redis_connection.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -185,6 +186,7 @@ struct fixture_options {
   bool server = true;        ///< start a server
   bool given_io = false;     ///< the store on the fixture's pool, not its own context
   kv_redis_store_options store{};
+  std::optional<kv_redis_endpoint> endpoint{};  ///< instead of the fixture's unix socket
 };
 
 /// A Redis server, a store on it and a prefix cache of 2 layers on the
@@ -195,7 +197,8 @@ struct redis_fixture {
   explicit redis_fixture(fixture_options o = {}) {
     if (o.server) server.emplace(socket);
     if (o.given_io) o.store.io_executor = io.get_executor();
-    store = std::make_shared<kv_redis_store>(std::vector<kv_redis_endpoint>{{.unix_socket = socket.string()}}, o.store);
+    const kv_redis_endpoint endpoint = o.endpoint ? *o.endpoint : kv_redis_endpoint{.unix_socket = socket.string()};
+    store = std::make_shared<kv_redis_store>(std::vector<kv_redis_endpoint>{endpoint}, o.store);
     cache.emplace(2, config(), pool, kv_prefix_options{.model = "model-a", .store = store});
   }
   redis_fixture(const redis_fixture&) = delete;
@@ -332,8 +335,73 @@ TEST_CASE("a value overwritten with garbage or truncated in Redis is a miss, cou
   CHECK(f.cache->match(ids) == 4);
 }
 
+TEST_CASE("a fetch delivers every index once, a miss as no bytes, and stops when its handler says so") {
+  redis_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  std::vector<kv_block_hash> hashes = f.cache->block_hashes(ids);
+  hashes.push_back(f.cache->block_hashes(prompt(500))[0]);  // never stored
+
+  /// Fetches `hashes`, the handler saying "more" `more` times; the sizes
+  /// delivered by index (-1: none), once every reply is in.
+  const auto fetch = [&](std::size_t more) {
+    auto sizes = std::make_shared<std::vector<long>>(hashes.size(), -1);
+    auto calls = std::make_shared<std::atomic<std::size_t>>(0);
+    std::promise<void> done;
+    auto remaining = std::make_shared<std::atomic<std::size_t>>(hashes.size());
+    f.store->fetch(hashes, [=, &done](std::size_t i, std::vector<std::byte> bytes) {
+      (*sizes)[i] = static_cast<long>(bytes.size());
+      const bool go_on = calls->fetch_add(1) + 1 < more;
+      if (remaining->fetch_sub(1) == 1 || !go_on) done.set_value();
+      return go_on;
+    });
+    done.get_future().wait();
+    // A second fetch on the same connections: once it is answered, every
+    // reply to the first one has been read (each connection answers in order).
+    std::promise<void> second;
+    auto left = std::make_shared<std::atomic<std::size_t>>(hashes.size());
+    f.store->fetch(hashes, [&second, left](std::size_t, std::vector<std::byte>) {
+      if (left->fetch_sub(1) == 1) second.set_value();
+      return true;
+    });
+    second.get_future().wait();
+    return std::make_pair(*sizes, calls->load());
+  };
+
+  const auto [sizes, calls] = fetch(hashes.size());
+  CHECK(calls == 5);
+  for (std::size_t b = 0; b < 4; ++b) CHECK(sizes[b] > 0);
+  CHECK(sizes[4] == 0);  // a miss: no bytes
+  kv_store_stats s = f.store->stats();
+  CHECK(s.lookups == 10);
+  CHECK(s.hits == 8);
+
+  const auto [stopped_sizes, stopped_calls] = fetch(1);
+  CHECK(stopped_calls == 1);  // the store's own context: one thread, so no call races the "stop"
+}
+
+TEST_CASE("puts beyond max_pending_bytes are dropped and counted; RAM keeps the entries") {
+  fixture_options o;
+  o.store.max_pending_bytes = 1;
+  redis_fixture f(o);
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  const kv_store_stats s = f.store->stats();
+  CHECK(s.puts == 4);
+  CHECK(s.dropped == 4);
+  CHECK(s.stored == 0);
+  CHECK(s.pending_bytes == 0);
+  CHECK(call(f.socket, {"DBSIZE"}).integer == 0);
+  CHECK(f.cache->match(ids) == 16);
+}
+
 TEST_CASE("with no Redis server, attaches miss without an error, RAM keeps serving, puts are write errors") {
-  redis_fixture f({.server = false});
+  fixture_options o{.server = false};
+  SECTION("a unix socket with no server") {}
+  SECTION("a TCP port with no server (127.0.0.1:1)") { o.endpoint = kv_redis_endpoint{.host = "127.0.0.1", .port = 1}; }
+  redis_fixture f(o);
   const std::vector<token_id> ids = prompt();
   REQUIRE(f.insert(ids) == 4);
   f.store->flush();

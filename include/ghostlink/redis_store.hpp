@@ -68,7 +68,9 @@ struct kv_redis_store_options {
   /// An expiry set on every value stored (`SET ... EX`); none: no expiry.
   std::optional<std::uint64_t> ttl_seconds{};
   /// Where the sockets and timers run; none: an I/O context of the store's
-  /// own, with one thread.
+  /// own, with one thread. A given executor must keep running until the
+  /// store's connections are closed: destroy the store first, then join
+  /// the pool (its connections close once their requests are done).
   std::optional<asio::any_io_executor> io_executor{};
 };
 
@@ -88,7 +90,7 @@ class redis_store_state;
 /// slow makes lookups misses and puts write errors (counted), while the
 /// connections are opened again in the background every
 /// `reconnect_backoff`. No request waits longer than `request_timeout`
-/// once written (plus `connect_timeout` while a connect is under way).
+/// (counted from the call), connecting or not.
 ///
 /// Costs: a put encodes its value on the I/O executor's thread into the
 /// request itself (one copy) and is written with the requests queued with
