@@ -138,8 +138,15 @@ void redis_connection::send_here(std::string command, callback done) noexcept {
     finish_callback(done);
     return;
   }
-  write_more();
-  arm_deadline();
+  try {
+    write_more();
+    arm_deadline();
+  } catch (...) {  // memory refused for an operation: the connection starts again
+    try {
+      lost();
+    } catch (...) {  // not even that (no memory for the backoff timer): it stays down
+    }
+  }
 }
 
 void redis_connection::finish_callback(callback& done) noexcept {
