@@ -9,6 +9,8 @@
 // handle goes on that very thread (a fetch handler holding the store), the
 // thread is joined by another one instead.
 
+#include <sys/un.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -126,6 +128,8 @@ class redis_store_state {
       : options_(std::move(options)), counters_(std::make_shared<redis_counters>(options_.max_pending_bytes)) {
     if (endpoints.empty()) throw std::invalid_argument("kv_redis_store: no endpoint");
     if (options_.connections == 0) throw std::invalid_argument("kv_redis_store: 0 connections");
+    if (endpoints.front().unix_socket.size() >= sizeof(sockaddr_un{}.sun_path))
+      throw std::invalid_argument("kv_redis_store: unix socket path too long");
     if (options_.io_executor) {
       io_ = *options_.io_executor;
     } else {

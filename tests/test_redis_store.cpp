@@ -31,6 +31,7 @@
 #include <initializer_list>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -395,6 +396,13 @@ TEST_CASE("puts beyond max_pending_bytes are dropped and counted; RAM keeps the 
   CHECK(s.pending_bytes == 0);
   CHECK(call(f.socket, {"DBSIZE"}).integer == 0);
   CHECK(f.cache->match(ids) == 16);
+}
+
+TEST_CASE(
+    "a store without an endpoint, with 0 connections or a unix socket path too long throws from its constructor") {
+  CHECK_THROWS_AS(kv_redis_store({}), std::invalid_argument);
+  CHECK_THROWS_AS(kv_redis_store({{.unix_socket = "/tmp/s"}}, {.connections = 0}), std::invalid_argument);
+  CHECK_THROWS_AS(kv_redis_store({{.unix_socket = "/tmp/" + std::string(200, 's')}}), std::invalid_argument);
 }
 
 TEST_CASE("with no Redis server, attaches miss without an error, RAM keeps serving, puts are write errors") {

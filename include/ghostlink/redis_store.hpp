@@ -100,7 +100,8 @@ class kv_redis_store final : public kv_block_store {
  public:
   /// A store on `endpoints.front()`; starts connecting in the background
   /// (never blocks on the server).
-  /// @throws std::invalid_argument if `endpoints` is empty or
+  /// @throws std::invalid_argument if `endpoints` is empty, its unix
+  /// socket path is longer than a socket address holds, or
   /// `options.connections` is 0.
   explicit kv_redis_store(std::vector<kv_redis_endpoint> endpoints, kv_redis_store_options options = {});
   /// Closes the connections once the requests on them are answered or
