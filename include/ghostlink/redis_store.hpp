@@ -90,7 +90,7 @@ class redis_store_state;
 /// slow makes lookups misses and puts write errors (counted), while the
 /// connections are opened again in the background every
 /// `reconnect_backoff`. No request waits longer than `request_timeout`
-/// (counted from the call), connecting or not.
+/// (counted from when its connection takes it), connecting or not.
 ///
 /// Costs: a put encodes its value on the I/O executor's thread into the
 /// request itself (one copy) and is written with the requests queued with
