@@ -182,18 +182,22 @@ class redis_store_state {
     try {
       std::shared_ptr<redis_connection> c = pick();
       c->run([c, counters = counters_, value = std::move(value), size, ttl = options_.ttl_seconds]() mutable {
-        if (!c->accepting()) {  // down: fails at once, without encoding
-          counters->finish_put(size, false);
-          return;
-        }
         std::string command;
-        try {
-          command = set_command(*value, ttl);
-        } catch (...) {  // memory refused: not stored
+        bool encoded = false;
+        if (c->accepting()) {  // else down: fails at once, without encoding
+          try {
+            command = set_command(*value, ttl);
+            encoded = true;
+          } catch (...) {  // memory refused: not stored
+          }
+        }
+        // The blocks a write-through value holds go back now, before
+        // flush() may return: a caller that flushed may count on them.
+        value.reset();
+        if (!encoded) {
           counters->finish_put(size, false);
           return;
         }
-        value.reset();  // the blocks a write-through value holds go back now
         c->send_here(std::move(command), [counters, size](redis_reply reply) {
           const bool ok = reply.kind == redis_reply::type::status && reply.bytes.size() == 2 &&
                           reply.bytes[0] == std::byte{'O'} && reply.bytes[1] == std::byte{'K'};
