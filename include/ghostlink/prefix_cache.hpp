@@ -74,7 +74,7 @@ struct kv_prefix_stats {
   std::uint64_t queries = 0;          ///< `match()` and `attach()` calls.
   std::uint64_t query_tokens = 0;     ///< Tokens of full blocks asked for in them.
   std::uint64_t hit_tokens = 0;       ///< Of those, found cached.
-  std::uint64_t inserted_blocks = 0;  ///< Entries `insert()` added.
+  std::uint64_t inserted_blocks = 0;  ///< Entries `insert()` (and `async_attach()`, from the store) added.
   std::uint64_t evicted_blocks = 0;   ///< Entries evicted for room in the pool.
   std::size_t cached_blocks = 0;      ///< Entries now.
   std::size_t idle_blocks = 0;        ///< Entries now that nothing but the cache uses.
@@ -297,8 +297,12 @@ class basic_kv_prefix_cache {
   /// Per-operation cancellation (any type): seen when the store delivers
   /// its next value and before the match starts; the operation then
   /// completes with `asio::error::operation_aborted` and a sequence holding
-  /// what was attached until then (RAM hits at least). Memory refused is
-  /// `kv_errc::capacity_exhausted`, with the RAM hits.
+  /// what was attached until then (RAM hits at least); a cancellation that
+  /// finds the operation waiting on a silent store queues its end on `ex`.
+  /// Memory refused is `kv_errc::capacity_exhausted` (with an empty
+  /// sequence if even the sequence could not be made). `tokens` and `salt`
+  /// are read when the operation starts: at the initiating call, or for a
+  /// deferred token when it is launched; they must live until then.
   template <class CompletionToken = default_completion_token>
     requires(!std::same_as<std::decay_t<CompletionToken>, kv_attach_options>)
   auto async_attach(asio::any_io_executor ex, std::span<const token_id> tokens, std::string_view salt,
