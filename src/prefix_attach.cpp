@@ -164,11 +164,10 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
       rejected_[i] = rejected;
       while (!done_ && arrived_[next_ - window_start_]) {
         const std::size_t at = next_ - window_start_;
-        const std::vector<std::byte> value = *std::exchange(arrived_[at], std::nullopt);
+        const std::vector<std::byte> value =
+            std::exchange(arrived_[at], std::nullopt).value_or(std::vector<std::byte>{});
         if (rejected_[at]) index_->count_store_reject();
-        if (!attach_one(value)) {
-          finish({});
-        } else if (++next_ == hashes_.size()) {
+        if (!attach_one(value) || ++next_ == hashes_.size()) {  // the match ends, or is whole
           finish({});
         } else if (next_ == window_end(window_start_)) {
           window_start_ = next_;
