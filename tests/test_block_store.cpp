@@ -153,12 +153,21 @@ fs::path writer_program() {
   return fs::read_symlink("/proc/self/exe").parent_path() / "store_writer";
 }
 
+/// Whether `dir` or `dir`/store holds a temporary file (a save or a store
+/// write in progress).
+bool has_temporary(const fs::path& dir) {
+  std::error_code ec;
+  for (const fs::path& d : {dir, dir / "store"})
+    for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec))
+      if (it->path().filename().string().find(".tmp.") != std::string::npos) return true;
+  return false;
+}
+
 /// Runs the writer on `dir` until it has printed `saves` "saved" lines (60 s
-/// at most), then, `fraction` of the time between two of its saves later
-/// (where the kill lands: a line comes just after a save), kills it with
-/// SIGKILL; whether it had a temporary file (of its save or of its store)
-/// then.
-bool run_and_kill(const fs::path& dir, std::size_t saves, double fraction) {
+/// at most), then kills it with SIGKILL as soon as a temporary file of its
+/// is seen (a write in progress; at most 10 s of looking); whether one was
+/// still there after the kill.
+bool run_and_kill(const fs::path& dir, std::size_t saves) {
   int out[2];
   REQUIRE(::pipe(out) == 0);
   posix_spawn_file_actions_t actions;
@@ -174,7 +183,6 @@ bool run_and_kill(const fs::path& dir, std::size_t saves, double fraction) {
   REQUIRE(spawned == 0);
   std::string text;
   std::size_t seen = 0;
-  std::chrono::steady_clock::time_point first;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (seen < saves && std::chrono::steady_clock::now() < deadline) {
     pollfd p{out[0], POLLIN, 0};
@@ -183,13 +191,11 @@ bool run_and_kill(const fs::path& dir, std::size_t saves, double fraction) {
     const ssize_t n = ::read(out[0], buffer, sizeof buffer);
     if (n <= 0) break;
     text.append(buffer, static_cast<std::size_t>(n));
-    const auto lines = static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n'));
-    if (lines > seen && seen == 0) first = std::chrono::steady_clock::now();
-    seen = lines;
+    seen = static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n'));
   }
-  if (seen > 1) {  // fault timing, not synchronisation: where in a save the kill lands
-    const auto between = (std::chrono::steady_clock::now() - first) / (seen - 1);
-    std::this_thread::sleep_for(std::chrono::duration_cast<std::chrono::microseconds>(between * fraction));
+  // The kill lands in the middle of a write: once a temporary file is seen.
+  const auto looking = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!has_temporary(dir) && std::chrono::steady_clock::now() < looking) {
   }
   ::kill(pid, SIGKILL);
   int status = 0;
@@ -197,11 +203,7 @@ bool run_and_kill(const fs::path& dir, std::size_t saves, double fraction) {
   ::close(out[0]);
   REQUIRE(seen >= saves);
   REQUIRE(WIFSIGNALED(status));
-  bool temporary = false;
-  for (const fs::path& d : {dir, dir / "store"})
-    for (const auto& e : fs::directory_iterator(d))
-      if (e.path().filename().string().find(".tmp.") != std::string::npos) temporary = true;
-  return temporary;
+  return has_temporary(dir);
 }
 
 /// "" when `seq` holds the first `n` tokens of writer run `r` exactly.
@@ -255,7 +257,7 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
   bool landed_mid_write = false;
   for (std::size_t attempt = 0; attempt < 10 && !landed_mid_write; ++attempt) {
     temp_dir dir;
-    landed_mid_write = run_and_kill(dir.path, 3 + attempt % 3, 0.1 + 0.08 * static_cast<double>(attempt));
+    landed_mid_write = run_and_kill(dir.path, 3 + attempt % 3);
     asio::thread_pool threads(2), io(2);
     {
       kv_block_pool pool = kv_block_pool::for_caches<float>(w::config(), {.max_blocks = 4096});

@@ -451,6 +451,7 @@ TEST_CASE("Redis killed and restarted on the same socket: misses during the outa
 
   f.server->start();  // empty: no persistence
   // Reconnected within 10 s (the backoff is 100 ms): a put is stored again.
+  // Each try waits for its puts' completion (flush), no sleep between.
   const std::vector<token_id> other = prompt(300);
   bool stored = false;
   for (const auto deadline = clock_type::now() + std::chrono::seconds(10); !stored && clock_type::now() < deadline;) {
@@ -459,7 +460,6 @@ TEST_CASE("Redis killed and restarted on the same socket: misses during the outa
     REQUIRE(f.insert(other) == 4);
     f.store->flush();
     stored = f.store->stats().stored == before + 4;
-    if (!stored) std::this_thread::sleep_for(milliseconds(20));  // a retry's pace, not a synchronisation
   }
   REQUIRE(stored);
   f.cache->clear();
@@ -492,14 +492,14 @@ TEST_CASE("a Redis server that does not answer (SIGSTOP) gives misses within the
   CHECK(f.store->stats().write_errors >= 1);
   f.server->resume();
 
-  // Its entries are still there: reconnected within 10 s, they attach.
+  // Its entries are still there: reconnected within 10 s, they attach. Each
+  // try waits for its attach's handler, no sleep between.
   bool attached = false;
   for (const auto deadline = clock_type::now() + std::chrono::seconds(10); !attached && clock_type::now() < deadline;) {
     f.cache->clear();
     auto [ec2, seq] = f.attach(ids);
     REQUIRE(ec2 == ghostlink::error_code());
     attached = seq.size() == 16 && diff(seq, ids).empty();
-    if (!attached) std::this_thread::sleep_for(milliseconds(20));  // a retry's pace, not a synchronisation
   }
   CHECK(attached);
 }
