@@ -11,8 +11,10 @@
 
 #include <bit>
 #include <cstdint>
+#include <future>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ghostlink::test::prefix {
@@ -111,6 +113,19 @@ std::string diff(const basic_sequence_kv_cache<T>& seq, std::span<const token_id
   }
   return {};
 }
+
+/// What an `async_attach` completed with.
+using attach_result = std::pair<ghostlink::error_code, sequence_kv_cache>;
+
+/// Receives an `async_attach`'s completion (`handler()`), for `get()` to
+/// wait for.
+struct attach_waiter {
+  std::promise<attach_result> done;
+  auto handler() {
+    return [this](ghostlink::error_code ec, sequence_kv_cache s) { done.set_value({ec, std::move(s)}); };
+  }
+  attach_result get() { return done.get_future().get(); }
+};
 
 /// A pool of `max_blocks` blocks with a prefix cache of `layers` layers on
 /// it, and a 2-thread executor.

@@ -42,8 +42,6 @@ using ghostlink::test::write_file;
 
 namespace {
 
-using attach_result = std::pair<ghostlink::error_code, sequence_kv_cache>;
-
 /// A file store on its own I/O pool, under a prefix cache of 2 layers; the
 /// pools are joined before anything is destroyed, so no job of the store
 /// outlives the test's pool.
@@ -76,12 +74,9 @@ struct store_fixture {
   }
 
   attach_result attach(std::span<const token_id> ids, kv_attach_options options = {}, std::string_view salt = {}) {
-    std::promise<attach_result> done;
-    cache.async_attach(threads.get_executor(), ids, salt, options,
-                       [&](ghostlink::error_code ec, sequence_kv_cache seq) {
-                         done.set_value({ec, std::move(seq)});
-                       });
-    return done.get_future().get();
+    attach_waiter done;
+    cache.async_attach(threads.get_executor(), ids, salt, options, done.handler());
+    return done.get();
   }
 
   /// The entry file of block `b` of `ids`.
@@ -291,12 +286,9 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
       kv_prefix_cache cache(w::layers, w::config(), pool, {.model = "writer", .store = store});
       std::size_t attached = 0;
       for (std::size_t run_index = 0; run_index < 2; ++run_index) {
-        std::promise<attach_result> done;
-        cache.async_attach(threads.get_executor(), w::tokens(run_index), {},
-                           [&](ghostlink::error_code ec, sequence_kv_cache s) {
-                             done.set_value({ec, std::move(s)});
-                           });
-        auto [ec, seq] = done.get_future().get();
+        attach_waiter done;
+        cache.async_attach(threads.get_executor(), w::tokens(run_index), {}, done.handler());
+        auto [ec, seq] = done.get();
         CHECK(ec == ghostlink::error_code());
         CHECK(writer_diff(seq, run_index, seq.size()) == "");
         attached += seq.size();
@@ -564,11 +556,9 @@ TEST_CASE("a store made on an existing directory finds its entries: a restarted 
   CHECK_FALSE(fs::exists(shared.path / ".0000.kvb.tmp.2147483646.0"));
   kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});
   kv_prefix_cache cache(2, config(), pool, {.model = "model-a", .store = second.store});
-  std::promise<attach_result> done;
-  cache.async_attach(second.threads.get_executor(), ids, {}, [&](ghostlink::error_code ec, sequence_kv_cache seq) {
-    done.set_value({ec, std::move(seq)});
-  });
-  auto [ec, seq] = done.get_future().get();
+  attach_waiter done;
+  cache.async_attach(second.threads.get_executor(), ids, {}, done.handler());
+  auto [ec, seq] = done.get();
   CHECK(ec == ghostlink::error_code());
   CHECK(diff(seq, ids) == "");
 }
@@ -610,19 +600,14 @@ TEST_CASE("a store that does not answer in time is a miss after the deadline, wi
   auto& [threads, store, pool, cache] = f;
   const std::vector<token_id> ids = prompt();
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
-  std::promise<attach_result> one;
-  cache.async_attach(threads.get_executor(), first, {}, [&](ghostlink::error_code ec, sequence_kv_cache s) {
-    one.set_value({ec, std::move(s)});
-  });
+  attach_waiter one;
+  cache.async_attach(threads.get_executor(), first, {}, one.handler());
   REQUIRE(store->answer(0) == 0);  // the one block asked: done
-  REQUIRE(diff(one.get_future().get().second, first) == "");
+  REQUIRE(diff(one.get().second, first) == "");
 
-  std::promise<attach_result> done;
-  cache.async_attach(threads.get_executor(), ids, {}, {.timeout = std::chrono::milliseconds(50)},
-                     [&](ghostlink::error_code ec, sequence_kv_cache s) {
-                       done.set_value({ec, std::move(s)});
-                     });
-  auto [ec, seq] = done.get_future().get();  // nothing answers: the deadline ends it
+  attach_waiter done;
+  cache.async_attach(threads.get_executor(), ids, {}, {.timeout = std::chrono::milliseconds(50)}, done.handler());
+  auto [ec, seq] = done.get();  // nothing answers: the deadline ends it
   CHECK(ec == ghostlink::error_code());
   CHECK(diff(seq, first) == "");
   CHECK(store->requests() == 2);
@@ -636,15 +621,12 @@ TEST_CASE("cancelling an attach that waits on the store completes it with operat
   auto& [threads, store, pool, cache] = f;
   const std::vector<token_id> ids = prompt();
   asio::cancellation_signal signal;
-  std::promise<attach_result> done;
-  cache.async_attach(threads.get_executor(), ids, {},
-                     asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec, sequence_kv_cache s) {
-                       done.set_value({ec, std::move(s)});
-                     }));
+  attach_waiter done;
+  cache.async_attach(threads.get_executor(), ids, {}, asio::bind_cancellation_slot(signal.slot(), done.handler()));
   REQUIRE(store->answer(0) == 1);  // block 0 attached, more wanted
   signal.emit(asio::cancellation_type::terminal);
   CHECK(store->answer(1) == 0);  // seen at the next value
-  auto [ec, seq] = done.get_future().get();
+  auto [ec, seq] = done.get();
   CHECK(ec == asio::error::operation_aborted);
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
   CHECK(diff(seq, first) == "");
@@ -655,15 +637,13 @@ TEST_CASE("values the store delivers out of order attach in block order") {
   held_fixture f;
   auto& [threads, store, pool, cache] = f;
   const std::vector<token_id> ids = prompt();
-  std::promise<attach_result> done;
-  cache.async_attach(threads.get_executor(), ids, {}, [&](ghostlink::error_code ec, sequence_kv_cache s) {
-    done.set_value({ec, std::move(s)});
-  });
+  attach_waiter done;
+  cache.async_attach(threads.get_executor(), ids, {}, done.handler());
   CHECK(store->answer(3) == 1);
   CHECK(store->answer(1) == 1);
   CHECK(store->answer(2) == 1);
   CHECK(store->answer(0) == 0);  // block 0 lets all four attach: done
-  auto [ec, seq] = done.get_future().get();
+  auto [ec, seq] = done.get();
   CHECK(ec == ghostlink::error_code());
   CHECK(diff(seq, ids) == "");
   seq = {};
@@ -674,14 +654,11 @@ TEST_CASE("cancelling an attach whose store never answers completes it with oper
   auto& [threads, store, pool, cache] = f;
   const std::vector<token_id> ids = prompt();
   asio::cancellation_signal signal;
-  std::promise<attach_result> done;
-  cache.async_attach(threads.get_executor(), ids, {},
-                     asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec, sequence_kv_cache s) {
-                       done.set_value({ec, std::move(s)});
-                     }));
+  attach_waiter done;
+  cache.async_attach(threads.get_executor(), ids, {}, asio::bind_cancellation_slot(signal.slot(), done.handler()));
   REQUIRE(store->requests() == 1);
   signal.emit(asio::cancellation_type::terminal);  // no value comes after it
-  auto [ec, seq] = done.get_future().get();
+  auto [ec, seq] = done.get();
   CHECK(ec == asio::error::operation_aborted);
   CHECK(seq.size() == 0);
   CHECK(store->answer(0) == 0);  // a late value is refused
@@ -692,13 +669,11 @@ TEST_CASE("a store that lets go of a lookup without answering ends the attach wi
   held_fixture f;
   auto& [threads, store, pool, cache] = f;
   const std::vector<token_id> ids = prompt();
-  std::promise<attach_result> done;
-  cache.async_attach(threads.get_executor(), ids, {}, [&](ghostlink::error_code ec, sequence_kv_cache s) {
-    done.set_value({ec, std::move(s)});
-  });
+  attach_waiter done;
+  cache.async_attach(threads.get_executor(), ids, {}, done.handler());
   REQUIRE(store->answer(0) == 1);
   store->drop();  // the store's context went away with the request
-  auto [ec, seq] = done.get_future().get();
+  auto [ec, seq] = done.get();
   CHECK(ec == ghostlink::error_code());
   const std::vector<token_id> first(ids.begin(), ids.begin() + 4);
   CHECK(diff(seq, first) == "");

@@ -34,7 +34,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -48,8 +47,6 @@ using std::chrono::milliseconds;
 using clock_type = std::chrono::steady_clock;
 
 namespace {
-
-using attach_result = std::pair<ghostlink::error_code, sequence_kv_cache>;
 
 /// redis-server on PATH, or empty.
 fs::path find_redis_server() {
@@ -221,11 +218,9 @@ struct redis_fixture {
   }
 
   attach_result attach(std::span<const token_id> ids) {
-    std::promise<attach_result> done;
-    cache->async_attach(threads.get_executor(), ids, {}, {}, [&](ghostlink::error_code ec, sequence_kv_cache seq) {
-      done.set_value({ec, std::move(seq)});
-    });
-    return done.get_future().get();
+    attach_waiter done;
+    cache->async_attach(threads.get_executor(), ids, {}, {}, done.handler());
+    return done.get();
   }
 
   /// The Redis key of block `b` of `ids`.
