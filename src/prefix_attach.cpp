@@ -39,11 +39,6 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
-/// The tokens an attached sequence can hold (as attach() takes them).
-std::span<const token_id> within_max(const prefix_index& p, std::span<const token_id> tokens) noexcept {
-  return tokens.first(std::min(tokens.size(), p.config().max_tokens_per_seq));
-}
-
 /// Completes `op` now (posted) with a sequence of `blocks`, the first
 /// `attached` blocks of `tokens`.
 void complete_with(prefix_index& p, persist_op* op, const asio::any_io_executor& ex, error_code ec,
@@ -289,7 +284,7 @@ void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_exe
                   std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options,
                   const std::shared_ptr<attach_wakeup>& wakeup, persist_op* op) {
   unstarted_op started(op);
-  const std::span<const token_id> usable = within_max(*p, tokens);
+  const std::span<const token_id> usable = p->within_max(tokens);
   std::vector<kv_block_hash> hashes = p->hashes(usable, salt);
   std::vector<std::vector<ref_ptr<block>>> blocks;
   const std::size_t in_ram = p->take(hashes, blocks);

@@ -34,16 +34,6 @@ std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv
                                         std::move(options.model), std::move(options.store), options.store_policy);
 }
 
-namespace {
-
-/// The tokens an attached sequence can hold: at most `max_tokens_per_seq`
-/// (entries inserted from sequences of a larger bound may be longer).
-std::span<const token_id> within_max(const prefix_index& p, std::span<const token_id> tokens) noexcept {
-  return tokens.first(std::min(tokens.size(), p.config().max_tokens_per_seq));
-}
-
-}  // namespace
-
 std::size_t num_layers(const prefix_index& p) noexcept { return p.num_layers(); }
 const kv_cache_config& config_of(const prefix_index& p) noexcept { return p.config(); }
 kv_block_pool pool_of(const prefix_index& p) noexcept { return pool_access::handle(p.pool()); }
@@ -54,13 +44,13 @@ std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const t
 }
 
 std::size_t prefix_match(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt) {
-  const std::vector<kv_block_hash> h = p.hashes(within_max(p, tokens), salt);
+  const std::vector<kv_block_hash> h = p.hashes(p.within_max(tokens), salt);
   return p.match(h) * p.config().block_tokens;
 }
 
 std::shared_ptr<sequence_core> prefix_attach(prefix_index& p, asio::any_io_executor ex,
                                              std::span<const token_id> tokens, std::string_view salt) {
-  const std::vector<kv_block_hash> h = p.hashes(within_max(p, tokens), salt);
+  const std::vector<kv_block_hash> h = p.hashes(p.within_max(tokens), salt);
   std::vector<std::vector<ref_ptr<block>>> blocks;
   const std::size_t n = p.take(h, blocks);
   return make_attached_sequence(std::move(ex), p.config(), p.codec(), p.pool(), std::move(blocks),

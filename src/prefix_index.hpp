@@ -32,6 +32,7 @@
 // here releases an outside block reference under mutex_: a release may
 // call block_idle().
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -118,6 +119,12 @@ class prefix_index {
   /// The geometry of its entries as a store keeps them.
   const entry_geometry& geometry() const noexcept { return geometry_; }
 
+  /// The tokens of `tokens` an attached sequence can hold: at most
+  /// `max_tokens_per_seq` (entries inserted from sequences of a larger
+  /// bound may be longer).
+  std::span<const token_id> within_max(std::span<const token_id> tokens) const noexcept {
+    return tokens.first(std::min(tokens.size(), config_.max_tokens_per_seq));
+  }
   /// The hashes of the full blocks of `tokens` under `salt` (no lock).
   std::vector<kv_block_hash> hashes(std::span<const token_id> tokens, std::string_view salt) const;
 
