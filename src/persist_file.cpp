@@ -2,8 +2,11 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <string>
@@ -72,6 +75,39 @@ error_code read_at(const file_descriptor& file, std::uint64_t offset, std::span<
     offset += static_cast<std::uint64_t>(n);
   }
   return {};
+}
+
+error_code read_scattered(const file_descriptor& file, std::uint64_t offset,
+                          std::span<const std::span<std::byte>> parts) {
+  constexpr std::size_t batch = 256;  // well below IOV_MAX (1024 on Linux)
+  std::array<iovec, batch> vectors{};
+  std::size_t skip = 0;  // bytes of parts.front() already read
+  for (;;) {
+    while (!parts.empty() && parts.front().size() == skip) {  // read whole (or empty)
+      parts = parts.subspan(1);
+      skip = 0;
+    }
+    if (parts.empty()) return {};
+    const std::size_t n = std::min(batch, parts.size());
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::span<std::byte> part = parts[i].subspan(i == 0 ? skip : 0);
+      vectors[i] = {.iov_base = part.data(), .iov_len = part.size()};
+    }
+    const ssize_t got = ::preadv(file.get(), vectors.data(), static_cast<int>(n), static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return last_error();
+    if (got == 0) return kv_errc::file_truncated;
+    offset += static_cast<std::uint64_t>(got);
+    for (auto left = static_cast<std::size_t>(got); left != 0;) {  // past the parts read
+      const std::size_t step = std::min(left, parts.front().size() - skip);
+      skip += step;
+      left -= step;
+      if (skip == parts.front().size()) {
+        parts = parts.subspan(1);
+        skip = 0;
+      }
+    }
+  }
 }
 
 error_code write_at(const file_descriptor& file, std::uint64_t offset, std::span<const std::byte> bytes) {

@@ -50,6 +50,10 @@ error_code open_for_reading(const std::filesystem::path& path, file_descriptor& 
 /// Reads exactly `out.size()` bytes at `offset`; `file_truncated` if the
 /// file ends first (it shrank since it was opened).
 error_code read_at(const file_descriptor& file, std::uint64_t offset, std::span<std::byte> out);
+/// Reads consecutive bytes at `offset` into each of `parts` in turn (as
+/// read_at into one buffer, in as few system calls as the parts allow).
+error_code read_scattered(const file_descriptor& file, std::uint64_t offset,
+                          std::span<const std::span<std::byte>> parts);
 /// Writes all of `bytes` at `offset`; `EIO` if a write makes no progress.
 error_code write_at(const file_descriptor& file, std::uint64_t offset, std::span<const std::byte> bytes);
 

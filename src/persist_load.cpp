@@ -1,12 +1,14 @@
 // Loading a saved sequence (start_load) and reading one layer of it
 // (start_read_layer).
 //
-// Threads: the file is read and checked on the I/O executor. A load then
-// appends the tokens chunk by chunk through the new sequence's actors (on
-// their strands, as any append): each append's completion posts the next
-// chunk back to the I/O executor, so no thread ever waits for an actor.
-// While appends are in flight the job holds work on the I/O executor; the
-// load_append_op in flight holds the job.
+// Threads: the file is read and checked on the I/O executor. A load reads
+// each layer's full blocks straight into new pool blocks (the file holds
+// the stored elements block after block) and makes the sequence on them as
+// an attach does; the tokens of a last partial block are then appended
+// through the new sequence's actors (on their strands, as any append), and
+// that append's completion posts the end back to the I/O executor, so no
+// thread ever waits for an actor. While the append is in flight the job
+// holds work on the I/O executor; the load_append_op holds the job.
 
 #include <algorithm>
 #include <array>
@@ -17,10 +19,12 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
+#include "block.hpp"
 #include "ghostlink/detail/sequence_core.hpp"
 #include "ghostlink/error.hpp"
 #include "persist_file.hpp"
 #include "persist_format.hpp"
+#include "sequence.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -77,20 +81,6 @@ error_code open_checked(const std::filesystem::path& path, const file_expectatio
   return check_padding(file, layout.table_offset + table_bytes(header), layout.first_layer);
 }
 
-/// Checks `entry`'s payload against its checksum, reading it in pieces.
-error_code check_layer(const file_descriptor& file, const layer_entry& entry) {
-  constexpr std::uint64_t piece = std::uint64_t{1} << 20;
-  std::vector<std::byte> bytes(std::min(entry.bytes, piece));
-  xxh3_stream hash;
-  for (std::uint64_t done = 0; done < entry.bytes;) {
-    const std::span<std::byte> part = std::span(bytes).first(std::min(piece, entry.bytes - done));
-    if (error_code ec = read_at(file, entry.offset + done, part)) return ec;
-    hash.update(part);
-    done += part.size();
-  }
-  return hash.digest() == entry.checksum ? error_code() : error_code(kv_errc::file_corrupt);
-}
-
 /// `invalid_config` unless a sequence of `expected` can be made on `pool`
 /// (what make_sequence() would throw), checked before any I/O.
 error_code check_fits(const file_expectation& expected, const kv_block_pool& pool) {
@@ -127,6 +117,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
         pool_(std::move(pool)),
         expected_(std::move(expected)),
         io_(track_work(io)),
+        owner_(block_pool::new_owner_id()),
         op_(op.take()) {}  // last: `op` is taken only once nothing else can throw
   load_job(const load_job&) = delete;
   load_job& operator=(const load_job&) = delete;
@@ -134,83 +125,119 @@ class load_job : public std::enable_shared_from_this<load_job> {
     if (op_) op_->discard();  // dropped unrun: the I/O executor or an actor was destroyed
   }
 
-  /// On the I/O executor: checks the whole file, then makes the sequence.
+  /// On the I/O executor: reads and checks the file into blocks, makes the
+  /// sequence on them, then appends the tokens of a last partial block.
   void start() {
-    const error_code ec = run_claimed(*op_, [&] { return check_and_make(); });
-    if (ec) return finish(ec);
-    append_next();
+    const error_code ec = run_claimed(*op_, [&] { return read_and_make(); });
+    if (ec || key_spans_.empty()) return finish(ec);
+    append_tail();
   }
 
-  /// Where a chunk's append ended (on a layer's strand): back to the I/O
+  /// Where the tail's append ended (on a layer's strand): back to the I/O
   /// executor. Null: the actor dropped the append unapplied.
   void appended(const error_code* ec) {
     if (!ec) {
       std::exchange(op_, nullptr)->discard();
       return;
     }
-    asio::post(io_, [self = shared_from_this(), result = *ec] {
-      if (result) return self->finish(result);
-      self->append_next();
-    });
+    asio::post(io_, [self = shared_from_this(), result = *ec] { self->finish(result); });
   }
 
  private:
-  error_code check_and_make() {
+  /// Reads every layer's full blocks straight into new pool blocks (one
+  /// read, no conversion: the file holds the blocks' stored elements) and
+  /// its last partial block's tokens into floats, checking each layer's
+  /// checksum on the way; then makes the sequence on the full blocks. On
+  /// any error the blocks read so far are released: nothing is created.
+  error_code read_and_make() {
     std::vector<layer_entry> table;
     if (error_code ec = open_checked(path_, expected_, file_, header_, table, &ids_)) return ec;
-    for (std::size_t l = 0; l < table.size(); ++l) {
-      if (error_code ec = check_layer(file_, table[l])) return ec;
+    const std::size_t full = header_.tokens / header_.block_tokens;
+    const std::size_t tail = header_.tokens % header_.block_tokens;
+    // Every block the tokens fill, reserved at once: nothing taken if short.
+    std::error_code short_of;
+    kv_block_reservation reservation = pool_.reserve((full + (tail != 0 ? 1 : 0)) * header_.num_layers, short_of);
+    if (short_of) return to_error_code(short_of);
+    const ref_ptr<block_pool> pool = pool_access::state(pool_);
+    const auto account = ref_ptr<block_account>::adopt(new block_account(pool));
+    account->left.store(pool_access::release_reservation(reservation), std::memory_order_relaxed);
+    std::vector<std::vector<ref_ptr<block>>> blocks(header_.num_layers);
+    if (tail != 0) {
+      keys_.assign(header_.num_layers, std::vector<float>(tail * header_.token_width()));
+      values_.assign(header_.num_layers, std::vector<float>(tail * header_.token_width()));
+    }
+    for (std::size_t l = 0; l < header_.num_layers; ++l) {
+      if (!op_->claim()) return asio::error::operation_aborted;
+      if (error_code ec = read_layer(l, table[l], *pool, *account, blocks[l])) return ec;
       if (error_code ec = check_layer_padding(file_, header_, l)) return ec;
     }
-    // Every block the tokens fill, reserved at once: nothing taken if short.
-    const std::size_t blocks = (header_.tokens + header_.block_tokens - 1) / header_.block_tokens;
-    std::error_code short_of;
-    kv_block_reservation reservation = pool_.reserve(blocks * header_.num_layers, short_of);
-    if (short_of) return to_error_code(short_of);
-    try {
-      seq_ = make_sequence(ex_, header_.num_layers, expected_.config, expected_.element.codec, &pool_);
-    } catch (const std::system_error& e) {
-      return to_error_code(e.code());
+    const std::span<const token_id> ids(ids_);
+    seq_ = make_attached_sequence(ex_, expected_.config, expected_.element.codec, pool, std::move(blocks),
+                                  ids.first(full * header_.block_tokens));
+    // The tail's blocks are the sequence's to take.
+    seq_->account->left.fetch_add(account->left.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
+    if (tail != 0) {
+      for (std::size_t l = 0; l < header_.num_layers; ++l) {
+        key_spans_.emplace_back(keys_[l]);
+        value_spans_.emplace_back(values_[l]);
+      }
     }
-    use_reservation(*seq_, reservation);
-    // Chunks of whole blocks, about 16 MiB of floats for all layers.
-    const std::size_t width = header_.token_width();
-    const std::size_t per_block = header_.block_tokens * width * 2 * sizeof(float) * header_.num_layers;
-    chunk_ = header_.block_tokens * std::max<std::size_t>(1, (std::size_t{16} << 20) / per_block);
-    chunk_ = std::min<std::size_t>(chunk_, header_.tokens);
-    raw_.resize(chunk_ * width * header_.element_bytes);
-    keys_.assign(header_.num_layers, std::vector<float>(chunk_ * width));
-    values_.assign(header_.num_layers, std::vector<float>(chunk_ * width));
-    key_spans_.resize(header_.num_layers);
-    value_spans_.resize(header_.num_layers);
     return {};
   }
 
-  /// On the I/O executor: appends the next chunk, or completes.
-  void append_next() {
-    if (!op_->claim()) return finish(asio::error::operation_aborted);
-    if (next_ == header_.tokens) return finish({});
-    const std::size_t n = std::min<std::size_t>(chunk_, header_.tokens - next_);
-    const std::size_t width = header_.token_width();
-    const std::span<std::byte> raw = std::span(raw_).first(n * width * header_.element_bytes);
-    for (std::size_t l = 0; l < header_.num_layers; ++l) {
-      const std::uint64_t at = header_.layout.layer_offset(l) + next_ * width * header_.element_bytes;
-      for (auto [out, from] : {std::pair{&keys_[l], at}, std::pair{&values_[l], at + header_.half_layer_bytes()}}) {
-        if (error_code ec = read_at(file_, from, raw)) return finish(ec);
-        widen_stored(header_.element, raw.data(), n * width, out->data());
-      }
-      key_spans_[l] = std::span<const float>(keys_[l]).first(n * width);
-      value_spans_[l] = std::span<const float>(values_[l]).first(n * width);
+  /// Layer `l`: its keys, then its values, each in file order (block after
+  /// block, then the tail), hashed as they arrive.
+  error_code read_layer(std::size_t l, const layer_entry& entry, block_pool& pool, block_account& account,
+                        std::vector<ref_ptr<block>>& out) {
+    const std::size_t full = header_.tokens / header_.block_tokens;
+    const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
+    const std::size_t run = header_.block_tokens * token_bytes;  // a block's keys (or values)
+    out.reserve(full);
+    for (std::size_t i = 0; i < full; ++i) {
+      ref_ptr<block> b = block::make(pool, owner_, block::budget::counted, &account);
+      if (!b) return kv_errc::capacity_exhausted;  // the memory, not the budget (reserved)
+      out.push_back(std::move(b));
     }
-    const std::span<const token_id> ids = std::span(ids_).subspan(next_, n);
-    next_ += n;
+    // Reads of up to half a MiB, hashed while still in the cache.
+    const std::size_t per_read = std::max<std::size_t>(1, (std::size_t{512} << 10) / run);
+    std::vector<std::span<std::byte>> parts;
+    parts.reserve(std::min(per_read, full));
+    xxh3_stream hash;
+    for (const bool values : {false, true}) {
+      const std::uint64_t base = entry.offset + (values ? header_.half_layer_bytes() : 0);
+      for (std::size_t first = 0; first < full; first += per_read) {
+        parts.clear();
+        for (std::size_t i = first; i < std::min(full, first + per_read); ++i)
+          parts.emplace_back(out[i]->payload() + (values ? run : 0), run);
+        if (error_code ec = read_scattered(file_, base + first * run, parts)) return ec;
+        for (const std::span<std::byte> part : parts) hash.update(part);
+      }
+      if (keys_.empty()) continue;  // no tail
+      std::vector<float>& floats = values ? values_[l] : keys_[l];
+      std::vector<std::byte> raw(floats.size() * header_.element_bytes);
+      if (error_code ec = read_at(file_, base + full * run, raw)) return ec;
+      hash.update(raw);
+      widen_stored(header_.element, raw.data(), floats.size(), floats.data());
+    }
+    if (hash.digest() != entry.checksum) return kv_errc::file_corrupt;
+    for (const ref_ptr<block>& b : out) {
+      b->set_materialized(header_.block_tokens);
+      b->set_readable(header_.block_tokens);
+    }
+    return {};
+  }
+
+  /// On the I/O executor: appends the last partial block's tokens.
+  void append_tail() {
+    if (!op_->claim()) return finish(asio::error::operation_aborted);
+    const std::size_t full = header_.tokens - keys_.front().size() / header_.token_width();
     load_append_op* op = nullptr;
     try {
       op = new load_append_op(shared_from_this());
     } catch (const std::bad_alloc&) {
       return finish(kv_errc::capacity_exhausted);
     }
-    start_append(seq_, op, key_spans_, value_spans_, ids);
+    start_append(seq_, op, key_spans_, value_spans_, std::span<const token_id>(ids_).subspan(full));
   }
 
   void finish(error_code ec) {
@@ -233,15 +260,14 @@ class load_job : public std::enable_shared_from_this<load_job> {
   kv_block_pool pool_;  // moved from (released) once the load ends
   file_expectation expected_;
   decltype(track_work(std::declval<const asio::any_io_executor&>())) io_;  // work held until the job ends
-  persist_op* op_;  // null once completed or discarded
+  const std::uint64_t owner_;  // of the blocks read here, which no one writes
+  persist_op* op_;             // null once completed or discarded
 
   file_descriptor file_;
   file_header header_;
   std::vector<token_id> ids_;
   std::shared_ptr<sequence_core> seq_;
-  std::size_t chunk_ = 0;  // tokens per append
-  std::size_t next_ = 0;   // the next token to append
-  std::vector<std::byte> raw_;
+  // The last partial block's tokens (none: empty), widened for its append.
   std::vector<std::vector<float>> keys_, values_;
   std::vector<std::span<const float>> key_spans_, value_spans_;
 };

@@ -264,6 +264,39 @@ TEST_CASE("a saved bfloat16 sequence loads back bit for bit, with its token ids"
   check_round_trip<bfloat16>();
 }
 
+TEST_CASE("a loaded sequence with a partial last block is exact, and a truncate and appends into its blocks "
+          "change it alone",
+          "[persist]") {
+  fixture<float> f;
+  f.append(9);  // full blocks of 4: two, and a partial one of 1 token
+  f.append(5);
+  REQUIRE(f.seq.size() == 14);
+  REQUIRE_FALSE(f.save());
+  const auto saved = f.seq.snapshot();
+
+  const loaded<float> a = load<float>(f.threads, f.file, f.pool);
+  REQUIRE_FALSE(a.ec);
+  CHECK(a.ids == saved.token_ids());
+  CHECK(diff_sequences(a.seq.snapshot(), saved).empty());
+  // Truncated inside its second full block, then written past there: the
+  // loaded blocks are shared with no one else, and this writes nothing into
+  // another load of the same file or into the saved sequence.
+  const loaded<float> b = load<float>(f.threads, f.file, f.pool);
+  REQUIRE_FALSE(b.ec);
+  REQUIRE_FALSE(wait_ec([&](auto tk) { return a.seq.async_truncate(6, tk); }));
+  REQUIRE_FALSE(wait_ec([&](auto tk) { return f.seq.async_truncate(6, tk); }));
+  const ghostlink::test::seq::step st(layers, f.width, 50, 1, 3);
+  REQUIRE_FALSE(wait_ec([&](auto tk) { return a.seq.async_append(st.key_spans, st.value_spans, tk); }));
+  REQUIRE_FALSE(wait_ec([&](auto tk) { return f.seq.async_append(st.key_spans, st.value_spans, tk); }));
+  CHECK(a.seq.size() == 9);
+  const std::string changed = diff_sequences(a.seq.snapshot(), f.seq.snapshot());
+  INFO(changed);
+  CHECK(changed.empty());
+  const std::string intact = diff_sequences(b.seq.snapshot(), saved);
+  INFO(intact);
+  CHECK(intact.empty());
+}
+
 TEST_CASE("tokens appended without ids load back as no_token_id", "[persist]") {
   fixture<half> f;
   f.append(3, false);

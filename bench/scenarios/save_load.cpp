@@ -12,9 +12,9 @@
 // ghostlink's ratio to the plain way (target >= 0.8x each way). Each file
 // is removed before it is written again, so no write replaces an old file.
 // Every read is from the page cache: the file was just written, and the
-// caches are not dropped (that needs root). A load reads its file twice
-// (the checksums first, then the tokens) and appends the tokens through
-// the new sequence's actors; the plain read reads it once into one buffer.
+// caches are not dropped (that needs root). A load reads its file once,
+// each layer's full blocks straight into pool blocks with their checksums
+// computed on the way; the plain read reads it once into one buffer.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/thread_pool.hpp>
@@ -110,8 +110,8 @@ void save_load(const options& o, report& out) {
                                 std::filesystem::temp_directory_path().string() +
                                 "; plain: the same bytes written in 4 MiB chunks, fsync, close, rename, fsync of "
                                 "the directory (async_save's policy), read back in 4 MiB chunks. Reads are from the "
-                                "page cache (hot: just written, caches not dropped); a load reads the file twice "
-                                "(checksums, then tokens). Target ghostlink >= 0.8x both ways");
+                                "page cache (hot: just written, caches not dropped); a load reads the file once, "
+                                "into pool blocks. Target ghostlink >= 0.8x both ways");
 }
 
 }  // namespace ghostlink::bench
