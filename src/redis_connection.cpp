@@ -51,7 +51,9 @@ std::string redis_command(std::initializer_list<std::string_view> args) {
   return out;
 }
 
-std::size_t parse_redis_reply(std::string_view in, redis_reply& out) {
+namespace {
+
+std::size_t parse_reply_at(std::string_view in, redis_reply& out, std::size_t depth) {
   if (in.empty()) return 0;
   const std::size_t eol = in.find("\r\n");
   if (eol == std::string_view::npos) return 0;
@@ -90,21 +92,32 @@ std::size_t parse_redis_reply(std::string_view in, redis_reply& out) {
         out.kind = redis_reply::type::nil;
         return after;
       }
-      if (n < 0) throw std::runtime_error("RESP: bad array length");
+      if (n < 0 || n > max_redis_elements) throw std::runtime_error("RESP: bad array length");
+      if (depth >= max_redis_depth) throw std::runtime_error("RESP: arrays nested too deep");
+      // Every element takes 3 bytes at least: a length beyond what is
+      // buffered waits for more before anything is allocated for it.
+      if (static_cast<std::uint64_t>(n) > (in.size() - after) / 3) return 0;
+      std::vector<redis_reply> elements;
       std::size_t at = after;
       for (std::int64_t i = 0; i < n; ++i) {
         redis_reply element;
-        const std::size_t took = parse_redis_reply(in.substr(at), element);
+        const std::size_t took = parse_reply_at(in.substr(at), element, depth + 1);
         if (took == 0) return 0;
         at += took;
+        elements.push_back(std::move(element));
       }
       out.kind = redis_reply::type::array;
       out.integer = n;
+      out.elements = std::move(elements);
       return at;
     }
     default: throw std::runtime_error("RESP: unknown reply type");
   }
 }
+
+}  // namespace
+
+std::size_t parse_redis_reply(std::string_view in, redis_reply& out) { return parse_reply_at(in, out, 0); }
 
 redis_connection::redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint, redis_timeouts timeouts)
     : strand_(asio::make_strand(ex)),
@@ -128,14 +141,23 @@ void redis_connection::send(std::string command, callback done) {
 }
 
 void redis_connection::send_here(std::string command, callback done) noexcept {
+  queue({std::move(command), {}, std::move(done), {}});
+}
+
+void redis_connection::send_here(shared_command command, callback done) noexcept {
+  queue({{}, std::move(command), std::move(done), {}});
+}
+
+void redis_connection::queue(request r) noexcept {
   if (!accepting()) {
-    finish_callback(done);
+    finish_callback(r.done);
     return;
   }
+  r.deadline = std::chrono::steady_clock::now() + timeouts_.request;
   try {
-    queued_.push_back({std::move(command), std::move(done), std::chrono::steady_clock::now() + timeouts_.request});
+    queued_.push_back(std::move(r));
   } catch (...) {  // memory refused: a failure
-    finish_callback(done);
+    finish_callback(r.done);
     return;
   }
   try {
@@ -149,7 +171,7 @@ void redis_connection::send_here(std::string command, callback done) noexcept {
   }
 }
 
-void redis_connection::finish_callback(callback& done) noexcept {
+void redis_connection::fail(callback& done) noexcept {
   try {
     done(redis_reply{});
   } catch (...) {
@@ -236,19 +258,33 @@ void redis_connection::lost() {
 
 void redis_connection::write_more() {
   if (state_ != state::connected || writing_ || queued_.empty()) return;
-  auto batch = std::make_shared<std::vector<std::string>>();
+  // The commands of one write, owned or shared; reserved up front, so the
+  // buffers taken on them as they come stay valid.
+  struct batch_commands {
+    std::vector<std::string> owned;
+    std::vector<shared_command> shared;
+  };
+  auto batch = std::make_shared<batch_commands>();
   std::vector<asio::const_buffer> buffers;
   try {
+    const std::size_t most = std::min(queued_.size(), max_batch_requests);
+    batch->owned.reserve(most);
+    batch->shared.reserve(most);
+    buffers.reserve(most);
     std::size_t bytes = 0;
-    batch->reserve(std::min(queued_.size(), max_batch_requests));
-    while (!queued_.empty() && batch->size() < max_batch_requests && bytes < max_batch_bytes) {
-      in_flight_.push_back({{}, std::move(queued_.front().done), queued_.front().deadline});
-      batch->push_back(std::move(queued_.front().command));
+    while (!queued_.empty() && buffers.size() < max_batch_requests && bytes < max_batch_bytes) {
+      request& r = queued_.front();
+      in_flight_.push_back({{}, {}, std::move(r.done), r.deadline});
+      if (r.shared) {
+        batch->shared.push_back(std::move(r.shared));
+        buffers.emplace_back(asio::buffer(*batch->shared.back()));
+      } else {
+        batch->owned.push_back(std::move(r.command));
+        buffers.emplace_back(asio::buffer(batch->owned.back()));
+      }
+      bytes += buffers.back().size();
       queued_.pop_front();
-      bytes += batch->back().size();
     }
-    buffers.reserve(batch->size());
-    for (const std::string& c : *batch) buffers.emplace_back(asio::buffer(c));
   } catch (...) {  // memory refused: the connection's requests fail, it starts again
     lost();
     return;

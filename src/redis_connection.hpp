@@ -32,19 +32,29 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
-/// One RESP2 reply (arrays are read and dropped: no command used returns one).
+/// One RESP2 reply. Arrays (CLUSTER SLOTS) keep their elements, nested at
+/// most `max_redis_depth` deep and `max_redis_elements` long: the parser is
+/// fed by the network.
 struct redis_reply {
   enum class type : std::uint8_t { failed, status, error, integer, bulk, nil, array };
   type kind = type::failed;
-  std::vector<std::byte> bytes;  // status, error, bulk
-  std::int64_t integer = 0;      // integer; array: its element count
+  std::vector<std::byte> bytes;       // status, error, bulk
+  std::int64_t integer = 0;           // integer; array: its element count
+  std::vector<redis_reply> elements;  // array
+
+  /// The bytes as text (status, error, bulk).
+  std::string_view text() const noexcept { return {reinterpret_cast<const char*>(bytes.data()), bytes.size()}; }
 };
+
+inline constexpr std::size_t max_redis_depth = 8;
+inline constexpr std::int64_t max_redis_elements = std::int64_t{1} << 20;
 
 /// A request encoded: `*N\r\n$len\r\narg\r\n...`.
 std::string redis_command(std::initializer_list<std::string_view> args);
 
 /// Parses one reply at the front of `in`; the bytes it took, 0 if `in`
-/// holds only part of one; throws std::runtime_error on a protocol error.
+/// holds only part of one; throws std::runtime_error on a protocol error
+/// (arrays nested deeper or longer than the limits above included).
 std::size_t parse_redis_reply(std::string_view in, redis_reply& out);
 
 struct redis_timeouts {
@@ -61,6 +71,10 @@ class redis_connection : public std::enable_shared_from_this<redis_connection> {
 
   /// Starts connecting (once).
   void start();
+  /// A command kept by its sender beyond the write (to send it again
+  /// elsewhere: a Redis Cluster redirect), rather than moved in.
+  using shared_command = std::shared_ptr<const std::string>;
+
   /// Queues `command` (from any thread); `done` runs on the strand.
   /// @throws std::bad_alloc, having queued nothing.
   void send(std::string command, callback done);
@@ -71,16 +85,23 @@ class redis_connection : public std::enable_shared_from_this<redis_connection> {
   }
   /// `send` on the strand.
   void send_here(std::string command, callback done) noexcept;
+  /// `send_here` of a command the caller keeps too.
+  void send_here(shared_command command, callback done) noexcept;
   /// Whether requests would be written now or soon (connected or
   /// connecting), not failed at once.
   bool accepting() const noexcept { return state_ != state::backoff && state_ != state::closed; }
   /// Stops reconnecting; closes the socket once nothing is in flight.
   void close();
+  /// Where it connects.
+  const kv_redis_endpoint& endpoint() const noexcept { return endpoint_; }
+  /// Calls `done` with a failed reply, swallowing what it throws.
+  static void fail(callback& done) noexcept;
 
  private:
   enum class state : std::uint8_t { idle, connecting, connected, backoff, closed };
   struct request {
     std::string command;
+    shared_command shared;  // instead of `command` when set
     callback done;
     std::chrono::steady_clock::time_point deadline;
   };
@@ -93,7 +114,8 @@ class redis_connection : public std::enable_shared_from_this<redis_connection> {
   void read_more();
   void arm_deadline();
   void check_deadlines();
-  static void finish_callback(callback& done) noexcept;  // with a failure
+  static void finish_callback(callback& done) noexcept { fail(done); }
+  void queue(request r) noexcept;
   void close_if_drained();
 
   asio::strand<asio::any_io_executor> strand_;

@@ -1,5 +1,6 @@
 // kv_redis_store: entries as Redis strings, over pipelined connections
-// (redis_connection.hpp).
+// (redis_connection.hpp) to one server (redis_node.hpp) or to the masters of
+// a Redis Cluster (redis_cluster.hpp).
 //
 // The state (redis_store_state) belongs to the handle alone; what the
 // requests in flight need (the counters, the connections) is shared with
@@ -24,21 +25,31 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 #include "ghostlink/redis_store.hpp"
+#include "redis_cluster.hpp"
 #include "redis_connection.hpp"
+#include "redis_node.hpp"
+#include "redis_requests.hpp"
 
 // clang-format off
 #include GHOSTLINK_ASIO_HEADER(io_context.hpp)
+#include GHOSTLINK_ASIO_HEADER(post.hpp)
 // clang-format on
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
-constexpr std::string_view key_prefix = "ghostlink:v1:";
+/// A put's reply, counted.
+redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, std::size_t size) {
+  return [counters = std::move(counters), size](const redis_reply& reply) {
+    counters->finish_put(size, redis_stored(reply));
+  };
+}
 
-/// `SET key value [EX ttl]`, the value encoded in place.
-std::string set_command(const kv_store_value& value, const std::optional<std::uint64_t>& ttl) {
-  const std::string key = std::string(key_prefix) + value.hash().hex();
+}  // namespace
+
+std::string redis_set_command(const kv_store_value& value, const std::optional<std::uint64_t>& ttl) {
+  const std::string key = redis_key(value.hash());
   const std::size_t size = value.size();
   std::string out = ttl ? "*5\r\n" : "*3\r\n";
   out += "$3\r\nSET\r\n$" + std::to_string(key.size()) + "\r\n" + key + "\r\n$" + std::to_string(size) + "\r\n";
@@ -53,75 +64,6 @@ std::string set_command(const kv_store_value& value, const std::optional<std::ui
   return out;
 }
 
-/// The counters, and the puts flush() waits for.
-class redis_counters {
- public:
-  explicit redis_counters(std::size_t max_pending_bytes) : max_pending_bytes_(max_pending_bytes) {}
-
-  /// Counts a put; false if it is dropped.
-  bool begin_put(std::size_t size) noexcept {
-    std::lock_guard lock(mutex_);
-    ++stats_.puts;
-    if (pending_bytes_ + size > max_pending_bytes_) {
-      ++stats_.dropped;
-      return false;
-    }
-    pending_bytes_ += size;
-    ++pending_puts_;
-    return true;
-  }
-  void finish_put(std::size_t size, bool stored) noexcept {
-    std::lock_guard lock(mutex_);
-    ++(stored ? stats_.stored : stats_.write_errors);
-    pending_bytes_ -= size;
-    if (--pending_puts_ == 0) idle_.notify_all();
-  }
-  void lookups(std::size_t n) noexcept {
-    std::lock_guard lock(mutex_);
-    stats_.lookups += n;
-  }
-  void hit() noexcept {
-    std::lock_guard lock(mutex_);
-    ++stats_.hits;
-  }
-  kv_store_stats stats() const noexcept {
-    std::lock_guard lock(mutex_);
-    kv_store_stats s = stats_;
-    s.pending_bytes = pending_bytes_;
-    return s;
-  }
-  void flush() {
-    std::unique_lock lock(mutex_);
-    idle_.wait(lock, [&] { return pending_puts_ == 0; });
-  }
-
- private:
-  const std::size_t max_pending_bytes_;
-  mutable std::mutex mutex_;
-  std::condition_variable idle_;
-  kv_store_stats stats_;
-  std::size_t pending_bytes_ = 0;
-  std::size_t pending_puts_ = 0;
-};
-
-struct fetch_request {
-  explicit fetch_request(kv_block_store::fetch_handler f) : on_value(std::move(f)) {}
-  kv_block_store::fetch_handler on_value;
-  std::atomic<bool> stopped{false};
-
-  void deliver(std::size_t i, std::vector<std::byte> bytes) noexcept {
-    if (stopped.load(std::memory_order_acquire)) return;
-    bool more = false;
-    try {
-      more = on_value(i, std::move(bytes));
-    } catch (...) {
-    }
-    if (!more) stopped.store(true, std::memory_order_release);
-  }
-};
-
-}  // namespace
-
 class redis_store_state {
  public:
   redis_store_state(std::vector<kv_redis_endpoint> endpoints, kv_redis_store_options options)
@@ -130,6 +72,9 @@ class redis_store_state {
     if (options_.connections == 0) throw std::invalid_argument("kv_redis_store: 0 connections");
     if (endpoints.front().unix_socket.size() >= sizeof(sockaddr_un{}.sun_path))
       throw std::invalid_argument("kv_redis_store: unix socket path too long");
+    if (options_.cluster)
+      for (const kv_redis_endpoint& e : endpoints)
+        if (!e.unix_socket.empty()) throw std::invalid_argument("kv_redis_store: a cluster's endpoints are TCP");
     if (options_.io_executor) {
       io_ = *options_.io_executor;
     } else {
@@ -147,21 +92,20 @@ class redis_store_state {
       });
     }
     const redis_timeouts timeouts{options_.connect_timeout, options_.request_timeout, options_.reconnect_backoff};
-    for (std::size_t i = 0; i < options_.connections; ++i)
-      connections_.push_back(std::make_shared<redis_connection>(io_, endpoints.front(), timeouts));
-    for (const auto& c : connections_) c->start();
+    if (options_.cluster) {
+      cluster_ = std::make_shared<redis_cluster>(io_, std::move(endpoints), options_.connections, timeouts);
+      cluster_->start();
+    } else {
+      node_.emplace(io_, endpoints.front(), options_.connections, timeouts);
+    }
   }
   redis_store_state(const redis_store_state&) = delete;
   redis_store_state& operator=(const redis_store_state&) = delete;
 
   ~redis_store_state() {
-    for (const auto& c : connections_) {
-      try {
-        c->close();
-      } catch (...) {  // memory refused: it closes when its I/O context goes
-      }
-    }
-    connections_.clear();
+    if (cluster_) cluster_->close();
+    cluster_.reset();
+    node_.reset();  // closes its connections
     if (!own_io_) return;
     guard_.reset();
     if (thread_.get_id() != std::this_thread::get_id()) {
@@ -179,14 +123,18 @@ class redis_store_state {
   void put(std::shared_ptr<const kv_store_value> value) noexcept {
     const std::size_t size = value->size();
     if (!counters_->begin_put(size)) return;
+    if (cluster_) {
+      put_in_cluster(std::move(value), size);
+      return;
+    }
     try {
-      std::shared_ptr<redis_connection> c = pick();
+      std::shared_ptr<redis_connection> c = node_->pick();
       c->run([c, counters = counters_, value = std::move(value), size, ttl = options_.ttl_seconds]() mutable {
         std::string command;
         bool encoded = false;
         if (c->accepting()) {  // else down: fails at once, without encoding
           try {
-            command = set_command(*value, ttl);
+            command = redis_set_command(*value, ttl);
             encoded = true;
           } catch (...) {  // memory refused: not stored
           }
@@ -198,11 +146,7 @@ class redis_store_state {
           counters->finish_put(size, false);
           return;
         }
-        c->send_here(std::move(command), [counters, size](redis_reply reply) {
-          const bool ok = reply.kind == redis_reply::type::status && reply.bytes.size() == 2 &&
-                          reply.bytes[0] == std::byte{'O'} && reply.bytes[1] == std::byte{'K'};
-          counters->finish_put(size, ok);
-        });
+        c->send_here(std::move(command), count_put(counters, size));
       });
     } catch (...) {  // memory refused, or the executor's own failure: not stored
       counters_->finish_put(size, false);
@@ -211,27 +155,27 @@ class redis_store_state {
 
   void fetch(std::vector<kv_block_hash> hashes, kv_block_store::fetch_handler on_value) {
     auto request = std::make_shared<fetch_request>(std::move(on_value));
+    if (cluster_) {
+      fetch_in_cluster(hashes, request);
+      return;
+    }
     // The GETs of each connection, made before anything is sent.
-    const std::size_t k = connections_.size();
-    const std::size_t first = next_.fetch_add(1, std::memory_order_relaxed);
+    const std::vector<std::shared_ptr<redis_connection>>& connections = node_->connections();
+    const std::size_t k = connections.size();
+    const std::size_t first = node_->next();
     std::vector<std::vector<std::pair<std::size_t, std::string>>> batches(k);
     for (std::size_t i = 0; i < hashes.size(); ++i)
-      batches[(first + i) % k].emplace_back(i, redis_command({"GET", std::string(key_prefix) + hashes[i].hex()}));
+      batches[(first + i) % k].emplace_back(i, redis_command({"GET", redis_key(hashes[i])}));
     counters_->lookups(hashes.size());
     std::size_t sent = 0;
     try {
       for (; sent < k; ++sent) {
         if (batches[sent].empty()) continue;
-        const std::shared_ptr<redis_connection>& c = connections_[sent];
+        const std::shared_ptr<redis_connection>& c = connections[sent];
         c->run([c, request, counters = counters_, batch = std::move(batches[sent])]() mutable {
           for (auto& [i, command] : batch)
             c->send_here(std::move(command), [request, counters, i = i](redis_reply reply) {
-              std::vector<std::byte> bytes;
-              if (reply.kind == redis_reply::type::bulk && !reply.bytes.empty()) {
-                counters->hit();
-                bytes = std::move(reply.bytes);
-              }
-              request->deliver(i, std::move(bytes));
+              request->answer(i, std::move(reply), *counters);
             });
         });
       }
@@ -245,13 +189,47 @@ class redis_store_state {
   void flush() { counters_->flush(); }
 
  private:
-  /// A connection taking requests, round robin; any if none is.
-  std::shared_ptr<redis_connection> pick() noexcept {
-    const std::size_t k = connections_.size();
-    const std::size_t first = next_.fetch_add(1, std::memory_order_relaxed);
-    for (std::size_t j = 0; j < k; ++j)
-      if (connections_[(first + j) % k]->accepting()) return connections_[(first + j) % k];
-    return connections_[first % k];
+  /// Encodes `value` on the I/O executor, then sends it to its slot's master.
+  void put_in_cluster(std::shared_ptr<const kv_store_value> value, std::size_t size) noexcept {
+    try {
+      const std::uint16_t slot = redis_key_slot(redis_key(value->hash()));
+      asio::post(io_, [cluster = cluster_, counters = counters_, value = std::move(value), size, slot,
+                       ttl = options_.ttl_seconds]() mutable {
+        redis_connection::shared_command command;
+        try {
+          command = std::make_shared<const std::string>(redis_set_command(*value, ttl));
+        } catch (...) {  // memory refused: not stored
+        }
+        value.reset();  // as above: before flush() may return
+        if (!command) {
+          counters->finish_put(size, false);
+          return;
+        }
+        try {
+          std::vector<redis_cluster::routed> one;
+          one.push_back({slot, std::move(command), count_put(counters, size)});
+          cluster->send(std::move(one));
+        } catch (...) {  // memory refused: not sent
+          counters->finish_put(size, false);
+        }
+      });
+    } catch (...) {  // memory refused, or the executor's own failure: not stored
+      counters_->finish_put(size, false);
+    }
+  }
+
+  /// The GETs, each to its slot's master, pipelined on each node.
+  void fetch_in_cluster(const std::vector<kv_block_hash>& hashes, const std::shared_ptr<fetch_request>& request) {
+    std::vector<redis_cluster::routed> gets;
+    gets.reserve(hashes.size());
+    for (std::size_t i = 0; i < hashes.size(); ++i) {
+      const std::string key = redis_key(hashes[i]);
+      gets.push_back(
+          {redis_key_slot(key), std::make_shared<const std::string>(redis_command({"GET", key})),
+           [request, counters = counters_, i](redis_reply reply) { request->answer(i, std::move(reply), *counters); }});
+    }
+    counters_->lookups(hashes.size());
+    cluster_->send(std::move(gets));
   }
 
   const kv_redis_store_options options_;
@@ -260,8 +238,8 @@ class redis_store_state {
   std::thread thread_;
   asio::any_io_executor io_;
   std::shared_ptr<redis_counters> counters_;
-  std::vector<std::shared_ptr<redis_connection>> connections_;
-  std::atomic<std::size_t> next_{0};
+  std::optional<redis_node> node_;           // one server
+  std::shared_ptr<redis_cluster> cluster_;   // or a Redis Cluster
 };
 
 }  // namespace detail
@@ -278,7 +256,7 @@ void kv_redis_store::fetch(std::vector<kv_block_hash> hashes, fetch_handler on_v
   state_->fetch(std::move(hashes), std::move(on_value));
 }
 kv_store_stats kv_redis_store::stats() const noexcept { return state_->stats(); }
-std::string kv_redis_store::key_of(const kv_block_hash& hash) { return std::string(detail::key_prefix) + hash.hex(); }
+std::string kv_redis_store::key_of(const kv_block_hash& hash) { return detail::redis_key(hash); }
 void kv_redis_store::flush() { state_->flush(); }
 
 GHOSTLINK_NAMESPACE_END

@@ -4,19 +4,14 @@
 // restarted, or stopped (SIGSTOP) gives misses and counted write errors,
 // never errors or waits past the request timeout, and the store reconnects.
 //
-// Each test starts its own redis-server (found on PATH: without one these
-// tests fail) on a unix socket in a temporary directory, without
-// persistence, and stops it by its process id.
+// Each test starts its own redis-server (common/redis_process.hpp: found
+// on PATH, without one these tests fail) on a unix socket in a temporary
+// directory, without persistence, and stops it by its process id.
 #include "common/files.hpp"
+#include "common/redis_process.hpp"
 #include "prefix_support.hpp"
 
-#include <poll.h>
-#include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX kill
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include <signal.h>  // NOLINT(modernize-deprecated-headers): SIGKILL
 
 #include <ghostlink/redis_store.hpp>
 
@@ -24,11 +19,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <future>
-#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -43,142 +35,13 @@ using namespace ghostlink;
 using namespace ghostlink::test::prefix;
 namespace fs = std::filesystem;
 using ghostlink::test::temp_dir;
+using ghostlink::test::redis::call;
+using ghostlink::test::redis::redis_server;
+using ghostlink::test::redis::text;
 using std::chrono::milliseconds;
 using clock_type = std::chrono::steady_clock;
 
 namespace {
-
-/// redis-server on PATH, or empty.
-fs::path find_redis_server() {
-  const char* path = std::getenv("PATH");  // NOLINT(concurrency-mt-unsafe)
-  std::string_view rest = path != nullptr ? path : "";
-  while (!rest.empty()) {
-    const std::size_t colon = rest.find(':');
-    fs::path candidate = fs::path(rest.substr(0, colon)) / "redis-server";
-    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
-    rest = colon == std::string_view::npos ? std::string_view() : rest.substr(colon + 1);
-  }
-  return {};
-}
-
-/// A connected unix socket to `socket`, or -1.
-int connect_unix(const fs::path& socket) {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  std::strncpy(address.sun_path, socket.c_str(), sizeof address.sun_path - 1);
-  if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-/// One command on a connection of its own, its reply read with our RESP
-/// parser; a `failed` reply if the server does not answer within `wait`.
-detail::redis_reply call(const fs::path& socket, std::initializer_list<std::string_view> args,
-                         milliseconds wait = milliseconds(2000)) {
-  detail::redis_reply reply;
-  const int fd = connect_unix(socket);
-  if (fd < 0) return reply;
-  const std::string command = detail::redis_command(args);
-  std::size_t written = 0;
-  while (written < command.size()) {
-    const ssize_t n = ::send(fd, command.data() + written, command.size() - written, MSG_NOSIGNAL);
-    if (n <= 0) break;
-    written += static_cast<std::size_t>(n);
-  }
-  std::string in;
-  const auto deadline = clock_type::now() + wait;
-  while (written == command.size() && clock_type::now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 50) <= 0) continue;
-    char buffer[65536];
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n <= 0) break;
-    in.append(buffer, static_cast<std::size_t>(n));
-    detail::redis_reply parsed;
-    if (detail::parse_redis_reply(in, parsed) != 0) {
-      reply = std::move(parsed);
-      break;
-    }
-  }
-  ::close(fd);
-  return reply;
-}
-
-std::string text(const detail::redis_reply& r) {
-  return {reinterpret_cast<const char*>(r.bytes.data()), r.bytes.size()};
-}
-
-/// A redis-server of this test's own on `socket`, without persistence,
-/// stopped by its process id.
-class redis_server {
- public:
-  explicit redis_server(fs::path socket) : socket_(std::move(socket)) { start(); }
-  redis_server(const redis_server&) = delete;
-  redis_server& operator=(const redis_server&) = delete;
-  ~redis_server() { stop(SIGTERM); }
-
-  /// Starts it and waits (10 s at most) until it answers PING.
-  void start() {
-    const fs::path program = find_redis_server();
-    if (program.empty()) FAIL("redis-server is not on PATH: the Redis store tests need it (Debian: redis-server)");
-    int out[2];
-    REQUIRE(::pipe(out) == 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-    posix_spawn_file_actions_addclose(&actions, out[0]);
-    const std::string dir = socket_.parent_path().string();
-    std::vector<std::string> args{
-        program.string(), "--port", "0",          "--unixsocket", socket_.string(), "--save", "", "--appendonly", "no",
-        "--dir",          dir,      "--loglevel", "warning"};
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const int spawned = ::posix_spawn(&pid_, program.c_str(), &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    ::close(out[1]);
-    output_ = out[0];
-    REQUIRE(spawned == 0);
-    const auto deadline = clock_type::now() + std::chrono::seconds(10);
-    bool ready = false;
-    while (!ready && clock_type::now() < deadline) {
-      ready = text(call(socket_, {"PING"}, milliseconds(200))) == "PONG";
-      if (ready) break;
-      pollfd p{output_, POLLIN, 0};  // its output (or its exit) ends the wait early
-      if (::poll(&p, 1, 50) > 0) {
-        char buffer[4096];
-        if (::read(output_, buffer, sizeof buffer) <= 0) break;  // exited
-      }
-    }
-    if (!ready) {
-      stop(SIGKILL);
-      FAIL("redis-server did not answer PING on " << socket_ << " within 10 s");
-    }
-  }
-
-  /// Sends `sig` (after SIGCONT, for a stopped server) and reaps it.
-  void stop(int sig) {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGCONT);
-    ::kill(pid_, sig);
-    int status = 0;
-    ::waitpid(pid_, &status, 0);
-    pid_ = 0;
-    if (output_ >= 0) ::close(output_);
-    output_ = -1;
-  }
-  void pause() const { REQUIRE(::kill(pid_, SIGSTOP) == 0); }
-  void resume() const { REQUIRE(::kill(pid_, SIGCONT) == 0); }
-
- private:
-  fs::path socket_;
-  pid_t pid_ = 0;
-  int output_ = -1;
-};
 
 struct fixture_options {
   bool server = true;        ///< start a server

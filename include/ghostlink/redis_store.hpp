@@ -19,8 +19,8 @@
 /// - hiredis 0.14's asynchronous API needs an event-loop adapter to Asio
 ///   written anyway, and its reader copies every reply (an entry is
 ///   megabytes) before handing it over;
-/// - the part of RESP2 used (GET, SET, PING and their replies: `+`, `-`,
-///   `:`, `$` bulk and nil, `*` arrays) is small.
+/// - the part of RESP2 used (GET, SET, PING, CLUSTER SLOTS, ASKING and
+///   their replies: `+`, `-`, `:`, `$` bulk and nil, `*` arrays) is small.
 
 #include <chrono>
 #include <cstddef>
@@ -49,8 +49,15 @@ struct kv_redis_endpoint {
 
 /// The connections, timeouts and limits of a `kv_redis_store`.
 struct kv_redis_store_options {
-  /// Connections to the server; requests are spread over them, each
-  /// connection pipelined (many requests written, replies read in order).
+  /// Whether the endpoints are seed nodes of a Redis Cluster (TCP
+  /// endpoints) rather than one server: the store reads the cluster's slot
+  /// map from the first seed that answers `CLUSTER SLOTS`, sends each
+  /// request to its key's master, and follows `-MOVED` and `-ASK`
+  /// redirects (5 at most a request).
+  bool cluster = false;
+  /// Connections to the server (to each master of a cluster); requests
+  /// are spread over them, each connection pipelined (many requests
+  /// written, replies read in order).
   std::size_t connections = 2;
   /// How long a connect may take before it fails (then retried after
   /// `reconnect_backoff`).
@@ -78,8 +85,17 @@ namespace detail {
 class redis_store_state;
 }
 
-/// A block store on one Redis server (the first of the endpoints given;
-/// Redis Cluster is not supported yet).
+/// A block store on one Redis server (the first of the endpoints given),
+/// or on a Redis Cluster (`kv_redis_store_options::cluster`: the endpoints
+/// are its seeds).
+///
+/// On a cluster, an entry's key has no hash tag, so entries spread over
+/// every master by their hash. The slot map is read at start and again
+/// after a `-MOVED` or a failed request (a failover moves masters); until
+/// it is known, requests go to the first seed and follow its redirects. A
+/// redirect costs a round trip to the node named; `-ASK` sends `ASKING`
+/// and the request back to back. `-CLUSTERDOWN`, `-TRYAGAIN`, more than 5
+/// redirects, or a master that does not answer: a miss, a write error.
 ///
 /// Redis owns eviction and memory: run the server with a `maxmemory` and
 /// `maxmemory-policy allkeys-lru` (or set `ttl_seconds`). So
@@ -98,15 +114,17 @@ class redis_store_state;
 /// value handed to the prefix cache, whose checks run on that thread.
 class kv_redis_store final : public kv_block_store {
  public:
-  /// A store on `endpoints.front()`; starts connecting in the background
-  /// (never blocks on the server).
+  /// A store on `endpoints.front()`, or on the cluster whose seeds
+  /// `endpoints` are; starts connecting in the background (never blocks on
+  /// the server).
   /// @throws std::invalid_argument if `endpoints` is empty, its unix
-  /// socket path is longer than a socket address holds, or
-  /// `options.connections` is 0.
+  /// socket path is longer than a socket address holds, a cluster's
+  /// endpoint is a unix socket, or `options.connections` is 0.
   explicit kv_redis_store(std::vector<kv_redis_endpoint> endpoints, kv_redis_store_options options = {});
   /// Closes the connections once the requests on them are answered or
   /// time out. With the store's own I/O context, waits for that (at most
-  /// `connect_timeout + request_timeout`) and joins its thread.
+  /// `connect_timeout + request_timeout`, each redirect of a request
+  /// in flight adding as much) and joins its thread.
   ~kv_redis_store() override;
 
   void put(std::shared_ptr<const kv_store_value> value) noexcept override;

@@ -1,0 +1,235 @@
+#pragma once
+// redis-server processes of a test's own, and commands sent to them: the
+// Redis store's tests (test_redis_store: one server on a unix socket;
+// test_redis_cluster: a cluster of three on loopback TCP ports).
+//
+// A server is found on PATH (without one the tests fail, saying so), run
+// without persistence, and stopped by its process id.
+
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX kill
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ghostlink/redis_store.hpp>
+
+#include "redis_connection.hpp"
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#ifdef GHOSTLINK_CATCH2_V3
+#include <catch2/catch_test_macros.hpp>
+#else
+#include <catch2/catch.hpp>
+#endif
+
+namespace ghostlink::test::redis {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+/// `name` on PATH, or empty.
+inline fs::path find_program(std::string_view name) {
+  const char* path = std::getenv("PATH");  // NOLINT(concurrency-mt-unsafe)
+  std::string_view rest = path != nullptr ? path : "";
+  while (!rest.empty()) {
+    const std::size_t colon = rest.find(':');
+    fs::path candidate = fs::path(rest.substr(0, colon)) / name;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    rest = colon == std::string_view::npos ? std::string_view() : rest.substr(colon + 1);
+  }
+  return {};
+}
+
+/// A connected socket to `where` (its unix socket, else 127.0.0.1:port), or -1.
+inline int connect_to(const kv_redis_endpoint& where) {
+  const bool unix_socket = !where.unix_socket.empty();
+  const int fd = ::socket(unix_socket ? AF_UNIX : AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  int connected = -1;
+  if (unix_socket) {
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::strncpy(address.sun_path, where.unix_socket.c_str(), sizeof address.sun_path - 1);
+    connected = ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address);
+  } else {
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(where.port);
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected = ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address);
+  }
+  if (connected != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/// One command on a connection of its own, its reply read with our RESP
+/// parser; a `failed` reply if the server does not answer within `wait`.
+inline detail::redis_reply call(const kv_redis_endpoint& where, std::initializer_list<std::string_view> args,
+                                milliseconds wait = milliseconds(2000)) {
+  using clock_type = std::chrono::steady_clock;
+  detail::redis_reply reply;
+  const int fd = connect_to(where);
+  if (fd < 0) return reply;
+  const std::string command = detail::redis_command(args);
+  std::size_t written = 0;
+  while (written < command.size()) {
+    const ssize_t n = ::send(fd, command.data() + written, command.size() - written, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    written += static_cast<std::size_t>(n);
+  }
+  std::string in;
+  const auto deadline = clock_type::now() + wait;
+  while (written == command.size() && clock_type::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    char buffer[65536];
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n <= 0) break;
+    in.append(buffer, static_cast<std::size_t>(n));
+    detail::redis_reply parsed;
+    if (detail::parse_redis_reply(in, parsed) != 0) {
+      reply = std::move(parsed);
+      break;
+    }
+  }
+  ::close(fd);
+  return reply;
+}
+
+/// `call` on a unix socket.
+inline detail::redis_reply call(const fs::path& socket, std::initializer_list<std::string_view> args,
+                                milliseconds wait = milliseconds(2000)) {
+  return call(kv_redis_endpoint{.unix_socket = socket.string()}, args, wait);
+}
+
+inline std::string text(const detail::redis_reply& r) { return std::string(r.text()); }
+
+/// Spawns `args` (the program first) with its output to a pipe; its pid,
+/// or 0. `*output` receives the pipe's reading end.
+inline pid_t spawn(std::vector<std::string> args, int* output) {
+  int out[2];
+  if (::pipe(out) != 0) return 0;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, out[1], 2);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int spawned = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  if (spawned != 0) {
+    ::close(out[0]);
+    return 0;
+  }
+  *output = out[0];
+  return pid;
+}
+
+/// Runs `args` to its end: its exit status (-1: not run, or killed) and
+/// its output (standard output and error).
+inline std::pair<int, std::string> run_program(std::vector<std::string> args) {
+  int output = -1;
+  const pid_t pid = spawn(std::move(args), &output);
+  if (pid == 0) return {-1, {}};
+  std::string text;
+  char buffer[4096];
+  for (ssize_t n = 0; (n = ::read(output, buffer, sizeof buffer)) > 0;)
+    text.append(buffer, static_cast<std::size_t>(n));
+  ::close(output);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+}
+
+/// A redis-server of this test's own, without persistence, stopped by its
+/// process id.
+class redis_server {
+ public:
+  /// Started on unix socket `socket` (no TCP port), in its directory.
+  explicit redis_server(const fs::path& socket)
+      : redis_server({"--port", "0", "--unixsocket", socket.string(), "--dir", socket.parent_path().string()},
+                     {.unix_socket = socket.string()}) {
+    start();
+  }
+  /// Not started yet: with `args` (besides no persistence), answering PING at `where`.
+  redis_server(std::vector<std::string> args, kv_redis_endpoint where)
+      : args_(std::move(args)), where_(std::move(where)) {}
+  redis_server(const redis_server&) = delete;
+  redis_server& operator=(const redis_server&) = delete;
+  ~redis_server() { stop(SIGTERM); }
+
+  /// Starts it and waits (10 s at most) until it answers PING.
+  void start() {
+    if (!try_start()) FAIL("redis-server did not answer PING on " << describe() << " within 10 s");
+  }
+  /// Starts it; whether it answered PING within 10 s (else it is stopped).
+  bool try_start() {
+    using clock_type = std::chrono::steady_clock;
+    const fs::path program = find_program("redis-server");
+    if (program.empty()) FAIL("redis-server is not on PATH: the Redis store tests need it (Debian: redis-server)");
+    std::vector<std::string> args{program.string(), "--save", "", "--appendonly", "no", "--loglevel", "warning"};
+    args.insert(args.end(), args_.begin(), args_.end());
+    pid_ = spawn(std::move(args), &output_);
+    REQUIRE(pid_ != 0);
+    const auto deadline = clock_type::now() + std::chrono::seconds(10);
+    bool ready = false;
+    while (!ready && clock_type::now() < deadline) {
+      ready = text(call(where_, {"PING"}, milliseconds(200))) == "PONG";
+      if (ready) break;
+      pollfd p{output_, POLLIN, 0};  // its output (or its exit) ends the wait early
+      if (::poll(&p, 1, 50) > 0) {
+        char buffer[4096];
+        if (::read(output_, buffer, sizeof buffer) <= 0) break;  // exited
+      }
+    }
+    if (!ready) stop(SIGKILL);
+    return ready;
+  }
+
+  /// Sends `sig` (after SIGCONT, for a stopped server) and reaps it.
+  void stop(int sig) {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGCONT);
+    ::kill(pid_, sig);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = 0;
+    if (output_ >= 0) ::close(output_);
+    output_ = -1;
+  }
+  void pause() const { REQUIRE(::kill(pid_, SIGSTOP) == 0); }
+  void resume() const { REQUIRE(::kill(pid_, SIGCONT) == 0); }
+  const kv_redis_endpoint& endpoint() const noexcept { return where_; }
+
+ private:
+  std::string describe() const {
+    return where_.unix_socket.empty() ? where_.host + ":" + std::to_string(where_.port) : where_.unix_socket;
+  }
+
+  std::vector<std::string> args_;
+  kv_redis_endpoint where_;
+  pid_t pid_ = 0;
+  int output_ = -1;
+};
+
+}  // namespace ghostlink::test::redis
