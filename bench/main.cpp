@@ -34,7 +34,9 @@ int main(int argc, char** argv) {
       {"prefix_workload", prefix_workload},
       {"save_load", save_load},
       {"decode_with_offload", decode_with_offload},
-      {"attach_from_disk", attach_from_disk}};
+      {"attach_from_disk", attach_from_disk},
+      {"redis_store", redis_store},
+      {"attach_from_redis", attach_from_redis}};
   if (!opts.only.empty() && !scenarios.contains(opts.only)) {
     std::fprintf(stderr, "unknown scenario %s\n", opts.only.c_str());
     return 2;
@@ -63,7 +65,9 @@ int main(int argc, char** argv) {
                            "prefix_workload",
                            "save_load",
                            "decode_with_offload",
-                           "attach_from_disk"})
+                           "attach_from_disk",
+                           "redis_store",
+                           "attach_from_redis"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",
               opts.tokens, opts.heads, opts.head_dim, opts.block_tokens, opts.runs, opts.quick ? ", --quick" : "");
