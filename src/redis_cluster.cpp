@@ -193,8 +193,8 @@ void redis_cluster::send_on(redis_connection& c, routed r, unsigned hops, bool a
   }
 }
 
-redis_connection::callback redis_cluster::follow(const routed& r, unsigned hops, const std::string& host) {
-  return [self = shared_from_this(), r, hops, host](redis_reply reply) mutable {
+redis_connection::callback redis_cluster::follow(routed r, unsigned hops, const std::string& host) {
+  return [self = shared_from_this(), r = std::move(r), hops, host](redis_reply reply) mutable {
     if (reply.kind == redis_reply::type::error) {
       if (const std::optional<redis_redirect> to = parse_redis_redirect(reply.text())) {
         self->redirect(std::move(r), *to, hops + 1, host);
@@ -249,10 +249,10 @@ void redis_cluster::refresh(bool urgent) noexcept {
   } catch (...) {  // memory refused: read another time
     return;
   }
-  refresh_from(std::move(candidates), 0);
+  refresh_from(candidates, 0);
 }
 
-void redis_cluster::refresh_from(std::shared_ptr<const std::vector<kv_redis_endpoint>> candidates,
+void redis_cluster::refresh_from(const std::shared_ptr<const std::vector<kv_redis_endpoint>>& candidates,
                                  std::size_t i) noexcept {
   try {
     node_ptr node;
@@ -265,7 +265,7 @@ void redis_cluster::refresh_from(std::shared_ptr<const std::vector<kv_redis_endp
       }
     }
     node->pick()->send(redis_command({"CLUSTER", "SLOTS"}),
-                       [self = shared_from_this(), candidates, i](redis_reply reply) {
+                       [self = shared_from_this(), candidates, i](const redis_reply& reply) {
                          const std::string& host = (*candidates)[i].host;
                          std::optional<std::vector<redis_slot_range>> ranges = parse_cluster_slots(reply);
                          if (!ranges || ranges->empty()) {

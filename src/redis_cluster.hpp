@@ -105,14 +105,14 @@ class redis_cluster : public std::enable_shared_from_this<redis_cluster> {
   node_ptr node_at(const std::string& host, std::uint16_t port);  // under mutex_; null when closed or too many
   node_ptr route(std::uint16_t slot, bool& unknown);                 // under mutex_
   /// What receives `r`'s reply from a node at `host`: follows a redirect, else calls `r.done`.
-  redis_connection::callback follow(const routed& r, unsigned hops, const std::string& host);
+  redis_connection::callback follow(routed r, unsigned hops, const std::string& host);
   /// Sends `r` on `c` (on its strand), after `ASKING` if `asking`.
   void send_on(redis_connection& c, routed r, unsigned hops, bool asking) noexcept;
   void redirect(routed r, const redis_redirect& to, unsigned hops, const std::string& from_host) noexcept;
   /// Reads the map again unless a reading is in flight, or (not `urgent`:
   /// after a failure) one started less than a reconnect backoff ago.
   void refresh(bool urgent = true) noexcept;
-  void refresh_from(std::shared_ptr<const std::vector<kv_redis_endpoint>> candidates, std::size_t i) noexcept;
+  void refresh_from(const std::shared_ptr<const std::vector<kv_redis_endpoint>>& candidates, std::size_t i) noexcept;
   void install(const std::vector<redis_slot_range>& ranges, const std::string& asked_host);
 
   const asio::any_io_executor io_;

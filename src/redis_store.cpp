@@ -96,7 +96,7 @@ class redis_store_state {
       cluster_ = std::make_shared<redis_cluster>(io_, std::move(endpoints), options_.connections, timeouts);
       cluster_->start();
     } else {
-      node_.emplace(io_, endpoints.front(), options_.connections, timeouts);
+      node_ = std::make_unique<redis_node>(io_, endpoints.front(), options_.connections, timeouts);
     }
   }
   redis_store_state(const redis_store_state&) = delete;
@@ -238,7 +238,7 @@ class redis_store_state {
   std::thread thread_;
   asio::any_io_executor io_;
   std::shared_ptr<redis_counters> counters_;
-  std::optional<redis_node> node_;           // one server
+  std::unique_ptr<redis_node> node_;           // one server
   std::shared_ptr<redis_cluster> cluster_;   // or a Redis Cluster
 };
 
