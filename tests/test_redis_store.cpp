@@ -194,6 +194,120 @@ TEST_CASE("a value overwritten with garbage or truncated in Redis is a miss, cou
   CHECK(f.cache->match(ids) == 4);
 }
 
+TEST_CASE("a value of another model, another geometry or another block forged under an entry's key is a miss, "
+          "never data") {
+  redis_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  const std::string victim = f.key_of(ids, 1);
+  std::string forged;
+  SECTION("another model's entry for the same tokens") {
+    const kv_block_pool pool = kv_block_pool::for_caches<float>(config(), {.max_blocks = 100});  // a cache a pool
+    kv_prefix_cache other(2, config(), pool, kv_prefix_options{.model = "model-b", .store = f.store});
+    sequence_kv_cache seq(f.threads, 2, config(), pool);
+    REQUIRE(append(seq, ids) == ghostlink::error_code());
+    REQUIRE(other.insert(seq, ids) == 4);
+    f.store->flush();
+    forged = text(call(f.socket, {"GET", kv_redis_store::key_of(other.block_hashes(ids)[1])}));
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
+    other.clear();
+  }
+  SECTION("an entry of another geometry (head_dim 8), same model") {
+    kv_cache_config wide = config();
+    wide.head_dim = 8;
+    const kv_block_pool pool = kv_block_pool::for_caches<float>(wide, {.max_blocks = 100});
+    kv_prefix_cache other(2, wide, pool, kv_prefix_options{.model = "model-a", .store = f.store});
+    sequence_kv_cache seq(f.threads, 2, wide, pool);
+    std::vector<std::vector<float>> keys(2, std::vector<float>(ids.size() * wide.token_width(), 0.5f));
+    const std::vector<std::span<const float>> spans(keys.begin(), keys.end());
+    REQUIRE(wait_ec([&](auto tk) { return seq.async_append(std::span<const token_id>(ids), spans, spans, tk); }) ==
+            ghostlink::error_code());
+    REQUIRE(other.insert(seq, ids) == 4);
+    f.store->flush();
+    forged = text(call(f.socket, {"GET", kv_redis_store::key_of(other.block_hashes(ids)[1])}));
+    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
+    other.clear();
+  }
+  SECTION("this cache's own entry of another block") { forged = text(call(f.socket, {"GET", f.key_of(ids, 2)})); }
+  REQUIRE_FALSE(forged.empty());
+  REQUIRE(text(call(f.socket, {"SET", victim, forged})) == "OK");
+  f.cache->clear();
+  auto [ec, seq] = f.attach(ids);
+  REQUIRE(ec == ghostlink::error_code());
+  CHECK(diff(seq, std::vector<token_id>(ids.begin(), ids.begin() + 4)) == "");  // block 0 only
+  CHECK(f.cache->stats().store_rejects == 1);
+}
+
+/// Until a put of `ids`' entries (RAM cleared first) is stored again: the
+/// store has reconnected to a restarted server (10 s at most; each try
+/// waits for its puts' completion with flush(), no sleep between).
+bool stored_again(redis_fixture& f, std::span<const token_id> ids) {
+  for (const auto deadline = clock_type::now() + std::chrono::seconds(10); clock_type::now() < deadline;) {
+    const std::uint64_t before = f.store->stats().stored;
+    f.cache->clear();
+    REQUIRE(f.insert(ids) == 4);
+    f.store->flush();
+    if (f.store->stats().stored == before + 4) return true;
+  }
+  return false;
+}
+
+TEST_CASE("Redis killed in the middle of a write: the puts in flight are write errors, RAM keeps its entries, "
+          "nothing half-written is served after the restart") {
+  redis_fixture f;
+  const std::vector<token_id> ids = prompt();
+  f.server->pause();  // the puts are written or queued, never answered
+  REQUIRE(f.insert(ids) == 4);
+  const kv_store_stats during = f.store->stats();
+  CHECK(during.puts == 4);
+  CHECK(during.stored == 0);
+  f.server->stop(SIGKILL);
+  f.store->flush();  // returns: the connection's loss fails what was in flight
+  const kv_store_stats after = f.store->stats();
+  CHECK(after.stored == 0);
+  CHECK(after.write_errors + after.dropped == 4);
+  CHECK(f.cache->match(ids) == 16);  // RAM lost nothing
+  f.server->start();
+  f.cache->clear();
+  auto [ec, none] = f.attach(ids);  // the restarted server is empty: a miss
+  CHECK(ec == ghostlink::error_code());
+  CHECK(none.size() == 0);
+  REQUIRE(stored_again(f, ids));
+  f.cache->clear();
+  auto [ec2, seq] = f.attach(ids);
+  CHECK(ec2 == ghostlink::error_code());
+  CHECK(diff(seq, ids) == "");
+}
+
+TEST_CASE("Redis killed in the middle of a read: the attach completes with what it had, no error, no wait; then "
+          "the store recovers") {
+  redis_fixture f;
+  const std::vector<token_id> ids = prompt();
+  REQUIRE(f.insert(ids) == 4);
+  f.store->flush();
+  REQUIRE(f.store->stats().stored == 4);
+  f.cache->clear();
+  f.server->pause();  // the lookups are sent or queued, never answered
+  const kv_store_stats before = f.store->stats();
+  attach_waiter done;
+  f.cache->async_attach(f.threads.get_executor(), ids, {}, {}, done.handler());
+  std::future<attach_result> result = done.done.get_future();
+  CHECK(result.wait_for(std::chrono::seconds(0)) != std::future_status::ready);  // waiting on the stopped server
+  f.server->stop(SIGKILL);
+  auto [ec, none] = result.get();
+  CHECK(ec == ghostlink::error_code());
+  CHECK(none.size() == 0);
+  CHECK(f.store->stats().lookups > before.lookups);  // the attach asked the store
+  CHECK(f.store->stats().hits == before.hits);        // and got nothing
+  f.server->start();
+  REQUIRE(stored_again(f, ids));
+  f.cache->clear();
+  auto [ec2, seq] = f.attach(ids);
+  CHECK(ec2 == ghostlink::error_code());
+  CHECK(diff(seq, ids) == "");
+}
+
 TEST_CASE("a fetch delivers every index once, a miss as no bytes, and stops when its handler says so") {
   redis_fixture f;
   const std::vector<token_id> ids = prompt();
@@ -309,17 +423,8 @@ TEST_CASE("Redis killed and restarted on the same socket: misses during the outa
 
   f.server->start();  // empty: no persistence
   // Reconnected within 10 s (the backoff is 100 ms): a put is stored again.
-  // Each try waits for its puts' completion (flush), no sleep between.
   const std::vector<token_id> other = prompt(300);
-  bool stored = false;
-  for (const auto deadline = clock_type::now() + std::chrono::seconds(10); !stored && clock_type::now() < deadline;) {
-    const std::uint64_t before = f.store->stats().stored;
-    f.cache->clear();
-    REQUIRE(f.insert(other) == 4);
-    f.store->flush();
-    stored = f.store->stats().stored == before + 4;
-  }
-  REQUIRE(stored);
+  REQUIRE(stored_again(f, other));
   f.cache->clear();
   auto [ec2, seq] = f.attach(other);
   CHECK(ec2 == ghostlink::error_code());

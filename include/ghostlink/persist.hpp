@@ -11,22 +11,24 @@
 /// needs it and joined at exit. A save's or a layer read's handler without
 /// an associated executor runs on that I/O executor, so on the private pool
 /// when none is given: it must not block there (nor wait for another save
-/// or load), or it stalls every save and load of the process. Never on a cache's strand: a load appends
-/// what it read through the sequence's actors like any other append, and a
-/// save reads its snapshot (lock-free) on the I/O executor.
+/// or load), or it stalls every save and load of the process. Never on a cache's strand: a load
+/// reads into new pool blocks on the I/O executor and appends only the
+/// tokens of a last partial block through the sequence's actors, like any
+/// other append; a save reads its snapshot (lock-free) on the I/O executor.
 ///
 /// Cost: a save writes every layer's stored elements as they are (`T`'s
-/// bits), hashing them with XXH3 (several GB/s) on the way; a load reads the
-/// file twice through one open descriptor, first checking every checksum,
-/// then appending the tokens in chunks of whole blocks: as many blocks as
-/// 16 MiB of floats (all layers together) holds, but at least one, so a
-/// chunk is one block, over 16 MiB, when a block of all layers is bigger.
+/// bits), hashing them with XXH3 (several GB/s) on the way; a load reads
+/// the file once through one open descriptor: the header, the token ids
+/// and the layer table, then each layer's full blocks straight into new
+/// pool blocks (`preadv`, no conversion: the file holds the blocks' stored
+/// elements), its checksum computed over the very bytes read; the sequence
+/// is then made on those blocks, as a prefix cache's attach is.
 ///
 /// Cancellation: each operation honours its handler's associated
 /// cancellation slot (any type) until it finishes: a save stops before its
 /// rename (the temporary file is removed, any old file is intact), a load
-/// between chunks (the partly loaded sequence is released), a layer read
-/// before it starts. Each then completes with
+/// between layers and before its last partial block's append (what it read
+/// is released), a layer read before it starts. Each then completes with
 /// `asio::error::operation_aborted`.
 
 #include <concepts>
@@ -113,11 +115,16 @@ auto async_save(basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
                 CompletionToken&& token = default_completion_token());
 
 /// Loads the sequence saved in `path` as a new `basic_sequence_kv_cache<T>`
-/// on `ex` taking its blocks from `pool`, and its token ids. The file is
-/// checked whole first (every checksum, the sizes, `expected`): a refused
-/// file makes no sequence and takes no block. The blocks the tokens need
-/// are then reserved at once (`kv_block_pool::reserve`) and the tokens
-/// appended through the sequence's actors, bit for bit as saved.
+/// on `ex` taking its blocks from `pool`, and its token ids. The header,
+/// the token ids and the layer table are checked first (their checksums,
+/// the sizes, `expected`); the blocks the tokens need are then reserved at
+/// once (`kv_block_pool::reserve`), each layer is read into its blocks and
+/// checked against its checksum, and the tokens of a last partial block are
+/// appended through the sequence's actors: bit for bit as saved. A refused
+/// file makes no sequence, and the blocks a load took are back in the pool
+/// before its handler runs. The full blocks read are the sequence's to
+/// read, never to write: a truncate into them and the appends after it
+/// write new blocks (copy on write), as for an attached prefix.
 ///
 /// Completion signature: `void(error_code, basic_sequence_kv_cache<T>,
 /// std::vector<token_id>)`: the sequence (an empty handle on error) and
