@@ -24,6 +24,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "files.hpp"
@@ -49,8 +50,8 @@ inline std::filesystem::path find_server() {
 /// A blocking connection to a unix socket; fails the scenario if it cannot.
 class connection {
  public:
-  connection(const std::filesystem::path& socket, const std::string& scenario) : scenario_(scenario) {
-    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  connection(const std::filesystem::path& socket, std::string scenario)
+      : scenario_(std::move(scenario)), fd_(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
     sockaddr_un address{};
     address.sun_family = AF_UNIX;
     std::strncpy(address.sun_path, socket.c_str(), sizeof address.sun_path - 1);
@@ -92,7 +93,7 @@ class connection {
       if (n <= 0) fail(scenario_, "a read from Redis failed");
       done += std::size_t(n);
     }
-    if (line() != "") fail(scenario_, "a bulk reply of Redis was not followed by CRLF");
+    if (!line().empty()) fail(scenario_, "a bulk reply of Redis was not followed by CRLF");
   }
 
  private:
@@ -135,6 +136,7 @@ class server {
         program.string(), "--port", "0",     "--unixsocket",     socket().string(), "--save", "",
         "--appendonly",   "no",     "--dir", dir_.path.string(), "--loglevel",      "warning"};
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     posix_spawn_file_actions_t quiet;  // its output to /dev/null

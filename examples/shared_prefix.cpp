@@ -149,6 +149,7 @@ struct server {
 
   static std::vector<ghostlink::kv_redis_endpoint> endpoints(const options& o) {
     std::vector<ghostlink::kv_redis_endpoint> out;
+    out.reserve(o.endpoints.size());
     for (const std::string& e : o.endpoints) out.push_back(endpoint(e));
     return out;
   }

@@ -155,6 +155,7 @@ void redis_store(const options& o, report& out) {
   }
   const std::vector<std::span<const std::byte>> raw_values(values.begin(), values.end());
   std::vector<std::vector<std::byte>> raw_out;
+  raw_out.reserve(values.size());
   for (const auto& v : values) raw_out.emplace_back(v.size());
 
   out.run(scenario, o, [&](std::map<std::string, metric>& m) {
@@ -174,7 +175,7 @@ void redis_store(const options& o, report& out) {
     fetches.values["ghostlink"] = rate([&] {
       std::promise<void> done;
       std::size_t left = tier.entries, missing = 0;
-      tier.store->fetch(tier.hashes, [&](std::size_t, std::vector<std::byte> value) {
+      tier.store->fetch(tier.hashes, [&](std::size_t, const std::vector<std::byte>& value) {
         missing += value.empty() ? 1 : 0;
         if (--left == 0) done.set_value();
         return true;
