@@ -127,6 +127,25 @@ struct attach_waiter {
   attach_result get() { return done.get_future().get(); }
 };
 
+/// `ids` appended to a new sequence of `cache` on `pool`, inserted, and
+/// the sequence let go of (truncated to 0, so every block is the cache's
+/// alone by the time this returns): the entries insert() added.
+inline std::size_t insert_idle(kv_prefix_cache& cache, asio::thread_pool& threads, const kv_block_pool& pool,
+                               std::span<const token_id> ids) {
+  sequence_kv_cache seq(threads, cache.num_layers(), cache.config(), pool);
+  REQUIRE(append(seq, ids) == ghostlink::error_code());
+  const std::size_t added = cache.insert(seq, ids);
+  REQUIRE(truncate(seq, 0) == ghostlink::error_code());
+  return added;
+}
+
+/// `ids` attached by `cache.async_attach` on `threads`, waited for.
+inline attach_result attach_waited(kv_prefix_cache& cache, asio::thread_pool& threads, std::span<const token_id> ids) {
+  attach_waiter done;
+  cache.async_attach(threads.get_executor(), ids, {}, {}, done.handler());
+  return done.get();
+}
+
 /// A pool of `max_blocks` blocks with a prefix cache of `layers` layers on
 /// it, and a 2-thread executor.
 template <class T = float>

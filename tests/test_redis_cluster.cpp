@@ -242,18 +242,18 @@ struct cluster_fixture {
     store.reset();
   }
 
-  std::size_t insert(std::span<const token_id> ids) {
-    sequence_kv_cache seq(threads, cache->num_layers(), config(), pool);
-    REQUIRE(append(seq, ids) == ghostlink::error_code());
-    const std::size_t added = cache->insert(seq, ids);
-    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
-    return added;
-  }
-
-  attach_result attach(std::span<const token_id> ids) {
-    attach_waiter done;
-    cache->async_attach(threads.get_executor(), ids, {}, {}, done.handler());
-    return done.get();
+  std::size_t insert(std::span<const token_id> ids) { return insert_idle(*cache, threads, pool, ids); }
+  attach_result attach(std::span<const token_id> ids) { return attach_waited(*cache, threads, ids); }
+  /// Every prompt inserted (16 entries each) and flushed: their blocks' hashes, in order.
+  template <class Prompts>
+  std::vector<kv_block_hash> insert_all(const Prompts& prompts) {
+    std::vector<kv_block_hash> hashes;
+    for (const auto& ids : prompts) {
+      REQUIRE(insert(ids) == 16);
+      for (const kv_block_hash& h : cache->block_hashes(ids)) hashes.push_back(h);
+    }
+    store->flush();
+    return hashes;
   }
 
   cluster_nodes nodes;
@@ -356,12 +356,7 @@ TEST_CASE("a cluster store's endpoints must be TCP") {
 TEST_CASE("on a cluster of 3 masters, entries spread over every master and come back exactly") {
   cluster_fixture f;
   const auto prompts = long_prompts();
-  std::vector<kv_block_hash> hashes;
-  for (const auto& ids : prompts) {
-    REQUIRE(f.insert(ids) == 16);
-    for (const kv_block_hash& h : f.cache->block_hashes(ids)) hashes.push_back(h);
-  }
-  f.store->flush();
+  const std::vector<kv_block_hash> hashes = f.insert_all(prompts);
   kv_store_stats s = f.store->stats();
   CHECK(s.puts == 48);
   CHECK(s.stored == 48);
@@ -488,12 +483,7 @@ TEST_CASE("ASK: a key moved out of a migrating slot is fetched from the importin
 TEST_CASE("a cluster master killed: its entries miss within the request timeout, the others hit, its puts fail") {
   cluster_fixture f({.request_timeout = milliseconds(300)});
   const auto prompts = long_prompts();
-  std::vector<kv_block_hash> hashes;
-  for (const auto& ids : prompts) {
-    REQUIRE(f.insert(ids) == 16);
-    for (const kv_block_hash& h : f.cache->block_hashes(ids)) hashes.push_back(h);
-  }
-  f.store->flush();
+  const std::vector<kv_block_hash> hashes = f.insert_all(prompts);
   REQUIRE(f.store->stats().stored == 48);
   std::vector<std::size_t> owner;
   std::vector<bytes> expected;

@@ -72,18 +72,12 @@ struct redis_fixture {
     io.join();
   }
 
-  std::size_t insert(std::span<const token_id> ids) {
-    sequence_kv_cache seq(threads, cache->num_layers(), config(), pool);
-    REQUIRE(append(seq, ids) == ghostlink::error_code());
-    const std::size_t added = cache->insert(seq, ids);
-    REQUIRE(truncate(seq, 0) == ghostlink::error_code());
-    return added;
-  }
-
-  attach_result attach(std::span<const token_id> ids) {
-    attach_waiter done;
-    cache->async_attach(threads.get_executor(), ids, {}, {}, done.handler());
-    return done.get();
+  std::size_t insert(std::span<const token_id> ids) { return insert_idle(*cache, threads, pool, ids); }
+  attach_result attach(std::span<const token_id> ids) { return attach_waited(*cache, threads, ids); }
+  /// insert() of `ids`' 4 entries, then flush(): each put stored, dropped or failed.
+  void insert_flushed(std::span<const token_id> ids) {
+    REQUIRE(insert(ids) == 4);
+    store->flush();
   }
 
   /// The Redis key of block `b` of `ids`.
@@ -115,8 +109,7 @@ TEST_CASE("a prefix cache on a Redis store attaches its entries back exactly onc
   }
   redis_fixture f(o);
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   kv_store_stats s = f.store->stats();
   CHECK(s.puts == 4);
   CHECK(s.stored == 4);
@@ -146,8 +139,7 @@ TEST_CASE("entries are Redis strings under ghostlink:v1:<hash hex>, with the TTL
   }
   redis_fixture f(o);
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   CHECK(call(f.socket, {"DBSIZE"}).integer == 4);
   const std::vector<kv_block_hash> hashes = f.cache->block_hashes(ids);
   for (std::size_t b = 0; b < 4; ++b) {
@@ -171,8 +163,7 @@ TEST_CASE("entries are Redis strings under ghostlink:v1:<hash hex>, with the TTL
 TEST_CASE("a value overwritten with garbage or truncated in Redis is a miss, counted as a reject, never data") {
   redis_fixture f;
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   const std::string victim = f.key_of(ids, 1);
   const detail::redis_reply good = call(f.socket, {"GET", victim});
   REQUIRE(good.kind == detail::redis_reply::type::bulk);
@@ -198,8 +189,7 @@ TEST_CASE("a value of another model, another geometry or another block forged un
           "never data") {
   redis_fixture f;
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   const std::string victim = f.key_of(ids, 1);
   std::string forged;
   SECTION("another model's entry for the same tokens") {
@@ -284,8 +274,7 @@ TEST_CASE("Redis killed in the middle of a read: the attach completes with what 
           "the store recovers") {
   redis_fixture f;
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   REQUIRE(f.store->stats().stored == 4);
   f.cache->clear();
   f.server->pause();  // the lookups are sent or queued, never answered
@@ -311,8 +300,7 @@ TEST_CASE("Redis killed in the middle of a read: the attach completes with what 
 TEST_CASE("a fetch delivers every index once, a miss as no bytes, and stops when its handler says so") {
   redis_fixture f;
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   std::vector<kv_block_hash> hashes = f.cache->block_hashes(ids);
   hashes.push_back(f.cache->block_hashes(prompt(500))[0]);  // never stored
 
@@ -359,8 +347,7 @@ TEST_CASE("puts beyond max_pending_bytes are dropped and counted; RAM keeps the 
   o.store.max_pending_bytes = 1;
   redis_fixture f(o);
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   const kv_store_stats s = f.store->stats();
   CHECK(s.puts == 4);
   CHECK(s.dropped == 4);
@@ -383,8 +370,7 @@ TEST_CASE("with no Redis server, attaches miss without an error, RAM keeps servi
   SECTION("a TCP port with no server (127.0.0.1:1)") { o.endpoint = kv_redis_endpoint{.host = "127.0.0.1", .port = 1}; }
   redis_fixture f(o);
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   kv_store_stats s = f.store->stats();
   CHECK(s.puts == 4);
   CHECK(s.stored == 0);
@@ -407,8 +393,7 @@ TEST_CASE("with no Redis server, attaches miss without an error, RAM keeps servi
 TEST_CASE("Redis killed and restarted on the same socket: misses during the outage, then puts and fetches work") {
   redis_fixture f;
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   REQUIRE(f.store->stats().stored == 4);
 
   f.server->stop(SIGKILL);
@@ -436,8 +421,7 @@ TEST_CASE("a Redis server that does not answer (SIGSTOP) gives misses within the
   o.store.request_timeout = milliseconds(300);
   redis_fixture f(o);
   const std::vector<token_id> ids = prompt();
-  REQUIRE(f.insert(ids) == 4);
-  f.store->flush();
+  f.insert_flushed(ids);
   REQUIRE(f.store->stats().stored == 4);
 
   f.server->pause();
