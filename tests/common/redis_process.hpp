@@ -206,10 +206,12 @@ class redis_server {
     return ready;
   }
 
-  /// Sends `sig` (after SIGCONT, for a stopped server) and reaps it.
+  /// Sends `sig` (after SIGCONT for a stopped server, unless SIGKILL) and reaps it.
   void stop(int sig) {
     if (pid_ <= 0) return;
-    ::kill(pid_, SIGCONT);
+    // A stopped server acts on SIGTERM only once continued; SIGKILL ends it
+    // stopped, and must: continued first, it could still answer what waits.
+    if (sig != SIGKILL) ::kill(pid_, SIGCONT);
     ::kill(pid_, sig);
     int status = 0;
     ::waitpid(pid_, &status, 0);
