@@ -76,6 +76,24 @@ struct latencies {
   double p(double q);
 };
 
+/// One sequence's decoding: when each of its tokens was done.
+struct progress {
+  std::vector<clock_type::time_point> at;
+  void tick() { at.push_back(clock_type::now()); }
+};
+
+/// Adds every sequence's times between two of its tokens (time per output
+/// token) to `tpot`; returns the tokens done in all.
+inline std::size_t add_tpot(const std::vector<progress>& seqs, latencies& tpot) {
+  std::size_t tokens = 0;
+  for (const progress& p : seqs) {
+    tokens += p.at.size();
+    for (std::size_t i = 1; i < p.at.size(); ++i)
+      tpot.ns.push_back(std::chrono::duration<double, std::nano>(p.at[i] - p.at[i - 1]).count());
+  }
+  return tokens;
+}
+
 /// One figure per implementation, e.g. {"ghostlink": 1.2e6, "rwlock": 3e5}.
 using figures = std::map<std::string, double>;
 

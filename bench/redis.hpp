@@ -47,16 +47,23 @@ inline std::filesystem::path find_server() {
   return {};
 }
 
+/// A blocking socket connected to the unix socket `path`, or -1.
+inline int connect_unix(const std::filesystem::path& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, path.c_str(), sizeof address.sun_path - 1);
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0) return fd;
+  if (fd >= 0) ::close(fd);
+  return -1;
+}
+
 /// A blocking connection to a unix socket; fails the scenario if it cannot.
 class connection {
  public:
   connection(const std::filesystem::path& socket, std::string scenario)
-      : scenario_(std::move(scenario)), fd_(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    std::strncpy(address.sun_path, socket.c_str(), sizeof address.sun_path - 1);
-    if (fd_ < 0 || ::connect(fd_, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0)
-      fail(scenario_, "cannot connect to " + socket.string());
+      : scenario_(std::move(scenario)), fd_(connect_unix(socket)) {
+    if (fd_ < 0) fail(scenario_, "cannot connect to " + socket.string());
   }
   connection(const connection&) = delete;
   connection& operator=(const connection&) = delete;
@@ -161,11 +168,8 @@ class server {
 
  private:
   bool answers() const {
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    std::strncpy(address.sun_path, socket().c_str(), sizeof address.sun_path - 1);
-    bool up = fd >= 0 && ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0;
+    const int fd = connect_unix(socket());
+    bool up = fd >= 0;
     if (up) {
       char reply[8] = {};
       up = ::send(fd, "PING\r\n", 6, MSG_NOSIGNAL) == 6 && ::recv(fd, reply, sizeof reply, 0) > 0 &&

@@ -81,11 +81,6 @@ kv_cache_config offload_config(const options& o) {
 /// Token i of sequence s: the shared prompt's, then the sequence's own.
 token_id id_of(std::size_t s, std::size_t i) { return i < context ? token_id(i) : token_id(((s + 1) << 20) | i); }
 
-struct progress {
-  std::vector<clock_type::time_point> at;
-  void tick() { at.push_back(clock_type::now()); }
-};
-
 /// Runs one phase (`run()` returns when every sequence has done its
 /// steps); `stored()` (entries, bytes) is read before and right after it.
 template <class Run, class Stored>
@@ -97,12 +92,7 @@ phase timed_phase(std::vector<progress>& seqs, Run run, Stored stored) {
   run();
   const double elapsed = seconds_since(t0);
   const auto [entries1, bytes1] = stored();
-  std::size_t tokens = 0;
-  for (const progress& p : seqs) {
-    tokens += p.at.size();
-    for (std::size_t i = 1; i < p.at.size(); ++i)
-      out.tpot.ns.push_back(std::chrono::duration<double, std::nano>(p.at[i] - p.at[i - 1]).count());
-  }
+  const std::size_t tokens = add_tpot(seqs, out.tpot);
   out.steps_per_s = double(tokens) / double(seqs.size()) / elapsed;
   out.entries_per_s = double(entries1 - entries0) / elapsed;
   out.bytes_per_s = double(bytes1 - bytes0) / elapsed;

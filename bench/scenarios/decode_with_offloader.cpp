@@ -67,12 +67,6 @@ void offloader(std::size_t caches, const std::atomic<bool>& stop, Offload offloa
   bytes_per_s = bytes / seconds_since(t0);
 }
 
-/// One sequence's decoding: when each of its tokens was done.
-struct progress {
-  std::vector<clock_type::time_point> at;
-  void tick() { at.push_back(clock_type::now()); }
-};
-
 /// The timed phase: starts the decoders (`start`), lets them run while the
 /// offloader runs, stops both and waits for them (`join`, then `off`);
 /// fills `out` from every sequence's progress.
@@ -86,12 +80,7 @@ void timed_phase(const options& o, std::atomic<bool>& stop, std::thread& off, co
   join();
   const double elapsed = seconds_since(t0);
   off.join();
-  std::size_t tokens = 0;
-  for (const progress& p : seqs) {
-    tokens += p.at.size();
-    for (std::size_t i = 1; i < p.at.size(); ++i)
-      out.tpot.ns.push_back(std::chrono::duration<double, std::nano>(p.at[i] - p.at[i - 1]).count());
-  }
+  const std::size_t tokens = add_tpot(seqs, out.tpot);
   out.steps_per_s = double(tokens) / double(seqs.size()) / elapsed;
 }
 
