@@ -102,6 +102,9 @@ class block {
   /// place.
   std::size_t readable() const noexcept { return readable_; }
   void set_readable(std::size_t positions) noexcept { readable_ = positions; }
+  /// A block filled whole before any cache sees it (a load, a store's
+  /// value, zeros): every one of its `positions` materialized and readable.
+  void set_filled(std::size_t positions) noexcept { materialized_ = readable_ = positions; }
   /// The owner's alone, on its strand: the number of the first epoch
   /// published after the last truncate that cut into this block. Epochs
   /// from it on read no position at or past materialized(); only older ones

@@ -214,7 +214,7 @@ ref_ptr<block> block::make_zeros(block_pool& pool, std::size_t block_tokens) noe
   ref_ptr<block> zeros = make(pool, 0, budget::exempt);
   if (zeros) {
     std::memset(zeros->payload(), 0, pool.payload_bytes());
-    zeros->materialized_ = zeros->readable_ = block_tokens;
+    zeros->set_filled(block_tokens);
   }
   return zeros;
 }

@@ -66,20 +66,13 @@ error_code open_for_reading(const std::filesystem::path& path, file_descriptor& 
 }
 
 error_code read_at(const file_descriptor& file, std::uint64_t offset, std::span<std::byte> out) {
-  while (!out.empty()) {
-    const ssize_t n = ::pread(file.get(), out.data(), out.size(), static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return last_error();
-    if (n == 0) return kv_errc::file_truncated;
-    out = out.subspan(static_cast<std::size_t>(n));
-    offset += static_cast<std::uint64_t>(n);
-  }
-  return {};
+  const std::array<std::span<std::byte>, 1> one{out};
+  return read_scattered(file, offset, one);
 }
 
 error_code read_scattered(const file_descriptor& file, std::uint64_t offset,
                           std::span<const std::span<std::byte>> parts) {
-  constexpr std::size_t batch = 256;  // well below IOV_MAX (1024 on Linux)
+  constexpr std::size_t batch = 64;  // well below IOV_MAX (1024); 1 KiB of iovecs cleared a call
   std::array<iovec, batch> vectors{};
   std::size_t skip = 0;  // bytes of parts.front() already read
   for (;;) {

@@ -129,7 +129,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
   /// sequence on them, then appends the tokens of a last partial block.
   void start() {
     const error_code ec = run_claimed(*op_, [&] { return read_and_make(); });
-    if (ec || key_spans_.empty()) return finish(ec);
+    if (ec || tail() == 0) return finish(ec);
     append_tail();
   }
 
@@ -152,20 +152,17 @@ class load_job : public std::enable_shared_from_this<load_job> {
   error_code read_and_make() {
     std::vector<layer_entry> table;
     if (error_code ec = open_checked(path_, expected_, file_, header_, table, &ids_)) return ec;
-    const std::size_t full = header_.tokens / header_.block_tokens;
-    const std::size_t tail = header_.tokens % header_.block_tokens;
     // Every block the tokens fill, reserved at once: nothing taken if short.
     std::error_code short_of;
-    kv_block_reservation reservation = pool_.reserve((full + (tail != 0 ? 1 : 0)) * header_.num_layers, short_of);
+    kv_block_reservation reservation =
+        pool_.reserve((full_blocks() + (tail() != 0 ? 1 : 0)) * header_.num_layers, short_of);
     if (short_of) return to_error_code(short_of);
     const ref_ptr<block_pool> pool = pool_access::state(pool_);
     const auto account = ref_ptr<block_account>::adopt(new block_account(pool));
     account->left.store(pool_access::release_reservation(reservation), std::memory_order_relaxed);
     std::vector<std::vector<ref_ptr<block>>> blocks(header_.num_layers);
-    if (tail != 0) {
-      keys_.assign(header_.num_layers, std::vector<float>(tail * header_.token_width()));
-      values_.assign(header_.num_layers, std::vector<float>(tail * header_.token_width()));
-    }
+    keys_.assign(header_.num_layers, std::vector<float>(tail() * header_.token_width()));
+    values_.assign(header_.num_layers, std::vector<float>(tail() * header_.token_width()));
     for (std::size_t l = 0; l < header_.num_layers; ++l) {
       if (!op_->claim()) return asio::error::operation_aborted;
       if (error_code ec = read_layer(l, table[l], *pool, *account, blocks[l])) return ec;
@@ -173,15 +170,9 @@ class load_job : public std::enable_shared_from_this<load_job> {
     }
     const std::span<const token_id> ids(ids_);
     seq_ = make_attached_sequence(ex_, expected_.config, expected_.element.codec, pool, std::move(blocks),
-                                  ids.first(full * header_.block_tokens));
+                                  ids.first(header_.tokens - tail()));
     // The tail's blocks are the sequence's to take.
     seq_->account->left.fetch_add(account->left.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
-    if (tail != 0) {
-      for (std::size_t l = 0; l < header_.num_layers; ++l) {
-        key_spans_.emplace_back(keys_[l]);
-        value_spans_.emplace_back(values_[l]);
-      }
-    }
     return {};
   }
 
@@ -189,7 +180,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
   /// block, then the tail), hashed as they arrive.
   error_code read_layer(std::size_t l, const layer_entry& entry, block_pool& pool, block_account& account,
                         std::vector<ref_ptr<block>>& out) {
-    const std::size_t full = header_.tokens / header_.block_tokens;
+    const std::size_t full = full_blocks();
     const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
     const std::size_t run = header_.block_tokens * token_bytes;  // a block's keys (or values)
     out.reserve(full);
@@ -212,7 +203,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
         if (error_code ec = read_scattered(file_, base + first * run, parts)) return ec;
         for (const std::span<std::byte> part : parts) hash.update(part);
       }
-      if (keys_.empty()) continue;  // no tail
+      if (tail() == 0) continue;
       std::vector<float>& floats = values ? values_[l] : keys_[l];
       std::vector<std::byte> raw(floats.size() * header_.element_bytes);
       if (error_code ec = read_at(file_, base + full * run, raw)) return ec;
@@ -220,25 +211,29 @@ class load_job : public std::enable_shared_from_this<load_job> {
       widen_stored(header_.element, raw.data(), floats.size(), floats.data());
     }
     if (hash.digest() != entry.checksum) return kv_errc::file_corrupt;
-    for (const ref_ptr<block>& b : out) {
-      b->set_materialized(header_.block_tokens);
-      b->set_readable(header_.block_tokens);
-    }
+    for (const ref_ptr<block>& b : out) b->set_filled(header_.block_tokens);
     return {};
   }
 
   /// On the I/O executor: appends the last partial block's tokens.
   void append_tail() {
     if (!op_->claim()) return finish(asio::error::operation_aborted);
-    const std::size_t full = header_.tokens - keys_.front().size() / header_.token_width();
+    for (std::size_t l = 0; l < header_.num_layers; ++l) {
+      key_spans_.emplace_back(keys_[l]);
+      value_spans_.emplace_back(values_[l]);
+    }
     load_append_op* op = nullptr;
     try {
       op = new load_append_op(shared_from_this());
     } catch (const std::bad_alloc&) {
       return finish(kv_errc::capacity_exhausted);
     }
-    start_append(seq_, op, key_spans_, value_spans_, std::span<const token_id>(ids_).subspan(full));
+    start_append(seq_, op, key_spans_, value_spans_, std::span<const token_id>(ids_).subspan(header_.tokens - tail()));
   }
+
+  /// The file's full blocks a layer, and the tokens of its last partial one.
+  std::size_t full_blocks() const noexcept { return header_.tokens / header_.block_tokens; }
+  std::size_t tail() const noexcept { return header_.tokens % header_.block_tokens; }
 
   void finish(error_code ec) {
     if (!ec) {
@@ -267,7 +262,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
   file_header header_;
   std::vector<token_id> ids_;
   std::shared_ptr<sequence_core> seq_;
-  // The last partial block's tokens (none: empty), widened for its append.
+  // The last partial block's tokens a layer (none: empty), widened for its append.
   std::vector<std::vector<float>> keys_, values_;
   std::vector<std::span<const float>> key_spans_, value_spans_;
 };

@@ -191,8 +191,7 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
         ref_ptr<block> b = block::make(*p.pool(), owner_);
         if (!b) return false;  // the pool has no room: a miss from here on
         std::memcpy(b->payload(), entry_layer(g, value, l), g.block_bytes());
-        b->set_materialized(g.block_tokens);
-        b->set_readable(g.block_tokens);
+        b->set_filled(g.block_tokens);
         fresh.push_back(std::move(b));
       }
       for (std::size_t l = 0; l < g.num_layers; ++l) blocks_[l].push_back(std::move(fresh[l]));
