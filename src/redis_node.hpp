@@ -33,6 +33,14 @@ class redis_node {
   const std::vector<std::shared_ptr<redis_connection>>& connections() const noexcept { return connections_; }
   /// A number to start a round robin at.
   std::size_t next() noexcept { return next_.fetch_add(1, std::memory_order_relaxed); }
+  /// The connections taking requests; all of them if none is (whose
+  /// requests then fail at once).
+  std::vector<std::shared_ptr<redis_connection>> taking() const {
+    std::vector<std::shared_ptr<redis_connection>> out;
+    for (const auto& c : connections_)
+      if (c->accepting()) out.push_back(c);
+    return out.empty() ? connections_ : out;
+  }
   /// A connection taking requests, round robin; any if none is.
   std::shared_ptr<redis_connection> pick() noexcept {
     const std::size_t k = connections_.size();

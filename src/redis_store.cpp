@@ -159,15 +159,9 @@ class redis_store_state {
       fetch_in_cluster(hashes, request);
       return;
     }
-    // The GETs of each connection, made before anything is sent, spread
-    // over the connections that accept requests (a connection down until
-    // its backoff ends would fail its share at once), or over all of them
-    // when none does.
-    const std::vector<std::shared_ptr<redis_connection>>& all = node_->connections();
-    std::vector<std::shared_ptr<redis_connection>> connections;
-    for (const auto& c : all)
-      if (c->accepting()) connections.push_back(c);
-    if (connections.empty()) connections = all;
+    // The GETs of each connection taking requests (one down until its
+    // backoff ends would fail its share at once), made before anything is sent.
+    const std::vector<std::shared_ptr<redis_connection>> connections = node_->taking();
     const std::size_t k = connections.size();
     const std::size_t first = node_->next();
     std::vector<std::vector<std::pair<std::size_t, std::string>>> batches(k);
