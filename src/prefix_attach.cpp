@@ -39,18 +39,18 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
-/// Completes `op` now (posted) with a sequence of `blocks`, the first
-/// `attached` blocks of `tokens`.
-void complete_with(prefix_index& p, persist_op* op, const asio::any_io_executor& ex, error_code ec,
-                   std::vector<std::vector<ref_ptr<block>>> blocks, std::span<const token_id> tokens,
-                   std::size_t attached) {
+/// Puts in `op` a sequence of `blocks`, the first `attached` blocks of
+/// `tokens`; returns `ec`, or capacity_exhausted if memory is refused.
+error_code make_result(const prefix_index& p, persist_op* op, const asio::any_io_executor& ex, error_code ec,
+                       std::vector<std::vector<ref_ptr<block>>> blocks, std::span<const token_id> tokens,
+                       std::size_t attached) {
   try {
     op->loaded = make_attached_sequence(ex, p.config(), p.codec(), p.pool(), std::move(blocks),
                                         tokens.first(attached * p.config().block_tokens));
   } catch (const std::bad_alloc&) {
     ec = kv_errc::capacity_exhausted;
   }
-  op->complete(ec, queueing::post);
+  return ec;
 }
 
 /// Blocks asked of the store at once: enough to keep its reads pipelined,
@@ -212,21 +212,26 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
   void finish(error_code ec) {
     done_ = true;
     if (timer_) timer_->cancel();
-    const std::shared_ptr<prefix_index> p = std::move(index_);
-    const std::size_t fetched = next_ - in_ram_;
-    if (fetched != 0) {
-      p->count_store_hits(fetched * p->config().block_tokens);
-      try {
-        std::vector<std::vector<const block*>> per_block(next_);
-        for (std::size_t b = 0; b < next_; ++b) {
-          per_block[b].reserve(blocks_.size());
-          for (const auto& layer : blocks_) per_block[b].push_back(layer[b].get());
+    {
+      // Let go of before the handler can run: the index holds the pool,
+      // which the caller may expect gone once it has let go of its own.
+      const std::shared_ptr<prefix_index> p = std::move(index_);
+      const std::size_t fetched = next_ - in_ram_;
+      if (fetched != 0) {
+        p->count_store_hits(fetched * p->config().block_tokens);
+        try {
+          std::vector<std::vector<const block*>> per_block(next_);
+          for (std::size_t b = 0; b < next_; ++b) {
+            per_block[b].reserve(blocks_.size());
+            for (const auto& layer : blocks_) per_block[b].push_back(layer[b].get());
+          }
+          p->insert(std::span(hashes_).first(next_), per_block, nullptr, true);
+        } catch (const std::bad_alloc&) {  // not cached for the next attach; this one has them
         }
-        p->insert(std::span(hashes_).first(next_), per_block, nullptr, true);
-      } catch (const std::bad_alloc&) {  // not cached for the next attach; this one has them
       }
+      ec = make_result(*p, op_, ex_, ec, std::move(blocks_), tokens_, next_);
     }
-    complete_with(*p, op_, ex_, ec, std::move(blocks_), tokens_, next_);
+    op_->complete(ec, queueing::post);
   }
 
   std::mutex mutex_;
@@ -290,7 +295,8 @@ void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_exe
   const bool cancelled = !op->claim();
   if (!p->store() || in_ram == hashes.size() || cancelled) {
     const error_code ec = cancelled ? error_code(asio::error::operation_aborted) : error_code();
-    complete_with(*p, started.take(), ex, ec, std::move(blocks), tokens, in_ram);
+    persist_op* taken = started.take();
+    taken->complete(make_result(*p, taken, ex, ec, std::move(blocks), tokens, in_ram), queueing::post);
     return;
   }
   auto job = std::make_shared<attach_job>(p, ex, std::vector<token_id>(usable.begin(), usable.end()), std::move(hashes),
