@@ -7,6 +7,11 @@
 // softmax takes two and rescales at every token. Runs are taken in chunks
 // of at most `chunk_tokens`, the size of the portable path's scratch.
 //
+// A snapshot's runs are blocks, each elsewhere in memory, and the
+// hardware's prefetchers start over at each. So runs are attended a few
+// behind the one added, and while one is attended the run that many ahead
+// is prefetched into L2, a token per token (attention_pass::hold).
+//
 // Two instruction sets, chosen once per run: AVX2 + FMA + F16C when the
 // processor has them and head_dim is a multiple of 8 (16-bit elements are
 // widened in registers as they are loaded), else portable code the compiler
@@ -64,6 +69,22 @@ inline float weigh(float logit, float& max, float& sum, float& w) {
   w = 1.0f;
   sum = sum * factor + 1.0f;
   return factor;
+}
+
+/// Asks for token `t` of the run ahead (if it has one) to be brought into
+/// the processor's L2 cache, keys and values, a cache line at a time. One
+/// token per token attended, so the run ahead is in cache when its turn
+/// comes, where the hardware's prefetchers would only start on it then
+/// (each block is elsewhere in memory), and the requests are spread out.
+inline void prefetch_token(const run_ahead& ahead, std::size_t t, std::size_t token_bytes) noexcept {
+  if (t >= ahead.tokens) return;
+  constexpr std::size_t cache_line = 64;
+  const auto* k = static_cast<const char*>(ahead.keys) + t * token_bytes;
+  const auto* v = static_cast<const char*>(ahead.values) + t * token_bytes;
+  for (std::size_t at = 0; at < token_bytes; at += cache_line) {
+    __builtin_prefetch(k + at, 0, 2);
+    __builtin_prefetch(v + at, 0, 2);
+  }
 }
 
 // --- portable ---------------------------------------------------------------
@@ -152,7 +173,7 @@ bool use_avx2(std::size_t dim) {
 /// Every chunk of `count` tokens from position `first` that each row sees.
 template <class T>
 void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, const float* queries, float* out,
-             std::size_t first, std::size_t count, const T* keys, const T* values) {
+             std::size_t first, std::size_t count, const T* keys, const T* values, const run_ahead& ahead) {
   const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, shape.kv_heads * shape.head_dim,
                     shape.scale};
   const std::size_t row_width = shape.query_heads * shape.head_dim;
@@ -160,16 +181,19 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
   const bool simd = use_avx2(a.dim);
 #endif
   scratch& s = tls;
+  bool fetching = ahead.tokens != 0;  // by the first row that reads the run
   for (std::size_t r = 0; r < rows; ++r) {
     const std::size_t limit = total - rows + r + 1;  // row r sees positions below it
     if (first >= limit) continue;
     const std::size_t n = std::min(count, limit - first);
+    const std::size_t step = fetching ? 1 : chunk_tokens;  // a token at a time while prefetching
     const float* q = queries + r * row_width;
     float* o = out + r * row_width;
     float* max = s.max.data() + r * shape.query_heads;
     float* sum = s.sum.data() + r * shape.query_heads;
-    for (std::size_t c = 0; c < n; c += chunk_tokens) {
-      const std::size_t cn = std::min(chunk_tokens, n - c);
+    for (std::size_t c = 0; c < n; c += step) {
+      const std::size_t cn = std::min(step, n - c);
+      if (fetching) prefetch_token(ahead, c, a.width * sizeof(T));
       const T* k = keys + c * a.width;
       const T* v = values + c * a.width;
 #if GHOSTLINK_ATTEND_AVX2
@@ -186,6 +210,7 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
         chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum);
       }
     }
+    fetching = false;
   }
 }
 
@@ -218,6 +243,7 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
   }
   shape_ = shape;
   if (shape_.scale == 0.0f) shape_.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  held_ = 0;
   rows_ = rows;
   stored_ = stored;
   total_ = total;
@@ -228,22 +254,40 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
   return {};
 }
 
+template <class T>
+void attention_pass::hold(std::size_t first, std::size_t count, const T* keys, const T* values) noexcept {
+  const std::size_t run_bytes = count * shape_.kv_heads * shape_.head_dim * sizeof(T);
+  if (held_ == runs_behind)
+    attend_held<T>(run_bytes <= max_prefetched_run ? run_ahead{keys, values, count} : run_ahead{});
+  held_runs_[held_++] = {first, count, keys, values};
+}
+
+template <class T>
+void attention_pass::attend_held(const run_ahead& ahead) noexcept {
+  const held_run r = held_runs_[0];
+  std::copy(held_runs_ + 1, held_runs_ + held_, held_runs_);
+  --held_;
+  add_run(shape_, rows_, total_, queries_, out_, r.first, r.count, static_cast<const T*>(r.keys),
+          static_cast<const T*>(r.values), ahead);
+}
+
 void attention_pass::add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept {
-  add_run(shape_, rows_, total_, queries_, out_, first, count, keys, values);
+  hold(first, count, keys, values);
 }
 void attention_pass::add(std::size_t first, std::size_t count, const half* keys, const half* values) noexcept {
-  add_run(shape_, rows_, total_, queries_, out_, first, count, keys, values);
+  hold(first, count, keys, values);
 }
 void attention_pass::add(std::size_t first, std::size_t count, const bfloat16* keys, const bfloat16* values) noexcept {
-  add_run(shape_, rows_, total_, queries_, out_, first, count, keys, values);
+  hold(first, count, keys, values);
 }
 
 template <storage_element T>
 void attention_pass::finish() noexcept {
+  while (held_ != 0) attend_held<T>({});
   const std::size_t kv_width = shape_.kv_heads * shape_.head_dim, pending = pending_.keys.size() / kv_width;
   if (pending != 0) {
     if constexpr (std::is_same_v<T, float>) {
-      add(stored_, pending, pending_.keys.data(), pending_.values.data());
+      add_run(shape_, rows_, total_, queries_, out_, stored_, pending, pending_.keys.data(), pending_.values.data(), {});
     } else {
       // Rounded as a write to a T cache stores them (a 16-bit T is a
       // trivial 2-byte value, held in the scratch's 16-bit words).
@@ -253,7 +297,7 @@ void attention_pass::finish() noexcept {
       T* v = reinterpret_cast<T*>(s.pending_v.data());
       convert<T, float>(pending_.keys, k);
       convert<T, float>(pending_.values, v);
-      add(stored_, pending, k, v);
+      add_run(shape_, rows_, total_, queries_, out_, stored_, pending, k, v, {});
     }
   }
   const scratch& s = tls;

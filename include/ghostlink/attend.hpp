@@ -44,15 +44,29 @@ struct pending_tokens {
 
 namespace detail {
 
+/// A run of stored tokens to bring into cache while an earlier one is
+/// attended (attend.cpp).
+struct run_ahead {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  std::size_t tokens = 0;
+};
+
 /// The kernel's state for one call (attend.cpp): validated arguments, the
 /// running maxima and sums, and the run loops for each element type.
+///
+/// Runs are attended `runs_behind` behind the one added, so that each is
+/// attended while the one that many ahead (a block elsewhere in memory) is
+/// prefetched; `finish` attends those still held.
 class attention_pass {
  public:
   /// Checks the arguments against `width` (the snapshot's token width, 0
   /// for an empty snapshot) and `stored` tokens; then clears `out`.
   std::error_code begin(const attention_shape& shape, std::size_t width, std::size_t stored, pending_tokens pending,
                         std::span<const float> queries, std::span<float> out) noexcept;
-  /// Attends `count` stored tokens from position `first`.
+  /// Attends `count` stored tokens from position `first`, now or (runs
+  /// being held `runs_behind`) by a later `add` or `finish`: the memory must
+  /// stay valid until `finish`.
   void add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept;
   void add(std::size_t first, std::size_t count, const half* keys, const half* values) noexcept;
   void add(std::size_t first, std::size_t count, const bfloat16* keys, const bfloat16* values) noexcept;
@@ -62,7 +76,24 @@ class attention_pass {
   void finish() noexcept;
 
  private:
+  /// Runs held before they are attended.
+  static constexpr std::size_t runs_behind = 3;
+  /// Larger runs are not prefetched: the hardware's prefetchers keep up
+  /// within them, and more would not stay in L2 until used.
+  static constexpr std::size_t max_prefetched_run = std::size_t{32} << 10;
+  struct held_run {
+    std::size_t first = 0, count = 0;
+    const void* keys = nullptr;
+    const void* values = nullptr;
+  };
+  template <class T>
+  void hold(std::size_t first, std::size_t count, const T* keys, const T* values) noexcept;
+  template <class T>
+  void attend_held(const run_ahead& ahead) noexcept;
+
   attention_shape shape_{};
+  held_run held_runs_[runs_behind]{};
+  std::size_t held_ = 0;
   std::size_t rows_ = 0, stored_ = 0, total_ = 0;
   pending_tokens pending_{};
   const float* queries_ = nullptr;
