@@ -51,6 +51,7 @@ thread_local scratch tls;
 struct pass_args {
   std::size_t kv_heads, group, dim, width;
   float scale;
+  std::size_t token_bytes;  // of one token's stored keys (or values)
 };
 
 /// One token's weight for a query head with logit `logit`, against the
@@ -84,6 +85,9 @@ inline void prefetch_token(const run_ahead& ahead, std::size_t t, std::size_t to
   for (std::size_t at = 0; at < token_bytes; at += cache_line) {
     __builtin_prefetch(k + at, 0, 2);
     __builtin_prefetch(v + at, 0, 2);
+    // GCC 12 deletes a loop of prefetches alone behind a condition as
+    // having no effect (Clang keeps it); an empty asm statement keeps it.
+    __asm__ volatile("");
   }
 }
 
@@ -103,9 +107,10 @@ float dot_portable(const float* q, const float* k, std::size_t dim) {
 }
 
 void chunk_portable(const pass_args& a, const float* keys, const float* values, std::size_t n, const float* q, float* o,
-                    float* max, float* sum) {
+                    float* max, float* sum, const run_ahead& ahead, std::size_t at) {
   const std::size_t heads = a.kv_heads * a.group;
-  for (std::size_t t = 0; t < n; ++t)
+  for (std::size_t t = 0; t < n; ++t) {
+    prefetch_token(ahead, at + t, a.token_bytes);
     for (std::size_t h = 0; h < heads; ++h) {
       const std::size_t kv = t * a.width + h / a.group * a.dim;
       float* oh = o + h * a.dim;
@@ -114,6 +119,7 @@ void chunk_portable(const pass_args& a, const float* keys, const float* values, 
         for (std::size_t i = 0; i < a.dim; ++i) oh[i] *= f;
       for (std::size_t i = 0; i < a.dim; ++i) oh[i] += w * values[kv + i];
     }
+  }
 }
 
 // --- AVX2 + FMA + F16C -------------------------------------------------------
@@ -147,9 +153,10 @@ __attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, c
 template <class T>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
                                                          std::size_t n, const float* q, float* o, float* max,
-                                                         float* sum) {
+                                                         float* sum, const run_ahead& ahead, std::size_t at) {
   const std::size_t heads = a.kv_heads * a.group;
-  for (std::size_t t = 0; t < n; ++t)
+  for (std::size_t t = 0; t < n; ++t) {
+    prefetch_token(ahead, at + t, a.token_bytes);
     for (std::size_t h = 0; h < heads; ++h) {
       const std::size_t kv = t * a.width + h / a.group * a.dim;
       float* oh = o + h * a.dim;
@@ -162,6 +169,7 @@ __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, con
       for (std::size_t i = 0; i < a.dim; i += 8)
         _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(values + kv + i), _mm256_loadu_ps(oh + i)));
     }
+  }
 }
 
 bool use_avx2(std::size_t dim) {
@@ -174,43 +182,43 @@ bool use_avx2(std::size_t dim) {
 template <class T>
 void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, const float* queries, float* out,
              std::size_t first, std::size_t count, const T* keys, const T* values, const run_ahead& ahead) {
-  const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, shape.kv_heads * shape.head_dim,
-                    shape.scale};
+  const std::size_t width = shape.kv_heads * shape.head_dim;
+  const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale,
+                    width * sizeof(T)};
   const std::size_t row_width = shape.query_heads * shape.head_dim;
 #if GHOSTLINK_ATTEND_AVX2
   const bool simd = use_avx2(a.dim);
 #endif
   scratch& s = tls;
-  bool fetching = ahead.tokens != 0;  // by the first row that reads the run
+  run_ahead fetch = ahead;  // by the first row that reads the run
   for (std::size_t r = 0; r < rows; ++r) {
     const std::size_t limit = total - rows + r + 1;  // row r sees positions below it
     if (first >= limit) continue;
     const std::size_t n = std::min(count, limit - first);
-    const std::size_t step = fetching ? 1 : chunk_tokens;  // a token at a time while prefetching
     const float* q = queries + r * row_width;
     float* o = out + r * row_width;
     float* max = s.max.data() + r * shape.query_heads;
     float* sum = s.sum.data() + r * shape.query_heads;
+    const std::size_t step = fetch.tokens != 0 ? std::max<std::size_t>(1, 1024 / a.token_bytes) : chunk_tokens;
     for (std::size_t c = 0; c < n; c += step) {
       const std::size_t cn = std::min(step, n - c);
-      if (fetching) prefetch_token(ahead, c, a.width * sizeof(T));
       const T* k = keys + c * a.width;
       const T* v = values + c * a.width;
 #if GHOSTLINK_ATTEND_AVX2
       if (simd) {
-        chunk_avx2(a, k, v, cn, q, o, max, sum);
+        chunk_avx2(a, k, v, cn, q, o, max, sum, fetch, c);
         continue;
       }
 #endif
       if constexpr (std::is_same_v<T, float>) {
-        chunk_portable(a, k, v, cn, q, o, max, sum);
+        chunk_portable(a, k, v, cn, q, o, max, sum, fetch, c);
       } else {
         widen(k, cn * a.width, s.wide_k.data());
         widen(v, cn * a.width, s.wide_v.data());
-        chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum);
+        chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum, fetch, c);
       }
     }
-    fetching = false;
+    fetch = {};
   }
 }
 
