@@ -199,6 +199,8 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
     float* o = out + r * row_width;
     float* max = s.max.data() + r * shape.query_heads;
     float* sum = s.sum.data() + r * shape.query_heads;
+    // While prefetching, chunks of about 1 KiB of keys: measured faster
+    // over scattered blocks than whole chunks (bench: attend, float).
     const std::size_t step = fetch.tokens != 0 ? std::max<std::size_t>(1, 1024 / a.token_bytes) : chunk_tokens;
     for (std::size_t c = 0; c < n; c += step) {
       const std::size_t cn = std::min(step, n - c);
