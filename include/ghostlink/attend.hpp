@@ -115,9 +115,12 @@ extern template void attention_pass::finish<bfloat16>() noexcept;
 /// snapshot's stored runs (no copy; 16-bit elements are widened as they are
 /// loaded), vectorised with AVX2, FMA and F16C when the processor has them
 /// (chosen at run time) and portable code otherwise, with float
-/// accumulation. Engines with their own kernels (paged attention on a GPU,
-/// say) read `for_each_block` themselves; this one is what ghostlink's
-/// example and benchmarks use, and a baseline to check a kernel against.
+/// accumulation. While it attends a block it prefetches the block three
+/// ahead into L2: each block is elsewhere in memory, where the hardware's
+/// prefetchers would start over at each. Engines with their own kernels
+/// (paged attention on a GPU, say) read `for_each_block` themselves; this
+/// one is what ghostlink's example and benchmarks use, and a baseline to
+/// check a kernel against.
 ///
 /// `queries` holds `R` rows of `query_heads * head_dim` floats, and `out`
 /// receives as many. The rows are the last `R` positions of the tokens
