@@ -183,7 +183,7 @@ template <class T>
 void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, const float* queries, float* out,
              std::size_t first, std::size_t count, const T* keys, const T* values, const run_ahead& ahead) {
   const std::size_t width = shape.kv_heads * shape.head_dim;
-  const pass_args a{shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale,
+  const pass_args a{shape.kv_heads,   shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale,
                     width * sizeof(T)};
   const std::size_t row_width = shape.query_heads * shape.head_dim;
 #if GHOSTLINK_ATTEND_AVX2
@@ -297,7 +297,8 @@ void attention_pass::finish() noexcept {
   const std::size_t kv_width = shape_.kv_heads * shape_.head_dim, pending = pending_.keys.size() / kv_width;
   if (pending != 0) {
     if constexpr (std::is_same_v<T, float>) {
-      add_run(shape_, rows_, total_, queries_, out_, stored_, pending, pending_.keys.data(), pending_.values.data(), {});
+      add_run(shape_, rows_, total_, queries_, out_, stored_, pending, pending_.keys.data(), pending_.values.data(),
+              {});
     } else {
       // Rounded as a write to a T cache stores them (a 16-bit T is a
       // trivial 2-byte value, held in the scratch's 16-bit words).
