@@ -77,11 +77,11 @@ inline float weigh(float logit, float& max, float& sum, float& w) {
 /// token per token attended, so the run ahead is in cache when its turn
 /// comes, where the hardware's prefetchers would only start on it then
 /// (each block is elsewhere in memory), and the requests are spread out.
-inline void prefetch_token(const run_ahead& ahead, std::size_t t, std::size_t token_bytes) noexcept {
-  if (t >= ahead.tokens) return;
+inline void prefetch_token(const stored_run& ahead, std::size_t t, std::size_t token_bytes) noexcept {
+  if (t >= ahead.count) return;
   constexpr std::size_t cache_line = 64;
-  const auto* k = static_cast<const char*>(ahead.keys) + t * token_bytes;
-  const auto* v = static_cast<const char*>(ahead.values) + t * token_bytes;
+  const std::byte* k = ahead.keys + t * token_bytes;
+  const std::byte* v = ahead.values + t * token_bytes;
   for (std::size_t at = 0; at < token_bytes; at += cache_line) {
     __builtin_prefetch(k + at, 0, 2);
     __builtin_prefetch(v + at, 0, 2);
@@ -107,7 +107,7 @@ float dot_portable(const float* q, const float* k, std::size_t dim) {
 }
 
 void chunk_portable(const pass_args& a, const float* keys, const float* values, std::size_t n, const float* q, float* o,
-                    float* max, float* sum, const run_ahead& ahead, std::size_t at) {
+                    float* max, float* sum, const stored_run& ahead, std::size_t at) {
   const std::size_t heads = a.kv_heads * a.group;
   for (std::size_t t = 0; t < n; ++t) {
     prefetch_token(ahead, at + t, a.token_bytes);
@@ -153,7 +153,7 @@ __attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, c
 template <class T>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
                                                          std::size_t n, const float* q, float* o, float* max,
-                                                         float* sum, const run_ahead& ahead, std::size_t at) {
+                                                         float* sum, const stored_run& ahead, std::size_t at) {
   const std::size_t heads = a.kv_heads * a.group;
   for (std::size_t t = 0; t < n; ++t) {
     prefetch_token(ahead, at + t, a.token_bytes);
@@ -181,7 +181,7 @@ bool use_avx2(std::size_t dim) {
 /// Every chunk of `count` tokens from position `first` that each row sees.
 template <class T>
 void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, const float* queries, float* out,
-             std::size_t first, std::size_t count, const T* keys, const T* values, const run_ahead& ahead) {
+             std::size_t first, std::size_t count, const T* keys, const T* values, const stored_run& ahead) {
   const std::size_t width = shape.kv_heads * shape.head_dim;
   const pass_args a{shape.kv_heads,   shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale,
                     width * sizeof(T)};
@@ -190,7 +190,7 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
   const bool simd = use_avx2(a.dim);
 #endif
   scratch& s = tls;
-  run_ahead fetch = ahead;  // by the first row that reads the run
+  stored_run fetch = ahead;  // by the first row that reads the run
   for (std::size_t r = 0; r < rows; ++r) {
     const std::size_t limit = total - rows + r + 1;  // row r sees positions below it
     if (first >= limit) continue;
@@ -201,7 +201,7 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
     float* sum = s.sum.data() + r * shape.query_heads;
     // While prefetching, chunks of about 1 KiB of keys: measured faster
     // over scattered blocks than whole chunks (bench: attend, float).
-    const std::size_t step = fetch.tokens != 0 ? std::max<std::size_t>(1, 1024 / a.token_bytes) : chunk_tokens;
+    const std::size_t step = fetch.count != 0 ? std::max<std::size_t>(1, 1024 / a.token_bytes) : chunk_tokens;
     for (std::size_t c = 0; c < n; c += step) {
       const std::size_t cn = std::min(step, n - c);
       const T* k = keys + c * a.width;
@@ -266,19 +266,20 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
 
 template <class T>
 void attention_pass::hold(std::size_t first, std::size_t count, const T* keys, const T* values) noexcept {
-  const std::size_t run_bytes = count * shape_.kv_heads * shape_.head_dim * sizeof(T);
+  const stored_run run{first, count, reinterpret_cast<const std::byte*>(keys),
+                       reinterpret_cast<const std::byte*>(values)};
   if (held_ == runs_behind)
-    attend_held<T>(run_bytes <= max_prefetched_run ? run_ahead{keys, values, count} : run_ahead{});
-  held_runs_[held_++] = {first, count, keys, values};
+    attend_held<T>(count * shape_.kv_heads * shape_.head_dim * sizeof(T) <= max_prefetched_run ? run : stored_run{});
+  held_runs_[held_++] = run;
 }
 
 template <class T>
-void attention_pass::attend_held(const run_ahead& ahead) noexcept {
-  const held_run r = held_runs_[0];
+void attention_pass::attend_held(const stored_run& ahead) noexcept {
+  const stored_run r = held_runs_[0];
   std::copy(held_runs_ + 1, held_runs_ + held_, held_runs_);
   --held_;
-  add_run(shape_, rows_, total_, queries_, out_, r.first, r.count, static_cast<const T*>(r.keys),
-          static_cast<const T*>(r.values), ahead);
+  add_run(shape_, rows_, total_, queries_, out_, r.first, r.count, reinterpret_cast<const T*>(r.keys),
+          reinterpret_cast<const T*>(r.values), ahead);
 }
 
 void attention_pass::add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept {

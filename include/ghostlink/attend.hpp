@@ -44,14 +44,6 @@ struct pending_tokens {
 
 namespace detail {
 
-/// A run of stored tokens to bring into cache while an earlier one is
-/// attended (attend.cpp).
-struct run_ahead {
-  const void* keys = nullptr;
-  const void* values = nullptr;
-  std::size_t tokens = 0;
-};
-
 /// The kernel's state for one call (attend.cpp): validated arguments, the
 /// running maxima and sums, and the run loops for each element type.
 ///
@@ -81,18 +73,14 @@ class attention_pass {
   /// Larger runs are not prefetched: the hardware's prefetchers keep up
   /// within them, and more would not stay in L2 until used.
   static constexpr std::size_t max_prefetched_run = std::size_t{32} << 10;
-  struct held_run {
-    std::size_t first = 0, count = 0;
-    const void* keys = nullptr;
-    const void* values = nullptr;
-  };
   template <class T>
   void hold(std::size_t first, std::size_t count, const T* keys, const T* values) noexcept;
+  /// Attends the oldest run held while `ahead` (none if empty) is prefetched.
   template <class T>
-  void attend_held(const run_ahead& ahead) noexcept;
+  void attend_held(const stored_run& ahead) noexcept;
 
   attention_shape shape_{};
-  held_run held_runs_[runs_behind]{};
+  stored_run held_runs_[runs_behind]{};
   std::size_t held_ = 0;
   std::size_t rows_ = 0, stored_ = 0, total_ = 0;
   pending_tokens pending_{};
