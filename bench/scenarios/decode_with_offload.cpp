@@ -299,20 +299,12 @@ void decode_with_offload(const options& o, report& out) {
       ref_rate.values[impl] = r.reference.steps_per_s;
       ref_p99.values[impl] = r.reference.tpot.p(0.99);
     };
-    // In turn first: whichever runs second finds the memory the other freed.
-    const auto run_ghostlink_if_wanted = [&] {
-      if (o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data));
-    };
-    const auto run_locked_if_wanted = [&] {
-      if (o.wants("rwlock_zero_copy")) record("rwlock_zero_copy", run_locked(o, prompt, data));
-    };
-    if (runs++ % 2 == 0) {
-      run_ghostlink_if_wanted();
-      run_locked_if_wanted();
-    } else {
-      run_locked_if_wanted();
-      run_ghostlink_if_wanted();
-    }
+    // First in turn, run by run: whichever runs second finds the memory the
+    // other freed.
+    const bool ghostlink_first = runs++ % 2 == 0;
+    if (ghostlink_first && o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data));
+    if (o.wants("rwlock_zero_copy")) record("rwlock_zero_copy", run_locked(o, prompt, data));
+    if (!ghostlink_first && o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data));
   });
   out.add_note("decode_with_offload",
                std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, 2048-token " +
