@@ -1,7 +1,13 @@
 #pragma once
-// Blocks: the memory of `block_tokens` tokens (keys, then values) of one
-// cache, from a block_pool; and the layout that says where a token lives in
-// one.
+// Blocks: the memory of `block_tokens` tokens (their keys, and their
+// values) of one cache, from a block_pool; and the layout that says where a
+// token lives in one.
+//
+// A block's keys and its values are two separate runs of memory: a pool
+// slices extents of blocks into [keys of every slot][values of every slot]
+// (src/block_pool.cpp), so the blocks one cache fills one after another
+// lie next to each other, keys after keys and values after values, and a
+// reader streams them as one run (stored_runs, src/epoch.cpp).
 //
 // Sharing: blocks may be shared by several caches (a fork shares all of its
 // parent's) and held by a prefix cache. Only the cache that made a block
@@ -41,16 +47,16 @@ struct block_layout : ref_counted<block_layout> {
       : token_width(config.token_width()),
         block_tokens(config.block_tokens),
         token_bytes(config.token_width() * codec.size),
-        values_offset(block_tokens * token_bytes),
-        block_bytes(2 * values_offset),
+        half_bytes(block_tokens * token_bytes),
+        block_bytes(2 * half_bytes),
         codec(codec) {}
   static void destroy(block_layout* l) noexcept { delete l; }
 
   const std::size_t token_width;    // elements per token's keys (or values)
   const std::size_t block_tokens;   // tokens per block
   const std::size_t token_bytes;    // bytes of one token's keys (or values)
-  const std::size_t values_offset;  // bytes from a block's keys to its values
-  const std::size_t block_bytes;    // a block's payload: keys then values
+  const std::size_t half_bytes;     // a block's keys (or its values)
+  const std::size_t block_bytes;    // a block's payload: its keys and its values
   const element_codec codec;        // how floats are stored
 
   std::byte* keys(block& b, std::size_t position = 0) const noexcept;
@@ -59,25 +65,40 @@ struct block_layout : ref_counted<block_layout> {
   const std::byte* values(const block& b, std::size_t position = 0) const noexcept;
 };
 
-/// Keys then values of `block_tokens` tokens, after a one-cache-line header,
-/// in one 64-byte aligned allocation from a block_pool. A token's place in
-/// its block is its *position* (`index % block_tokens`).
+/// Where a block's header, keys and values go: a slot of one of a pool's
+/// extents, or memory of its own (`slot == standalone`).
+struct block_memory {
+  static constexpr std::uint8_t standalone = 0xff;
+  void* header = nullptr;  // block::header_bytes, 64-byte aligned
+  std::byte* keys = nullptr;
+  std::byte* values = nullptr;
+  std::uint8_t slot = standalone;
+  explicit operator bool() const noexcept { return header != nullptr; }
+};
+
+/// The keys and the values of `block_tokens` tokens (each half
+/// `block_layout::half_bytes`), and a one-cache-line header, from a
+/// block_pool. A token's place in its block is its
+/// *position* (`index % block_tokens`).
 class block {
  public:
-  /// The header's size: the payload starts on its own cache line.
+  /// The header's size: one cache line.
   static constexpr std::size_t header_bytes = 64;
 
   /// Whether a block counts against the pool's budget: every block does but
   /// a cache's shared zero block, so budgets count data blocks.
   enum class budget : bool { counted, exempt };
 
-  /// A new block owned by `owner`, its payload garbage (nothing
-  /// materialized), or null when the pool's budget or memory is spent. Its
-  /// budget comes from `account` if it has any left, else from the pool
-  /// (evicting idle prefix-cache entries if the budget is spent).
-  static ref_ptr<block> make(block_pool& pool, std::uint64_t owner, budget b = budget::counted,
+  /// A new block owned by `owner`, counted against the budget, its payload
+  /// garbage (nothing materialized), or null when the pool's budget or
+  /// memory is spent. Its budget comes from `account` if it has any left,
+  /// else from the pool (evicting idle prefix-cache entries if the budget
+  /// is spent). Its memory is the slot of `cursor`'s extent after the one
+  /// `cursor` gave last, when that is free (see block_cursor).
+  static ref_ptr<block> make(block_pool& pool, block_cursor& cursor, std::uint64_t owner,
                              block_account* account = nullptr) noexcept;
-  /// A block of zeros owned by no cache, outside the budget.
+  /// A block of zeros owned by no cache, outside the budget, in memory of
+  /// its own.
   static ref_ptr<block> make_zeros(block_pool& pool, std::size_t block_tokens) noexcept;
 
   // Reference counting (used by ref_ptr). The pool counts blocks crossing
@@ -85,8 +106,12 @@ class block {
   void add_ref() const noexcept;
   void release() const noexcept;
 
-  std::byte* payload() noexcept { return reinterpret_cast<std::byte*>(this) + header_bytes; }
-  const std::byte* payload() const noexcept { return reinterpret_cast<const std::byte*>(this) + header_bytes; }
+  std::byte* keys() noexcept { return keys_; }
+  std::byte* values() noexcept { return values_; }
+  const std::byte* keys() const noexcept { return keys_; }
+  const std::byte* values() const noexcept { return values_; }
+  /// Its slot in its pool's extent, or block_memory::standalone.
+  std::uint8_t slot() const noexcept { return slot_; }
 
   block_pool& pool() const noexcept { return *pool_; }
   /// The cache that made this block and alone may write into it; 0 for the
@@ -133,30 +158,33 @@ class block {
   bool counted() const noexcept { return budget_ == budget::counted; }
 
  private:
-  block(block_pool& pool, std::uint64_t owner, budget b) noexcept;
+  block(block_pool& pool, std::uint64_t owner, budget b, const block_memory& memory) noexcept;
   ~block() = default;
   void destroy() const noexcept;
 
   mutable std::atomic<std::uint32_t> refs_{1};
   const budget budget_;
+  const std::uint8_t slot_;
   ref_ptr<block_pool> pool_;
   const std::uint64_t owner_;
+  std::byte* const keys_;
+  std::byte* const values_;
   std::size_t materialized_ = 0;
   std::size_t readable_ = 0;
   std::uint64_t rewound_epoch_ = 0;
 };
 
 inline std::byte* block_layout::keys(block& b, std::size_t position) const noexcept {
-  return b.payload() + position * token_bytes;
+  return b.keys() + position * token_bytes;
 }
 inline std::byte* block_layout::values(block& b, std::size_t position) const noexcept {
-  return b.payload() + values_offset + position * token_bytes;
+  return b.values() + position * token_bytes;
 }
 inline const std::byte* block_layout::keys(const block& b, std::size_t position) const noexcept {
-  return b.payload() + position * token_bytes;
+  return b.keys() + position * token_bytes;
 }
 inline const std::byte* block_layout::values(const block& b, std::size_t position) const noexcept {
-  return b.payload() + values_offset + position * token_bytes;
+  return b.values() + position * token_bytes;
 }
 
 }  // namespace detail

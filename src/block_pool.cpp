@@ -2,6 +2,8 @@
 #include "ghostlink/detail/flavour.hpp"
 
 #include <algorithm>
+#include <bit>
+#include <limits>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -25,44 +27,65 @@ std::atomic<std::size_t> unbalanced_pools{0};
 
 }  // namespace
 
-/// Freed blocks' memory, ready for reuse, from and to any thread (a
-/// snapshot released on a reader thread returns its blocks here): a stack,
-/// so the block reused next is the one freed last, still warm in cache.
-/// Each free block's first bytes hold the next; pushing allocates nothing.
-/// A mutex, held for a few instructions, where moodycamel's queue (which
-/// this replaced) raced under TSan (upstream cameron314/concurrentqueue#404)
-/// and cost more per block.
-struct free_list {
-  std::mutex mutex;
-  void* head = nullptr;
+/// `extent_slots` blocks' memory in one allocation: their headers (first,
+/// so a header's address and slot give the extent), then the keys of every
+/// slot, then the values of every slot. Which slots are free is one atomic
+/// mask: a cursor claims its next slot with a compare-exchange, a freed
+/// block sets its bit from whatever thread frees it; the pool's lock is
+/// taken only when a slot frees up in a full extent or leaves it unused,
+/// and when a cursor needs another extent.
+struct extent {
+  static constexpr std::uint32_t all_free = (std::uint32_t{1} << block_pool::extent_slots) - 1;
 
-  static void*& next(void* memory) noexcept { return *static_cast<void**>(memory); }
-  void push(void* memory) noexcept {
-    std::lock_guard lock(mutex);
-    next(memory) = head;
-    head = memory;
+  alignas(block_alignment) std::byte headers[block_pool::extent_slots][block::header_bytes];
+  std::atomic<std::uint32_t> free_mask{all_free};  // bit i: slot i holds no block
+  std::byte* keys = nullptr;                       // slot i's at keys + i * half
+  std::byte* values = nullptr;                     // slot i's at values + i * half
+  // The pool's, under its extents_mutex_.
+  unsigned cursors = 0;  // cursors filling it
+  bool on_unused = false, on_partial = false;
+  extent* next_unused = nullptr;
+  extent* next_partial = nullptr;
+  extent* next_all = nullptr;
+  extent* prev_all = nullptr;
+
+  static extent& of(void* header, std::uint8_t slot) noexcept {
+    return *reinterpret_cast<extent*>(static_cast<std::byte*>(header) - std::size_t{slot} * block::header_bytes);
   }
-  void* pop() noexcept {
-    std::lock_guard lock(mutex);
-    void* memory = head;
-    if (memory) head = next(memory);
-    return memory;
+  /// Claims the lowest free slot from `from` on; false when there is none.
+  bool claim(unsigned from, unsigned& slot) noexcept {
+    if (from >= block_pool::extent_slots) return false;
+    std::uint32_t mask = free_mask.load(std::memory_order_relaxed);
+    for (;;) {
+      const std::uint32_t open = mask & ~((std::uint32_t{1} << from) - 1);
+      if (open == 0) return false;
+      slot = static_cast<unsigned>(std::countr_zero(open));
+      // acquire: the last holder's use of the slot happens-before ours.
+      if (free_mask.compare_exchange_weak(mask, mask & ~(std::uint32_t{1} << slot), std::memory_order_acquire,
+                                          std::memory_order_relaxed))
+        return true;
+    }
   }
-  /// Empties the list; returns its first block (each links the next).
-  void* pop_all() noexcept {
-    std::lock_guard lock(mutex);
-    return std::exchange(head, nullptr);
+  block_memory memory(unsigned slot, std::size_t half) noexcept {
+    return {headers[slot], keys + slot * half, values + slot * half, static_cast<std::uint8_t>(slot)};
   }
+  bool unused() const noexcept { return cursors == 0 && free_mask.load(std::memory_order_acquire) == all_free; }
 };
 
 block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks)
-    : payload_bytes_(payload_bytes), max_blocks_(max_blocks), free_(std::make_unique<free_list>()) {
+    : payload_bytes_(payload_bytes),
+      max_blocks_(max_blocks),
+      max_slots_(max_blocks > std::numeric_limits<std::size_t>::max() - extent_slots
+                     ? std::numeric_limits<std::size_t>::max()
+                     : (max_blocks + extent_slots - 1) / extent_slots * extent_slots) {
   live_pools.fetch_add(1, std::memory_order_relaxed);
 }
 
 block_pool::~block_pool() {
-  trim();
   if (blocks_in_use() != 0) unbalanced_pools.fetch_add(1, std::memory_order_relaxed);
+  // Every block and every cursor holds the pool: none is left.
+  const std::lock_guard lock(extents_mutex_);
+  while (all_) free_extent(*all_);
   live_pools.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -131,21 +154,127 @@ block_account::~block_account() {
   pool->unreserve(n);
 }
 
-void* block_pool::take_memory() noexcept {
-  if (count_down(failures_) > 0) return nullptr;  // the next `failures_` fail
-  void* memory = free_->pop();
-  if (memory) {
-    free_count_.fetch_sub(1, std::memory_order_relaxed);
-    return memory;
-  }
-  memory = ::operator new(block::header_bytes + payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
-  if (memory) allocated_.fetch_add(1, std::memory_order_relaxed);
-  return memory;
+block_cursor::block_cursor(block_cursor&& other) noexcept
+    : pool_(other.pool_), extent_(std::exchange(other.extent_, nullptr)), next_(other.next_) {}
+
+block_cursor::~block_cursor() {
+  if (!extent_) return;
+  const std::lock_guard lock(pool_->extents_mutex_);
+  pool_->leave(*this);
 }
 
-void block_pool::give_memory(void* memory) noexcept {
-  free_->push(memory);
+void block_pool::leave(block_cursor& cursor) noexcept {
+  extent* const e = std::exchange(cursor.extent_, nullptr);
+  if (!e) return;
+  --e->cursors;
+  --cursors_;
+  classify(*e);
+}
+
+void block_pool::classify(extent& e) noexcept {
+  if (e.unused()) {
+    if (!std::exchange(e.on_unused, true)) e.next_unused = std::exchange(unused_, &e);
+  } else if (e.free_mask.load(std::memory_order_relaxed) != 0) {
+    if (!std::exchange(e.on_partial, true)) e.next_partial = std::exchange(partial_, &e);
+  }
+}
+
+extent* block_pool::grow() noexcept {
+  if (slots_ > max_slots_ - extent_slots) return nullptr;
+  const std::size_t half = payload_bytes_ / 2;
+  void* memory = ::operator new(sizeof(extent) + extent_slots * payload_bytes_, std::align_val_t{block_alignment},
+                                std::nothrow);
+  if (!memory) return nullptr;
+  auto* e = ::new (memory) extent;
+  e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
+  e->values = e->keys + extent_slots * half;
+  e->next_all = std::exchange(all_, e);
+  if (e->next_all) e->next_all->prev_all = e;
+  slots_ += extent_slots;
+  allocated_.fetch_add(extent_slots, std::memory_order_relaxed);
+  free_count_.fetch_add(extent_slots, std::memory_order_relaxed);
+  return e;
+}
+
+void block_pool::free_extent(extent& e) noexcept {
+  (e.prev_all ? e.prev_all->next_all : all_) = e.next_all;
+  if (e.next_all) e.next_all->prev_all = e.prev_all;
+  slots_ -= extent_slots;
+  allocated_.fetch_sub(extent_slots, std::memory_order_relaxed);
+  free_count_.fetch_sub(extent_slots, std::memory_order_relaxed);
+  e.~extent();
+  ::operator delete(&e, std::align_val_t{block_alignment});
+}
+
+block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
+  if (count_down(failures_) > 0) return {};  // the next `failures_` fail
+  const std::size_t half = payload_bytes_ / 2;
+  unsigned slot = 0;
+  // The slot after the cursor's last: no lock.
+  if (cursor.extent_ && cursor.extent_->claim(cursor.next_, slot)) {
+    cursor.next_ = slot + 1;
+    free_count_.fetch_sub(1, std::memory_order_relaxed);
+    return cursor.extent_->memory(slot, half);
+  }
+  const std::lock_guard lock(extents_mutex_);
+  leave(cursor);
+  extent* e = nullptr;
+  // An unused extent; else a new one, while the free slots spread over the
+  // others are fewer than an extent per cursor; else any free slot; else a
+  // new extent after all, within the budget.
+  while (unused_ && !e) {
+    extent* const top = std::exchange(unused_, unused_->next_unused);
+    top->on_unused = false;
+    if (top->unused()) e = top;
+  }
+  const bool spread = free_count_.load(std::memory_order_relaxed) >= extent_slots * (cursors_ + 1);
+  if (!e && !spread) e = grow();
+  bool claimed = e && e->claim(0, slot);
+  while (!claimed && partial_) {
+    e = partial_;
+    claimed = e->claim(0, slot);
+    if (!claimed || e->free_mask.load(std::memory_order_relaxed) == 0) {  // full: off the stack
+      partial_ = e->next_partial;
+      e->on_partial = false;
+    }
+  }
+  if (!claimed && (e = grow())) claimed = e->claim(0, slot);
+  // A slot freed while its extent waits for this lock to go on a stack.
+  for (extent* x = all_; !claimed && x; x = x->next_all)
+    if (x->claim(0, slot)) e = x, claimed = true;
+  if (!claimed) return {};
+  cursor.extent_ = e;
+  cursor.next_ = slot + 1;
+  ++e->cursors;
+  ++cursors_;
+  classify(*e);  // its other free slots stay within anyone's reach
+  free_count_.fetch_sub(1, std::memory_order_relaxed);
+  return e->memory(slot, half);
+}
+
+block_memory block_pool::take_standalone() noexcept {
+  if (count_down(failures_) > 0) return {};
+  void* memory = ::operator new(block::header_bytes + payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
+  if (!memory) return {};
+  allocated_.fetch_add(1, std::memory_order_relaxed);
+  std::byte* const keys = static_cast<std::byte*>(memory) + block::header_bytes;
+  return {memory, keys, keys + payload_bytes_ / 2, block_memory::standalone};
+}
+
+void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
+  if (slot == block_memory::standalone) {
+    allocated_.fetch_sub(1, std::memory_order_relaxed);
+    ::operator delete(header, std::align_val_t{block_alignment});
+    return;
+  }
+  extent& e = extent::of(header, slot);
   free_count_.fetch_add(1, std::memory_order_relaxed);
+  // release: this block's use of the slot happens-before the next claim.
+  const std::uint32_t bit = std::uint32_t{1} << slot;
+  const std::uint32_t before = e.free_mask.fetch_or(bit, std::memory_order_acq_rel);
+  if (before != 0 && (before | bit) != extent::all_free) return;  // on its stack already, or a cursor's
+  const std::lock_guard lock(extents_mutex_);
+  classify(e);
 }
 
 void block_pool::set_event_handler(kv_event_handler handler) {
@@ -159,13 +288,27 @@ void block_pool::set_event_handler(kv_event_handler handler) {
 }
 
 void block_pool::trim() noexcept {
-  for (void* memory = free_->pop_all(); memory;) {
-    void* const next = free_list::next(memory);
-    free_count_.fetch_sub(1, std::memory_order_relaxed);
-    allocated_.fetch_sub(1, std::memory_order_relaxed);
-    ::operator delete(memory, std::align_val_t{block_alignment});
-    memory = next;
+  const std::lock_guard lock(extents_mutex_);
+  unused_ = partial_ = nullptr;
+  for (extent* e = all_; e;) {
+    extent* const next = e->next_all;
+    e->on_unused = e->on_partial = false;
+    if (e->unused())
+      free_extent(*e);
+    else
+      classify(*e);
+    e = next;
   }
+}
+
+extent_census block_pool::census() const noexcept {
+  const std::lock_guard lock(extents_mutex_);
+  extent_census c;
+  for (const extent* e = all_; e; e = e->next_all) {
+    ++c.extents;
+    if (e->unused()) ++c.unused;
+  }
+  return c;
 }
 
 std::size_t block_pool::blocks_shared() const noexcept {
@@ -183,39 +326,45 @@ std::size_t block_pool::pools_destroyed_unbalanced() noexcept {
 
 // Blocks: their memory comes from the pool and goes back to it.
 
-block::block(block_pool& pool, std::uint64_t owner, budget b) noexcept
-    : budget_(b), pool_(ref_ptr<block_pool>::share(&pool)), owner_(owner) {}
+block::block(block_pool& pool, std::uint64_t owner, budget b, const block_memory& memory) noexcept
+    : budget_(b),
+      slot_(memory.slot),
+      pool_(ref_ptr<block_pool>::share(&pool)),
+      owner_(owner),
+      keys_(memory.keys),
+      values_(memory.values) {}
 
-ref_ptr<block> block::make(block_pool& pool, std::uint64_t owner, budget b, block_account* account) noexcept {
+ref_ptr<block> block::make(block_pool& pool, block_cursor& cursor, std::uint64_t owner,
+                           block_account* account) noexcept {
   static_assert(sizeof(block) <= header_bytes);
-  const bool counted = b == budget::counted;
   // The budget: the sequence's reservation first, then the pool; evicting
   // prefix-cache entries only once the pool's budget is spent.
-  const bool from_account = counted && account && account->take();
+  const bool from_account = account && account->take();
   if (from_account)
     pool.count_reserved(-1);
-  else if (counted && !pool.reserve() && !pool.reserve_evicting())
+  else if (!pool.reserve() && !pool.reserve_evicting())
     return {};
-  void* memory = pool.take_memory();
+  const block_memory memory = pool.take_memory(cursor);
   if (!memory) {
     if (from_account) {
       pool.count_reserved(1);
       account->give_back();
-    } else if (counted) {
+    } else {
       pool.unreserve();
     }
     return {};
   }
-  if (counted) pool.emit({.what = kv_event::kind::block_allocated, .cache = owner});
-  return ref_ptr<block>::adopt(::new (memory) block(pool, owner, b));
+  pool.emit({.what = kv_event::kind::block_allocated, .cache = owner});
+  return ref_ptr<block>::adopt(::new (memory.header) block(pool, owner, budget::counted, memory));
 }
 
 ref_ptr<block> block::make_zeros(block_pool& pool, std::size_t block_tokens) noexcept {
-  ref_ptr<block> zeros = make(pool, 0, budget::exempt);
-  if (zeros) {
-    std::memset(zeros->payload(), 0, pool.payload_bytes());
-    zeros->set_filled(block_tokens);
-  }
+  const block_memory memory = pool.take_standalone();
+  if (!memory) return {};
+  auto zeros = ref_ptr<block>::adopt(::new (memory.header) block(pool, 0, budget::exempt, memory));
+  std::memset(zeros->keys(), 0, pool.payload_bytes() / 2);
+  std::memset(zeros->values(), 0, pool.payload_bytes() / 2);
+  zeros->set_filled(block_tokens);
   return zeros;
 }
 
@@ -251,8 +400,9 @@ void block::destroy() const noexcept {
   ref_ptr<block_pool> pool = std::move(self->pool_);
   const bool counted = budget_ == budget::counted;
   if (counted) pool->emit({.what = kv_event::kind::block_freed, .cache = owner_});
+  const std::uint8_t slot = slot_;
   self->~block();
-  pool->give_memory(self);
+  pool->give_memory(self, slot);
   if (counted) pool->unreserve();
 }
 

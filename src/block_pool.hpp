@@ -17,9 +17,41 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
-struct free_list;
+struct extent;
 class block;
+class block_pool;
+struct block_memory;
 class prefix_index;
+
+/// A pool's extents, and of them those no block uses and no cursor fills.
+struct extent_census {
+  std::size_t extents = 0;
+  std::size_t unused = 0;
+};
+
+/// A cache's place in its pool: the extent it fills and the slot it takes
+/// next. The blocks one cursor is given one after another take consecutive
+/// slots of one extent while that has them free, so a cache that fills its
+/// blocks in order finds its keys one run of memory and its values another
+/// (see block_pool). One cursor per cache (or per layer being loaded or
+/// attached), used from one thread at a time; the pool outlives it (its
+/// owner holds the pool).
+class block_cursor {
+ public:
+  explicit block_cursor(block_pool& pool) noexcept : pool_(&pool) {}
+  block_cursor(block_cursor&& other) noexcept;
+  block_cursor& operator=(block_cursor&&) = delete;
+  block_cursor(const block_cursor&) = delete;
+  block_cursor& operator=(const block_cursor&) = delete;
+  /// Lets go of the extent: its free slots are anyone's.
+  ~block_cursor();
+
+ private:
+  friend class block_pool;
+  block_pool* pool_;
+  extent* extent_ = nullptr;  // the extent it fills, or none
+  unsigned next_ = 0;         // the slot of it to take next
+};
 
 /// Budget set aside for one sequence from its pool (a
 /// `kv_block_reservation` given to it): its layers' block allocations draw
@@ -45,8 +77,18 @@ struct block_account : ref_counted<block_account> {
   std::atomic<std::size_t> left{0};
 };
 
-/// Hands out fixed-size blocks of memory under a budget, recycling freed
-/// ones through a free list.
+/// Hands out fixed-size blocks of memory under a budget.
+///
+/// Memory: extents of `extent_slots` blocks, each laid out [headers][keys
+/// of every slot][values of every slot]. A cursor takes the slots of one
+/// extent in order; when it has none left it takes an extent no block uses,
+/// else a new one while the pool may grow, else any free slot. The pool may
+/// grow while fewer than `extent_slots` free slots per cursor (plus one
+/// extent) are spread over its extents, and never past its budget rounded
+/// up to whole extents: memory stays within one extent per cache that is
+/// filling one (plus one) of the blocks in use. A freed block's slot is
+/// free at once; an extent goes back to the system on trim() once no block
+/// uses it and no cursor fills it.
 ///
 /// Layout: what a cache reads on every allocation (the block size, the
 /// budget, the event sink) comes first and never changes; the counters that
@@ -102,13 +144,20 @@ class block_pool : public ref_counted<block_pool> {
   void count_reserved(std::int64_t delta) noexcept {
     reserved_.fetch_add(static_cast<std::size_t>(delta), std::memory_order_relaxed);
   }
-  /// Memory for one block (header and payload): recycled if any is free,
-  /// else new; null when the system has none.
-  void* take_memory() noexcept;
-  /// Returns a block's memory to the free list.
-  void give_memory(void* memory) noexcept;
-  /// Frees every block on the free list.
+  /// Slots of one extent.
+  static constexpr unsigned extent_slots = 16;
+  /// Memory for one counted block: the slot of `cursor`'s extent after the
+  /// one it gave last if that is free, else as the class comment says;
+  /// empty when the system has none.
+  block_memory take_memory(block_cursor& cursor) noexcept;
+  /// Memory of its own for one block outside the budget (a zero block).
+  block_memory take_standalone() noexcept;
+  /// Frees the memory of a block (its header at `header`, in `slot`).
+  void give_memory(void* header, std::uint8_t slot) noexcept;
+  /// Returns to the system every extent no block uses and no cursor fills.
   void trim() noexcept;
+  /// Extents now, and of them the unused (a test hook: src/testing.hpp).
+  extent_census census() const noexcept;
   /// Installs `handler` (an empty one: none) for every later event. Free
   /// when none is installed: one atomic load per event site. Handlers
   /// replaced stay alive until the pool dies, as a call may still run them.
@@ -145,10 +194,20 @@ class block_pool : public ref_counted<block_pool> {
     std::unique_ptr<event_sink> replaced;  // kept alive: see set_event_handler
   };
 
+  friend class block_cursor;
+  /// Under extents_mutex_: the cursor lets go of its extent.
+  void leave(block_cursor& cursor) noexcept;
+  /// Under extents_mutex_: puts `e` on the stack its state calls for.
+  void classify(extent& e) noexcept;
+  /// Under extents_mutex_: a new extent (counted in slots_), or null.
+  extent* grow() noexcept;
+  /// Under extents_mutex_: frees `e` (no block uses it, no cursor fills it).
+  void free_extent(extent& e) noexcept;
+
   // Read-mostly.
   const std::size_t payload_bytes_;
   const std::size_t max_blocks_;
-  const std::unique_ptr<free_list> free_;
+  const std::size_t max_slots_;  // max_blocks_ rounded up to whole extents
   std::atomic<const event_sink*> sink_{nullptr};  // null: no handler
   std::atomic<std::size_t> failures_{0};          // see fail_next_allocations
   // Written by every allocation and free.
@@ -164,6 +223,15 @@ class block_pool : public ref_counted<block_pool> {
   std::atomic<std::size_t> reclaimable_blocks_{0};
   std::atomic<std::size_t> reserved_{0};
   // Rarely.
+  // Extents: which have free slots, which are unused. Taken when a cursor
+  // has no slot left and when a slot frees up in a full extent (or makes
+  // one unused): about once per extent_slots blocks.
+  alignas(64) mutable std::mutex extents_mutex_;
+  extent* all_ = nullptr;      // extents_mutex_; every extent (extent::next_all, prev_all)
+  extent* unused_ = nullptr;   // extents_mutex_; a stack (extent::next_unused), checked when popped
+  extent* partial_ = nullptr;  // extents_mutex_; a stack (extent::next_partial), checked when popped
+  std::size_t slots_ = 0;      // extents_mutex_; slots of every extent
+  std::size_t cursors_ = 0;    // extents_mutex_; cursors filling an extent
   alignas(64) std::mutex sink_mutex_;   // serialises set_event_handler
   std::unique_ptr<event_sink> sinks_;   // sink_mutex_; the newest, owning those it replaced
   // The prefix cache: evictions (from the allocation path), idle blocks

@@ -42,11 +42,21 @@ std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std:
   const block_layout& layout = *e.layout;
   std::size_t n = 0;
   while (first < end && n < out.size()) {
-    const std::size_t count = e.run_from(first, end);
     const block& b = e.block_of(first);
     const std::size_t position = first % layout.block_tokens;
-    out[n++] = {first, count, layout.keys(b, position), layout.values(b, position)};
-    first += count;
+    stored_run r{first, e.run_from(first, end), layout.keys(b, position), layout.values(b, position)};
+    first += r.count;
+    // The blocks after it that lie right after it, keys and values alike
+    // (consecutive slots of one extent): one run.
+    while (first < end && first < e.stored) {
+      const block& next = e.block_of(first);
+      const std::size_t bytes = r.count * layout.token_bytes;
+      if (next.keys() != r.keys + bytes || next.values() != r.values + bytes) break;
+      const std::size_t count = e.run_from(first, end);
+      r.count += count;
+      first += count;
+    }
+    out[n++] = r;
   }
   return n;
 }

@@ -184,8 +184,9 @@ class load_job : public std::enable_shared_from_this<load_job> {
     const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
     const std::size_t run = header_.block_tokens * token_bytes;  // a block's keys (or values)
     out.reserve(full);
+    block_cursor cursor(pool);
     for (std::size_t i = 0; i < full; ++i) {
-      ref_ptr<block> b = block::make(pool, owner_, block::budget::counted, &account);
+      ref_ptr<block> b = block::make(pool, cursor, owner_, &account);
       if (!b) return kv_errc::capacity_exhausted;  // the memory, not the budget (reserved)
       out.push_back(std::move(b));
     }
@@ -199,7 +200,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
       for (std::size_t first = 0; first < full; first += per_read) {
         parts.clear();
         for (std::size_t i = first; i < std::min(full, first + per_read); ++i)
-          parts.emplace_back(out[i]->payload() + (values ? run : 0), run);
+          parts.emplace_back(values ? out[i]->values() : out[i]->keys(), run);
         if (error_code ec = read_scattered(file_, base + first * run, parts)) return ec;
         for (const std::span<std::byte> part : parts) hash.update(part);
       }

@@ -187,10 +187,16 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
     std::vector<ref_ptr<block>> fresh;
     try {
       fresh.reserve(g.num_layers);
+      if (cursors_.empty()) {
+        cursors_.reserve(g.num_layers);
+        for (std::size_t l = 0; l < g.num_layers; ++l) cursors_.emplace_back(*p.pool());
+      }
       for (std::size_t l = 0; l < g.num_layers; ++l) {
-        ref_ptr<block> b = block::make(*p.pool(), owner_);
+        ref_ptr<block> b = block::make(*p.pool(), cursors_[l], owner_);
         if (!b) return false;  // the pool has no room: a miss from here on
-        std::memcpy(b->payload(), entry_layer(g, value, l), g.block_bytes());
+        const std::byte* const layer = entry_layer(g, value, l);
+        std::memcpy(b->keys(), layer, g.block_bytes() / 2);
+        std::memcpy(b->values(), layer + g.block_bytes() / 2, g.block_bytes() / 2);
         b->set_filled(g.block_tokens);
         fresh.push_back(std::move(b));
       }
@@ -216,6 +222,7 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
       // Let go of before the handler can run: the index holds the pool,
       // which the caller may expect gone once it has let go of its own.
       const std::shared_ptr<prefix_index> p = std::move(index_);
+      cursors_.clear();  // before the pool may go
       const std::size_t fetched = next_ - in_ram_;
       if (fetched != 0) {
         p->count_store_hits(fetched * p->config().block_tokens);
@@ -244,6 +251,7 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
   std::size_t window_start_;                         // the first block of the window asked of the store
   const entry_geometry geometry_;                    // of the entries, as the index's
   std::vector<std::vector<ref_ptr<block>>> blocks_;  // per layer, blocks [0, next_)
+  std::vector<block_cursor> cursors_;                // per layer, once a block is fetched; none once done
   std::array<std::optional<std::vector<std::byte>>, fetch_window> arrived_{};  // the window's values not yet taken
   std::array<bool, fetch_window> rejected_{};  // arrived_[i] was a value that failed its checks
   const std::uint64_t owner_;  // of the blocks made here, which no one writes

@@ -26,7 +26,7 @@ prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config
       store_(std::move(store)),
       policy_(policy),
       geometry_(num_layers_, config_, element_, static_cast<std::uint32_t>(codec_.size)),
-      payloads_(num_layers_) {
+      halves_(2 * num_layers_) {
   if (!pool_->attach_index(this)) throw std::system_error(make_error_code(kv_errc::invalid_config));
 }
 
@@ -249,8 +249,11 @@ bool prefix_index::evict_one() noexcept {
     if (store_ && policy_ == kv_store_policy::write_back && !e.from_store) {
       // The copy is made here, as the blocks are about to be freed; memory
       // refused only loses the write-back.
-      for (std::size_t l = 0; l < num_layers_; ++l) payloads_[l] = e.nodes[l]->blk->payload();
-      written_back = copied_entry::make(geometry_, e.hash, payloads_);
+      for (std::size_t l = 0; l < num_layers_; ++l) {
+        halves_[2 * l] = e.nodes[l]->blk->keys();
+        halves_[2 * l + 1] = e.nodes[l]->blk->values();
+      }
+      written_back = copied_entry::make(geometry_, e.hash, halves_);
     }
     const kv_block_hash hash = e.hash;
     remove(e);

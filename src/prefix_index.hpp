@@ -198,7 +198,7 @@ class prefix_index {
   std::size_t reclaimable_ = 0;
   kv_prefix_event_handler handler_;
   std::uint64_t event_sequence_ = 0;
-  std::vector<const std::byte*> payloads_;  // a write-back's, one per layer: eviction allocates no room for them
+  std::vector<const std::byte*> halves_;  // a write-back's, two per layer: eviction allocates no room for them
 
   // Counters (relaxed; stats() reads them without the lock). A match()
   // counts a query without changing any entry.

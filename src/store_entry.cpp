@@ -27,7 +27,7 @@ enum entry_field : std::size_t {
 
 }  // namespace
 
-void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<const std::byte* const> layers,
+void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<const std::byte* const> halves,
                   std::span<std::byte> out) noexcept {
   std::byte* p = out.data();
   std::memset(p, 0, entry_header_bytes);
@@ -41,8 +41,11 @@ void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<
   put_le<std::uint64_t>(p + at_block_tokens, g.block_tokens);
   std::memcpy(p + at_hash, hash.bytes.data(), hash.bytes.size());
   put_le<std::uint64_t>(p + at_header_checksum, xxh3_64(out.first(at_header_checksum)));
-  const std::size_t block = g.block_bytes();
-  for (std::size_t l = 0; l < g.num_layers; ++l) std::memcpy(p + entry_header_bytes + l * block, layers[l], block);
+  const std::size_t block = g.block_bytes(), half = block / 2;
+  for (std::size_t l = 0; l < g.num_layers; ++l) {
+    std::memcpy(p + entry_header_bytes + l * block, halves[2 * l], half);
+    std::memcpy(p + entry_header_bytes + l * block + half, halves[2 * l + 1], half);
+  }
   const std::size_t payload = g.num_layers * block;
   put_le<std::uint64_t>(p + entry_header_bytes + payload, xxh3_64(out.subspan(entry_header_bytes, payload)));
 }
@@ -65,18 +68,21 @@ bool check_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<c
 
 held_entry::held_entry(const entry_geometry& g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks)
     : geometry_(g), hash_(hash), blocks_(std::move(blocks)) {
-  payloads_.reserve(blocks_.size());
-  for (const ref_ptr<block>& b : blocks_) payloads_.push_back(b->payload());
+  halves_.reserve(2 * blocks_.size());
+  for (const ref_ptr<block>& b : blocks_) {
+    halves_.push_back(b->keys());
+    halves_.push_back(b->values());
+  }
 }
 
-void held_entry::encode(std::span<std::byte> out) const noexcept { encode_entry(geometry_, hash_, payloads_, out); }
+void held_entry::encode(std::span<std::byte> out) const noexcept { encode_entry(geometry_, hash_, halves_, out); }
 
 std::shared_ptr<copied_entry> copied_entry::make(const entry_geometry& g, const kv_block_hash& hash,
-                                                 std::span<const std::byte* const> layers) noexcept {
+                                                 std::span<const std::byte* const> halves) noexcept {
   try {
     auto e = std::make_shared<copied_entry>(hash);
     e->bytes_.resize(g.entry_bytes());
-    encode_entry(g, hash, layers, e->bytes_);
+    encode_entry(g, hash, halves, e->bytes_);
     return e;
   } catch (const std::bad_alloc&) {
     return nullptr;

@@ -49,9 +49,10 @@ struct entry_geometry {
   std::size_t entry_bytes() const noexcept { return entry_header_bytes + num_layers * block_bytes() + 8; }
 };
 
-/// Writes the entry of `hash` whose layer l is `layers[l]` (block_bytes()
-/// each) to `out` (entry_bytes()).
-void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<const std::byte* const> layers,
+/// Writes the entry of `hash` whose layer l has the keys `halves[2 * l]`
+/// and the values `halves[2 * l + 1]` (block_bytes() / 2 each) to `out`
+/// (entry_bytes()).
+void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<const std::byte* const> halves,
                   std::span<std::byte> out) noexcept;
 
 /// Whether `bytes` is exactly a well-formed entry of `hash` and `g`: both
@@ -78,7 +79,7 @@ class held_entry final : public kv_store_value {
   entry_geometry geometry_;
   kv_block_hash hash_;
   std::vector<ref_ptr<block>> blocks_;
-  std::vector<const std::byte*> payloads_;  // blocks_[l]'s
+  std::vector<const std::byte*> halves_;  // blocks_[l]'s keys and values
 };
 
 /// A write-back value: the entry, encoded when it was evicted.
@@ -86,7 +87,7 @@ class copied_entry final : public kv_store_value {
  public:
   /// Null if memory is refused.
   static std::shared_ptr<copied_entry> make(const entry_geometry& g, const kv_block_hash& hash,
-                                            std::span<const std::byte* const> layers) noexcept;
+                                            std::span<const std::byte* const> halves) noexcept;
   const kv_block_hash& hash() const noexcept override { return hash_; }
   std::size_t size() const noexcept override { return bytes_.size(); }
   void encode(std::span<std::byte> out) const noexcept override;

@@ -194,9 +194,10 @@ error_code working_state::reserve(std::size_t index, std::size_t tokens) {
     std::vector<ref_ptr<block>> set_aside;
     set_aside.reserve(needed);
     for (std::size_t i = 0; i < needed; ++i) {
-      set_aside.push_back(block::make(*pool_, owner_, block::budget::counted, account_.get()));
+      set_aside.push_back(block::make(*pool_, cursor_, owner_, account_.get()));
       if (!set_aside.back()) return kv_errc::capacity_exhausted;
     }
+    std::reverse(set_aside.begin(), set_aside.end());  // taken from the back: the first made goes first
     if (error_code ec = truncate(index)) return ec;
     reserved_ = std::move(set_aside);
   } catch (const std::bad_alloc&) {
@@ -206,7 +207,7 @@ error_code working_state::reserve(std::size_t index, std::size_t tokens) {
 }
 
 ref_ptr<block> working_state::fresh_block() noexcept {
-  if (reserved_.empty()) return block::make(*pool_, owner_, block::budget::counted, account_.get());
+  if (reserved_.empty()) return block::make(*pool_, cursor_, owner_, account_.get());
   ref_ptr<block> b = std::move(reserved_.back());
   reserved_.pop_back();
   return b;

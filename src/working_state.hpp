@@ -146,6 +146,7 @@ class working_state {
   const kv_cache_config config_;
   const ref_ptr<const block_layout> layout_;
   const ref_ptr<block_pool> pool_;
+  block_cursor cursor_{*pool_};  // where this cache's next new block goes
   const std::uint64_t owner_;  // this cache's blocks carry it
   const ref_ptr<epoch_registry> registry_ = ref_ptr<epoch_registry>::adopt(new epoch_registry(layout_));
   ref_ptr<block_table> table_;

@@ -3,6 +3,7 @@
 #include "pool_support.hpp"
 
 #include "asio_compat.hpp"
+#include "testing.hpp"
 
 #include <functional>
 #include <latch>
@@ -29,8 +30,8 @@ ghostlink::error_code thrown_by(const std::function<void()>& make) {
   }
 }
 
-// Each cache keeps one block of zeros outside the budget; it is counted in
-// blocks_allocated (and returns to the free list with its cache).
+// Each cache keeps one block of zeros outside the budget, in memory of its
+// own; it is counted in blocks_allocated while its cache lives.
 constexpr std::size_t zero_blocks_per_cache = 1;
 
 }  // namespace
@@ -187,46 +188,165 @@ TEST_CASE("two caches on one pool draw on one budget: blocks one holds the other
   CHECK(b.diff() == "");
 }
 
-TEST_CASE("stats count blocks in use, free and allocated; freed blocks are reused and trim releases the free ones",
+TEST_CASE("stats count blocks in use, free and allocated; freed slots are reused and trim releases unused extents",
           "[block_pool]") {
   const kv_cache_config config = small_config();
-  const std::size_t bt = config.block_tokens;
+  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
   kv_block_pool pool = kv_block_pool::for_caches(config);
   asio::thread_pool io(2);
   tracked c{layer_kv_cache(io, config, pool), {}};
   c.initialize(1);
-  std::size_t peak = 0, allocated = zero_blocks_per_cache;
+  std::size_t peak = 0;
   // After each step: in use is what the model holds (no step below copies a
-  // block), freed blocks wait on the free list, and memory is only allocated
-  // when the free list cannot supply it.
-  auto check = [&](const char* step) {
+  // block); memory is whole extents plus the cache's zero block, and every
+  // slot not in use is free.
+  auto check = [&](const char* step, std::size_t extents) {
     const kv_pool_stats s = pool.stats();
     const std::size_t in_use = blocks_for(c.expected.stored, bt);
     peak = std::max(peak, in_use);
-    allocated = std::max(allocated, in_use + zero_blocks_per_cache);
     INFO(step << ": in use " << s.blocks_in_use << ", free " << s.blocks_free << ", peak " << s.peak_blocks_in_use
               << ", allocated " << s.blocks_allocated << "; expected in use " << in_use << ", peak " << peak
-              << ", allocated " << allocated);
+              << ", extents " << extents);
     CHECK(s.blocks_in_use == in_use);
     CHECK(s.peak_blocks_in_use == peak);
-    CHECK(s.blocks_allocated == allocated);
-    CHECK(s.blocks_free == allocated - in_use - zero_blocks_per_cache);
+    CHECK(s.blocks_allocated == extents * slots + zero_blocks_per_cache);
+    CHECK(s.blocks_free == extents * slots - in_use);
+    CHECK(ghostlink::detail::census(pool).extents == extents);
     CHECK(c.cache.stats().bytes_in_use == in_use * pool.block_bytes());
     CHECK(c.diff() == "");
   };
-  check("initialized");
+  check("initialized", 0);
   c.write(0, 3 * bt, 1);
-  check("three blocks written");
+  check("three blocks written: one extent", 1);
   c.truncate(0);
-  check("truncated to 0");
+  check("truncated to 0: the extent stays the cache's", 1);
   c.write(0, 2 * bt, 2);
-  check("two blocks written again, from the free list");
-
+  check("two blocks written again, in the same extent", 1);
   pool.trim();
-  allocated = blocks_for(c.expected.stored, bt) + zero_blocks_per_cache;
-  check("trimmed");
-  c.write(2 * bt, 4 * bt, 3);
-  check("two more blocks, newly allocated");
+  check("trimmed: the extent holds blocks", 1);
+  c.cache = layer_kv_cache{};
+  io.join();  // the actor's last drain has let go of the cache's blocks and its cursor
+  pool.trim();
+  CHECK(pool.stats().blocks_in_use == 0);
+  CHECK(pool.stats().blocks_allocated == 0);
+  CHECK(pool.stats().blocks_free == 0);
+  CHECK(ghostlink::detail::census(pool).extents == 0);
+}
+
+TEST_CASE("the blocks a cache fills one after another are one run of keys and one of values, a copy-on-write block "
+          "a run of its own",
+          "[block_pool]") {
+  const kv_cache_config config = small_config();  // 4-token blocks, 16 tokens at most
+  const std::size_t bt = config.block_tokens, width = config.token_width();
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  asio::thread_pool io(2);
+  tracked parent = make_written(io, pool, 4 * bt);
+  tracked child = parent.fork();
+  child.write(bt + 1, 7);  // block 1 copied: the child's alone, elsewhere
+  const auto runs_of = [&](const tracked& t) {
+    std::vector<std::pair<std::size_t, std::size_t>> runs;
+    std::size_t not_adjacent = 0;
+    const kv_snapshot snap = t.cache.snapshot();
+    REQUIRE_FALSE(snap.for_each_block(0, snap.size(), [&](std::size_t first, std::size_t n, auto k, auto v) {
+      runs.emplace_back(first, n);
+      // Within a run, token i's keys (values) follow token i - 1's.
+      if (k.size() != n * width || v.size() != n * width) ++not_adjacent;
+    }));
+    CHECK(not_adjacent == 0);
+    return runs;
+  };
+  using runs = std::vector<std::pair<std::size_t, std::size_t>>;
+  CHECK(runs_of(parent) == runs{{0, 4 * bt}});
+  CHECK(runs_of(child) == runs{{0, bt}, {bt, bt}, {2 * bt, 2 * bt}});
+  CHECK(parent.diff() == "");
+  CHECK(child.diff() == "");
+}
+
+TEST_CASE("caches filled at once from two threads each find their blocks in runs of whole extents", "[block_pool]") {
+  kv_cache_config config = small_config();
+  config.max_tokens_per_seq = 4096;
+  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
+  const std::size_t blocks = 5 * slots + 3;  // 5 whole extents and part of one
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  asio::thread_pool io(2);
+  constexpr std::size_t caches = 6;
+  std::vector<tracked> t;
+  for (std::size_t i = 0; i < caches; ++i) {
+    t.push_back({layer_kv_cache(io, config, pool), {}});
+    t.back().initialize(1);
+  }
+  // Token by token, every cache's write started before any is awaited: the
+  // actors allocate on both threads at once, interleaved.
+  for (std::size_t token = 0; token < blocks * bt; ++token) {
+    std::vector<std::future<void>> writes;
+    std::vector<batch_data> data;
+    data.reserve(caches);
+    for (std::size_t i = 0; i < caches; ++i) {
+      data.emplace_back(config.token_width(), token, token + 1, static_cast<int>(i + 1));
+      writes.push_back(t[i].cache.async_write_batch(data.back().entries, asio::use_future));
+      t[i].expected.write(token, token + 1, static_cast<int>(i + 1));
+    }
+    for (auto& w : writes) w.get();
+  }
+  for (std::size_t i = 0; i < caches; ++i) {
+    std::size_t runs = 0;
+    const kv_snapshot snap = t[i].cache.snapshot();
+    REQUIRE_FALSE(snap.for_each_block(0, snap.size(), [&](auto, auto, auto, auto) { ++runs; }));
+    INFO("cache " << i << ": " << runs << " runs of " << blocks << " blocks");
+    CHECK(runs == blocks_for(blocks, slots));
+    CHECK(t[i].diff() == "");
+  }
+  // Memory: the blocks in whole extents (each cache's last one part used).
+  CHECK(pool.stats().blocks_allocated == caches * blocks_for(blocks, slots) * slots + caches);
+}
+
+TEST_CASE("a budget not a multiple of an extent is reached exactly, from slots any cache freed", "[block_pool]") {
+  kv_cache_config config = small_config();
+  config.max_tokens_per_seq = 4096;
+  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
+  const std::size_t budget = slots + slots / 2 + 1;
+  kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
+  asio::thread_pool io(2);
+  tracked a{layer_kv_cache(io, config, pool), {}}, b{layer_kv_cache(io, config, pool), {}};
+  a.initialize(1);
+  b.initialize(1);
+  // Block by block, in turn, until the budget is spent.
+  std::size_t held = 0;
+  for (std::size_t i = 0; held < budget; ++i) {
+    tracked& c = i % 2 == 0 ? a : b;
+    c.write(c.expected.stored, c.expected.stored + bt, static_cast<int>(i + 1));
+    ++held;
+  }
+  CHECK(pool.stats().blocks_in_use == budget);
+  CHECK(write(a.cache, a.expected.stored, a.expected.stored + 1, 99) == kv_errc::capacity_exhausted);
+  CHECK(pool.stats().blocks_allocated <= blocks_for(budget, slots) * slots + 2);  // + the zero blocks
+  // b's blocks, freed, are a's to take: no more memory.
+  const std::uint64_t allocated = pool.stats().blocks_allocated;
+  const std::size_t freed = blocks_for(b.expected.stored, bt);
+  b.truncate(0);
+  for (std::size_t i = 0; i < freed; ++i) a.write(a.expected.stored, a.expected.stored + bt, 100 + static_cast<int>(i));
+  CHECK(pool.stats().blocks_in_use == budget);
+  CHECK(pool.stats().blocks_allocated == allocated);
+  CHECK(write(a.cache, a.expected.stored, a.expected.stored + 1, 99) == kv_errc::capacity_exhausted);
+  CHECK(a.diff() == "");
+  CHECK(b.diff() == "");
+}
+
+TEST_CASE("a cache that appends and rolls back again and again holds at most two extents", "[block_pool]") {
+  kv_cache_config config = small_config();
+  config.max_tokens_per_seq = 64;
+  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  asio::thread_pool io(2);
+  tracked c = make_written(io, pool, bt);
+  for (int cycle = 0; cycle < 200; ++cycle) {
+    const kv_snapshot pin = c.cache.snapshot();  // so the appended blocks are fresh ones, never rewritten in place
+    c.write(bt, 3 * bt, cycle + 2);
+    c.truncate(bt);
+  }
+  INFO("allocated " << pool.stats().blocks_allocated << ", free " << pool.stats().blocks_free);
+  CHECK(pool.stats().blocks_allocated <= 2 * slots + 1);
+  CHECK(c.diff() == "");
 }
 
 TEST_CASE("blocks referenced by a fork or by a pinned older epoch count as shared until one side lets go",

@@ -696,7 +696,8 @@ TEST_CASE("a well-formed entry of another geometry under the right hash is refus
   detail::entry_geometry relabelled(2, config(), 1, sizeof(float));
   for (const detail::entry_geometry& g : {swapped, relabelled}) {
     std::vector<std::byte> payload(g.block_bytes(), std::byte{0x3f});
-    const std::vector<const std::byte*> layers(2, payload.data());
+    const std::vector<const std::byte*> layers{payload.data(), payload.data() + g.block_bytes() / 2, payload.data(),
+                                               payload.data() + g.block_bytes() / 2};
     std::vector<std::byte> forged(g.entry_bytes());
     detail::encode_entry(g, h, layers, forged);
     REQUIRE(forged.size() == read_file(f.file_of(ids, 0)).size());

@@ -16,11 +16,12 @@ namespace {
 /// An epoch whose one block carries its number in its first key, so a reader
 /// that holds a freed or recycled epoch sees a wrong number (and ASan sees
 /// the use after free).
-float& first_key(block& b) { return *reinterpret_cast<float*>(b.payload()); }
+float& first_key(block& b) { return *reinterpret_cast<float*>(b.keys()); }
 
 ref_ptr<epoch> numbered_epoch(block_pool& pool, std::uint64_t number) {
   auto chunk = ref_ptr<table_chunk>::adopt(new table_chunk(number));
-  chunk->blocks[0] = block::make(pool, number);
+  block_cursor cursor(pool);
+  chunk->blocks[0] = block::make(pool, cursor, number);
   REQUIRE(chunk->blocks[0]);
   first_key(*chunk->blocks[0]) = static_cast<float>(number);
   auto table = ref_ptr<block_table>::adopt(new block_table(number));

@@ -50,14 +50,17 @@ struct kv_pool_stats {
   std::size_t block_bytes = 0;         ///< Payload bytes of one block (keys and values).
   std::size_t max_blocks = 0;          ///< The budget, in blocks.
   std::size_t blocks_in_use = 0;       ///< Blocks some cache, epoch, snapshot, prefix cache or reservation holds.
-  std::size_t blocks_free = 0;         ///< Freed blocks kept for reuse (see `kv_block_pool::trim`).
+  /// Block slots of the pool's extents that hold no block: freed, or not
+  /// yet used (see `kv_block_pool::trim`).
+  std::size_t blocks_free = 0;
   std::size_t peak_blocks_in_use = 0;  ///< The most blocks in use at once so far.
   /// Blocks referenced from more than one place: shared by forks, or by two
   /// epochs of one cache while a snapshot pins the older.
   std::size_t blocks_shared = 0;
   std::uint64_t cow_copies = 0;  ///< Blocks copied because a write hit a shared one.
-  /// Blocks' memory obtained from the system and not yet returned (in use,
-  /// free, and each cache's one block of zeros, which the budget exempts).
+  /// Blocks' memory obtained from the system and not yet returned: the
+  /// slots of every extent (in use and free), and each cache's one block
+  /// of zeros, which the budget exempts.
   std::uint64_t blocks_allocated = 0;
 
   /// Of `blocks_in_use`, the distinct blocks a prefix cache references
