@@ -7,8 +7,10 @@
 // softmax takes two and rescales at every token. Runs are taken in chunks
 // of at most `chunk_tokens`, the size of the portable path's scratch.
 //
-// A snapshot's runs are blocks, each elsewhere in memory, and the
-// hardware's prefetchers start over at each. So runs are attended a few
+// A snapshot's runs are the blocks its cache filled one after another,
+// which lie next to each other (one extent: src/block_pool.hpp), and the
+// hardware's prefetchers start over at each run. Short runs (a block here,
+// a block there: copies on write, blocks from a store) are attended a few
 // behind the one added, and while one is attended the run that many ahead
 // is prefetched into L2, a token per token (attention_pass::hold).
 //

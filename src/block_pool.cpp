@@ -3,8 +3,8 @@
 
 #include <algorithm>
 #include <bit>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <system_error>
@@ -34,7 +34,7 @@ std::atomic<std::size_t> unbalanced_pools{0};
 /// block sets its bit from whatever thread frees it; the pool's lock is
 /// taken only when a slot frees up in a full extent or leaves it unused,
 /// and when a cursor needs another extent.
-struct extent {
+struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw storage, blocks built in it
   static constexpr std::uint32_t all_free = (std::uint32_t{1} << block_pool::extent_slots) - 1;
 
   alignas(block_alignment) std::byte headers[block_pool::extent_slots][block::header_bytes];
@@ -182,8 +182,8 @@ void block_pool::classify(extent& e) noexcept {
 extent* block_pool::grow() noexcept {
   if (slots_ > max_slots_ - extent_slots) return nullptr;
   const std::size_t half = payload_bytes_ / 2;
-  void* memory = ::operator new(sizeof(extent) + extent_slots * payload_bytes_, std::align_val_t{block_alignment},
-                                std::nothrow);
+  void* memory =
+      ::operator new(sizeof(extent) + extent_slots * payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
   if (!memory) return nullptr;
   auto* e = ::new (memory) extent;
   e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
@@ -218,31 +218,31 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
   }
   const std::lock_guard lock(extents_mutex_);
   leave(cursor);
-  extent* e = nullptr;
   // An unused extent; else a new one, while the free slots spread over the
   // others are fewer than an extent per cursor; else any free slot; else a
-  // new extent after all, within the budget.
-  while (unused_ && !e) {
+  // new extent after all, within the budget; else a slot freed while its
+  // extent waits for this lock to go on a stack.
+  extent* e = nullptr;
+  const auto take = [&](extent* candidate) {
+    if (candidate && candidate->claim(0, slot)) e = candidate;
+    return e != nullptr;
+  };
+  while (!e && unused_) {
     extent* const top = std::exchange(unused_, unused_->next_unused);
     top->on_unused = false;
-    if (top->unused()) e = top;
+    if (top->unused()) take(top);
   }
-  const bool spread = free_count_.load(std::memory_order_relaxed) >= extent_slots * (cursors_ + 1);
-  if (!e && !spread) e = grow();
-  bool claimed = e && e->claim(0, slot);
-  while (!claimed && partial_) {
-    e = partial_;
-    claimed = e->claim(0, slot);
-    if (!claimed || e->free_mask.load(std::memory_order_relaxed) == 0) {  // full: off the stack
-      partial_ = e->next_partial;
-      e->on_partial = false;
+  if (!e && free_count_.load(std::memory_order_relaxed) < extent_slots * (cursors_ + 1)) take(grow());
+  while (!e && partial_) {
+    extent* const top = partial_;
+    if (!take(top) || top->free_mask.load(std::memory_order_relaxed) == 0) {  // full: off the stack
+      partial_ = top->next_partial;
+      top->on_partial = false;
     }
   }
-  if (!claimed && (e = grow())) claimed = e->claim(0, slot);
-  // A slot freed while its extent waits for this lock to go on a stack.
-  for (extent* x = all_; !claimed && x; x = x->next_all)
-    if (x->claim(0, slot)) e = x, claimed = true;
-  if (!claimed) return {};
+  if (!e) take(grow());
+  for (extent* x = all_; !e && x; x = x->next_all) take(x);
+  if (!e) return {};
   cursor.extent_ = e;
   cursor.next_ = slot + 1;
   ++e->cursors;

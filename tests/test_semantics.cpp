@@ -194,7 +194,8 @@ TEST_CASE("read_range with begin == end succeeds empty, also at the size", "[rea
   }
 }
 
-TEST_CASE("for_each_block visits each stored run once, in order, with the stored data; blocks filled one after another are one run",
+TEST_CASE("for_each_block visits each stored run once, in order, with the stored data; blocks filled one after another "
+          "are one run",
           "[read]") {
   fixture f;  // block_tokens = 4
   REQUIRE_FALSE(f.sync.initialize(14));

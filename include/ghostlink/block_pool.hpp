@@ -80,17 +80,31 @@ class kv_block_reservation {
 /// write that needs a block fails with
 /// `kv_errc::capacity_exhausted` and stores nothing. Blocks come back when no
 /// epoch needs them any more (a truncate, the last snapshot of an old epoch
-/// released, a cache destroyed) and go to a free list for reuse,
-/// not to the system; `trim()` returns the free ones to the system.
+/// released, a cache destroyed) and their memory is reused, not returned
+/// to the system; `trim()` returns what no block uses.
+///
+/// Memory comes in extents of 16 blocks, each laid out as the keys of all
+/// 16, then the values of all 16. Each cache fills an extent of its own,
+/// slot after slot, so the blocks it fills one after another (a prefill,
+/// a decode) lie next to each other, keys after keys and values after
+/// values; a snapshot's `for_each_block` hands such blocks over as one run,
+/// and `attend` reads them as it reads one buffer. A cache that has used up
+/// its extent takes one no block uses, else a new one, else any free slot:
+/// the pool grows by a new extent only while fewer than 16 free slots per
+/// cache filling one are spread over the others, and never past its budget
+/// rounded up to whole extents. So memory holds the blocks in use plus at
+/// most about one extent per cache that is writing. `stats()` counts
+/// `blocks_allocated` in whole extents (plus each cache's block of zeros).
 ///
 /// A destroyed cache's blocks come back once its actor has finished its last
 /// drain, which may be just after the last write's handler has run.
 ///
-/// Cost: taking or returning a block is a push or pop on the free list, a
-/// stack under a mutex held for a few instructions, and a few atomic
-/// operations on the counters; a block the free list cannot supply comes
-/// from `operator new`. The pool lives until its last block is freed, even
-/// if every handle is gone. All members are safe from any thread.
+/// Cost: taking a block is a compare-exchange on its extent's mask of free
+/// slots and a few atomic operations on the counters; a mutex is taken once
+/// per extent a cache fills, and when a freed block leaves its extent
+/// unused or frees its first slot. Extents come from `operator new`. The
+/// pool lives until its last block is freed, even if every handle is gone.
+/// All members are safe from any thread.
 class kv_block_pool {
  public:
   /// A pool of blocks of `block_bytes` payload bytes each.
@@ -146,7 +160,8 @@ class kv_block_pool {
   kv_block_reservation reserve(std::size_t blocks) const;
   /// As above, setting `ec` instead of throwing (an empty reservation then).
   kv_block_reservation reserve(std::size_t blocks, std::error_code& ec) const noexcept;
-  /// Returns every free block's memory to the system.
+  /// Returns to the system every extent no block uses and no cache is
+  /// filling (a cache keeps the extent it fills while it lives).
   void trim() noexcept;
   /// Reports every later block allocation and free of this pool, and every
   /// epoch a cache on it publishes, to `handler` (see `kv_event_handler`

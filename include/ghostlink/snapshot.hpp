@@ -116,7 +116,9 @@ class basic_kv_snapshot {
   }
 
   /// Zero-copy read: calls `f(first_index, count, keys, values)` once per
-  /// stored run of consecutive tokens in `[begin, end)`, in order; the spans
+  /// stored run of consecutive tokens in `[begin, end)`, in order (a run is
+  /// a block, or blocks the cache filled one after another, which lie next
+  /// to each other in the pool's memory); the spans
   /// (`std::span<const T>`, `count * token_width()` elements each) point
   /// into the cache's blocks and stay valid while this snapshot lives.
   /// @return `invalid_range` or `range_out_of_bounds` as `read_range`; `f`

@@ -16,8 +16,9 @@ namespace detail {
 struct epoch;
 struct epoch_access;
 
-/// Consecutive tokens `[first, first + count)` that one block holds: their
-/// keys and their values, `count` tokens of the cache's element type each.
+/// Consecutive tokens `[first, first + count)` stored in one run of memory
+/// (one block, or blocks that lie next to each other): their keys and their
+/// values, `count` tokens of the cache's element type each.
 struct stored_run {
   std::size_t first;
   std::size_t count;
@@ -41,7 +42,9 @@ inline void prefetch_run(const stored_run& r) noexcept {
 
 /// Fills `out` with the runs of `e` that cover tokens `[first, end)` from
 /// `first` on (`first < end <= e`'s size), in order; returns how many (at
-/// least one). Tokens never written point into a block of zeros.
+/// least one). Consecutive blocks whose keys and values lie right after
+/// the previous block's are one run. Tokens never written point into a
+/// block of zeros.
 std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std::span<stored_run> out) noexcept;
 /// Releases a pin taken by pin() (src/actor.hpp); may free the epoch.
 void unpin(const epoch& e) noexcept;
