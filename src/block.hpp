@@ -112,6 +112,13 @@ class block {
   const std::byte* values() const noexcept { return values_; }
   /// Its slot in its pool's extent, or block_memory::standalone.
   std::uint8_t slot() const noexcept { return slot_; }
+  /// Whether `next` is in the slot after this one's in the same extent, so
+  /// that its keys and values lie right after this block's: the only
+  /// block whose header is the next 64 bytes (an extent's headers are an
+  /// array followed by no block; a standalone block's by its payload).
+  bool followed_by(const block& next) const noexcept {
+    return reinterpret_cast<const std::byte*>(&next) == reinterpret_cast<const std::byte*>(this) + header_bytes;
+  }
 
   block_pool& pool() const noexcept { return *pool_; }
   /// The cache that made this block and alone may write into it; 0 for the

@@ -35,10 +35,12 @@ std::atomic<std::size_t> unbalanced_pools{0};
 /// taken only when a slot frees up in a full extent or leaves it unused,
 /// and when a cursor needs another extent.
 struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw storage, blocks built in it
-  static constexpr std::uint32_t all_free = (std::uint32_t{1} << block_pool::extent_slots) - 1;
+  using mask = std::uint64_t;
+  static_assert(block_pool::extent_slots < 64);
+  static constexpr mask all_free = (mask{1} << block_pool::extent_slots) - 1;
 
   alignas(block_alignment) std::byte headers[block_pool::extent_slots][block::header_bytes];
-  std::atomic<std::uint32_t> free_mask{all_free};  // bit i: slot i holds no block
+  std::atomic<mask> free_mask{all_free};  // bit i: slot i holds no block
   std::byte* keys = nullptr;                       // slot i's at keys + i * half
   std::byte* values = nullptr;                     // slot i's at values + i * half
   // The pool's, under its extents_mutex_.
@@ -55,13 +57,13 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   /// Claims the lowest free slot from `from` on; false when there is none.
   bool claim(unsigned from, unsigned& slot) noexcept {
     if (from >= block_pool::extent_slots) return false;
-    std::uint32_t mask = free_mask.load(std::memory_order_relaxed);
+    mask m = free_mask.load(std::memory_order_relaxed);
     for (;;) {
-      const std::uint32_t open = mask & ~((std::uint32_t{1} << from) - 1);
+      const mask open = m & ~((mask{1} << from) - 1);
       if (open == 0) return false;
       slot = static_cast<unsigned>(std::countr_zero(open));
       // acquire: the last holder's use of the slot happens-before ours.
-      if (free_mask.compare_exchange_weak(mask, mask & ~(std::uint32_t{1} << slot), std::memory_order_acquire,
+      if (free_mask.compare_exchange_weak(m, m & ~(mask{1} << slot), std::memory_order_acquire,
                                           std::memory_order_relaxed))
         return true;
     }
@@ -270,8 +272,8 @@ void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
   extent& e = extent::of(header, slot);
   free_count_.fetch_add(1, std::memory_order_relaxed);
   // release: this block's use of the slot happens-before the next claim.
-  const std::uint32_t bit = std::uint32_t{1} << slot;
-  const std::uint32_t before = e.free_mask.fetch_or(bit, std::memory_order_acq_rel);
+  const extent::mask bit = extent::mask{1} << slot;
+  const extent::mask before = e.free_mask.fetch_or(bit, std::memory_order_acq_rel);
   if (before != 0 && (before | bit) != extent::all_free) return;  // on its stack already, or a cursor's
   const std::lock_guard lock(extents_mutex_);
   classify(e);

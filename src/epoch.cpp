@@ -42,19 +42,20 @@ std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std:
   const block_layout& layout = *e.layout;
   std::size_t n = 0;
   while (first < end && n < out.size()) {
-    const block& b = e.block_of(first);
+    const block* last = &e.block_of(first);
     const std::size_t position = first % layout.block_tokens;
-    stored_run r{first, e.run_from(first, end), layout.keys(b, position), layout.values(b, position)};
+    stored_run r{first, e.run_from(first, end), layout.keys(*last, position), layout.values(*last, position)};
     first += r.count;
-    // The blocks after it that lie right after it, keys and values alike
-    // (consecutive slots of one extent): one run.
+    // The blocks in the next slots of the same extent, whose keys and
+    // values lie right after: the same run. Told from the table's pointers
+    // alone, without reading their headers.
     while (first < end && first < e.stored) {
-      const block& next = e.block_of(first);
-      const std::size_t bytes = r.count * layout.token_bytes;
-      if (next.keys() != r.keys + bytes || next.values() != r.values + bytes) break;
+      const block* next = &e.block_of(first);
+      if (!last->followed_by(*next)) break;
       const std::size_t count = e.run_from(first, end);
       r.count += count;
       first += count;
+      last = next;
     }
     out[n++] = r;
   }
