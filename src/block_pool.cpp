@@ -41,6 +41,7 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
 
   alignas(block_alignment) std::byte headers[block_pool::extent_slots][block::header_bytes];
   std::atomic<mask> free_mask{all_free};  // bit i: slot i holds no block
+  std::atomic<unsigned> freeing{0};       // frees between setting their bit and putting it on its stack
   std::byte* keys = nullptr;                       // slot i's at keys + i * half
   std::byte* values = nullptr;                     // slot i's at values + i * half
   // The pool's, under its extents_mutex_.
@@ -71,7 +72,12 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   block_memory memory(unsigned slot, std::size_t half) noexcept {
     return {headers[slot], keys + slot * half, values + slot * half, static_cast<std::uint8_t>(slot)};
   }
-  bool unused() const noexcept { return cursors == 0 && free_mask.load(std::memory_order_acquire) == all_free; }
+  /// No block, no cursor, and no free still to put it on its stack (the
+  /// mask first: a free counts itself before it sets its bit).
+  bool unused() const noexcept {
+    return cursors == 0 && free_mask.load(std::memory_order_acquire) == all_free &&
+           freeing.load(std::memory_order_acquire) == 0;
+  }
 };
 
 block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks)
@@ -271,12 +277,19 @@ void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
   }
   extent& e = extent::of(header, slot);
   free_count_.fetch_add(1, std::memory_order_relaxed);
+  // Counted until done with `e`, so that no trim() frees it before this
+  // free has put it on its stack.
+  e.freeing.fetch_add(1, std::memory_order_relaxed);
   // release: this block's use of the slot happens-before the next claim.
   const extent::mask bit = extent::mask{1} << slot;
   const extent::mask before = e.free_mask.fetch_or(bit, std::memory_order_acq_rel);
-  if (before != 0 && (before | bit) != extent::all_free) return;  // on its stack already, or a cursor's
-  const std::lock_guard lock(extents_mutex_);
-  classify(e);
+  if (before == 0 || (before | bit) == extent::all_free) {  // was full, or now unused: its stack changes
+    const std::lock_guard lock(extents_mutex_);
+    e.freeing.fetch_sub(1, std::memory_order_release);
+    classify(e);
+    return;
+  }
+  e.freeing.fetch_sub(1, std::memory_order_release);  // on its stack already, or a cursor's
 }
 
 void block_pool::set_event_handler(kv_event_handler handler) {

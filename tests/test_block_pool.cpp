@@ -3,8 +3,10 @@
 #include "pool_support.hpp"
 
 #include "asio_compat.hpp"
+#include "block.hpp"
 #include "testing.hpp"
 
+#include <atomic>
 #include <functional>
 #include <latch>
 #include <thread>
@@ -578,3 +580,43 @@ TEST_CASE("blocks shared by a fork are freed exactly once when both sides let go
 }
 
 }  // namespace block_pool_tests
+
+TEST_CASE("trim() on one thread while another frees the last block of extents frees each extent once, after its free",
+          "[block_pool][concurrency]") {
+  using namespace ghostlink::detail;
+  auto pool = ref_ptr<block_pool>::adopt(new block_pool(std::size_t{2} * 4 * sizeof(float), SIZE_MAX));
+  std::atomic<bool> done{false};
+  std::latch start(2);
+  std::size_t trims = 0;
+  std::thread trimmer([&] {
+    start.arrive_and_wait();
+    // Bounded: the freeing thread stops after a fixed count, then so does this.
+    while (!done.load(std::memory_order_acquire)) {
+      pool->trim();
+      ++trims;
+    }
+  });
+  start.arrive_and_wait();
+  std::size_t wrong = 0;
+  for (int round = 0; round < 2000; ++round) {
+    std::vector<ref_ptr<block>> blocks;
+    {
+      block_cursor cursor(*pool);
+      for (int i = 0; i < 3; ++i) {
+        blocks.push_back(block::make(*pool, cursor, 1));
+        REQUIRE(blocks.back());
+        *reinterpret_cast<int*>(blocks.back()->keys()) = round;
+      }
+    }  // no cursor fills the extent now: the last free below leaves it unused
+    for (const ref_ptr<block>& b : blocks) wrong += *reinterpret_cast<const int*>(b->keys()) != round ? 1 : 0;
+    blocks.clear();
+  }
+  done.store(true, std::memory_order_release);
+  trimmer.join();
+  CHECK(wrong == 0);
+  CHECK(trims > 0);
+  CHECK(pool->blocks_in_use() == 0);
+  pool->trim();
+  CHECK(pool->census().extents == 0);
+  CHECK(pool->blocks_allocated() == 0);
+}
