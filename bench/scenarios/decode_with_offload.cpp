@@ -9,7 +9,8 @@
 // - ghostlink: the sequence is a sequence_kv_cache decoded through
 //   sequence steps (begin, per layer write then attend over
 //   step.snapshot(l), commit), under a kv_prefix_cache whose store is a
-//   kv_file_store (defaults: no fsync, the library's 2 I/O threads) with
+//   kv_file_store (no fsync, the default; its I/O on a pool of one thread,
+//   as many as the baseline's writer) with
 //   write_through; the offload is cache.insert_stored_tokens(seq), whose new
 //   entry is written through from the blocks themselves (no copy on the
 //   decode thread). Every sequence's prompt is the same 2048 token ids, so
@@ -125,7 +126,8 @@ outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vec
   asio::thread_pool threads(o.threads);
   const kv_cache_config config = offload_config(o);
   const auto pool = kv_block_pool::for_caches(config);
-  const auto store = std::make_shared<kv_file_store>(dir.path);
+  asio::thread_pool io(1);  // as many offloading threads as the baseline's writer; outlives the store
+  const auto store = std::make_shared<kv_file_store>(dir.path, kv_file_store_limits{.io_executor = io.get_executor()});
   kv_prefix_cache cache(o.layers, config, pool,
                         {.model = "ghostlink-bench", .store = store, .store_policy = kv_store_policy::write_through});
   std::vector<token_id> ids(context);
@@ -313,7 +315,7 @@ void decode_with_offload(const options& o, report& out) {
                    " offloading every completed " + std::to_string(o.block_tokens) + "-token block (" +
                    std::to_string(entry_frame + o.layers * 2 * o.block_tokens * o.config().token_width() * 4) +
                    "-byte file) offloaded to a temporary directory, no fsync. ghostlink: sequence steps, "
-                   "insert_stored_tokens into a prefix cache with a write-through kv_file_store (2 I/O threads); "
+                   "insert_stored_tokens into a prefix cache with a write-through kv_file_store (1 I/O thread); "
                    "zero_copy: the block copied under each layer's shared lock, 1 writer thread. Targets: "
                    "ghostlink steps/s >= zero_copy's, p99 TPOT <= zero_copy's");
 }
