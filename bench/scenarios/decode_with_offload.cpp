@@ -9,8 +9,8 @@
 // - ghostlink: the sequence is a sequence_kv_cache decoded through
 //   sequence steps (begin, per layer write then attend over
 //   step.snapshot(l), commit), under a kv_prefix_cache whose store is a
-//   kv_file_store (no fsync, the default; its I/O on a pool of one thread,
-//   as many as the baseline's writer) with
+//   kv_file_store (no fsync, the default; its I/O on a pool of
+//   offload_threads, as many as the baseline's writer has) with
 //   write_through; the offload is cache.insert_stored_tokens(seq), whose new
 //   entry is written through from the blocks themselves (no copy on the
 //   decode thread). Every sequence's prompt is the same 2048 token ids, so
@@ -60,6 +60,7 @@ namespace {
 
 constexpr std::size_t context = 2048;
 constexpr std::size_t entry_frame = 96 + 8;  // a store entry's header and trailing checksum
+constexpr std::size_t offload_threads = 1;  // each side's: the baseline's entry_writer, the file store's I/O pool
 
 /// Steps of each sequence in the reference phase and the offloading one.
 std::size_t reference_steps(const options& o) { return 2 * o.block_tokens; }
@@ -126,7 +127,7 @@ outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vec
   asio::thread_pool threads(o.threads);
   const kv_cache_config config = offload_config(o);
   const auto pool = kv_block_pool::for_caches(config);
-  asio::thread_pool io(1);  // as many offloading threads as the baseline's writer; outlives the store
+  asio::thread_pool io(offload_threads);  // outlives the store
   const auto store = std::make_shared<kv_file_store>(dir.path, kv_file_store_limits{.io_executor = io.get_executor()});
   kv_prefix_cache cache(o.layers, config, pool,
                         {.model = "ghostlink-bench", .store = store, .store_policy = kv_store_policy::write_through});
@@ -315,9 +316,11 @@ void decode_with_offload(const options& o, report& out) {
                    " offloading every completed " + std::to_string(o.block_tokens) + "-token block (" +
                    std::to_string(entry_frame + o.layers * 2 * o.block_tokens * o.config().token_width() * 4) +
                    "-byte file) offloaded to a temporary directory, no fsync. ghostlink: sequence steps, "
-                   "insert_stored_tokens into a prefix cache with a write-through kv_file_store (1 I/O thread); "
-                   "zero_copy: the block copied under each layer's shared lock, 1 writer thread. Targets: "
-                   "ghostlink steps/s >= zero_copy's, p99 TPOT <= zero_copy's");
+                   "insert_stored_tokens into a prefix cache with a write-through kv_file_store (" +
+                   std::to_string(offload_threads) +
+                   " I/O thread); zero_copy: the block copied under each layer's shared lock, " +
+                   std::to_string(offload_threads) +
+                   " writer thread. Targets: ghostlink steps/s >= zero_copy's, p99 TPOT <= zero_copy's");
 }
 
 }  // namespace ghostlink::bench
