@@ -189,19 +189,51 @@ void block_pool::classify(extent& e) noexcept {
 
 extent* block_pool::grow() noexcept {
   if (slots_ > max_slots_ - extent_slots) return nullptr;
-  const std::size_t half = payload_bytes_ / 2;
+  extent* const e = new_extent();
+  if (e) adopt(*e);
+  return e;
+}
+
+extent* block_pool::new_extent() const noexcept {
   void* memory =
       ::operator new(sizeof(extent) + extent_slots * payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
   if (!memory) return nullptr;
   auto* e = ::new (memory) extent;
   e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
-  e->values = e->keys + extent_slots * half;
-  e->next_all = std::exchange(all_, e);
-  if (e->next_all) e->next_all->prev_all = e;
+  e->values = e->keys + extent_slots * (payload_bytes_ / 2);
+  return e;
+}
+
+void block_pool::adopt(extent& e) noexcept {
+  e.next_all = std::exchange(all_, &e);
+  if (e.next_all) e.next_all->prev_all = &e;
   slots_ += extent_slots;
   allocated_.fetch_add(extent_slots, std::memory_order_relaxed);
   free_count_.fetch_add(extent_slots, std::memory_order_relaxed);
-  return e;
+}
+
+std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
+  if (blocks > max_slots_) return kv_errc::capacity_exhausted;
+  for (;;) {
+    {
+      const std::lock_guard lock(extents_mutex_);
+      if (slots_ >= blocks) return {};
+    }
+    if (count_down(failures_) > 0) return std::make_error_code(std::errc::not_enough_memory);
+    extent* const e = new_extent();
+    if (!e) return std::make_error_code(std::errc::not_enough_memory);
+    // Written outside the lock, before any cursor can take a slot of it:
+    // every page is the process's now, not at a first write while serving.
+    std::memset(e->keys, 0, extent_slots * payload_bytes_);
+    const std::lock_guard lock(extents_mutex_);
+    if (slots_ > max_slots_ - extent_slots) {  // others grew it meanwhile: full
+      e->~extent();
+      ::operator delete(e, std::align_val_t{block_alignment});
+      return slots_ >= blocks ? std::error_code{} : make_error_code(kv_errc::capacity_exhausted);
+    }
+    adopt(*e);
+    classify(*e);
+  }
 }
 
 void block_pool::free_extent(extent& e) noexcept {
@@ -468,6 +500,15 @@ kv_block_reservation kv_block_pool::reserve(std::size_t blocks, std::error_code&
   state_->count_reserved(static_cast<std::int64_t>(blocks));
   state_->add_ref();
   return {state_, blocks};
+}
+
+void kv_block_pool::preallocate(std::size_t blocks, std::error_code& ec) noexcept { ec = state_->preallocate(blocks); }
+
+void kv_block_pool::preallocate(std::size_t blocks) {
+  std::error_code ec;
+  preallocate(blocks, ec);
+  if (ec == std::errc::not_enough_memory) throw std::bad_alloc();
+  if (ec) throw std::system_error(ec);
 }
 
 kv_block_reservation kv_block_pool::reserve(std::size_t blocks) const {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <utility>
 #include "ghostlink/detail/flavour.hpp"
 
@@ -145,7 +146,7 @@ class block_pool : public ref_counted<block_pool> {
     reserved_.fetch_add(static_cast<std::size_t>(delta), std::memory_order_relaxed);
   }
   /// Slots of one extent.
-  static constexpr unsigned extent_slots = 16;
+  static constexpr unsigned extent_slots = kv_block_pool::extent_blocks;
   /// Memory for one counted block: the slot of `cursor`'s extent after the
   /// one it gave last if that is free, else as the class comment says;
   /// empty when the system has none.
@@ -154,6 +155,12 @@ class block_pool : public ref_counted<block_pool> {
   block_memory take_standalone() noexcept;
   /// Frees the memory of a block (its header at `header`, in `slot`).
   void give_memory(void* header, std::uint8_t slot) noexcept;
+  /// Grows the pool, in whole extents with every page written, until its
+  /// extents hold at least `blocks` slots. Returns `kv_errc::capacity_exhausted`
+  /// (nothing added) when `blocks` is past the budget rounded up to whole
+  /// extents, `std::errc::not_enough_memory` when the system runs out (the
+  /// extents added before stay, unused: trim() returns them).
+  std::error_code preallocate(std::size_t blocks) noexcept;
   /// Returns to the system every extent no block uses and no cursor fills.
   void trim() noexcept;
   /// Extents now, and of them the unused (a test hook: src/testing.hpp).
@@ -201,6 +208,10 @@ class block_pool : public ref_counted<block_pool> {
   void classify(extent& e) noexcept;
   /// Under extents_mutex_: a new extent (counted in slots_), or null.
   extent* grow() noexcept;
+  /// A new extent's memory, not yet the pool's (no lock), or null.
+  extent* new_extent() const noexcept;
+  /// Under extents_mutex_: counts `e` (from new_extent) as the pool's.
+  void adopt(extent& e) noexcept;
   /// Under extents_mutex_: frees `e` (no block uses it, no cursor fills it).
   void free_extent(extent& e) noexcept;
 

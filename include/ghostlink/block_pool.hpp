@@ -83,8 +83,8 @@ class kv_block_reservation {
 /// released, a cache destroyed) and their memory is reused, not returned
 /// to the system; `trim()` returns what no block uses.
 ///
-/// Memory comes in extents of 16 blocks, each laid out as the keys of all
-/// 16, then the values of all 16. Each cache fills an extent of its own,
+/// Memory comes in extents of 16 blocks (`extent_blocks`), each laid out as
+/// the keys of all 16, then the values of all 16. Each cache fills an extent of its own,
 /// slot after slot, so the blocks it fills one after another (a prefill,
 /// a decode) lie next to each other, keys after keys and values after
 /// values; a snapshot's `for_each_block` hands such blocks over as one run,
@@ -102,11 +102,15 @@ class kv_block_reservation {
 /// Cost: taking a block is a compare-exchange on its extent's mask of free
 /// slots and a few atomic operations on the counters; a mutex is taken once
 /// per extent a cache fills, and when a freed block leaves its extent
-/// unused or frees its first slot. Extents come from `operator new`. The
+/// unused or frees its first slot. Extents come from `operator new`, when
+/// a cache first needs them or all at once (`preallocate`). The
 /// pool lives until its last block is freed, even if every handle is gone.
 /// All members are safe from any thread.
 class kv_block_pool {
  public:
+  /// Blocks of one extent: the pool's unit of memory (see the class comment).
+  static constexpr std::size_t extent_blocks = 16;
+
   /// A pool of blocks of `block_bytes` payload bytes each.
   /// @throws std::system_error with `kv_errc::invalid_config` if
   ///         `block_bytes` is zero or odd (a block holds keys and values) or
@@ -160,6 +164,27 @@ class kv_block_pool {
   kv_block_reservation reserve(std::size_t blocks) const;
   /// As above, setting `ec` instead of throwing (an empty reservation then).
   kv_block_reservation reserve(std::size_t blocks, std::error_code& ec) const noexcept;
+  /// Allocates the pool's memory now, as a server that commits its KV
+  /// memory when it starts: grows the pool in whole extents, writing every
+  /// page of them, until it holds memory for at least `blocks` blocks
+  /// (memory it holds already counts). Caches then take their blocks from
+  /// that memory, with no call to the system's allocator and no page fault
+  /// while they serve, until they need more than it holds; then the pool
+  /// grows as before. To cover `n` caches holding up to `b` blocks each,
+  /// ask for `n * (b + extent_blocks)`: each cache fills an extent of its
+  /// own. Nothing is counted against the budget: the memory is free blocks
+  /// (`stats().blocks_free`), which `trim()` returns while no block uses
+  /// them. Safe from any thread; the pages are written outside the pool's
+  /// locks.
+  /// @throws std::system_error with `kv_errc::capacity_exhausted` when
+  ///         `blocks` is more than the pool's limits allow, rounded up to
+  ///         whole extents: nothing is allocated then.
+  /// @throws std::bad_alloc when the system has not the memory; the
+  ///         extents allocated before stay, free, until `trim()`.
+  void preallocate(std::size_t blocks);
+  /// As above, setting `ec` instead of throwing (`std::errc::not_enough_memory`
+  /// for the system's memory).
+  void preallocate(std::size_t blocks, std::error_code& ec) noexcept;
   /// Returns to the system every extent no block uses and no cache is
   /// filling (a cache keeps the extent it fills while it lives).
   void trim() noexcept;
