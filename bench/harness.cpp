@@ -9,6 +9,19 @@
 
 namespace ghostlink::bench {
 
+perf_window::perf_window() {
+  const char* path = std::getenv("GHOSTLINK_BENCH_PERF_CTL");
+  if (!path || !(control_ = std::fopen(path, "w"))) return;
+  std::fputs("enable\n", control_);
+  std::fflush(control_);
+}
+
+perf_window::~perf_window() {
+  if (!control_) return;
+  std::fputs("disable\n", control_);
+  std::fclose(control_);
+}
+
 namespace {
 
 void usage(int code) {

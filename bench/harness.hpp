@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <string>
@@ -40,6 +41,21 @@ struct options {
 
 /// Parses the command line; prints usage and exits on --help or a bad flag.
 options parse_options(int argc, char** argv);
+
+/// While it lives, `perf record -D -1 --control fifo:PATH` samples, PATH
+/// being the FIFO named by GHOSTLINK_BENCH_PERF_CTL (no variable: nothing
+/// happens). Scenarios hold one over their timed phases, so a profile
+/// leaves out their setup (docs/PERFORMANCE.md shows the commands).
+class perf_window {
+ public:
+  perf_window();
+  ~perf_window();
+  perf_window(const perf_window&) = delete;
+  perf_window& operator=(const perf_window&) = delete;
+
+ private:
+  std::FILE* control_ = nullptr;
+};
 
 using clock_type = std::chrono::steady_clock;
 inline double seconds_since(clock_type::time_point t0) {

@@ -100,9 +100,13 @@ phase timed_phase(std::vector<progress>& seqs, Run run, Stored stored) {
   for (progress& p : seqs) p.at.clear();
   phase out;
   const auto [entries0, bytes0] = stored();
-  const auto t0 = clock_type::now();
-  run();
-  const double elapsed = seconds_since(t0);
+  double elapsed = 0;
+  {
+    const perf_window profiled;
+    const auto t0 = clock_type::now();
+    run();
+    elapsed = seconds_since(t0);
+  }
   const auto [entries1, bytes1] = stored();
   const std::size_t tokens = add_tpot(seqs, out.tpot);
   out.steps_per_s = double(tokens) / double(seqs.size()) / elapsed;
