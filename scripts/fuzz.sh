@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer target (tests/fuzz) and runs it for SECONDS.
+# Builds a libFuzzer target (tests/fuzz) and runs it for SECONDS.
 #
-#   scripts/fuzz.sh SECONDS [BUILD_DIR]     (BUILD_DIR defaults to build-fuzz)
+#   scripts/fuzz.sh SECONDS [BUILD_DIR [TARGET]]
+#
+# BUILD_DIR defaults to build-fuzz; TARGET to fuzz_cache (the cache against
+# its model, corpus tests/fuzz/corpus), or fuzz_resp (the Redis tier's RESP
+# parser, corpus tests/fuzz/resp_corpus).
 #
 # Clang 16 with ASan + UBSan, the library instrumented for coverage too.
-# Fuzzes a copy of tests/fuzz/corpus: the committed corpus is only written
+# Fuzzes a copy of the target's corpus: the committed corpus is only written
 # with FUZZ_MERGE=1, which adds a few inputs that reach code it does not. Crashing
 # inputs go to BUILD_DIR/fuzz-artifacts; replay one with
-#   GHOSTLINK_FUZZ_VERBOSE=1 BUILD_DIR/tests/fuzz/fuzz_cache FILE
+#   GHOSTLINK_FUZZ_VERBOSE=1 BUILD_DIR/tests/fuzz/TARGET FILE
 # Prints executions, coverage and crashes; exits non-zero on a crash.
 # Environment: CXX (default clang++-16), FUZZ_MERGE=1.
 set -euo pipefail
@@ -19,19 +23,25 @@ fi
 seconds=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(realpath -m "${2:-$root/build-fuzz}")
+target=${3:-fuzz_cache}
+case $target in
+  fuzz_cache) corpus=$root/tests/fuzz/corpus ;;
+  fuzz_resp) corpus=$root/tests/fuzz/resp_corpus ;;
+  *) echo "unknown target $target (fuzz_cache or fuzz_resp)" >&2; exit 2 ;;
+esac
 
 if [[ ! -f $build/build.ninja ]]; then
   CXX=${CXX:-clang++-16} meson setup "$build" "$root" -Dfuzz=enabled -Db_sanitize=address,undefined -Db_lundef=false \
     -Dcpp_args=-fsanitize=fuzzer-no-link -Dexamples=disabled -Dbenchmarks=disabled
 fi
-meson compile -C "$build" fuzz_cache
-fuzzer=$build/tests/fuzz/fuzz_cache
+meson compile -C "$build" "$target"
+fuzzer=$build/tests/fuzz/$target
 [[ -x $fuzzer ]] || { echo "$fuzzer was not built: configure $build with -Dfuzz=enabled" >&2; exit 1; }
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/corpus" "$build/fuzz-artifacts"
-cp "$root"/tests/fuzz/corpus/* "$work/corpus/"
+cp "$corpus"/* "$work/corpus/"
 touch "$work/start"
 
 # UBSan must stop at the first report, or libFuzzer records nothing.
@@ -48,7 +58,7 @@ final_stat() { sed -n "s/^stat::$1: *//p" "$work/log"; }
 last=$(grep -E '^#[0-9]+' "$work/log" | tail -n 1 || true)
 new_artifacts() { find "$build/fuzz-artifacts" -type f -newer "$work/start"; }
 crashes=$(new_artifacts | wc -l)
-echo "fuzz_cache: ${seconds}s, $(final_stat number_of_executed_units) executions," \
+echo "$target: ${seconds}s, $(final_stat number_of_executed_units) executions," \
   "$(final_stat average_exec_per_sec) exec/s, peak RSS $(final_stat peak_rss_mb) MB"
 echo "last status: ${last:-none}"
 echo "crashes: $crashes"
@@ -63,6 +73,6 @@ if [[ ${FUZZ_MERGE:-0} == 1 ]]; then
   # Copies in a small set of inputs that reach code the corpus does not:
   # edges only (-use_counters=0: a new hit count is not new code), chosen
   # greedily (set cover). They keep libFuzzer's names (SHA-1 of the input).
-  "$fuzzer" -set_cover_merge=1 -use_counters=0 "$root/tests/fuzz/corpus" "$work/corpus" 2>>"$work/log"
-  echo "merged into tests/fuzz/corpus: $(find "$root/tests/fuzz/corpus" -type f | wc -l) files"
+  "$fuzzer" -set_cover_merge=1 -use_counters=0 "$corpus" "$work/corpus" 2>>"$work/log"
+  echo "merged into $corpus: $(find "$corpus" -type f | wc -l) files"
 fi

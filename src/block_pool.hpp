@@ -173,8 +173,9 @@ class block_pool : public ref_counted<block_pool> {
   void emit(const kv_event& e) const noexcept {
     if (const event_sink* sink = sink_.load(std::memory_order_acquire)) sink->handler(e);
   }
-  /// The next `n` requests for a block's memory fail as if the system had
-  /// none (a test hook: src/testing.hpp).
+  /// The next `n` requests for a block's memory (or an extent's, in
+  /// preallocate) fail as if the system had none (a test hook:
+  /// src/testing.hpp).
   void fail_next_allocations(std::size_t n) noexcept { failures_.store(n, std::memory_order_relaxed); }
 
   // Counters (relaxed: exact when the pool is idle).

@@ -13,8 +13,8 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
-/// The next `n` requests of `pool` for a block's memory fail as if the
-/// system had none.
+/// The next `n` requests of `pool` for a block's memory, or for an extent's
+/// in `preallocate`, fail as if the system had none.
 void fail_next_allocations(const kv_block_pool& pool, std::size_t n) noexcept;
 /// Extents of `pool` now, and of them those no block uses and no cursor
 /// fills (what trim() returns to the system).
