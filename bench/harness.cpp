@@ -10,8 +10,9 @@
 namespace ghostlink::bench {
 
 perf_window::perf_window() {
-  const char* path = std::getenv("GHOSTLINK_BENCH_PERF_CTL");
-  if (!path || !(control_ = std::fopen(path, "w"))) return;
+  const char* path = std::getenv("GHOSTLINK_BENCH_PERF_CTL");  // NOLINT(concurrency-mt-unsafe): no setenv here
+  if (path) control_ = std::fopen(path, "w");
+  if (!control_) return;
   std::fputs("enable\n", control_);
   std::fflush(control_);
 }
