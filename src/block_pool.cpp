@@ -227,8 +227,7 @@ std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
     std::memset(e->keys, 0, extent_slots * payload_bytes_);
     const std::lock_guard lock(extents_mutex_);
     if (slots_ > max_slots_ - extent_slots) {  // others grew it meanwhile: full
-      e->~extent();
-      ::operator delete(e, std::align_val_t{block_alignment});
+      delete_extent(*e);
       return slots_ >= blocks ? std::error_code{} : make_error_code(kv_errc::capacity_exhausted);
     }
     adopt(*e);
@@ -242,6 +241,10 @@ void block_pool::free_extent(extent& e) noexcept {
   slots_ -= extent_slots;
   allocated_.fetch_sub(extent_slots, std::memory_order_relaxed);
   free_count_.fetch_sub(extent_slots, std::memory_order_relaxed);
+  delete_extent(e);
+}
+
+void block_pool::delete_extent(extent& e) noexcept {
   e.~extent();
   ::operator delete(&e, std::align_val_t{block_alignment});
 }

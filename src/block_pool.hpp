@@ -213,6 +213,8 @@ class block_pool : public ref_counted<block_pool> {
   extent* new_extent() const noexcept;
   /// Under extents_mutex_: counts `e` (from new_extent) as the pool's.
   void adopt(extent& e) noexcept;
+  /// Gives back the memory of `e` (from new_extent), counted or not.
+  static void delete_extent(extent& e) noexcept;
   /// Under extents_mutex_: frees `e` (no block uses it, no cursor fills it).
   void free_extent(extent& e) noexcept;
 

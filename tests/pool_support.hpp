@@ -10,7 +10,9 @@
 #include "concurrency_support.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -28,6 +30,20 @@ using concurrency::token_data;
 
 /// What a cache should hold (see reference_cache).
 using model = reference_cache<int>;
+
+/// Each cache keeps one block of zeros outside the budget, in memory of its
+/// own; it is counted in blocks_allocated while its cache lives.
+inline constexpr std::size_t zero_blocks_per_cache = 1;
+
+/// The error `make` throws as std::system_error; {} if none.
+inline ghostlink::error_code thrown_by(const std::function<void()>& make) {
+  try {
+    make();
+    return {};
+  } catch (const std::system_error& e) {
+    return e.code();
+  }
+}
 
 /// Blocks of `block_tokens` needed to hold `tokens` written tokens.
 inline std::size_t blocks_for(std::size_t tokens, std::size_t block_tokens) {

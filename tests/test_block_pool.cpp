@@ -7,7 +7,6 @@
 #include "testing.hpp"
 
 #include <atomic>
-#include <functional>
 #include <latch>
 #include <thread>
 
@@ -19,24 +18,6 @@ using ghostlink::test::as_tuple;
 using ghostlink::test::blocking;
 using ghostlink::test::small_config;
 using ghostlink::test::token_pattern;
-
-namespace {
-
-/// The error a construction throws as std::system_error; {} if none.
-ghostlink::error_code thrown_by(const std::function<void()>& make) {
-  try {
-    make();
-    return {};
-  } catch (const std::system_error& e) {
-    return e.code();
-  }
-}
-
-// Each cache keeps one block of zeros outside the budget, in memory of its
-// own; it is counted in blocks_allocated while its cache lives.
-constexpr std::size_t zero_blocks_per_cache = 1;
-
-}  // namespace
 
 TEST_CASE("block_bytes_for is the keys and values of one block, and for_caches makes an idle pool of that size",
           "[block_pool]") {

@@ -22,7 +22,6 @@ using ghostlink::test::small_config;
 namespace {
 
 constexpr std::size_t slots = kv_block_pool::extent_blocks;
-constexpr std::size_t zero_blocks_per_cache = 1;  // see test_block_pool.cpp
 
 /// The process's resident bytes now (Linux: /proc/self/statm).
 std::size_t resident_bytes() {
@@ -37,16 +36,6 @@ long thread_page_faults() {
   rusage usage{};
   REQUIRE(::getrusage(RUSAGE_THREAD, &usage) == 0);
   return usage.ru_minflt + usage.ru_majflt;
-}
-
-/// What preallocate(blocks) throws as std::system_error; {} if nothing.
-ghostlink::error_code preallocate_error(kv_block_pool& pool, std::size_t blocks) {
-  try {
-    pool.preallocate(blocks);
-    return {};
-  } catch (const std::system_error& e) {
-    return e.code();
-  }
 }
 
 }  // namespace
@@ -107,7 +96,7 @@ TEST_CASE("preallocate past the pool's limits throws capacity_exhausted and allo
           "[preallocate]") {
   // A budget of 20 blocks: the pool grows to 2 extents (32 slots) at most.
   kv_block_pool pool = kv_block_pool::for_caches(small_config(), {.max_blocks = 20});
-  CHECK(preallocate_error(pool, 2 * slots + 1) == kv_errc::capacity_exhausted);
+  CHECK(thrown_by([&] { pool.preallocate(2 * slots + 1); }) == kv_errc::capacity_exhausted);
   std::error_code ec;
   pool.preallocate(1000, ec);
   CHECK(ec == kv_errc::capacity_exhausted);

@@ -10,10 +10,10 @@
 //   every cache's blocks at its longest plus the extent each fills, as the
 //   baseline allocates and zeroes its buffers before the clock starts; the
 //   sequence is a sequence_kv_cache decoded through sequence steps (begin,
-//   per layer write then attend over step.snapshot(l), commit), under a kv_prefix_cache whose store is a
-//   kv_file_store (no fsync, the default; its I/O on a pool of
-//   offload_threads, as many as the baseline's writer has) with
-//   write_through; the offload is cache.insert_stored_tokens(seq), whose new
+//   per layer write then attend over step.snapshot(l), commit), under a
+//   kv_prefix_cache whose store is a kv_file_store (no fsync, the default;
+//   its I/O on a pool of offload_threads, as many as the baseline's writer
+//   has) with write_through; the offload is cache.insert_stored_tokens(seq), whose new
 //   entry is written through from the blocks themselves (no copy on the
 //   decode thread). Every sequence's prompt is the same 2048 token ids, so
 //   its 128 entries are inserted and flushed before the timed phases; the
@@ -326,7 +326,7 @@ void decode_with_offload(const options& o, report& out) {
   });
   out.add_note(
       "decode_with_offload",
-      std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, 2048-token " + "contexts, " +
+      std::to_string(o.layers) + " layers x " + std::to_string(o.sequences) + " sequences, 2048-token contexts, " +
           std::to_string(o.threads) + " decode threads; " + std::to_string(reference_steps(o)) +
           " steps a sequence without offload (reference), then " + std::to_string(offload_steps(o)) +
           " offloading every completed " + std::to_string(o.block_tokens) + "-token block (" +
