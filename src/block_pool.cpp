@@ -80,12 +80,13 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   }
 };
 
-block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks)
+block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory)
     : payload_bytes_(payload_bytes),
       max_blocks_(max_blocks),
       max_slots_(max_blocks > std::numeric_limits<std::size_t>::max() - extent_slots
                      ? std::numeric_limits<std::size_t>::max()
-                     : (max_blocks + extent_slots - 1) / extent_slots * extent_slots) {
+                     : (max_blocks + extent_slots - 1) / extent_slots * extent_slots),
+      memory_(memory) {
   live_pools.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -194,9 +195,24 @@ extent* block_pool::grow() noexcept {
   return e;
 }
 
+void* block_pool::allocate(std::size_t bytes) const noexcept {
+  if (!memory_) return ::operator new(bytes, std::align_val_t{block_alignment}, std::nothrow);
+  try {
+    return memory_->allocate(bytes, block_alignment);
+  } catch (...) {  // the user's resource: whatever it throws, it gave no memory
+    return nullptr;
+  }
+}
+
+void block_pool::deallocate(void* p, std::size_t bytes) const noexcept {
+  if (memory_)
+    memory_->deallocate(p, bytes, block_alignment);
+  else
+    ::operator delete(p, std::align_val_t{block_alignment});
+}
+
 extent* block_pool::new_extent() const noexcept {
-  void* memory =
-      ::operator new(sizeof(extent) + extent_slots * payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
+  void* memory = allocate(sizeof(extent) + extent_slots * payload_bytes_);
   if (!memory) return nullptr;
   auto* e = ::new (memory) extent;
   e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
@@ -244,9 +260,9 @@ void block_pool::free_extent(extent& e) noexcept {
   delete_extent(e);
 }
 
-void block_pool::delete_extent(extent& e) noexcept {
+void block_pool::delete_extent(extent& e) const noexcept {
   e.~extent();
-  ::operator delete(&e, std::align_val_t{block_alignment});
+  deallocate(&e, sizeof(extent) + extent_slots * payload_bytes_);
 }
 
 block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
@@ -297,7 +313,7 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
 
 block_memory block_pool::take_standalone() noexcept {
   if (count_down(failures_) > 0) return {};
-  void* memory = ::operator new(block::header_bytes + payload_bytes_, std::align_val_t{block_alignment}, std::nothrow);
+  void* memory = allocate(block::header_bytes + payload_bytes_);
   if (!memory) return {};
   allocated_.fetch_add(1, std::memory_order_relaxed);
   std::byte* const keys = static_cast<std::byte*>(memory) + block::header_bytes;
@@ -307,7 +323,7 @@ block_memory block_pool::take_standalone() noexcept {
 void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
   if (slot == block_memory::standalone) {
     allocated_.fetch_sub(1, std::memory_order_relaxed);
-    ::operator delete(header, std::align_val_t{block_alignment});
+    deallocate(header, block::header_bytes + payload_bytes_);
     return;
   }
   extent& e = extent::of(header, slot);
@@ -466,7 +482,7 @@ kv_block_pool::kv_block_pool(std::size_t block_bytes, kv_pool_limits limits) {
   const std::size_t max_blocks = limits.max_blocks < by_bytes ? limits.max_blocks : by_bytes;
   if (block_bytes == 0 || block_bytes % 2 != 0 || max_blocks == 0)
     throw std::system_error(make_error_code(kv_errc::invalid_config));
-  state_ = new detail::block_pool(block_bytes, max_blocks);
+  state_ = new detail::block_pool(block_bytes, max_blocks, limits.memory);
 }
 
 kv_block_pool::kv_block_pool(const kv_block_pool& other) noexcept : state_(other.state_) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <memory_resource>
 #include <mutex>
 #include <system_error>
 #include <utility>
@@ -99,7 +100,7 @@ class block_pool : public ref_counted<block_pool> {
  public:
   /// Blocks of `payload_bytes` (keys then values); at most `max_blocks`
   /// counted blocks at once.
-  block_pool(std::size_t payload_bytes, std::size_t max_blocks);
+  block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory = nullptr);
   ~block_pool();
   block_pool(const block_pool&) = delete;
   block_pool& operator=(const block_pool&) = delete;
@@ -214,7 +215,11 @@ class block_pool : public ref_counted<block_pool> {
   /// Under extents_mutex_: counts `e` (from new_extent) as the pool's.
   void adopt(extent& e) noexcept;
   /// Gives back the memory of `e` (from new_extent), counted or not.
-  static void delete_extent(extent& e) noexcept;
+  void delete_extent(extent& e) const noexcept;
+  /// `bytes` of memory aligned for a block, from memory_ (or operator
+  /// new), or null; and back.
+  void* allocate(std::size_t bytes) const noexcept;
+  void deallocate(void* p, std::size_t bytes) const noexcept;
   /// Under extents_mutex_: frees `e` (no block uses it, no cursor fills it).
   void free_extent(extent& e) noexcept;
 
@@ -222,6 +227,7 @@ class block_pool : public ref_counted<block_pool> {
   const std::size_t payload_bytes_;
   const std::size_t max_blocks_;
   const std::size_t max_slots_;  // max_blocks_ rounded up to whole extents
+  std::pmr::memory_resource* const memory_;  // null: operator new
   std::atomic<const event_sink*> sink_{nullptr};  // null: no handler
   std::atomic<std::size_t> failures_{0};          // see fail_next_allocations
   // Written by every allocation and free.

@@ -1,6 +1,7 @@
 #include "epoch.hpp"
 #include "ghostlink/detail/flavour.hpp"
 
+#include <algorithm>
 #include <new>
 
 #include "fault_countdown.hpp"
@@ -40,24 +41,43 @@ epoch_registry::reading epoch_registry::read() const noexcept {
 
 std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std::span<stored_run> out) noexcept {
   const block_layout& layout = *e.layout;
+  const std::size_t bt = layout.block_tokens;
   std::size_t n = 0;
-  while (first < end && n < out.size()) {
-    const block* last = &e.block_of(first);
-    const std::size_t position = first % layout.block_tokens;
-    stored_run r{first, e.run_from(first, end), layout.keys(*last, position), layout.values(*last, position)};
-    first += r.count;
-    // The blocks in the next slots of the same extent, whose keys and
-    // values lie right after: the same run. Told from the table's pointers
-    // alone, without reading their headers.
-    while (first < end && first < e.stored) {
-      const block* next = &e.block_of(first);
-      if (!last->followed_by(*next)) break;
-      const std::size_t count = e.run_from(first, end);
-      r.count += count;
-      first += count;
-      last = next;
+  // The stored tokens: a run per stretch of table entries each of which is
+  // the block right after the one before (one extent), told from the
+  // pointers alone. Chunk by chunk, a compare per entry: the processor
+  // reads ahead through the chunks' lines rather than waiting on each.
+  if (const std::size_t stored_end = std::min(end, e.stored); first < stored_end) {
+    const block_table& table = *e.table;
+    std::size_t b = first / bt;
+    const std::size_t last = (stored_end - 1) / bt;
+    const block* prev = table.entry(b).get();
+    stored_run r{first, 0, layout.keys(*prev, first - b * bt), layout.values(*prev, first - b * bt)};
+    for (++b; b <= last;) {
+      const std::size_t chunk = b / table_chunk::size;
+      const ref_ptr<block>* entries = table.chunks[chunk]->blocks.data();
+      const std::size_t chunk_end = std::min(last + 1, (chunk + 1) * table_chunk::size);
+      for (; b < chunk_end; ++b) {
+        const block* next = entries[b - chunk * table_chunk::size].get();
+        if (!prev->followed_by(*next)) {
+          r.count = b * bt - r.first;
+          out[n++] = r;
+          if (n == out.size()) return n;
+          r = {b * bt, 0, layout.keys(*next), layout.values(*next)};
+        }
+        prev = next;
+      }
     }
+    r.count = stored_end - r.first;
     out[n++] = r;
+    first = stored_end;
+  }
+  // Past them: the block of zeros, up to a block's worth at a time.
+  while (first < end && n < out.size()) {
+    const std::size_t position = first % bt;
+    const std::size_t count = std::min(end - first, bt - position);
+    out[n++] = {first, count, layout.keys(*e.zeros, position), layout.values(*e.zeros, position)};
+    first += count;
   }
   return n;
 }

@@ -11,8 +11,11 @@
 
 #include <algorithm>
 #include <functional>
+#include <future>
+#include <latch>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -137,6 +140,50 @@ struct tracked {
   }
   std::string diff() const { return pool::diff(cache, expected); }
 };
+
+/// `caches` caches of `config` on `pool`, each round filled to `blocks`
+/// blocks (the writes started together, so the actors allocate on both of
+/// a 2-thread pool's threads), checked against their models and cut back to
+/// one token, then `after_round()`; meanwhile `beside()` runs on a thread of
+/// its own, started with the first round. `at_end()` runs once it has
+/// joined, the caches still alive; they are gone on return.
+template <class Beside, class AfterRound, class AtEnd>
+void rounds_beside(kv_block_pool& pool, const kv_cache_config& config, std::size_t caches, std::size_t rounds,
+                   std::size_t blocks, Beside beside, AfterRound after_round, AtEnd at_end) {
+  const std::size_t bt = config.block_tokens;
+  asio::thread_pool io(2);
+  std::vector<tracked> t;
+  for (std::size_t i = 0; i < caches; ++i) {
+    t.push_back({layer_kv_cache(io, config, pool), {}});
+    t.back().initialize(1);
+  }
+  std::latch start(2);
+  std::thread other([&] {
+    start.arrive_and_wait();
+    beside();
+  });
+  start.arrive_and_wait();
+  for (std::size_t round = 0; round < rounds; ++round) {
+    const int tag = static_cast<int>(round + 1);
+    std::vector<std::future<void>> writes;
+    std::vector<batch_data> data;
+    data.reserve(caches);
+    for (std::size_t i = 0; i < caches; ++i) {
+      data.emplace_back(config.token_width(), 0, blocks * bt, tag);
+      writes.push_back(t[i].cache.async_write_batch(data.back().entries, asio::use_future));
+      t[i].expected.write(0, blocks * bt, tag);
+    }
+    for (auto& w : writes) w.get();
+    for (std::size_t i = 0; i < caches; ++i) {
+      INFO("round " << round << ", cache " << i);
+      CHECK(t[i].diff() == "");
+      t[i].truncate(1);
+    }
+    after_round();
+  }
+  other.join();
+  at_end();
+}  // the caches are gone once io's threads have joined
 
 /// A cache with `config` on `pool`, initialized and holding tokens [0, n)
 /// written with tag 1.

@@ -9,9 +9,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 #include <fstream>
-#include <latch>
 #include <new>
-#include <thread>
 
 namespace preallocate_tests {
 
@@ -165,47 +163,20 @@ TEST_CASE("preallocate on one thread while caches allocate and free on two other
           "[preallocate]") {
   kv_cache_config config = small_config();
   config.max_tokens_per_seq = 4096;
-  const std::size_t bt = config.block_tokens;
   kv_block_pool pool = kv_block_pool::for_caches(config);
-  {
-    asio::thread_pool io(2);
-    constexpr std::size_t caches = 4, rounds = 6, blocks = 3 * slots + 5;
-    std::vector<tracked> t;
-    for (std::size_t i = 0; i < caches; ++i) {
-      t.push_back({layer_kv_cache(io, config, pool), {}});
-      t.back().initialize(1);
-    }
-    std::latch start(2);
-    std::thread preallocating([&] {
-      start.arrive_and_wait();
-      for (std::size_t n = 1; n <= 64; ++n) pool.preallocate(n * slots / 2);
-    });
-    start.arrive_and_wait();
-    // Each round fills every cache (writes started together, so the actors
-    // allocate on both of io's threads), then cuts them back to one token.
-    for (std::size_t round = 0; round < rounds; ++round) {
-      const int tag = static_cast<int>(round + 1);
-      std::vector<std::future<void>> writes;
-      std::vector<batch_data> data;
-      data.reserve(caches);
-      for (std::size_t i = 0; i < caches; ++i) {
-        data.emplace_back(config.token_width(), 0, blocks * bt, tag);
-        writes.push_back(t[i].cache.async_write_batch(data.back().entries, asio::use_future));
-        t[i].expected.write(0, blocks * bt, tag);
-      }
-      for (auto& w : writes) w.get();
-      for (std::size_t i = 0; i < caches; ++i) {
-        INFO("round " << round << ", cache " << i);
-        CHECK(t[i].diff() == "");
-        t[i].truncate(1);
-      }
-    }
-    preallocating.join();
-    const kv_pool_stats s = pool.stats();
-    CHECK(s.blocks_allocated >= 32 * slots);
-    CHECK(s.blocks_allocated == ghostlink::detail::census(pool).extents * slots + caches * zero_blocks_per_cache);
-    CHECK(s.blocks_free + s.blocks_in_use + caches * zero_blocks_per_cache == s.blocks_allocated);
-  }  // the caches are gone once io's threads have joined
+  constexpr std::size_t caches = 4;
+  rounds_beside(
+      pool, config, caches, 6, 3 * slots + 5,
+      [&] {
+        for (std::size_t n = 1; n <= 64; ++n) pool.preallocate(n * slots / 2);
+      },
+      [] {},
+      [&] {
+        const kv_pool_stats s = pool.stats();
+        CHECK(s.blocks_allocated >= 32 * slots);
+        CHECK(s.blocks_allocated == ghostlink::detail::census(pool).extents * slots + caches * zero_blocks_per_cache);
+        CHECK(s.blocks_free + s.blocks_in_use + caches * zero_blocks_per_cache == s.blocks_allocated);
+      });
   pool.trim();
   CHECK(pool.stats().blocks_in_use == 0);
   CHECK(pool.stats().blocks_allocated == 0);

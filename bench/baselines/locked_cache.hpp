@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <memory_resource>
 #include <mutex>
 #include <shared_mutex>
 #include <span>
@@ -27,7 +28,10 @@ namespace ghostlink::bench {
 template <class Mutex, storage_element T = float>
 class locked_cache {
  public:
-  explicit locked_cache(const kv_cache_config& config) : config_(config) {}
+  /// Buffers from `memory` (bench/arena.hpp), else the default resource.
+  explicit locked_cache(const kv_cache_config& config,
+                        std::pmr::memory_resource* memory = std::pmr::get_default_resource())
+      : config_(config), keys_(memory), values_(memory) {}
   locked_cache(locked_cache&& o) noexcept
       : config_(o.config_), keys_(std::move(o.keys_)), values_(std::move(o.values_)), len_(o.len_) {}
 
@@ -121,7 +125,7 @@ class locked_cache {
       std::conditional_t<std::is_same_v<Mutex, std::shared_mutex>, std::shared_lock<Mutex>, std::unique_lock<Mutex>>;
   const kv_cache_config config_;
   mutable Mutex mutex_;
-  std::vector<T> keys_, values_;
+  std::pmr::vector<T> keys_, values_;
   std::size_t len_ = 0;
 };
 

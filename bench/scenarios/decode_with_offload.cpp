@@ -24,6 +24,9 @@
 //   lock and queued; one writer thread checksums it (XXH3, as ghostlink's
 //   entry) and writes it as a file: temporary name, write, close, rename,
 //   no fsync (the file store's default).
+// Both take their KV memory (ghostlink's pool, the baseline's buffers) from
+// one arena written before the first run (bench/arena.hpp), in turn, so
+// that both stream the same physical pages.
 // Each sequence decodes 2 blocks' worth of steps (32 at 16-token blocks)
 // without offloading (the reference: what the decode path costs alone),
 // then, after an untimed catch-up (ghostlink inserts and flushes the blocks
@@ -52,6 +55,7 @@
 
 #include <xxhash.h>
 
+#include "../arena.hpp"
 #include "../baselines/locked_cache.hpp"
 #include "../files.hpp"
 #include "../scenarios.hpp"
@@ -88,6 +92,19 @@ kv_cache_config offload_config(const options& o) {
 std::size_t preallocated_blocks(const options& o) {
   const std::size_t tokens = offload_config(o).max_tokens_per_seq;
   return o.sequences * o.layers * ((tokens + o.block_tokens - 1) / o.block_tokens + kv_block_pool::extent_blocks);
+}
+
+/// Bytes of the arena both implementations take their KV memory from in
+/// turn: the larger of ghostlink's pool (its extents, 16 blocks and their
+/// headers each, and each cache's block of zeros) and the baseline's
+/// buffers, with room to spare.
+std::size_t arena_bytes(const options& o) {
+  const kv_cache_config c = offload_config(o);
+  const std::size_t block = kv_block_pool::block_bytes_for(c), page = 4096;
+  const std::size_t extents = preallocated_blocks(o) / kv_block_pool::extent_blocks + 1;
+  const std::size_t pool = extents * (kv_block_pool::extent_blocks * block + page) + o.sequences * o.layers * (block + page);
+  const std::size_t buffers = o.sequences * o.layers * 2 * (c.max_tokens_per_seq * c.token_width() * sizeof(float) + page);
+  return std::max(pool, buffers) / 16 * 17 + (std::size_t{64} << 20);
 }
 
 /// Token i of sequence s: the shared prompt's, then the sequence's own.
@@ -136,11 +153,12 @@ asio::awaitable<void> decode(const options& o, kv_prefix_cache* cache, const seq
   }
 }
 
-outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vector<token>& data) {
+outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vector<token>& data, arena& memory) {
   const temp_dir dir("decode_with_offload");
+  arena::resource resource(memory);  // outlives the pool, as it must
   asio::thread_pool threads(o.threads);
   const kv_cache_config config = offload_config(o);
-  auto pool = kv_block_pool::for_caches(config);
+  auto pool = kv_block_pool::for_caches(config, {.memory = &resource});
   pool.preallocate(preallocated_blocks(o));  // as the baseline's buffers, before the clock starts
   asio::thread_pool io(offload_threads);  // outlives the store
   const auto store = std::make_shared<kv_file_store>(dir.path, kv_file_store_limits{.io_executor = io.get_executor()});
@@ -241,14 +259,15 @@ class entry_writer {
   std::thread thread_;  // last: starts once the rest is made
 };
 
-outcome run_locked(const options& o, const token_rows& prompt, const std::vector<token>& data) {
+outcome run_locked(const options& o, const token_rows& prompt, const std::vector<token>& data, arena& memory) {
   const temp_dir dir("decode_with_offload");
+  arena::resource resource(memory);
   const std::size_t width = o.config().token_width(), bt = o.block_tokens;
   const std::size_t half_block = bt * width * sizeof(float);  // a layer's keys (or values) of one block
   std::vector<std::vector<std::unique_ptr<rwlock_cache>>> seqs(o.sequences);
   for (auto& layers : seqs)
     for (std::size_t l = 0; l < o.layers; ++l) {
-      layers.push_back(std::make_unique<rwlock_cache>(offload_config(o)));
+      layers.push_back(std::make_unique<rwlock_cache>(offload_config(o), &resource));
       layers.back()->initialize(1);
       for (std::size_t i = 0; i < context; ++i) layers.back()->write(i, prompt.keys_of(i, 1), prompt.values_of(i, 1));
     }
@@ -299,6 +318,7 @@ outcome run_locked(const options& o, const token_rows& prompt, const std::vector
 void decode_with_offload(const options& o, report& out) {
   const std::vector<token> data = tokens_for(o, 256);
   const token_rows prompt(o.config().token_width(), context);
+  arena memory(arena_bytes(o));
   std::size_t runs = 0;
   out.run("decode_with_offload", o, [&](std::map<std::string, metric>& m) {
     metric& rate = declare(m, "1 steps", "decode steps, offloading blocks", "steps/s");
@@ -320,9 +340,9 @@ void decode_with_offload(const options& o, report& out) {
     // First in turn, run by run: whichever runs second finds the memory the
     // other freed.
     const bool ghostlink_first = runs++ % 2 == 0;
-    if (ghostlink_first && o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data));
-    if (o.wants("rwlock_zero_copy")) record("rwlock_zero_copy", run_locked(o, prompt, data));
-    if (!ghostlink_first && o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data));
+    if (ghostlink_first && o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data, memory));
+    if (o.wants("rwlock_zero_copy")) record("rwlock_zero_copy", run_locked(o, prompt, data, memory));
+    if (!ghostlink_first && o.wants("ghostlink")) record("ghostlink", run_ghostlink(o, prompt, data, memory));
   });
   out.add_note(
       "decode_with_offload",
@@ -331,7 +351,8 @@ void decode_with_offload(const options& o, report& out) {
           " steps a sequence without offload (reference), then " + std::to_string(offload_steps(o)) +
           " offloading every completed " + std::to_string(o.block_tokens) + "-token block (" +
           std::to_string(entry_frame + o.layers * 2 * o.block_tokens * o.config().token_width() * 4) +
-          "-byte file) offloaded to a temporary directory, no fsync. ghostlink: a preallocated pool, sequence steps, "
+          "-byte file) offloaded to a temporary directory, no fsync; both take their KV memory from one arena in turn. "
+          "ghostlink: a preallocated pool, sequence steps, "
           "insert_stored_tokens into a prefix cache with a write-through kv_file_store (" +
           std::to_string(offload_threads) +
           " I/O thread); zero_copy: the block copied under each layer's shared lock, " +

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <limits>
+#include <memory_resource>
 #include <system_error>
 #include "ghostlink/detail/flavour.hpp"
 
@@ -20,9 +21,19 @@ struct pool_access;
 }  // namespace detail
 
 /// The budget of a `kv_block_pool`; the smaller of the two limits applies.
+/// And where its memory comes from.
 struct kv_pool_limits {
   std::size_t max_blocks = std::numeric_limits<std::size_t>::max();  ///< Blocks in use at once.
   std::size_t max_bytes = std::numeric_limits<std::size_t>::max();   ///< Payload bytes in use at once.
+  /// Where the pool's extents (and blocks of their own) come from: memory
+  /// the user chooses (pinned for transfers, on one NUMA node, backed by
+  /// huge pages, an arena). Null: `operator new`. Asked for whole extents
+  /// (and the odd block), aligned to 64 bytes, from any thread and several
+  /// at once: it must be thread-safe. An `allocate` that throws is memory
+  /// running out, as `std::bad_alloc` from `operator new` is. It must
+  /// outlive the pool, which lives until its last block is freed (see
+  /// `kv_block_pool`).
+  std::pmr::memory_resource* memory = nullptr;
 };
 
 class kv_block_pool;
@@ -102,7 +113,8 @@ class kv_block_reservation {
 /// Cost: taking a block is a compare-exchange on its extent's mask of free
 /// slots and a few atomic operations on the counters; a mutex is taken once
 /// per extent a cache fills, and when a freed block leaves its extent
-/// unused or frees its first slot. Extents come from `operator new`, when
+/// unused or frees its first slot. Extents come from `operator new` (or
+/// `kv_pool_limits::memory`), when
 /// a cache first needs them or all at once (`preallocate`). The
 /// pool lives until its last block is freed, even if every handle is gone.
 /// All members are safe from any thread.
