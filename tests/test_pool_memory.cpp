@@ -91,8 +91,9 @@ class refusing_resource final : public std::pmr::memory_resource {
 
 }  // namespace
 
-TEST_CASE("a pool takes its extents and blocks of zeros from kv_pool_limits::memory, aligned, and gives every byte back",
-          "[pool_memory]") {
+TEST_CASE(
+    "a pool takes its extents and blocks of zeros from kv_pool_limits::memory, aligned, and gives every byte back",
+    "[pool_memory]") {
   counting_resource memory;
   kv_cache_config config = small_config();
   config.max_tokens_per_seq = 4096;
@@ -167,8 +168,7 @@ TEST_CASE("caches on two threads and a preallocate on a third take memory from o
         [&] {
           for (std::size_t n = 1; n <= 32; ++n) pool.preallocate(n * slots / 2);
         },
-        [&] { pool.trim(); },
-        [&] { CHECK(memory.read().allocations >= ghostlink::detail::census(pool).extents); });
+        [&] { pool.trim(); }, [&] { CHECK(memory.read().allocations >= ghostlink::detail::census(pool).extents); });
   }
   CHECK(memory.read().live_bytes == 0);
   CHECK(memory.read().misaligned == 0);

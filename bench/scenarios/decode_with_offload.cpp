@@ -102,8 +102,10 @@ std::size_t arena_bytes(const options& o) {
   const kv_cache_config c = offload_config(o);
   const std::size_t block = kv_block_pool::block_bytes_for(c), page = 4096;
   const std::size_t extents = preallocated_blocks(o) / kv_block_pool::extent_blocks + 1;
-  const std::size_t pool = extents * (kv_block_pool::extent_blocks * block + page) + o.sequences * o.layers * (block + page);
-  const std::size_t buffers = o.sequences * o.layers * 2 * (c.max_tokens_per_seq * c.token_width() * sizeof(float) + page);
+  const std::size_t pool =
+      extents * (kv_block_pool::extent_blocks * block + page) + o.sequences * o.layers * (block + page);
+  const std::size_t buffers =
+      o.sequences * o.layers * 2 * (c.max_tokens_per_seq * c.token_width() * sizeof(float) + page);
   return std::max(pool, buffers) / 16 * 17 + (std::size_t{64} << 20);
 }
 
