@@ -153,13 +153,6 @@ struct epoch : ref_counted<epoch> {
   const block& block_of(std::size_t index) const noexcept {
     return index < stored ? *table->entry(index / layout->block_tokens) : *zeros;
   }
-  /// Tokens from `index` on that share `index`'s block (capped at `end`).
-  std::size_t run_from(std::size_t index, std::size_t end) const noexcept {
-    const std::size_t bt = layout->block_tokens;
-    const std::size_t run_end = index < stored && stored < end ? stored : end;
-    const std::size_t in_block = bt - index % bt;
-    return run_end - index < in_block ? run_end - index : in_block;
-  }
 
   const std::uint64_t number;
   const std::size_t size;
