@@ -195,6 +195,9 @@ extent* block_pool::grow() noexcept {
   return e;
 }
 
+std::size_t block_pool::extent_bytes() const noexcept { return sizeof(extent) + extent_slots * payload_bytes_; }
+std::size_t block_pool::standalone_bytes() const noexcept { return block::header_bytes + payload_bytes_; }
+
 void* block_pool::allocate(std::size_t bytes) const noexcept {
   if (!memory_) return ::operator new(bytes, std::align_val_t{block_alignment}, std::nothrow);
   try {
@@ -212,7 +215,7 @@ void block_pool::deallocate(void* p, std::size_t bytes) const noexcept {
 }
 
 extent* block_pool::new_extent() const noexcept {
-  void* memory = allocate(sizeof(extent) + extent_slots * payload_bytes_);
+  void* memory = allocate(extent_bytes());
   if (!memory) return nullptr;
   auto* e = ::new (memory) extent;
   e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
@@ -262,7 +265,7 @@ void block_pool::free_extent(extent& e) noexcept {
 
 void block_pool::delete_extent(extent& e) const noexcept {
   e.~extent();
-  deallocate(&e, sizeof(extent) + extent_slots * payload_bytes_);
+  deallocate(&e, extent_bytes());
 }
 
 block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
@@ -313,7 +316,7 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
 
 block_memory block_pool::take_standalone() noexcept {
   if (count_down(failures_) > 0) return {};
-  void* memory = allocate(block::header_bytes + payload_bytes_);
+  void* memory = allocate(standalone_bytes());
   if (!memory) return {};
   allocated_.fetch_add(1, std::memory_order_relaxed);
   std::byte* const keys = static_cast<std::byte*>(memory) + block::header_bytes;
@@ -323,7 +326,7 @@ block_memory block_pool::take_standalone() noexcept {
 void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
   if (slot == block_memory::standalone) {
     allocated_.fetch_sub(1, std::memory_order_relaxed);
-    deallocate(header, block::header_bytes + payload_bytes_);
+    deallocate(header, standalone_bytes());
     return;
   }
   extent& e = extent::of(header, slot);

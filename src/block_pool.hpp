@@ -217,7 +217,10 @@ class block_pool : public ref_counted<block_pool> {
   /// Gives back the memory of `e` (from new_extent), counted or not.
   void delete_extent(extent& e) const noexcept;
   /// `bytes` of memory aligned for a block, from memory_ (or operator
-  /// new), or null; and back.
+  /// new), or null; and back, with the same `bytes`: an extent's
+  /// (extent_bytes) or a block's of its own (standalone_bytes).
+  std::size_t extent_bytes() const noexcept;
+  std::size_t standalone_bytes() const noexcept;
   void* allocate(std::size_t bytes) const noexcept;
   void deallocate(void* p, std::size_t bytes) const noexcept;
   /// Under extents_mutex_: frees `e` (no block uses it, no cursor fills it).

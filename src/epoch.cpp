@@ -52,7 +52,8 @@ std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std:
     std::size_t b = first / bt;
     const std::size_t last = (stored_end - 1) / bt;
     const block* prev = table.entry(b).get();
-    stored_run r{first, 0, layout.keys(*prev, first - b * bt), layout.values(*prev, first - b * bt)};
+    const std::size_t position = first - b * bt;
+    stored_run r{first, 0, layout.keys(*prev, position), layout.values(*prev, position)};
     for (++b; b <= last;) {
       const std::size_t chunk = b / table_chunk::size;
       const ref_ptr<block>* entries = table.chunks[chunk]->blocks.data();
