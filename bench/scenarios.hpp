@@ -9,6 +9,7 @@ namespace ghostlink::bench {
 void read_under_write(const options& opts, report& out);
 void attention_read(const options& opts, report& out);
 void attend_kernel(const options& opts, report& out);
+void attend_memory(const options& opts, report& out);
 void write_single(const options& opts, report& out);
 void write_concurrent(const options& opts, report& out);
 void decode_step(const options& opts, report& out);
