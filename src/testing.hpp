@@ -19,8 +19,6 @@ void fail_next_allocations(const kv_block_pool& pool, std::size_t n) noexcept;
 /// Extents of `pool` now, and of them those no block uses and no cursor
 /// fills (what trim() returns to the system).
 extent_census census(const kv_block_pool& pool) noexcept;
-/// Block slots in one extent.
-std::size_t extent_slots() noexcept;
 /// Of the allocations of block tables, table chunks and epochs (by any
 /// cache) from now on, `after` succeed and the next throws std::bad_alloc.
 void fail_metadata_allocation(std::size_t after) noexcept;

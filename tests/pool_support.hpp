@@ -37,6 +37,8 @@ using model = reference_cache<int>;
 /// Each cache keeps one block of zeros outside the budget, in memory of its
 /// own; it is counted in blocks_allocated while its cache lives.
 inline constexpr std::size_t zero_blocks_per_cache = 1;
+/// Blocks per extent: the slots a cursor fills one after another.
+inline constexpr std::size_t slots = kv_block_pool::extent_blocks;
 
 /// The error `make` throws as std::system_error; {} if none.
 inline ghostlink::error_code thrown_by(const std::function<void()>& make) {

@@ -174,7 +174,7 @@ TEST_CASE("two caches on one pool draw on one budget: blocks one holds the other
 TEST_CASE("stats count blocks in use, free and allocated; freed slots are reused and trim releases unused extents",
           "[block_pool]") {
   const kv_cache_config config = small_config();
-  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
+  const std::size_t bt = config.block_tokens;
   kv_block_pool pool = kv_block_pool::for_caches(config);
   asio::thread_pool io(2);
   tracked c{layer_kv_cache(io, config, pool), {}};
@@ -248,7 +248,7 @@ TEST_CASE("the blocks a cache fills one after another are one run of keys and on
 TEST_CASE("caches filled at once from two threads each find their blocks in runs of whole extents", "[block_pool]") {
   kv_cache_config config = small_config();
   config.max_tokens_per_seq = 4096;
-  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
+  const std::size_t bt = config.block_tokens;
   const std::size_t blocks = 5 * slots + 3;  // 5 whole extents and part of one
   kv_block_pool pool = kv_block_pool::for_caches(config);
   asio::thread_pool io(2);
@@ -286,7 +286,7 @@ TEST_CASE("caches filled at once from two threads each find their blocks in runs
 TEST_CASE("a budget not a multiple of an extent is reached exactly, from slots any cache freed", "[block_pool]") {
   kv_cache_config config = small_config();
   config.max_tokens_per_seq = 4096;
-  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
+  const std::size_t bt = config.block_tokens;
   const std::size_t budget = slots + slots / 2 + 1;
   kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
   asio::thread_pool io(2);
@@ -318,7 +318,7 @@ TEST_CASE("a budget not a multiple of an extent is reached exactly, from slots a
 TEST_CASE("a cache that appends and rolls back again and again holds at most two extents", "[block_pool]") {
   kv_cache_config config = small_config();
   config.max_tokens_per_seq = 64;
-  const std::size_t bt = config.block_tokens, slots = ghostlink::detail::extent_slots();
+  const std::size_t bt = config.block_tokens;
   kv_block_pool pool = kv_block_pool::for_caches(config);
   asio::thread_pool io(2);
   tracked c = make_written(io, pool, bt);

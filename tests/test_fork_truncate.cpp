@@ -377,7 +377,6 @@ TEST_CASE("repeated append-and-rollback cycles keep blocks in use at what the ke
   INFO("peak " << s.peak_blocks_in_use << ", allocated " << s.blocks_allocated << ", most tokens " << most);
   CHECK(s.peak_blocks_in_use <= blocks_for(most, bt) + 1);
   // Memory: the peak in whole extents, the one the cache fills, the zero block.
-  const std::size_t slots = ghostlink::detail::extent_slots();
   CHECK(s.blocks_allocated <= blocks_for(s.peak_blocks_in_use, slots) * slots + slots + 1);
 }
 

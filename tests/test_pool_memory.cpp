@@ -24,8 +24,6 @@ using ghostlink::test::small_config;
 
 namespace {
 
-constexpr std::size_t slots = kv_block_pool::extent_blocks;
-
 /// Memory from operator new's resource, counted, from any thread: what is
 /// live, what was asked, and any allocation misaligned or given back with
 /// another size or alignment than it was taken with.

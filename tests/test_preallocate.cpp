@@ -19,8 +19,6 @@ using ghostlink::test::small_config;
 
 namespace {
 
-constexpr std::size_t slots = kv_block_pool::extent_blocks;
-
 /// The process's resident bytes now (Linux: /proc/self/statm).
 std::size_t resident_bytes() {
   std::ifstream statm("/proc/self/statm");
