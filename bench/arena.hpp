@@ -6,11 +6,14 @@
 // memory placed at different times streams at different speeds (up to 13%
 // apart here, docs/PERFORMANCE.md), this keeps placement out of a ratio.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <memory>
 #include <memory_resource>
 #include <mutex>
+
+#include <ghostlink/kv_cache.hpp>
 
 namespace ghostlink::bench {
 
@@ -44,5 +47,25 @@ class arena {
   std::size_t bytes_;
   std::unique_ptr<std::byte[]> memory_;
 };
+
+/// Blocks a ghostlink pool preallocates for `caches` caches of `c`, as the
+/// lock baseline allocates each buffer at its longest before the clock
+/// starts: every cache's blocks at `max_tokens_per_seq`, plus the extent
+/// each one fills.
+inline std::size_t preallocated_blocks(const kv_cache_config& c, std::size_t caches) {
+  return caches * ((c.max_tokens_per_seq + c.block_tokens - 1) / c.block_tokens + kv_block_pool::extent_blocks);
+}
+
+/// Bytes of an arena that holds either side in turn: ghostlink's pool of
+/// preallocated_blocks(c, caches) (whole extents with their headers, and
+/// each cache's block of zeros) or the baseline's two buffers of
+/// `max_tokens_per_seq` tokens per cache; with room to spare.
+inline std::size_t arena_bytes(const kv_cache_config& c, std::size_t caches) {
+  const std::size_t block = kv_block_pool::block_bytes_for(c), page = 4096;
+  const std::size_t extents = preallocated_blocks(c, caches) / kv_block_pool::extent_blocks + 1;
+  const std::size_t pool = extents * (kv_block_pool::extent_blocks * block + page) + caches * (block + page);
+  const std::size_t buffers = caches * 2 * (c.max_tokens_per_seq * c.token_width() * sizeof(float) + page);
+  return std::max(pool, buffers) / 16 * 17 + (std::size_t{64} << 20);
+}
 
 }  // namespace ghostlink::bench

@@ -66,7 +66,7 @@ double run_ghostlink(const options& o, const token_rows& prompt, arena& memory) 
   arena::resource resource(memory);  // outlives the pool
   asio::thread_pool threads(1);
   auto pool = kv_block_pool::for_caches(config, {.memory = &resource});
-  pool.preallocate(caches * (context(o) / o.block_tokens + kv_block_pool::extent_blocks));
+  pool.preallocate(preallocated_blocks(config, caches));
   std::vector<kv_write> prefill;
   for (std::size_t i = 0; i < context(o); ++i) prefill.push_back({i, prompt.keys_of(i, 1), prompt.values_of(i, 1)});
   std::vector<layer_kv_cache> layers;
@@ -107,23 +107,11 @@ double run_locked(const options& o, const token_rows& prompt, arena& memory) {
   });
 }
 
-/// Bytes of the arena: the larger of the pool (its extents and headers,
-/// each cache's block of zeros) and the baseline's buffers, with room.
-std::size_t arena_bytes(const options& o) {
-  const kv_cache_config c = memory_config(o);
-  const std::size_t caches = o.layers * o.sequences, block = kv_block_pool::block_bytes_for(c), page = 4096;
-  const std::size_t blocks = caches * (context(o) / o.block_tokens + kv_block_pool::extent_blocks);
-  const std::size_t pool = (blocks / kv_block_pool::extent_blocks + 1) * (kv_block_pool::extent_blocks * block + page) +
-                           caches * (block + page);
-  const std::size_t buffers = caches * 2 * (context(o) * c.token_width() * sizeof(float) + page);
-  return std::max(pool, buffers) / 16 * 17 + (std::size_t{64} << 20);
-}
-
 }  // namespace
 
 void attend_memory(const options& o, report& out) {
   const token_rows prompt(o.config().token_width(), context(o));
-  arena memory(arena_bytes(o));
+  arena memory(arena_bytes(memory_config(o), o.layers * o.sequences));
   std::size_t runs = 0;
   out.run("attend_memory", o, [&](std::map<std::string, metric>& m) {
     metric& rate = declare(m, "1 tokens", "attention over every cache, one thread", "tokens/s");

@@ -86,29 +86,6 @@ kv_cache_config offload_config(const options& o) {
   return c;
 }
 
-/// What ghostlink's pool allocates before the prefill: every cache's
-/// blocks at its longest, plus the extent each one fills (the baseline
-/// allocates and zeroes every buffer at its longest before its prefill).
-std::size_t preallocated_blocks(const options& o) {
-  const std::size_t tokens = offload_config(o).max_tokens_per_seq;
-  return o.sequences * o.layers * ((tokens + o.block_tokens - 1) / o.block_tokens + kv_block_pool::extent_blocks);
-}
-
-/// Bytes of the arena both implementations take their KV memory from in
-/// turn: the larger of ghostlink's pool (its extents, 16 blocks and their
-/// headers each, and each cache's block of zeros) and the baseline's
-/// buffers, with room to spare.
-std::size_t arena_bytes(const options& o) {
-  const kv_cache_config c = offload_config(o);
-  const std::size_t block = kv_block_pool::block_bytes_for(c), page = 4096;
-  const std::size_t extents = preallocated_blocks(o) / kv_block_pool::extent_blocks + 1;
-  const std::size_t pool =
-      extents * (kv_block_pool::extent_blocks * block + page) + o.sequences * o.layers * (block + page);
-  const std::size_t buffers =
-      o.sequences * o.layers * 2 * (c.max_tokens_per_seq * c.token_width() * sizeof(float) + page);
-  return std::max(pool, buffers) / 16 * 17 + (std::size_t{64} << 20);
-}
-
 /// Token i of sequence s: the shared prompt's, then the sequence's own.
 token_id id_of(std::size_t s, std::size_t i) { return i < context ? token_id(i) : token_id(((s + 1) << 20) | i); }
 
@@ -161,7 +138,8 @@ outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vec
   asio::thread_pool threads(o.threads);
   const kv_cache_config config = offload_config(o);
   auto pool = kv_block_pool::for_caches(config, {.memory = &resource});
-  pool.preallocate(preallocated_blocks(o));  // as the baseline's buffers, before the clock starts
+  pool.preallocate(
+      preallocated_blocks(config, o.sequences * o.layers));  // as the baseline's buffers, before the clock starts
   asio::thread_pool io(offload_threads);  // outlives the store
   const auto store = std::make_shared<kv_file_store>(dir.path, kv_file_store_limits{.io_executor = io.get_executor()});
   kv_prefix_cache cache(o.layers, config, pool,
@@ -320,7 +298,7 @@ outcome run_locked(const options& o, const token_rows& prompt, const std::vector
 void decode_with_offload(const options& o, report& out) {
   const std::vector<token> data = tokens_for(o, 256);
   const token_rows prompt(o.config().token_width(), context);
-  arena memory(arena_bytes(o));
+  arena memory(arena_bytes(offload_config(o), o.sequences * o.layers));
   std::size_t runs = 0;
   out.run("decode_with_offload", o, [&](std::map<std::string, metric>& m) {
     metric& rate = declare(m, "1 steps", "decode steps, offloading blocks", "steps/s");
