@@ -8,6 +8,8 @@
 #     git ls-files '*.hpp' '*.cpp' ':!:subprojects/' ':!:**/subprojects/**' | xargs clang-format-16 -i
 # - ASCII only: no source file holds a non-ASCII byte (which rules out
 #   look-alike identifiers; see .clang-tidy).
+# - Includes only point down (scripts/check-includes.py, where the order of
+#   src/'s folders is written).
 # - clang-tidy-16 (.clang-tidy): no finding in any project .cpp file listed in
 #   BUILD_DIR/compile_commands.json, nor in the project headers they include
 #   (HeaderFilterRegex). Configure BUILD_DIR with Clang and one unit a test
@@ -54,6 +56,10 @@ for f in "${sources[@]}"; do
 done
 for f in "${non_ascii[@]}"; do echo "not ASCII: $f ($(LC_ALL=C grep -n -m 1 '[^[:print:][:space:]]' "$f" | cut -d: -f1))"; done
 
+echo "=== includes point down"
+includes_ok=1
+python3 "$root/scripts/check-includes.py" "$root" || includes_ok=0
+
 # The project's .cpp files in the build's compile commands (each once).
 mapfile -t units < <(python3 - "$build/compile_commands.json" "$root" <<'PY'
 import json, os, re, sys
@@ -92,9 +98,9 @@ if [[ $tidy_status -ne 0 && $findings -eq 0 ]]; then
 fi
 
 elapsed=$((SECONDS - start))
-if [[ ${#unformatted[@]} -eq 0 && ${#non_ascii[@]} -eq 0 && $tidy_status -eq 0 ]]; then
+if [[ ${#unformatted[@]} -eq 0 && ${#non_ascii[@]} -eq 0 && $includes_ok -eq 1 && $tidy_status -eq 0 ]]; then
   echo "check-style: OK: ${#sources[@]} files formatted, 0 clang-tidy findings in ${#units[@]} units (${elapsed} s)"
 else
-  echo "check-style: FAILED: ${#unformatted[@]} unformatted file(s), ${#non_ascii[@]} non-ASCII file(s), ${findings} clang-tidy finding(s) in ${#units[@]} units (${elapsed} s)"
+  echo "check-style: FAILED: ${#unformatted[@]} unformatted file(s), ${#non_ascii[@]} non-ASCII file(s), $((1 - includes_ok)) include check(s) failed, ${findings} clang-tidy finding(s) in ${#units[@]} units (${elapsed} s)"
   exit 1
 fi

@@ -8,7 +8,7 @@
 // of at most `chunk_tokens`, the size of the portable path's scratch.
 //
 // A snapshot's runs are the blocks its cache filled one after another,
-// which lie next to each other (one extent: src/block_pool.hpp), and the
+// which lie next to each other (one extent: src/memory/block_pool.hpp), and the
 // hardware's prefetchers start over at each run. Short runs (a block here,
 // a block there: copies on write, blocks from a store) are attended a few
 // behind the one added, and while one is attended the run that many ahead

@@ -174,7 +174,7 @@ constexpr std::array pool_families{
     [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_reserved}; }},
   pool_family{"ghostlink_kv_blocks_shared", "gauge", "Blocks referenced from more than one place (forks, pinned epochs).",
     [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_shared}; }},
-  pool_family{"ghostlink_kv_blocks_free", "gauge", "Freed blocks the pool keeps for reuse (trim() returns them).",
+  pool_family{"ghostlink_kv_blocks_free", "gauge", "Block slots of the pool's extents that hold no block: freed or not yet used (trim() returns whole unused extents).",
     [](const kv_pool_stats& s) -> number { return std::uint64_t{s.blocks_free}; }},
   pool_family{"ghostlink_kv_blocks_allocated", "gauge",
     "Blocks' memory obtained from the system and not yet returned.",
@@ -216,7 +216,7 @@ constexpr std::array prefix_families{
     "Entries (one block of tokens each) evicted for room in the pool.",
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.evicted_blocks}; }},
   prefix_family{"ghostlink_prefix_cache_entries", "gauge", "Entries (one block of tokens each, every layer) cached now.",
-    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.cached_blocks}; }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.cached_entries}; }},
   prefix_family{"ghostlink_prefix_cache_idle_entries", "gauge", "Of the entries, those nothing but the cache uses.",
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.idle_blocks}; }},
 };

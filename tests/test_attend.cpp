@@ -3,7 +3,7 @@
 // both instruction paths (a head_dim that is not a multiple of 8 takes the
 // portable one), pending tokens, causal rows, the errors, and calls from two
 // threads at once.
-#include "sequence_support.hpp"
+#include "common/sequence_support.hpp"
 
 #ifdef GHOSTLINK_CATCH2_V3
 #include <catch2/catch_template_test_macros.hpp>

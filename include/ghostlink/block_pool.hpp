@@ -211,7 +211,7 @@ class kv_block_pool {
   friend bool operator==(const kv_block_pool& a, const kv_block_pool& b) noexcept { return a.state_ == b.state_; }
 
  private:
-  friend struct detail::pool_access;  // src/block_pool.hpp
+  friend struct detail::pool_access;  // src/memory/block_pool.hpp
   struct adopt_state {};
   kv_block_pool(adopt_state, detail::block_pool* state) noexcept : state_(state) {}
 

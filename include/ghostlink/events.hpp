@@ -1,12 +1,16 @@
 #pragma once
 /// @file
 /// Events a `kv_block_pool` reports as they happen (in the spirit of vLLM's
-/// KV cache events): blocks allocated and freed, epochs published.
+/// KV cache events): blocks allocated and freed, epochs published; and
+/// a prefix cache's entries stored, removed and cleared.
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include "ghostlink/detail/flavour.hpp"
+
+#include "ghostlink/block_hash.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 
@@ -35,5 +39,23 @@ struct kv_event {
 /// threads at once. It must be quick, thread-safe and must not throw (an
 /// exception ends the process), and must not call back into the cache.
 using kv_event_handler = std::function<void(const kv_event&)>;
+
+/// One change to a prefix cache's entries, for a consumer that mirrors them
+/// (a cache-aware router, as vLLM's KV events serve).
+struct kv_prefix_event {
+  /// What happened.
+  enum class kind : std::uint8_t {
+    stored,   ///< An entry was added.
+    removed,  ///< An entry was evicted.
+    cleared,  ///< `clear()` dropped every entry.
+  };
+  kind what = kind::stored;                 ///< What happened.
+  std::uint64_t sequence = 0;               ///< 1, 2, 3, ... per handler, no gaps.
+  kv_block_hash hash{};                     ///< stored, removed (all zero for cleared).
+  std::optional<kv_block_hash> parent;      ///< stored: the previous block's, none for block 0.
+};
+
+/// Receives a prefix cache's events (see `basic_kv_prefix_cache::set_event_handler`).
+using kv_prefix_event_handler = std::function<void(const kv_prefix_event&)>;
 
 GHOSTLINK_NAMESPACE_END

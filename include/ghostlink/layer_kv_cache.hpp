@@ -14,9 +14,10 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/block_pool.hpp"
+#include "ghostlink/completion_token.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
-#include "ghostlink/detail/layer_core.hpp"
+#include "ghostlink/detail/layer_interface.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/snapshot.hpp"
@@ -24,12 +25,6 @@
 #include "ghostlink/types.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
-
-/// The completion token of every asynchronous operation that is given
-/// none: `asio::use_awaitable`, so `co_await cache.async_write(i, k, v);`
-/// works inside an `asio::awaitable<>` coroutine (on any executor an
-/// `asio::any_io_executor` holds), on every Asio version ghostlink supports.
-using default_completion_token = asio::use_awaitable_t<>;
 
 /// The key/value cache of one transformer layer for one sequence.
 ///
@@ -92,7 +87,7 @@ class basic_layer_kv_cache {
   /// @throws std::system_error with `kv_errc::invalid_config` for a config
   ///         with a zero field or sizes that overflow.
   explicit basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config = {})
-      : core_(detail::make_actor(std::move(ex), config, detail::codec_of<T>, nullptr, false)) {}
+      : state_(detail::make_actor(std::move(ex), config, detail::codec_of<T>, nullptr, false)) {}
 
   /// A cache taking its blocks from `pool`, under the pool's budget.
   /// @throws std::system_error with `kv_errc::invalid_config` for a bad
@@ -100,7 +95,7 @@ class basic_layer_kv_cache {
   ///         `kv_block_pool::block_bytes_for<T>(config)`, or a config that sets
   ///         `max_blocks` (the pool holds the budget).
   basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config, const kv_block_pool& pool)
-      : core_(detail::make_actor(std::move(ex), config, detail::codec_of<T>, &pool, false)) {}
+      : state_(detail::make_actor(std::move(ex), config, detail::codec_of<T>, &pool, false)) {}
 
   /// A cache whose actor runs on a new strand of `ctx.get_executor()`
   /// (an `io_context`, a `thread_pool`, ...), with a private pool.
@@ -121,39 +116,39 @@ class basic_layer_kv_cache {
 
   /// False for an empty handle (default-constructed, moved-from, or the
   /// result of a failed fork).
-  bool valid() const noexcept { return core_ != nullptr; }
+  bool valid() const noexcept { return state_ != nullptr; }
   /// As `valid()`.
   explicit operator bool() const noexcept { return valid(); }
   /// True when both handles share one cache.
   friend bool operator==(const basic_layer_kv_cache& a, const basic_layer_kv_cache& b) noexcept {
-    return a.core_ == b.core_;
+    return a.state_ == b.state_;
   }
 
   /// The config the cache was made with (a fork's: its parent's).
-  const kv_cache_config& config() const noexcept { return detail::config_of(*core_); }
+  const kv_cache_config& config() const noexcept { return detail::config_of(*state_); }
   /// The pool the cache takes its blocks from.
-  kv_block_pool pool() const noexcept { return detail::pool_of(*core_); }
+  kv_block_pool pool() const noexcept { return detail::pool_of(*state_); }
   /// The actor's strand: the contract's executor of a layer cache. Bind a
   /// handler to it only to serialise it with the actor; it is not where
   /// handlers run by default (that is the executor the cache was made from,
   /// see Completion above).
-  executor_type get_executor() const noexcept { return detail::strand_of(*core_); }
+  executor_type get_executor() const noexcept { return detail::strand_of(*state_); }
 
   /// Tokens in the latest published epoch. Lock-free; includes every write
   /// whose handler has run. Unless a truncate completes in between, never
   /// ahead of a snapshot taken after it: after `n = size(); s = snapshot();`,
   /// `s.size() >= n`.
-  std::size_t size() const noexcept { return detail::size_of(*core_); }
+  std::size_t size() const noexcept { return detail::size_of(*state_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
 
   /// Pins the latest published epoch. Never blocks and never waits for the
   /// actor; includes every write whose handler has run.
-  snapshot_type snapshot() const noexcept { return detail::cache_access::adopt<snapshot_type>(detail::pin(*core_)); }
+  snapshot_type snapshot() const noexcept { return detail::cache_access::adopt<snapshot_type>(detail::pin(*state_)); }
 
   /// The cache's counters now (see `kv_cache_stats`). Lock-free but for a
   /// short mutex over the list of epochs alive.
-  kv_cache_stats stats() const noexcept { return detail::stats_of(*core_); }
+  kv_cache_stats stats() const noexcept { return detail::stats_of(*state_); }
 
   /// Makes the first `min(seq_len, max_tokens_per_seq)` tokens valid (zeros
   /// where never written). Size never shrinks; calling it again keeps data.
@@ -315,14 +310,14 @@ class basic_layer_kv_cache {
 
   /// Prints the config and the length, never the buffers.
   friend std::ostream& operator<<(std::ostream& os, const basic_layer_kv_cache& cache) {
-    return detail::print(os, *cache.core_);
+    return detail::print(os, *cache.state_);
   }
 
  private:
   friend struct detail::cache_access;
-  explicit basic_layer_kv_cache(std::shared_ptr<detail::actor> core) noexcept : core_(std::move(core)) {}
+  explicit basic_layer_kv_cache(std::shared_ptr<detail::actor> state) noexcept : state_(std::move(state)) {}
 
-  std::shared_ptr<detail::actor> core_;
+  std::shared_ptr<detail::actor> state_;
 };
 
 /// A layer cache storing floats: the contract's `layer_kv_cache`.

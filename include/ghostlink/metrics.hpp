@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 #include "ghostlink/detail/flavour.hpp"
-#include "ghostlink/prefix_cache.hpp"
 #include "ghostlink/stats.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN

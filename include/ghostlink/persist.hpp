@@ -42,10 +42,10 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/block_pool.hpp"
+#include "ghostlink/completion_token.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
-#include "ghostlink/layer_kv_cache.hpp"  // default_completion_token
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/types.hpp"
 

@@ -22,14 +22,15 @@
 #include "ghostlink/block_hash.hpp"
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/block_store.hpp"
+#include "ghostlink/completion_token.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
-#include "ghostlink/detail/completion.hpp"
-#include "ghostlink/detail/persist_core.hpp"
+#include "ghostlink/detail/prefix_interface.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
-#include "ghostlink/layer_kv_cache.hpp"  // default_completion_token
+#include "ghostlink/events.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
+#include "ghostlink/stats.hpp"
 #include "ghostlink/types.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -66,117 +67,6 @@ struct kv_attach_options {
   /// are attached and the rest are a miss. None: no limit but the store's own.
   std::optional<std::chrono::steady_clock::duration> timeout{};
 };
-
-/// A prefix cache's counters (`basic_kv_prefix_cache::stats`), each read
-/// separately: exact when the caches on the pool are idle. The hit rate is
-/// `hit_tokens / query_tokens` (vLLM's `prefix_cache_hits / prefix_cache_queries`).
-struct kv_prefix_stats {
-  std::uint64_t queries = 0;          ///< `match()` and `attach()` calls.
-  std::uint64_t query_tokens = 0;     ///< Tokens of full blocks asked for in them.
-  std::uint64_t hit_tokens = 0;       ///< Of those, found cached.
-  std::uint64_t inserted_blocks = 0;  ///< Entries `insert()` (and `async_attach()`, from the store) added.
-  std::uint64_t evicted_blocks = 0;   ///< Entries evicted for room in the pool.
-  std::size_t cached_blocks = 0;      ///< Entries now.
-  std::size_t idle_blocks = 0;        ///< Entries now that nothing but the cache uses.
-  std::uint64_t store_hit_tokens = 0;  ///< Tokens `async_attach()` attached from the store.
-  std::uint64_t store_puts = 0;        ///< Entries handed to the store (write-through or write-back).
-  std::uint64_t store_rejects = 0;     ///< Values from the store refused as corrupt or of another entry.
-};
-
-/// One change to a prefix cache's entries, for a consumer that mirrors them
-/// (a cache-aware router, as vLLM's KV events serve).
-struct kv_prefix_event {
-  /// What happened.
-  enum class kind : std::uint8_t {
-    stored,   ///< An entry was added.
-    removed,  ///< An entry was evicted.
-    cleared,  ///< `clear()` dropped every entry.
-  };
-  kind what = kind::stored;                 ///< What happened.
-  std::uint64_t sequence = 0;               ///< 1, 2, 3, ... per handler, no gaps.
-  kv_block_hash hash{};                     ///< stored, removed (all zero for cleared).
-  std::optional<kv_block_hash> parent;      ///< stored: the previous block's, none for block 0.
-};
-
-/// Receives a prefix cache's events (see `basic_kv_prefix_cache::set_event_handler`).
-using kv_prefix_event_handler = std::function<void(const kv_prefix_event&)>;
-
-namespace detail {
-
-class prefix_index;
-class sequence_core;
-
-// The untyped machinery (src/prefix_cache.cpp).
-std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
-                                                element_codec codec, std::uint8_t element, const kv_block_pool& pool,
-                                                kv_prefix_options options);
-std::size_t num_layers(const prefix_index& p) noexcept;
-const kv_cache_config& config_of(const prefix_index& p) noexcept;
-kv_block_pool pool_of(const prefix_index& p) noexcept;
-std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
-std::size_t prefix_match(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
-std::shared_ptr<sequence_core> prefix_attach(prefix_index& p, asio::any_io_executor ex,
-                                             std::span<const token_id> tokens, std::string_view salt);
-/// `tokens` null: the token ids `seq` stores.
-std::size_t prefix_insert(prefix_index& p, const sequence_core* seq, const std::span<const token_id>* tokens,
-                          std::string_view salt);
-void prefix_clear(prefix_index& p) noexcept;
-kv_prefix_stats prefix_stats(const prefix_index& p) noexcept;
-void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler);
-/// Wakes an attach that waits on its store when its handler's cancellation
-/// slot is emitted (src/prefix_attach.cpp).
-class attach_wakeup;
-std::shared_ptr<attach_wakeup> make_attach_wakeup();
-/// Queues the cancellation of the attach `w` wakes, if it is still running.
-void wake(attach_wakeup& w) noexcept;
-
-/// What an attach's cancellation slot holds: the operation's cancel_state
-/// (as every operation's), and the wakeup of the job waiting on the store.
-struct attach_cancel_handler {
-  ref_ptr<cancel_state> state;
-  std::shared_ptr<attach_wakeup> wakeup;
-  void operator()(asio::cancellation_type type) const noexcept {
-    if (type == asio::cancellation_type::none) return;
-    state->cancel();
-    wake(*wakeup);
-  }
-};
-
-/// Takes ownership of `op` and completes it exactly once, never inside this
-/// call (src/prefix_attach.cpp). Throws only if memory is refused, then
-/// discarding `op` first.
-void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_executor& ex,
-                  std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options,
-                  const std::shared_ptr<attach_wakeup>& wakeup, persist_op* op);
-
-/// Starts an `async_attach`.
-template <storage_element T>
-struct initiate_attach {
-  template <class Handler>
-  void operator()(Handler&& handler, const std::shared_ptr<prefix_index>& p, const asio::any_io_executor& ex,
-                  std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options) const {
-    using handler_type = std::decay_t<Handler>;
-    using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_sequence<basic_sequence_kv_cache<T>>>;
-    handler_type h(std::forward<Handler>(handler));
-    auto slot = asio::get_associated_cancellation_slot(h);
-    persist_op* started = op::make(std::move(h), ex);
-    std::shared_ptr<attach_wakeup> wakeup;
-    if (started->cancellation()) {
-      // Not started yet, so nothing else touches the slot: its handler
-      // becomes one that also wakes the job waiting on the store.
-      try {
-        wakeup = make_attach_wakeup();
-        slot.template emplace<attach_cancel_handler>(attach_cancel_handler{started->cancellation(), wakeup});
-      } catch (...) {
-        started->discard();
-        throw;
-      }
-    }
-    start_attach(p, ex, tokens, salt, options, wakeup, started);
-  }
-};
-
-}  // namespace detail
 
 /// An index from block hashes to the blocks of every layer that hold one
 /// full block of tokens, shared copy-on-write by every sequence that
@@ -333,14 +223,14 @@ class basic_kv_prefix_cache {
   ///         `head_dim`, `block_tokens`); nothing is inserted then.
   ///         std::bad_alloc, inserting nothing.
   std::size_t insert(const sequence_type& seq, std::span<const token_id> tokens, std::string_view salt = {}) {
-    return detail::prefix_insert(*index_, detail::cache_access::core_of(seq).get(), &tokens, salt);
+    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), &tokens, salt);
   }
 
   /// As `insert()`, with the token ids `seq` stores with its tokens (its
   /// snapshot's `token_ids()`), so they cannot mismatch. Stops at the first
   /// block holding a token stored without an id.
   std::size_t insert_stored_tokens(const sequence_type& seq, std::string_view salt = {}) {
-    return detail::prefix_insert(*index_, detail::cache_access::core_of(seq).get(), nullptr, salt);
+    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), nullptr, salt);
   }
 
   /// Drops every entry: blocks in use elsewhere stay with their users, idle
@@ -348,7 +238,7 @@ class basic_kv_prefix_cache {
   /// one `cleared` event is emitted (also on an empty cache), no `removed`.
   void clear() noexcept { detail::prefix_clear(*index_); }
 
-  /// The counters now (see `kv_prefix_stats`). `cached_blocks -
+  /// The counters now (see `kv_prefix_stats`). `cached_entries -
   /// idle_blocks` entries are in use.
   kv_prefix_stats stats() const noexcept { return detail::prefix_stats(*index_); }
 
@@ -373,3 +263,5 @@ class basic_kv_prefix_cache {
 using kv_prefix_cache = basic_kv_prefix_cache<float>;
 
 GHOSTLINK_NAMESPACE_END
+
+#include "ghostlink/impl/prefix_cache.hpp"

@@ -18,7 +18,7 @@
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
-#include "ghostlink/detail/sequence_core.hpp"
+#include "ghostlink/detail/sequence_interface.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/layer_kv_view.hpp"
 #include "ghostlink/sequence_step.hpp"
@@ -162,24 +162,24 @@ class basic_sequence_kv_cache {
   basic_sequence_kv_cache() noexcept = default;
   /// False for an empty handle (default-constructed, moved-from, or the
   /// result of a failed fork).
-  bool valid() const noexcept { return core_ != nullptr; }
+  bool valid() const noexcept { return state_ != nullptr; }
   /// As `valid()`.
   explicit operator bool() const noexcept { return valid(); }
 
   /// The layers of the sequence, each a `layer_type` with its own actor.
-  std::size_t num_layers() const noexcept { return detail::num_layers(*core_); }
+  std::size_t num_layers() const noexcept { return detail::num_layers(*state_); }
   /// The config the sequence was made with (for every layer).
-  const kv_cache_config& config() const noexcept { return detail::config_of(*core_); }
+  const kv_cache_config& config() const noexcept { return detail::config_of(*state_); }
   /// The pool every layer takes its blocks from.
   kv_block_pool pool() const noexcept { return layer(0).pool(); }
   /// The executor the sequence was made from: where handlers without an
   /// associated executor run. Unlike a layer's `get_executor()`, which is
   /// that layer's strand, it is no strand: a sequence's operations run on
   /// every layer's strand, and its handler on this executor.
-  executor_type get_executor() const noexcept { return detail::io_executor(*core_); }
+  executor_type get_executor() const noexcept { return detail::io_executor(*state_); }
   /// Tokens the sequence holds: those of its last completed append,
   /// truncate or step commit (or fork).
-  std::size_t size() const noexcept { return detail::size_of(*core_); }
+  std::size_t size() const noexcept { return detail::size_of(*state_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
   /// Makes `reservation`'s blocks the sequence's: its layers' block
@@ -190,11 +190,11 @@ class basic_sequence_kv_cache {
   /// `reservation` is empty afterwards.
   /// @throws std::system_error with `kv_errc::invalid_config` if the
   ///         reservation is from another pool (it is unchanged then).
-  void use_reservation(kv_block_reservation&& reservation) const { detail::use_reservation(*core_, reservation); }
+  void use_reservation(kv_block_reservation&& reservation) const { detail::use_reservation(*state_, reservation); }
 
   /// A read-only view of layer `i` (`i < num_layers()`).
   layer_type layer(std::size_t i) const noexcept {
-    return layer_type(detail::cache_access::adopt<basic_layer_kv_cache<T>>(detail::layer_of(*core_, i)));
+    return layer_type(detail::cache_access::adopt<basic_layer_kv_cache<T>>(detail::layer_of(*state_, i)));
   }
 
   /// Pins every layer's latest epoch, narrowed to the tokens all of them
@@ -325,9 +325,9 @@ class basic_sequence_kv_cache {
 
  private:
   friend struct detail::cache_access;
-  explicit basic_sequence_kv_cache(std::shared_ptr<detail::sequence_core> core) noexcept : core_(std::move(core)) {}
+  explicit basic_sequence_kv_cache(std::shared_ptr<detail::sequence_state> state) noexcept : state_(std::move(state)) {}
 
-  std::shared_ptr<detail::sequence_core> core_;
+  std::shared_ptr<detail::sequence_state> state_;
 };
 
 /// A whole-model sequence cache storing floats.

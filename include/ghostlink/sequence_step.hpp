@@ -12,7 +12,7 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/detail/cache_access.hpp"
-#include "ghostlink/detail/sequence_core.hpp"
+#include "ghostlink/detail/sequence_interface.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/snapshot.hpp"
 
@@ -65,7 +65,7 @@ class basic_sequence_step {
   basic_sequence_step& operator=(basic_sequence_step&& other) noexcept {
     if (this != &other) {
       abandon();
-      core_ = std::move(other.core_);
+      state_ = std::move(other.state_);
     }
     return *this;
   }
@@ -79,25 +79,25 @@ class basic_sequence_step {
   /// False for an empty step (default-constructed, moved-from, `abandon()`ed,
   /// or the result of a failed begin). A committed step stays valid; its
   /// writes and commits then fail with `kv_errc::step_closed`.
-  bool valid() const noexcept { return core_ != nullptr; }
+  bool valid() const noexcept { return state_ != nullptr; }
   /// As `valid()`.
   explicit operator bool() const noexcept { return valid(); }
   /// The position of the step's first token: the sequence's `size()` when
   /// the step began.
-  std::size_t index() const noexcept { return detail::step_index(*core_); }
+  std::size_t index() const noexcept { return detail::step_index(*state_); }
   /// Tokens the step adds to every layer.
-  std::size_t size() const noexcept { return detail::step_tokens(*core_); }
+  std::size_t size() const noexcept { return detail::step_tokens(*state_); }
   /// The sequence's layers.
-  std::size_t num_layers() const noexcept { return detail::num_layers(*detail::sequence_of(*core_)); }
+  std::size_t num_layers() const noexcept { return detail::num_layers(*detail::sequence_of(*state_)); }
   /// The sequence's executor.
-  executor_type get_executor() const noexcept { return detail::io_executor(*detail::sequence_of(*core_)); }
+  executor_type get_executor() const noexcept { return detail::io_executor(*detail::sequence_of(*state_)); }
 
   /// Pins layer `layer`'s latest epoch (`layer < num_layers()`), narrowed to
   /// the sequence's tokens plus the step's, once that layer's write has
   /// published them: `index()` tokens before, `index() + size()` after.
   /// Lock-free, as `basic_layer_kv_cache::snapshot()`.
   snapshot_type snapshot(std::size_t layer) const noexcept {
-    const auto& seq = *detail::sequence_of(*core_);
+    const auto& seq = *detail::sequence_of(*state_);
     return detail::cache_access::adopt<snapshot_type>(detail::pin(*detail::layer_of(seq, layer)))
         .prefix(index() + size());
   }
@@ -192,15 +192,15 @@ class basic_sequence_step {
 
   /// As `async_abandon()`, in the background, and the handle is left empty.
   void abandon() noexcept {
-    if (core_) detail::abandon(*core_);
-    core_.reset();
+    if (state_) detail::abandon(*state_);
+    state_.reset();
   }
 
  private:
   friend struct detail::cache_access;
-  explicit basic_sequence_step(std::shared_ptr<detail::step_core> core) noexcept : core_(std::move(core)) {}
+  explicit basic_sequence_step(std::shared_ptr<detail::step_state> state) noexcept : state_(std::move(state)) {}
 
-  std::shared_ptr<detail::step_core> core_;
+  std::shared_ptr<detail::step_state> state_;
 };
 
 GHOSTLINK_NAMESPACE_END

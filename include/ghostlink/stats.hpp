@@ -79,4 +79,22 @@ struct kv_pool_stats {
   std::size_t bytes_in_use() const noexcept { return blocks_in_use * block_bytes; }
 };
 
+/// A prefix cache's counters (`basic_kv_prefix_cache::stats`), each read
+/// separately: exact when the caches on the pool are idle. The hit rate is
+/// `hit_tokens / query_tokens` (vLLM's `prefix_cache_hits / prefix_cache_queries`).
+struct kv_prefix_stats {
+  std::uint64_t queries = 0;          ///< `match()` and `attach()` calls.
+  std::uint64_t query_tokens = 0;     ///< Tokens of full blocks asked for in them.
+  std::uint64_t hit_tokens = 0;       ///< Of those, found cached.
+  std::uint64_t inserted_blocks = 0;  ///< Entries `insert()` (and `async_attach()`, from the store) added.
+  std::uint64_t evicted_blocks = 0;   ///< Entries evicted for room in the pool.
+  std::size_t cached_blocks =
+      0;      ///< Entries now (the same as `cached_entries`; one entry is one block of every layer).
+  std::size_t cached_entries = 0;     ///< Entries now.
+  std::size_t idle_blocks = 0;        ///< Entries now that nothing but the cache uses.
+  std::uint64_t store_hit_tokens = 0;  ///< Tokens `async_attach()` attached from the store.
+  std::uint64_t store_puts = 0;        ///< Entries handed to the store (write-through or write-back).
+  std::uint64_t store_rejects = 0;     ///< Values from the store refused as corrupt or of another entry.
+};
+
 GHOSTLINK_NAMESPACE_END

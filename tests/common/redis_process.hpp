@@ -17,7 +17,7 @@
 
 #include <ghostlink/redis_store.hpp>
 
-#include "redis_connection.hpp"
+#include "store/redis/connection.hpp"
 
 #include <chrono>
 #include <cstdlib>

@@ -4,7 +4,7 @@
 
 #include <ghostlink/kv_cache.hpp>
 
-#include "asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 #include <typeinfo>
 #include <vector>

@@ -1,5 +1,5 @@
 // The fuzz target of the Redis tier's RESP2 reply parser
-// (detail::parse_redis_reply, src/redis_connection.cpp), which reads what a
+// (detail::parse_redis_reply, src/store/redis/connection.cpp), which reads what a
 // server, or anything listening where one should be, sends. For any input:
 // - it takes one reply (at most the input's bytes), asks for more (0), or
 //   throws std::runtime_error; nothing else escapes, nothing crashes;
@@ -20,7 +20,7 @@
 #include <string>
 #include <string_view>
 
-#include "redis_connection.hpp"
+#include "store/redis/connection.hpp"
 
 namespace {
 

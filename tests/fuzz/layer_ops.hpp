@@ -5,9 +5,9 @@
 
 #include "world.hpp"
 
-#include "asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
-#include "../asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 #include <algorithm>
 #include <cstdio>

@@ -3,7 +3,7 @@
 // must show after each operation. Besides the documented semantics it
 // tracks block identities, because capacity_exhausted and the pool's
 // counters depend on which blocks exist; for that it mirrors the one policy
-// the budget depends on (src/working_state.hpp): a write takes a new block
+// the budget depends on (src/core/working_state.hpp): a write takes a new block
 // unless it writes, into a block this cache made, a slot no live epoch
 // reads: one no published epoch ever read (a block's `readable` watermark,
 // raised to what it holds whenever an epoch is published, a fork taken or
@@ -102,7 +102,7 @@ struct mepoch {
 };
 
 /// A counted block: the pool it belongs to, the cache that made it (alone
-/// writes it), and the owner's position counters (see src/block.hpp's block).
+/// writes it), and the owner's position counters (see src/memory/block.hpp's block).
 struct mblock {
   std::size_t pool = 0;
   std::uint64_t owner = 0;

@@ -10,7 +10,7 @@
 
 #include "world.hpp"
 
-#include "asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 #include <algorithm>
 #include <cstdio>

@@ -8,9 +8,9 @@
 #include "model.hpp"
 
 #include <ghostlink/kv_cache.hpp>
-#include "testing.hpp"
+#include "testing/hooks.hpp"
 
-#include "asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 #include <algorithm>
 #include <cstdint>

@@ -4,7 +4,7 @@
 // saved through a durable kv_file_store in <dir>/store, over and over, until
 // it is killed. After each save it prints "saved <n>" on standard output.
 // Both sequences hold tokens whose keys and values follow from (layer,
-// position, token id), as tests/prefix_support.hpp's key() says, so the
+// position, token id), as tests/common/prefix_support.hpp's key() says, so the
 // test checks whatever it finds against them.
 //
 // Usage: store_writer <dir>
@@ -12,7 +12,7 @@
 #include <ghostlink/persist.hpp>
 #include <ghostlink/prefix_cache.hpp>
 
-#include "../asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 #include <cstdio>
 #include <exception>

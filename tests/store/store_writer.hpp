@@ -5,7 +5,7 @@
 
 #include <ghostlink/kv_cache.hpp>
 
-#include "../asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 #include <cstddef>
 #include <span>

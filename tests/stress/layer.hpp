@@ -10,7 +10,7 @@
 #include <deque>
 #include <functional>
 
-#include "asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 namespace stress {
 

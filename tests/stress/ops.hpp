@@ -7,9 +7,7 @@
 
 #include "common.hpp"
 
-#include "asio_compat.hpp"
-
-#include "../asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 #include <tuple>
 

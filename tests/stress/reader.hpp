@@ -6,7 +6,7 @@
 
 #include "sequence.hpp"
 
-#include "asio_compat.hpp"
+#include "common/asio_compat.hpp"
 
 namespace stress {
 

@@ -14,7 +14,7 @@
 
 #include "reader.hpp"
 
-#include "testing.hpp"
+#include "testing/hooks.hpp"
 
 #include <chrono>
 #include <cstdio>

@@ -11,20 +11,20 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 struct cache_access {
-  /// A handle of type `Handle` on `core` (an empty handle if null).
-  template <class Handle, class Core>
-  static Handle adopt(Core core) noexcept {
-    return core ? Handle(std::move(core)) : Handle();
+  /// A handle of type `Handle` on `state` (an empty handle if null).
+  template <class Handle, class State>
+  static Handle adopt(State state) noexcept {
+    return state ? Handle(std::move(state)) : Handle();
   }
-  /// The core a handle holds.
+  /// The state a handle holds.
   template <class Handle>
-  static const auto& core_of(const Handle& h) noexcept {
-    return h.core_;
+  static const auto& state_of(const Handle& h) noexcept {
+    return h.state_;
   }
 };
 
 /// Turns a finished fork operation (a layer's request or a sequence's
-/// operation, whose `forked` field holds the new core) into the handle the
+/// operation, whose `forked` field holds the new state) into the handle the
 /// handler receives.
 template <class Handle>
 struct adopt_forked {

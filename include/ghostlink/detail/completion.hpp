@@ -25,6 +25,18 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
+/// True for the handler of a `co_await` through `asio::use_awaitable`: the
+/// coroutine suspends right after the initiating call and can have no other
+/// write of its own in flight, so its drain is best started at once (see
+/// urgency). Any other handler may belong to a caller that keeps many writes
+/// in flight, whose drains should batch them.
+template <class Handler>
+struct resumes_coroutine : std::false_type {};
+#if defined(GHOSTLINK_HAS_CO_AWAIT)
+template <class Executor, class... Ts>
+struct resumes_coroutine<asio::detail::awaitable_handler<Executor, Ts...>> : std::true_type {};
+#endif
+
 /// The allocator for a handler's intermediate storage: its associated
 /// allocator, else Asio's per-thread recycling allocator (as Asio's own
 /// operations use).

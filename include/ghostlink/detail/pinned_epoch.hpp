@@ -2,7 +2,7 @@
 // A reader's pin on one published epoch, what a snapshot holds, and the one
 // call the inlined read path makes into src/: where the stored runs of a
 // range of tokens are. The epoch itself (its block table, its layout) lives
-// in src/epoch.hpp.
+// in src/core/epoch.hpp.
 
 #include <cstddef>
 #include <cstdint>
@@ -46,7 +46,7 @@ inline void prefetch_run(const stored_run& r) noexcept {
 /// the previous block's are one run. Tokens never written point into a
 /// block of zeros.
 std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std::span<stored_run> out) noexcept;
-/// Releases a pin taken by pin() (src/actor.hpp); may free the epoch.
+/// Releases a pin taken by pin() (src/core/actor.hpp); may free the epoch.
 void unpin(const epoch& e) noexcept;
 
 /// A reference to one published epoch, counted in its cache's statistics

@@ -9,22 +9,10 @@
 
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/completion.hpp"
-#include "ghostlink/detail/layer_core.hpp"
+#include "ghostlink/detail/layer_interface.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
-
-/// True for the handler of a `co_await` through `asio::use_awaitable`: the
-/// coroutine suspends right after the initiating call and can have no other
-/// write of its own in flight, so its drain is best started at once (see
-/// urgency). Any other handler may belong to a caller that keeps many writes
-/// in flight, whose drains should batch them.
-template <class Handler>
-struct resumes_coroutine : std::false_type {};
-#if defined(GHOSTLINK_HAS_CO_AWAIT)
-template <class Executor, class... Ts>
-struct resumes_coroutine<asio::detail::awaitable_handler<Executor, Ts...>> : std::true_type {};
-#endif
 
 /// Starts a request: stores the handler in a request and mails it to the
 /// actor. Owns the actor so that a deferred operation may start later.
@@ -80,7 +68,7 @@ struct initiate_read {
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_initialize(std::size_t seq_len, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{state_}, token,
                                                                  detail::initialize_args{seq_len});
 }
 
@@ -88,20 +76,20 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
                                           CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{state_}, token,
                                                                  kv_write{index, keys, values});
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token, entries);
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{state_}, token, entries);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_truncate(std::size_t n, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{core_}, token,
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{state_}, token,
                                                                  detail::truncate_args{n});
 }
 
@@ -109,20 +97,20 @@ template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) const {
   return asio::async_initiate<CompletionToken, void(error_code, basic_layer_kv_cache)>(
-      detail::initiate_request_with<detail::adopt_forked<basic_layer_kv_cache>>{core_}, token, detail::fork_args{});
+      detail::initiate_request_with<detail::adopt_forked<basic_layer_kv_cache>>{state_}, token, detail::fork_args{});
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(detail::initiate_read<snapshot_type>{core_},
+  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(detail::initiate_read<snapshot_type>{state_},
                                                                            token, index);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(detail::initiate_read<snapshot_type>{core_},
+  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(detail::initiate_read<snapshot_type>{state_},
                                                                            token, begin, end);
 }
 

@@ -1,6 +1,6 @@
 #pragma once
 // Template implementations of persist.hpp: each operation stores its handler
-// once and hands the rest to the untyped machinery (detail/persist_core.hpp).
+// once and hands the rest to the untyped machinery (detail/persist_interface.hpp).
 
 #include <cstddef>
 #include <filesystem>
@@ -12,7 +12,7 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/detail/completion.hpp"
-#include "ghostlink/detail/persist_core.hpp"
+#include "ghostlink/detail/persist_interface.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -23,13 +23,13 @@ struct initiate_save {
   void operator()(Handler&& handler, basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
                   kv_save_options options) const {
     using handler_type = std::decay_t<Handler>;
-    using op = handler_op<persist_op, handler_type, asio::any_io_executor>;
+    using op = handler_op<io_op, handler_type, asio::any_io_executor>;
     // Whatever may throw (memory, the private pool's threads) before the
     // operation exists; start_save discards it if it throws.
-    asio::any_io_executor io = persist_executor(options.io_executor);
+    asio::any_io_executor io = io_pool_executor(options.io_executor);
     auto saved = std::make_unique<typed_saved_sequence<T>>(std::move(snapshot));
     handler_type h(std::forward<Handler>(handler));
-    persist_op* started = op::make(std::move(h), io);
+    io_op* started = op::make(std::move(h), io);
     start_save(std::move(saved), std::move(path), options.config, std::move(options.model), file_element_of<T>, io,
                started);
   }
@@ -42,12 +42,12 @@ struct initiate_load {
   void operator()(Handler&& handler, asio::any_io_executor ex, std::filesystem::path path, kv_block_pool pool,
                   kv_sequence_expectation expected, const kv_load_options& options) const {
     using handler_type = std::decay_t<Handler>;
-    using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_loaded<basic_sequence_kv_cache<T>>>;
+    using op = handler_op<io_op, handler_type, asio::any_io_executor, take_loaded<basic_sequence_kv_cache<T>>>;
     // The private pool's threads, which may fail to start, before the
     // operation exists; start_load discards it if it throws.
-    asio::any_io_executor io = persist_executor(options.io_executor);
+    asio::any_io_executor io = io_pool_executor(options.io_executor);
     handler_type h(std::forward<Handler>(handler));
-    persist_op* started = op::make(std::move(h), ex);
+    io_op* started = op::make(std::move(h), ex);
     start_load(std::move(ex), std::move(path), pool,
                {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>}, io, started);
   }
@@ -60,10 +60,10 @@ struct initiate_read_layer {
   void operator()(Handler&& handler, std::filesystem::path path, std::size_t layer, kv_sequence_expectation expected,
                   const kv_load_options& options) const {
     using handler_type = std::decay_t<Handler>;
-    using op = handler_op<persist_op, handler_type, asio::any_io_executor, take_layer>;
-    asio::any_io_executor io = persist_executor(options.io_executor);
+    using op = handler_op<io_op, handler_type, asio::any_io_executor, take_layer>;
+    asio::any_io_executor io = io_pool_executor(options.io_executor);
     handler_type h(std::forward<Handler>(handler));
-    persist_op* started = op::make(std::move(h), io);
+    io_op* started = op::make(std::move(h), io);
     start_read_layer(std::move(path), layer,
                      {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>}, io,
                      started);

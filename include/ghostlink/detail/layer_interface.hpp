@@ -1,0 +1,129 @@
+#pragma once
+// The untyped interface between a layer cache's templates and its actor,
+// which lives in src/core/actor.hpp: the request the templates build (one shape
+// for every operation) and the functions through which a handle, which
+// holds a `std::shared_ptr<actor>`, reaches the actor.
+
+#include <cstddef>
+#include <iosfwd>
+#include <memory>
+#include <span>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/completion.hpp"
+#include "ghostlink/detail/pinned_epoch.hpp"
+#include "ghostlink/element.hpp"
+#include "ghostlink/stats.hpp"
+#include "ghostlink/types.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+class kv_block_pool;
+GHOSTLINK_NAMESPACE_END
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+class actor;
+class mailbox;
+
+/// The operations a layer's actor applies.
+enum class request_kind : unsigned char { initialize, write_batch, truncate, fork, reserve };
+
+/// The argument of an initialize request: the size asked for.
+struct initialize_args {
+  std::size_t size;
+};
+/// The argument of a truncate request: the size to keep.
+struct truncate_args {
+  std::size_t size;
+};
+/// The argument of a fork request.
+struct fork_args {};
+/// The argument of a reserve request (a sequence step's begin, or its end
+/// with `tokens` 0): drop any token from `index` on, and set aside the
+/// blocks a write of `tokens` tokens from `index` on needs, for the cache's
+/// next write (freeing any set aside before).
+struct reserve_args {
+  std::size_t index;
+  std::size_t tokens;
+};
+
+/// One request to a layer's actor. A single write is a batch of one (held in
+/// the request), so the actor has one write path.
+class request : public operation {
+ public:
+  request_kind kind() const noexcept { return kind_; }
+  /// `initialize` and `truncate`: the size asked for; `reserve`: the index.
+  std::size_t size() const noexcept { return size_; }
+  /// `reserve`: the tokens to set blocks aside for.
+  std::size_t tokens() const noexcept { return tokens_; }
+  /// `write_batch`: the entries, in order.
+  std::span<const kv_write> entries() const noexcept { return entries_; }
+
+  /// `fork`: the new cache's actor, set by the actor when the fork succeeds.
+  std::shared_ptr<actor> forked;
+
+ protected:
+  request(finish_fn finish, initialize_args a) noexcept
+      : operation(finish), kind_(request_kind::initialize), size_(a.size) {}
+  request(finish_fn finish, truncate_args a) noexcept
+      : operation(finish), kind_(request_kind::truncate), size_(a.size) {}
+  request(finish_fn finish, fork_args) noexcept : operation(finish), kind_(request_kind::fork) {}
+  request(finish_fn finish, reserve_args a) noexcept
+      : operation(finish), kind_(request_kind::reserve), size_(a.index), tokens_(a.tokens) {}
+  request(finish_fn finish, std::span<const kv_write> entries) noexcept
+      : operation(finish), kind_(request_kind::write_batch), entries_(entries) {}
+  request(finish_fn finish, const kv_write& single) noexcept
+      : operation(finish), kind_(request_kind::write_batch), single_(single), entries_(&single_, 1) {}
+  ~request() = default;
+
+ private:
+  request_kind kind_;
+  std::size_t size_ = 0;
+  std::size_t tokens_ = 0;
+  kv_write single_{};
+  std::span<const kv_write> entries_;
+  friend class mailbox;
+  request* next_waiting_ = nullptr;  // the mailbox's list of requests waiting for room
+};
+
+/// How soon a request's drain should start when it finds the actor idle.
+/// `now`: dispatched to the strand, so a caller already on the strand's
+/// executor runs the drain at once, on the strand, without a thread hop (its
+/// handler is still only queued). `batch`: posted, so requests that arrive
+/// meanwhile are applied and published together.
+enum class urgency : bool { now, batch };
+
+/// A new, empty cache whose actor runs on a new strand of `ex`, storing
+/// elements as `codec` says, with blocks from `pool` (a private pool with
+/// `config.max_blocks` as its budget if null); `initialized` makes it accept
+/// writes before any initialize.
+/// @throws std::system_error(kv_errc::invalid_config) for a bad config, a
+///         pool whose blocks do not fit it, or a pool given together with a
+///         `max_blocks` (the pool holds the budget then).
+std::shared_ptr<actor> make_actor(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
+                                  const kv_block_pool* pool, bool initialized);
+
+/// Hands `r` to the actor, which owns it from now on: its handler runs after
+/// the epoch holding its result is published, never inside this call.
+void submit(actor& a, request* r, urgency u) noexcept;
+
+/// The executor the cache was made from: where a handler without an
+/// associated executor completes (not the strand).
+const asio::any_io_executor& io_executor(const actor& a) noexcept;
+/// The actor's strand.
+asio::strand<asio::any_io_executor> strand_of(const actor& a) noexcept;
+const kv_cache_config& config_of(const actor& a) noexcept;
+/// Tokens in the latest published epoch.
+std::size_t size_of(const actor& a) noexcept;
+/// The latest published epoch, pinned.
+pinned_epoch pin(const actor& a) noexcept;
+kv_cache_stats stats_of(const actor& a) noexcept;
+kv_block_pool pool_of(const actor& a) noexcept;
+/// Prints `layer_kv_cache{config=..., size=...}`.
+std::ostream& print(std::ostream& os, const actor& a);
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,146 @@
+#pragma once
+// The untyped interface between persist.hpp's templates and the save and
+// load machinery in src/ (src/persist/save.cpp, src/persist/load.cpp): each
+// operation is one io_op holding the user's handler, type-erased once,
+// which the machinery completes exactly once, never inside the initiating
+// call.
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include "ghostlink/block_pool.hpp"
+#include "ghostlink/config.hpp"
+#include "ghostlink/detail/cache_access.hpp"
+#include "ghostlink/detail/completion.hpp"
+#include "ghostlink/element.hpp"
+#include "ghostlink/sequence_kv_cache.hpp"
+#include "ghostlink/types.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+class sequence_state;
+
+/// A save, a load, a layer read or a prefix cache's attach from its store.
+class io_op : public operation {
+ public:
+  /// A load's new sequence, set by the machinery when the load succeeds;
+  /// an attach's, always.
+  std::shared_ptr<sequence_state> loaded;
+  /// A load's token ids.
+  std::vector<token_id> ids;
+  /// A layer read's tokens.
+  kv_range layer;
+
+ protected:
+  explicit io_op(finish_fn finish) noexcept : operation(finish) {}
+  ~io_op() = default;
+};
+
+/// Turns a finished load into the handler's arguments after the error code.
+template <class Sequence>
+struct take_loaded {
+  std::tuple<Sequence, std::vector<token_id>> operator()(io_op& op) const noexcept {
+    return {cache_access::adopt<Sequence>(std::move(op.loaded)), std::move(op.ids)};
+  }
+};
+
+/// Turns a finished attach into the handler's second argument.
+template <class Sequence>
+struct take_sequence {
+  Sequence operator()(io_op& op) const noexcept { return cache_access::adopt<Sequence>(std::move(op.loaded)); }
+};
+
+/// Turns a finished layer read into the handler's second argument.
+struct take_layer {
+  kv_range operator()(io_op& op) const noexcept { return std::move(op.layer); }
+};
+
+/// The element type a save writes or a load expects.
+struct file_element_type {
+  std::uint32_t code;   // element_code<T>
+  element_codec codec;  // its size, and how floats become it
+};
+
+template <storage_element T>
+inline constexpr file_element_type file_element_of{element_code<T>, codec_of<T>};
+
+/// The snapshot a save writes, untyped. Read on the I/O executor: its
+/// members are const and a snapshot is safe to read from any thread.
+class saved_sequence {
+ public:
+  /// Receives one run of stored elements (as bytes).
+  using sink = void (*)(void* context, std::span<const std::byte> run);
+
+  saved_sequence() = default;
+  saved_sequence(const saved_sequence&) = delete;
+  saved_sequence& operator=(const saved_sequence&) = delete;
+  virtual ~saved_sequence() = default;
+
+  virtual std::size_t num_layers() const noexcept = 0;
+  virtual std::size_t size() const noexcept = 0;
+  /// Elements per token of every layer (0 with no layer).
+  virtual std::size_t token_width() const noexcept = 0;
+  virtual std::vector<token_id> token_ids() const = 0;
+  /// Calls `to(context, run)` for every stored run of layer `layer`'s keys
+  /// (or values), token 0 first.
+  virtual void for_each_run(std::size_t layer, bool values, sink to, void* context) const = 0;
+};
+
+/// A `basic_sequence_snapshot<T>` as a saved_sequence.
+template <storage_element T>
+class typed_saved_sequence final : public saved_sequence {
+ public:
+  explicit typed_saved_sequence(basic_sequence_snapshot<T> s) noexcept : snapshot_(std::move(s)) {}
+
+  std::size_t num_layers() const noexcept override { return snapshot_.num_layers(); }
+  std::size_t size() const noexcept override { return snapshot_.size(); }
+  std::size_t token_width() const noexcept override {
+    return snapshot_.num_layers() == 0 ? 0 : snapshot_.layer(0).token_width();
+  }
+  std::vector<token_id> token_ids() const override { return snapshot_.token_ids(); }
+  void for_each_run(std::size_t layer, bool values, sink to, void* context) const override {
+    (void)snapshot_.layer(layer).for_each_block(
+        0, snapshot_.size(),
+        [&](std::size_t, std::size_t, auto keys, auto vals) { to(context, std::as_bytes(values ? vals : keys)); });
+  }
+
+ private:
+  basic_sequence_snapshot<T> snapshot_;
+};
+
+/// What a load or a layer read requires of the file.
+struct file_expectation {
+  std::size_t num_layers;
+  kv_cache_config config;
+  std::string model;
+  file_element_type element;
+};
+
+/// `given`, else the private I/O pool's executor (the pool made at the
+/// first call that needs it).
+asio::any_io_executor io_pool_executor(const std::optional<asio::any_io_executor>& given);
+
+/// Each takes ownership of `op` and completes it exactly once, never inside
+/// this call; the file I/O runs on `io`. They throw only if memory is
+/// refused or queueing throws, and then discard `op` (its handler destroyed
+/// unrun, its work released) first.
+void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
+                std::string model, file_element_type element, const asio::any_io_executor& io, io_op* op);
+void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
+                file_expectation expected, const asio::any_io_executor& io, io_op* op);
+void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,
+                      const asio::any_io_executor& io, io_op* op);
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

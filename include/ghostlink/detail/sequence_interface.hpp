@@ -1,0 +1,116 @@
+#pragma once
+// The untyped interface between a sequence's templates and its machinery in
+// src/sequence/sequence.hpp: a handle holds a `std::shared_ptr<sequence_state>` and
+// reaches it only through these functions. Each operation is one
+// sequence_op (holding the user's handler, type-erased once) that the state
+// fans out to every layer's actor and completes once, when the last layer
+// has applied its part.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <system_error>
+#include <vector>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "ghostlink/block_pool.hpp"
+#include "ghostlink/detail/layer_interface.hpp"  // the layers' actors, the pool, the completion piece
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+class sequence_state;
+class step_state;
+
+/// One append, truncate, fork or step operation of a sequence.
+class sequence_op : public operation {
+ public:
+  /// A fork's new sequence, set by the sequence state when the fork succeeds.
+  std::shared_ptr<sequence_state> forked;
+  /// A begun step, set by the sequence state when the begin succeeds.
+  std::shared_ptr<step_state> step;
+
+ protected:
+  explicit sequence_op(finish_fn finish) noexcept : operation(finish) {}
+  ~sequence_op() = default;
+};
+
+/// One write of a layer across a batch of steps (one per sequence): it
+/// completes once every step's write has, with each one's result.
+class batch_op : public operation {
+ public:
+  /// Each step's result, in the order of the steps.
+  std::vector<error_code> results;
+
+ protected:
+  explicit batch_op(finish_fn finish) noexcept : operation(finish) {}
+  ~batch_op() = default;
+};
+
+/// Turns a finished batch_op into the handler's second argument.
+struct take_results {
+  std::vector<error_code> operator()(batch_op& op) const noexcept { return std::move(op.results); }
+};
+
+/// `num_layers` empty layers of `config` on strands of `ex`, accepting
+/// writes without an initialize, with blocks from `pool` (a private pool
+/// whose budget is `config.max_blocks` for every layer together if null).
+/// @throws std::system_error(kv_errc::invalid_config) if `num_layers` is 0
+///         or as make_actor().
+std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, std::size_t num_layers,
+                                              const kv_cache_config& config, element_codec codec,
+                                              const kv_block_pool* pool);
+
+/// Moves `r`'s blocks into the sequence's budget account.
+/// @throws std::system_error(kv_errc::invalid_config) if `r` is of another pool.
+void use_reservation(const sequence_state& s, kv_block_reservation& r);
+
+std::size_t num_layers(const sequence_state& s) noexcept;
+/// The config the sequence was made with.
+const kv_cache_config& config_of(const sequence_state& s) noexcept;
+/// The executor the sequence was made from.
+const asio::any_io_executor& io_executor(const sequence_state& s) noexcept;
+/// Tokens of the last completed append or truncate (or fork).
+std::size_t size_of(const sequence_state& s) noexcept;
+/// Layer `i`'s actor.
+const std::shared_ptr<actor>& layer_of(const sequence_state& s, std::size_t i) noexcept;
+/// The actor of the sequence's token ids: one float per token, an id's bits.
+const std::shared_ptr<actor>& ids_of(const sequence_state& s) noexcept;
+/// Completed removals of tokens (truncates, undone appends), read with
+/// acquire: a snapshot pins again if it changed while it pinned the layers.
+std::uint64_t removals(const sequence_state& s) noexcept;
+/// The most tokens a snapshot may show (acquire): an open step's first
+/// index, else no bound (the largest size_t).
+std::size_t visible_bound(const sequence_state& s) noexcept;
+
+/// Each takes ownership of `op` and completes it exactly once, never inside
+/// this call. They throw only if queueing an early completion does.
+void start_append(const std::shared_ptr<sequence_state>& s, sequence_op* op,
+                  std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
+                  std::span<const token_id> ids);
+void start_truncate(const std::shared_ptr<sequence_state>& s, sequence_op* op, std::size_t n);
+void start_fork(const std::shared_ptr<sequence_state>& s, sequence_op* op);
+void start_begin_step(const std::shared_ptr<sequence_state>& s, sequence_op* op, std::size_t tokens,
+                      std::span<const token_id> ids);
+void start_step_write(const std::shared_ptr<step_state>& step, sequence_op* op, std::size_t layer,
+                      std::span<const float> keys, std::span<const float> values, urgency u);
+void start_commit(const std::shared_ptr<step_state>& step, sequence_op* op);
+/// Writes layer `layer` of every step of `steps` (step `i` from `keys[i]`,
+/// `values[i]`), completing `op` once, when every write has completed.
+void start_write_layer(std::span<step_state* const> steps, batch_op* op, std::size_t layer,
+                       std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
+                       urgency u);
+void start_abandon(const std::shared_ptr<step_state>& step, sequence_op* op);
+
+/// Ends an open step unchanged (its tokens dropped from every layer, in the
+/// background); nothing once committed or ended.
+void abandon(step_state& step) noexcept;
+/// The step's first token (its sequence's size when it began).
+std::size_t step_index(const step_state& step) noexcept;
+/// The step's tokens per layer.
+std::size_t step_tokens(const step_state& step) noexcept;
+const std::shared_ptr<sequence_state>& sequence_of(const step_state& step) noexcept;
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,272 @@
+#include "core/actor.hpp"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <exception>
+#include <new>
+#include <ostream>
+#include <type_traits>
+#include <utility>
+
+#include "ghostlink/detail/asio_config.hpp"
+
+#include "base/fault_countdown.hpp"
+#include "core/mailbox.hpp"
+#include "core/working_state.hpp"
+#include "ghostlink/block_pool.hpp"
+#include "ghostlink/error.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+// Requests one drain takes before it publishes: large enough to commit a
+// burst of writers as one epoch, small enough to keep a drain short.
+constexpr std::size_t drain_capacity = 128;
+static_assert(std::is_trivially_destructible_v<error_code>, "a drain's results are never destroyed");
+
+/// Adds to a counter only the drain writes (one writer: a load and a store,
+/// no read-modify-write); stats() reads it from any thread.
+void add(std::atomic<std::uint64_t>& counter, std::uint64_t n) noexcept {
+  counter.store(counter.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+}
+
+[[noreturn]] void throw_invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
+
+/// The pool a new cache of `layout` takes blocks from: `pool`, checked
+/// against it, or a private one.
+ref_ptr<block_pool> pool_for(const kv_cache_config& config, const block_layout& layout, ref_ptr<block_pool> pool) {
+  if (!pool) return ref_ptr<block_pool>::adopt(new block_pool(layout.block_bytes, config.max_blocks));
+  if (pool->payload_bytes() != layout.block_bytes || config.max_blocks != kv_cache_config{}.max_blocks)
+    throw_invalid_config();
+  return pool;
+}
+
+}  // namespace
+
+/// A drain queued on the strand, maybe carrying the request that scheduled
+/// it (see actor.hpp). Run, it drains; destroyed unrun (the execution
+/// context shut down with it queued), it discards its request and the
+/// mailbox.
+class drain_op {
+ public:
+  drain_op(std::shared_ptr<actor> a, request* carried) noexcept : actor_(std::move(a)), carried_(carried) {}
+  drain_op(drain_op&& other) noexcept
+      : actor_(std::move(other.actor_)), carried_(std::exchange(other.carried_, nullptr)) {}
+  drain_op& operator=(drain_op&&) = delete;
+  ~drain_op() {
+    if (!actor_) return;
+    if (carried_) {
+      actor_->mailbox_->release_carried();
+      carried_->discard();
+    }
+    actor_->discard_mailbox();
+  }
+  void operator()() {
+    const std::shared_ptr<actor> a = std::move(actor_);
+    a->drain(std::exchange(carried_, nullptr));
+  }
+
+ private:
+  std::shared_ptr<actor> actor_;
+  request* carried_;
+};
+
+std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
+                                   ref_ptr<block_pool> pool, bool initialized, std::span<ref_ptr<block>> prefix) {
+  validate(config, codec.size);
+  auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
+  ref_ptr<block_pool> checked = pool_for(config, *layout, std::move(pool));
+  auto state = std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized, prefix);
+  return std::make_shared<actor>(std::move(ex), std::move(state));
+}
+
+void actor::use_account(ref_ptr<block_account> account) noexcept { state_->use_account(std::move(account)); }
+
+actor::actor(asio::any_io_executor ex, std::unique_ptr<working_state> state)
+    : config_(state->config()),
+      executor_(std::move(ex)),
+      strand_(asio::make_strand(executor_)),
+      mailbox_(std::make_unique<mailbox>(config_.max_pending)),
+      state_(std::move(state)),
+      pool_(state_->pool()),
+      current_(state_->initial_epoch()),
+      published_size_(state_->size()),
+      registry_(state_->registry()),
+      id_(state_->owner()) {}
+
+actor::~actor() { discard_mailbox(); }
+
+void actor::discard_mailbox() noexcept {
+  std::array<request*, drain_capacity> batch{};
+  while (const std::size_t n = mailbox_->take(batch.data(), batch.size()))
+    for (std::size_t i = 0; i < n; ++i) batch[i]->discard();
+}
+
+void actor::submit(request* r, urgency u) noexcept {
+  bool queued = false;
+  if (pending_.load(std::memory_order_relaxed) == 0 && mailbox_->reserve_carried()) {
+    std::int64_t idle = 0;
+    if (pending_.compare_exchange_strong(idle, 1, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+      schedule(u, r);  // no drain queued or running: the drain carries r
+      return;
+    }
+    queued = mailbox_->enqueue_carried(r);
+  } else {
+    queued = mailbox_->push(r);
+  }
+  if (!queued) {
+    r->complete(kv_errc::capacity_exhausted, queueing::post);  // the mailbox could not grow
+    return;
+  }
+  if (void (*hook)() = enqueued_hook.load(std::memory_order_relaxed)) hook();  // tests only
+  if (pending_.fetch_add(1, std::memory_order_acq_rel) != 0) return;  // a drain is queued or running
+  schedule(u, nullptr);
+}
+
+void actor::schedule(urgency u, request* carried) noexcept {
+  if (u == urgency::now)
+    asio::dispatch(strand_, drain_op(shared_from_this(), carried));
+  else
+    asio::post(strand_, drain_op(shared_from_this(), carried));
+}
+
+void actor::apply(request* const* batch, error_code* results, std::size_t n) {
+  try {
+    state_->reserve_epoch();
+  } catch (const std::bad_alloc&) {
+    for (std::size_t i = 0; i < n; ++i) ::new (results + i) error_code(kv_errc::capacity_exhausted);
+    return;
+  }
+  for (std::size_t i = 0; i < n; ++i)
+    ::new (results + i) error_code(batch[i]->claim() ? apply(*batch[i]) : error_code(asio::error::operation_aborted));
+}
+
+error_code actor::apply(request& r) {
+  switch (r.kind()) {
+    case request_kind::initialize: return state_->initialize(r.size());
+    case request_kind::write_batch: return state_->write(r.entries());
+    case request_kind::truncate: return state_->truncate(r.size());
+    case request_kind::fork: return fork(r);
+    case request_kind::reserve: return state_->reserve(r.size(), r.tokens());
+  }
+  return {};
+}
+
+error_code actor::fork(request& r) noexcept {
+  try {
+    r.forked = std::make_shared<actor>(executor_, state_->fork());
+    return {};
+  } catch (const std::bad_alloc&) {
+    return kv_errc::capacity_exhausted;
+  }
+}
+
+void actor::drain(request* carried) {
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): the first n are filled, the rest is never read
+  std::array<request*, drain_capacity> batch;
+  // Raw storage: apply() constructs the first n results (filling all of
+  // them each drain cost more than applying a one-token write).
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): as above
+  alignas(error_code) std::array<std::byte, drain_capacity * sizeof(error_code)> raw_results;
+  error_code* const results = reinterpret_cast<error_code*>(raw_results.data());
+  std::size_t n = 0;
+  if (carried) {
+    mailbox_->release_carried();
+    batch[n++] = carried;
+  }
+  // Requests counted in pending_ beyond the carried one are in the mailbox;
+  // with none, skip it: one enqueued and not yet counted brings pending_
+  // up from zero afterwards (or finds it above zero, so that this drain
+  // defers the next) and is drained then.
+  if (!carried || pending_.load(std::memory_order_acquire) > 1) n += mailbox_->take(batch.data() + n, batch.size() - n);
+
+  apply(batch.data(), results, n);
+  if (state_->has_changes()) {
+    ref_ptr<epoch> published = state_->publish();
+    const kv_event event{
+        .what = kv_event::kind::epoch_published, .cache = id_, .epoch = published->number, .size = published->size};
+    current_.publish(std::move(published));
+    published_size_.store(state_->size(), std::memory_order_release);
+    pool_->emit(event);
+  }
+  std::uint64_t applied = 0, cancelled = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    applied += results[i] ? 0 : 1;
+    cancelled += results[i] == asio::error::operation_aborted ? 1 : 0;
+  }
+  add(drains_, 1);
+  if (n > 0) add(drain_sizes_[std::min<std::size_t>(std::bit_width(n) - 1, drain_sizes_.size() - 1)], 1);
+  add(applied_, applied);
+  if (n != applied) {
+    add(failed_, n - applied - cancelled);
+    add(cancelled_, cancelled);
+  }
+
+  // Handlers are queued only now, after the epoch holding their results is
+  // published: that is what makes read-your-writes hold. A completion that
+  // throws (an executor that could not allocate) loses that one handler; the
+  // rest of the drain and the mailbox's bookkeeping still happen, then the
+  // first exception propagates out of the executor's run(), as in Asio.
+  std::exception_ptr first_error;
+  for (std::size_t i = 0; i < n; ++i) {
+    try {
+      batch[i]->complete(results[i], queueing::defer);
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  }
+
+  const auto taken = static_cast<std::int64_t>(n);
+  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0)
+    asio::defer(strand_, drain_op(shared_from_this(), nullptr));  // runs right after this drain
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+kv_cache_stats actor::stats() const noexcept {
+  kv_cache_stats s;
+  ref_ptr<epoch> latest = pin();
+  s.epoch = latest->number;
+  s.size = latest->size;
+  s.drains = drains_.load(std::memory_order_relaxed);
+  s.requests_applied = applied_.load(std::memory_order_relaxed);
+  s.requests_failed = failed_.load(std::memory_order_relaxed);
+  s.requests_cancelled = cancelled_.load(std::memory_order_relaxed);
+  s.requests_queued = mailbox_->queued();
+  s.requests_waiting = mailbox_->waiting();
+  s.requests_delayed = mailbox_->delayed();
+  for (std::size_t i = 0; i < drain_sizes_.size(); ++i)
+    s.requests_per_drain[i] = drain_sizes_[i].load(std::memory_order_relaxed);
+  const epoch_registry::reading epochs = registry_->read();
+  s.epochs_alive = epochs.epochs_alive;
+  s.oldest_epoch_alive = epochs.oldest;
+  s.snapshots_alive = registry_->snapshots();
+  s.cache_id = id_;
+  s.blocks_in_use = pool_->blocks_in_use();
+  s.bytes_in_use = s.blocks_in_use * pool_->payload_bytes();
+  return s;
+}
+
+// The untyped interface of detail/layer_interface.hpp.
+
+std::shared_ptr<actor> make_actor(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
+                                  const kv_block_pool* pool, bool initialized) {
+  return actor::make(std::move(ex), config, codec, pool ? pool_access::state(*pool) : ref_ptr<block_pool>(),
+                     initialized);
+}
+void submit(actor& a, request* r, urgency u) noexcept { a.submit(r, u); }
+const asio::any_io_executor& io_executor(const actor& a) noexcept { return a.executor(); }
+asio::strand<asio::any_io_executor> strand_of(const actor& a) noexcept { return a.strand(); }
+const kv_cache_config& config_of(const actor& a) noexcept { return a.config(); }
+std::size_t size_of(const actor& a) noexcept { return a.size(); }
+pinned_epoch pin(const actor& a) noexcept { return epoch_access::pin(a.pin()); }
+kv_cache_stats stats_of(const actor& a) noexcept { return a.stats(); }
+kv_block_pool pool_of(const actor& a) noexcept { return pool_access::handle(ref_ptr<block_pool>::share(&a.pool())); }
+std::ostream& print(std::ostream& os, const actor& a) {
+  return os << "layer_kv_cache{config=" << a.config() << ", size=" << a.size() << '}';
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,168 @@
+#pragma once
+// A cache's working state: what the actor has applied and not yet published,
+// and the only code that writes into blocks.
+//
+// Strand only: every member of working_state is read and written by the
+// actor's drain, on the actor's strand, and nowhere else. Readers never see
+// this object; they see the epochs publish() hands out.
+//
+// Invariants:
+// - Tokens [0, stored_) live in blocks; [stored_, size_) read as zeros
+//   (see epoch in epoch.hpp). stored_ <= size_.
+// - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
+//   blocks of never-written tokens below stored_ are the zero block;
+//   entries past them are null or the zero block.
+// - In a block this cache owns, every position below stored_ is materialized
+//   (see block::materialized): new blocks are not zeroed up front; the
+//   positions skipped are zero-filled as stored_ passes them. Blocks owned
+//   by another cache (shared by a fork) are never written and their owner's
+//   counters never read here: a copy takes the positions below stored_.
+// - A block is writable in place at position p only if this cache owns it
+//   and no epoch of any cache that is still alive reads the position:
+//   - p >= its readable(): no published epoch ever read it (an append); or
+//   - a rewrite after a rollback: p >= its materialized() (the cache no
+//     longer holds p; a truncate cut it off), that truncate is published
+//     (rewound_epoch() < next_epoch_), the registry holds no epoch but the
+//     latest, and no one but this cache's table and latest epoch holds a
+//     reference to the block (no fork, no other holder).
+//   Anything else is copied first (copy-on-write): an overwrite of a token
+//   the cache holds always copies, as a snapshot may pin the latest epoch at
+//   any moment.
+// - readable() only grows, and covers every position a published epoch or
+//   a fork can read: seal() raises it for every block touched since the
+//   last seal, before an epoch is published or a fork shares the blocks.
+// - A table or chunk born before next_epoch_ may be read by a published
+//   epoch and is never edited (it is copied first). Tables and chunks are
+//   never shared between caches; a fork copies them.
+// - apply() changes nothing visible unless it returns success.
+// - reserved_ holds fresh blocks of this cache that no table or epoch
+//   refers to, set aside by reserve() for the next write; the next write
+//   that succeeds frees what it did not use.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <system_error>
+#include <utility>
+#include <vector>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "core/epoch.hpp"
+#include "ghostlink/config.hpp"
+#include "ghostlink/element.hpp"
+#include "ghostlink/types.hpp"
+#include "memory/block.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+class working_state {
+ public:
+  /// A cache holding `prefix` (full blocks of another owner, tokens
+  /// `[0, prefix.size() * block_tokens)`, moved from; none: an empty cache);
+  /// `initialized` makes it accept writes without an initialize() first (a
+  /// sequence's layers). Throws std::bad_alloc.
+  working_state(const kv_cache_config& config, ref_ptr<const block_layout> layout, ref_ptr<block_pool> pool,
+                bool initialized, std::span<ref_ptr<block>> prefix = {});
+  ~working_state();
+  working_state(const working_state&) = delete;
+  working_state& operator=(const working_state&) = delete;
+
+  /// The first epoch, published when the actor is built: empty, or a
+  /// fork's copy of its parent.
+  ref_ptr<epoch> initial_epoch();
+
+  // Each applies one request all-or-nothing: on error nothing changed.
+  error_code initialize(std::size_t size);
+  error_code write(std::span<const kv_write> entries);
+  error_code truncate(std::size_t size);
+  /// Drops the tokens from `index` on, frees the blocks set aside before,
+  /// and sets aside every block a write of tokens `[index, index + tokens)`
+  /// will need, so that it cannot fail for want of a block (a sequence
+  /// step's begin; with `tokens` 0, its undo). On error (capacity_exhausted)
+  /// nothing is set aside and nothing changed.
+  error_code reserve(std::size_t index, std::size_t tokens);
+  /// A new working state equal to this one, sharing every block
+  /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.
+  std::unique_ptr<working_state> fork();
+  /// True when something was applied since the last publish().
+  bool has_changes() const noexcept { return changed_; }
+  /// Sets aside the memory of the next epoch, so that publish() cannot fail
+  /// once requests are applied. Throws std::bad_alloc.
+  void reserve_epoch();
+  /// Freezes the working state into the next epoch (in the memory
+  /// reserve_epoch() set aside, if any).
+  ref_ptr<epoch> publish();
+  std::size_t size() const noexcept { return size_; }
+  const kv_cache_config& config() const noexcept { return config_; }
+  const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
+  /// The registry every epoch this state publishes joins.
+  const ref_ptr<epoch_registry>& registry() const noexcept { return registry_; }
+  /// The id this cache's blocks carry (its id in stats and events).
+  std::uint64_t owner() const noexcept { return owner_; }
+  /// New blocks draw their budget from `account` first (its sequence's);
+  /// set before the first request reaches the actor.
+  void use_account(ref_ptr<block_account> account) noexcept { account_ = std::move(account); }
+
+ private:
+  working_state(const working_state& parent, std::uint64_t next_epoch);
+
+  error_code validate(std::span<const kv_write> entries) const noexcept;
+
+  /// Entry `b` of the working table, ready to be set: the table and the
+  /// entry's chunk are copied first if a published epoch can see them.
+  ref_ptr<block>& editable_entry(std::size_t b);
+  /// Sets the working table's entry count; whole new chunks are the zero
+  /// chunk. False when the zero block cannot be had or the table would pass
+  /// its bound; throws std::bad_alloc (changing nothing) when the list of
+  /// chunks cannot grow.
+  bool resize_table(std::size_t blocks);
+  /// A chunk whose every entry is the zero block; never edited in place.
+  const ref_ptr<table_chunk>& zero_chunk();
+  /// Makes the working table one no published epoch reads (a copy of its
+  /// list of chunks, unless it was born in the epoch being built).
+  void own_table();
+  using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
+  /// Phase 1 of a write: every block it will touch writable, gaps filled
+  /// with the zero block. Changes no token's value; false when out of blocks.
+  bool prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo);
+  /// Makes block `b` writable at token `index`; records what it replaced.
+  bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
+  bool writable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;
+  /// The rewrite-after-rollback case of writable_in_place (see above).
+  bool rewritable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;
+  const ref_ptr<block>& zero_block();
+  /// A fresh block of this cache: one set aside by reserve(), else a new one
+  /// (null when the pool has none to give).
+  ref_ptr<block> fresh_block() noexcept;
+  /// Zero-fills `blk`'s positions from its materialized count up to `positions`.
+  void materialize(block& blk, std::size_t positions) noexcept;
+  /// Raises readable() of every block touched since the last seal to what
+  /// it holds, so no later in-place write reaches a position an epoch or a
+  /// fork may read.
+  void seal() noexcept;
+
+  const kv_cache_config config_;
+  const ref_ptr<const block_layout> layout_;
+  const ref_ptr<block_pool> pool_;
+  block_cursor cursor_{*pool_};  // where this cache's next new block goes
+  const std::uint64_t owner_;  // this cache's blocks carry it
+  const ref_ptr<epoch_registry> registry_ = ref_ptr<epoch_registry>::adopt(new epoch_registry(layout_));
+  ref_ptr<block_table> table_;
+  ref_ptr<block> zero_block_;  // shared filler for never-written tokens; never written
+  ref_ptr<table_chunk> zero_chunk_;
+  undo_log undo_;                // a one-token write's undo log; empty between writes
+  std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
+  std::vector<ref_ptr<block>> reserved_;  // set aside by reserve() for the next write
+  ref_ptr<block_account> account_;        // its sequence's (none for a layer cache)
+  std::size_t size_ = 0;
+  std::size_t stored_ = 0;
+  std::uint64_t next_epoch_ = 0;
+  void* spare_epoch_ = nullptr;  // raw memory for the next epoch
+  bool initialized_ = false;
+  bool changed_ = false;
+};
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

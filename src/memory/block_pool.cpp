@@ -1,0 +1,592 @@
+#include "memory/block_pool.hpp"
+#include "ghostlink/detail/flavour.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <system_error>
+#include <utility>
+
+#include "base/fault_countdown.hpp"
+#include "ghostlink/error.hpp"
+#include "memory/block.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+constexpr std::size_t block_alignment = 64;
+
+std::atomic<std::uint64_t> next_owner{1};
+std::atomic<std::size_t> live_pools{0};
+std::atomic<std::size_t> unbalanced_pools{0};
+
+}  // namespace
+
+/// `extent_slots` blocks' memory in one allocation: their headers (first,
+/// so a header's address and slot give the extent), then the keys of every
+/// slot, then the values of every slot. Which slots are free is one atomic
+/// mask: a cursor claims its next slot with a compare-exchange, a freed
+/// block sets its bit from whatever thread frees it; the pool's lock is
+/// taken only when a slot frees up in a full extent or leaves it unused,
+/// and when a cursor needs another extent.
+struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw storage, blocks built in it
+  using mask = std::uint64_t;
+  static_assert(block_pool::extent_slots < 64);
+  static constexpr mask all_free = (mask{1} << block_pool::extent_slots) - 1;
+
+  alignas(block_alignment) std::byte headers[block_pool::extent_slots][block::header_bytes];
+  std::atomic<mask> free_mask{all_free};  // bit i: slot i holds no block
+  std::atomic<unsigned> freeing{0};       // frees between setting their bit and putting it on its stack
+  std::byte* keys = nullptr;                       // slot i's at keys + i * half
+  std::byte* values = nullptr;                     // slot i's at values + i * half
+  // The pool's, under its extents_mutex_.
+  unsigned cursors = 0;  // cursors filling it
+  bool on_unused = false, on_partial = false;
+  extent* next_unused = nullptr;
+  extent* next_partial = nullptr;
+  extent* next_all = nullptr;
+  extent* prev_all = nullptr;
+
+  static extent& of(void* header, std::uint8_t slot) noexcept {
+    return *reinterpret_cast<extent*>(static_cast<std::byte*>(header) - std::size_t{slot} * block::header_bytes);
+  }
+  /// Claims the lowest free slot from `from` on; false when there is none.
+  bool claim(unsigned from, unsigned& slot) noexcept {
+    if (from >= block_pool::extent_slots) return false;
+    mask m = free_mask.load(std::memory_order_relaxed);
+    for (;;) {
+      const mask open = m & ~((mask{1} << from) - 1);
+      if (open == 0) return false;
+      slot = static_cast<unsigned>(std::countr_zero(open));
+      // acquire: the last holder's use of the slot happens-before ours.
+      if (free_mask.compare_exchange_weak(m, m & ~(mask{1} << slot), std::memory_order_acquire,
+                                          std::memory_order_relaxed))
+        return true;
+    }
+  }
+  block_memory memory(unsigned slot, std::size_t half) noexcept {
+    return {headers[slot], keys + slot * half, values + slot * half, static_cast<std::uint8_t>(slot)};
+  }
+  /// No block, no cursor, and no free still to put it on its stack (the
+  /// mask first: a free counts itself before it sets its bit).
+  bool unused() const noexcept {
+    return cursors == 0 && free_mask.load(std::memory_order_acquire) == all_free &&
+           freeing.load(std::memory_order_acquire) == 0;
+  }
+};
+
+block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory)
+    : payload_bytes_(payload_bytes),
+      max_blocks_(max_blocks),
+      max_slots_(max_blocks > std::numeric_limits<std::size_t>::max() - extent_slots
+                     ? std::numeric_limits<std::size_t>::max()
+                     : (max_blocks + extent_slots - 1) / extent_slots * extent_slots),
+      memory_(memory) {
+  live_pools.fetch_add(1, std::memory_order_relaxed);
+}
+
+block_pool::~block_pool() {
+  if (blocks_in_use() != 0) unbalanced_pools.fetch_add(1, std::memory_order_relaxed);
+  // Every block and every cursor holds the pool: none is left.
+  const std::lock_guard lock(extents_mutex_);
+  while (all_) free_extent(*all_);
+  live_pools.fetch_sub(1, std::memory_order_relaxed);
+}
+
+bool block_pool::reserve() noexcept {
+  std::size_t n = in_use_.load(std::memory_order_relaxed);
+  do {
+    if (n >= max_blocks_) return false;
+  } while (!in_use_.compare_exchange_weak(n, n + 1, std::memory_order_relaxed));
+  std::size_t peak = peak_.load(std::memory_order_relaxed);
+  while (peak < n + 1 && !peak_.compare_exchange_weak(peak, n + 1, std::memory_order_relaxed)) {
+  }
+  return true;
+}
+
+bool block_pool::reserve_evicting() noexcept {
+  std::lock_guard lock(reclaimer_mutex_);
+  for (;;) {
+    if (reserve()) return true;
+    if (!reclaimer_ || !reclaimer_->evict_one()) return false;
+  }
+}
+
+bool block_pool::reserve_many(std::size_t n) noexcept {
+  std::lock_guard lock(reclaimer_mutex_);
+  if (budget_left() + (reclaimer_ ? reclaimer_->kept().reclaimable : 0) < n) return false;  // refused whole
+  for (;;) {
+    std::size_t used = in_use_.load(std::memory_order_relaxed);
+    while (used <= max_blocks_ && n <= max_blocks_ - used) {
+      if (in_use_.compare_exchange_weak(used, used + n, std::memory_order_relaxed)) {
+        std::size_t peak = peak_.load(std::memory_order_relaxed);
+        while (peak < used + n && !peak_.compare_exchange_weak(peak, used + n, std::memory_order_relaxed)) {
+        }
+        return true;
+      }
+    }
+    if (!reclaimer_ || !reclaimer_->evict_one()) return false;
+  }
+}
+
+std::size_t block_pool::budget_left() const noexcept {
+  const std::size_t used = in_use_.load(std::memory_order_relaxed);
+  return used < max_blocks_ ? max_blocks_ - used : 0;
+}
+
+std::size_t block_pool::blocks_available() const noexcept { return budget_left() + kept().reclaimable; }
+
+kept_blocks block_pool::kept() const noexcept {
+  std::lock_guard lock(reclaimer_mutex_);
+  return reclaimer_ ? reclaimer_->kept() : kept_blocks{};
+}
+
+bool block_pool::attach_reclaimer(reclaimer* r) noexcept {
+  std::lock_guard lock(reclaimer_mutex_);
+  if (reclaimer_) return false;
+  reclaimer_ = r;
+  return true;
+}
+
+void block_pool::detach_reclaimer() noexcept {
+  std::lock_guard lock(reclaimer_mutex_);
+  reclaimer_ = nullptr;
+}
+
+void block_pool::kept_block_idle(const block* b) noexcept {
+  std::lock_guard lock(reclaimer_mutex_);
+  if (reclaimer_) reclaimer_->block_idle(b);
+}
+
+block_account::~block_account() {
+  const std::size_t n = left.load(std::memory_order_relaxed);
+  if (n == 0) return;
+  pool->count_reserved(-static_cast<std::int64_t>(n));
+  pool->unreserve(n);
+}
+
+block_cursor::block_cursor(block_cursor&& other) noexcept
+    : pool_(other.pool_), extent_(std::exchange(other.extent_, nullptr)), next_(other.next_) {}
+
+block_cursor::~block_cursor() {
+  if (!extent_) return;
+  const std::lock_guard lock(pool_->extents_mutex_);
+  pool_->leave(*this);
+}
+
+void block_pool::leave(block_cursor& cursor) noexcept {
+  extent* const e = std::exchange(cursor.extent_, nullptr);
+  if (!e) return;
+  --e->cursors;
+  --cursors_;
+  classify(*e);
+}
+
+void block_pool::classify(extent& e) noexcept {
+  if (e.unused()) {
+    if (!std::exchange(e.on_unused, true)) e.next_unused = std::exchange(unused_, &e);
+  } else if (e.free_mask.load(std::memory_order_relaxed) != 0) {
+    if (!std::exchange(e.on_partial, true)) e.next_partial = std::exchange(partial_, &e);
+  }
+}
+
+extent* block_pool::grow() noexcept {
+  if (slots_ > max_slots_ - extent_slots) return nullptr;
+  extent* const e = new_extent();
+  if (e) adopt(*e);
+  return e;
+}
+
+std::size_t block_pool::extent_bytes() const noexcept { return sizeof(extent) + extent_slots * payload_bytes_; }
+std::size_t block_pool::standalone_bytes() const noexcept { return block::header_bytes + payload_bytes_; }
+
+void* block_pool::allocate(std::size_t bytes) const noexcept {
+  if (!memory_) return ::operator new(bytes, std::align_val_t{block_alignment}, std::nothrow);
+  try {
+    return memory_->allocate(bytes, block_alignment);
+  } catch (...) {  // the user's resource: whatever it throws, it gave no memory
+    return nullptr;
+  }
+}
+
+void block_pool::deallocate(void* p, std::size_t bytes) const noexcept {
+  if (memory_)
+    memory_->deallocate(p, bytes, block_alignment);
+  else
+    ::operator delete(p, std::align_val_t{block_alignment});
+}
+
+extent* block_pool::new_extent() const noexcept {
+  void* memory = allocate(extent_bytes());
+  if (!memory) return nullptr;
+  auto* e = ::new (memory) extent;
+  e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
+  e->values = e->keys + extent_slots * (payload_bytes_ / 2);
+  return e;
+}
+
+void block_pool::adopt(extent& e) noexcept {
+  e.next_all = std::exchange(all_, &e);
+  if (e.next_all) e.next_all->prev_all = &e;
+  slots_ += extent_slots;
+  allocated_.fetch_add(extent_slots, std::memory_order_relaxed);
+  free_count_.fetch_add(extent_slots, std::memory_order_relaxed);
+}
+
+std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
+  if (blocks > max_slots_) return kv_errc::capacity_exhausted;
+  for (;;) {
+    {
+      const std::lock_guard lock(extents_mutex_);
+      if (slots_ >= blocks) return {};
+    }
+    if (count_down(failures_) > 0) return std::make_error_code(std::errc::not_enough_memory);
+    extent* const e = new_extent();
+    if (!e) return std::make_error_code(std::errc::not_enough_memory);
+    // Written outside the lock, before any cursor can take a slot of it:
+    // every page is the process's now, not at a first write while serving.
+    std::memset(e->keys, 0, extent_slots * payload_bytes_);
+    const std::lock_guard lock(extents_mutex_);
+    if (slots_ > max_slots_ - extent_slots) {  // others grew it meanwhile: full
+      delete_extent(*e);
+      return slots_ >= blocks ? std::error_code{} : make_error_code(kv_errc::capacity_exhausted);
+    }
+    adopt(*e);
+    classify(*e);
+  }
+}
+
+void block_pool::free_extent(extent& e) noexcept {
+  (e.prev_all ? e.prev_all->next_all : all_) = e.next_all;
+  if (e.next_all) e.next_all->prev_all = e.prev_all;
+  slots_ -= extent_slots;
+  allocated_.fetch_sub(extent_slots, std::memory_order_relaxed);
+  free_count_.fetch_sub(extent_slots, std::memory_order_relaxed);
+  delete_extent(e);
+}
+
+void block_pool::delete_extent(extent& e) const noexcept {
+  e.~extent();
+  deallocate(&e, extent_bytes());
+}
+
+block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
+  if (count_down(failures_) > 0) return {};  // the next `failures_` fail
+  const std::size_t half = payload_bytes_ / 2;
+  unsigned slot = 0;
+  // The slot after the cursor's last: no lock.
+  if (cursor.extent_ && cursor.extent_->claim(cursor.next_, slot)) {
+    cursor.next_ = slot + 1;
+    free_count_.fetch_sub(1, std::memory_order_relaxed);
+    return cursor.extent_->memory(slot, half);
+  }
+  const std::lock_guard lock(extents_mutex_);
+  leave(cursor);
+  // An unused extent; else a new one, while the free slots spread over the
+  // others are fewer than an extent per cursor; else any free slot; else a
+  // new extent after all, within the budget; else a slot freed while its
+  // extent waits for this lock to go on a stack.
+  extent* e = nullptr;
+  const auto take = [&](extent* candidate) {
+    if (candidate && candidate->claim(0, slot)) e = candidate;
+    return e != nullptr;
+  };
+  while (!e && unused_) {
+    extent* const top = std::exchange(unused_, unused_->next_unused);
+    top->on_unused = false;
+    if (top->unused()) take(top);
+  }
+  if (!e && free_count_.load(std::memory_order_relaxed) < extent_slots * (cursors_ + 1)) take(grow());
+  while (!e && partial_) {
+    extent* const top = partial_;
+    if (!take(top) || top->free_mask.load(std::memory_order_relaxed) == 0) {  // full: off the stack
+      partial_ = top->next_partial;
+      top->on_partial = false;
+    }
+  }
+  if (!e) take(grow());
+  for (extent* x = all_; !e && x; x = x->next_all) take(x);
+  if (!e) return {};
+  cursor.extent_ = e;
+  cursor.next_ = slot + 1;
+  ++e->cursors;
+  ++cursors_;
+  classify(*e);  // its other free slots stay within anyone's reach
+  free_count_.fetch_sub(1, std::memory_order_relaxed);
+  return e->memory(slot, half);
+}
+
+block_memory block_pool::take_standalone() noexcept {
+  if (count_down(failures_) > 0) return {};
+  void* memory = allocate(standalone_bytes());
+  if (!memory) return {};
+  allocated_.fetch_add(1, std::memory_order_relaxed);
+  std::byte* const keys = static_cast<std::byte*>(memory) + block::header_bytes;
+  return {memory, keys, keys + payload_bytes_ / 2, block_memory::standalone};
+}
+
+void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
+  if (slot == block_memory::standalone) {
+    allocated_.fetch_sub(1, std::memory_order_relaxed);
+    deallocate(header, standalone_bytes());
+    return;
+  }
+  extent& e = extent::of(header, slot);
+  free_count_.fetch_add(1, std::memory_order_relaxed);
+  // Counted until done with `e`, so that no trim() frees it before this
+  // free has put it on its stack.
+  e.freeing.fetch_add(1, std::memory_order_relaxed);
+  // release: this block's use of the slot happens-before the next claim.
+  const extent::mask bit = extent::mask{1} << slot;
+  const extent::mask before = e.free_mask.fetch_or(bit, std::memory_order_acq_rel);
+  if (before == 0 || (before | bit) == extent::all_free) {  // was full, or now unused: its stack changes
+    const std::lock_guard lock(extents_mutex_);
+    e.freeing.fetch_sub(1, std::memory_order_release);
+    classify(e);
+    return;
+  }
+  e.freeing.fetch_sub(1, std::memory_order_release);  // on its stack already, or a cursor's
+}
+
+void block_pool::set_event_handler(kv_event_handler handler) {
+  auto sink = std::make_unique<event_sink>();
+  const bool on = static_cast<bool>(handler);
+  sink->handler = std::move(handler);
+  std::lock_guard lock(sink_mutex_);
+  sink->replaced = std::move(sinks_);
+  sinks_ = std::move(sink);
+  sink_.store(on ? sinks_.get() : nullptr, std::memory_order_release);
+}
+
+void block_pool::trim() noexcept {
+  const std::lock_guard lock(extents_mutex_);
+  unused_ = partial_ = nullptr;
+  for (extent* e = all_; e;) {
+    extent* const next = e->next_all;
+    e->on_unused = e->on_partial = false;
+    if (e->unused())
+      free_extent(*e);
+    else
+      classify(*e);
+    e = next;
+  }
+}
+
+extent_census block_pool::census() const noexcept {
+  const std::lock_guard lock(extents_mutex_);
+  extent_census c;
+  for (const extent* e = all_; e; e = e->next_all) {
+    ++c.extents;
+    if (e->unused()) ++c.unused;
+  }
+  return c;
+}
+
+std::size_t block_pool::blocks_shared() const noexcept {
+  // Crossings are counted as they happen on different threads, so a reading
+  // taken mid-crossing may be one short; never report below zero.
+  const std::int64_t n = shared_.load(std::memory_order_relaxed);
+  return n > 0 ? static_cast<std::size_t>(n) : 0;
+}
+
+std::uint64_t block_pool::new_owner_id() noexcept { return next_owner.fetch_add(1, std::memory_order_relaxed); }
+std::size_t block_pool::pools_alive() noexcept { return live_pools.load(std::memory_order_relaxed); }
+std::size_t block_pool::pools_destroyed_unbalanced() noexcept {
+  return unbalanced_pools.load(std::memory_order_relaxed);
+}
+
+// Blocks: their memory comes from the pool and goes back to it.
+
+block::block(block_pool& pool, std::uint64_t owner, budget b, const block_memory& memory) noexcept
+    : budget_(b),
+      slot_(memory.slot),
+      pool_(ref_ptr<block_pool>::share(&pool)),
+      owner_(owner),
+      keys_(memory.keys),
+      values_(memory.values) {}
+
+ref_ptr<block> block::make(block_pool& pool, block_cursor& cursor, std::uint64_t owner,
+                           block_account* account) noexcept {
+  static_assert(sizeof(block) <= header_bytes);
+  // The budget: the sequence's reservation first, then the pool; evicting
+  // prefix-cache entries only once the pool's budget is spent.
+  const bool from_account = account && account->take();
+  if (from_account)
+    pool.count_reserved(-1);
+  else if (!pool.reserve() && !pool.reserve_evicting())
+    return {};
+  const block_memory memory = pool.take_memory(cursor);
+  if (!memory) {
+    if (from_account) {
+      pool.count_reserved(1);
+      account->give_back();
+    } else {
+      pool.unreserve();
+    }
+    return {};
+  }
+  pool.emit({.what = kv_event::kind::block_allocated, .cache = owner});
+  return ref_ptr<block>::adopt(::new (memory.header) block(pool, owner, budget::counted, memory));
+}
+
+ref_ptr<block> block::make_zeros(block_pool& pool, std::size_t block_tokens) noexcept {
+  const block_memory memory = pool.take_standalone();
+  if (!memory) return {};
+  auto zeros = ref_ptr<block>::adopt(::new (memory.header) block(pool, 0, budget::exempt, memory));
+  std::memset(zeros->keys(), 0, pool.payload_bytes() / 2);
+  std::memset(zeros->values(), 0, pool.payload_bytes() / 2);
+  zeros->set_filled(block_tokens);
+  return zeros;
+}
+
+void block::add_ref() const noexcept {
+  if ((refs_.fetch_add(1, std::memory_order_relaxed) & outside_mask) == 1 && budget_ == budget::counted)
+    pool_->count_shared(1);
+}
+
+void block::release() const noexcept {
+  // The pool's shared count is settled while this reference is still held:
+  // once the count drops, another thread may free the block and its pool.
+  // A cached block's last outside reference holds the pool past the drop,
+  // to report the block idle.
+  const bool counted = budget_ == budget::counted;
+  ref_ptr<block_pool> cached_pool;
+  std::uint32_t before = refs_.load(std::memory_order_relaxed);
+  for (;;) {
+    if (before == cached_bit + 1 && !cached_pool) cached_pool = pool_;
+    const bool crossing = counted && (before & outside_mask) == 2;
+    if (crossing) pool_->count_shared(-1);
+    // acq_rel: every use by other owners happens-before the destruction.
+    if (refs_.compare_exchange_weak(before, before - 1, std::memory_order_acq_rel, std::memory_order_relaxed)) break;
+    if (crossing) pool_->count_shared(1);
+  }
+  if (before == 1)
+    destroy();
+  else if (before - 1 == cached_bit)
+    cached_pool->kept_block_idle(this);  // the block may be gone already: only looked up, never read
+}
+
+void block::destroy() const noexcept {
+  auto* self = const_cast<block*>(this);
+  ref_ptr<block_pool> pool = std::move(self->pool_);
+  const bool counted = budget_ == budget::counted;
+  if (counted) pool->emit({.what = kv_event::kind::block_freed, .cache = owner_});
+  const std::uint8_t slot = slot_;
+  self->~block();
+  pool->give_memory(self, slot);
+  if (counted) pool->unreserve();
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END
+
+GHOSTLINK_NAMESPACE_BEGIN
+
+kv_block_pool::kv_block_pool(std::size_t block_bytes, kv_pool_limits limits) {
+  const std::size_t by_bytes = block_bytes == 0 ? 0 : limits.max_bytes / block_bytes;
+  const std::size_t max_blocks = limits.max_blocks < by_bytes ? limits.max_blocks : by_bytes;
+  if (block_bytes == 0 || block_bytes % 2 != 0 || max_blocks == 0)
+    throw std::system_error(make_error_code(kv_errc::invalid_config));
+  state_ = new detail::block_pool(block_bytes, max_blocks, limits.memory);
+}
+
+kv_block_pool::kv_block_pool(const kv_block_pool& other) noexcept : state_(other.state_) {
+  if (state_) state_->add_ref();
+}
+kv_block_pool::kv_block_pool(kv_block_pool&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+kv_block_pool& kv_block_pool::operator=(const kv_block_pool& other) noexcept {
+  kv_block_pool copy(other);
+  std::swap(state_, copy.state_);
+  return *this;
+}
+kv_block_pool& kv_block_pool::operator=(kv_block_pool&& other) noexcept {
+  kv_block_pool taken(std::move(other));
+  std::swap(state_, taken.state_);
+  return *this;
+}
+kv_block_pool::~kv_block_pool() {
+  if (state_) state_->release();
+}
+
+std::size_t kv_block_pool::block_bytes() const noexcept { return state_->payload_bytes(); }
+void kv_block_pool::trim() noexcept { state_->trim(); }
+void kv_block_pool::set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }
+
+std::size_t kv_block_pool::blocks_available() const noexcept { return state_->blocks_available(); }
+
+kv_block_reservation kv_block_pool::reserve(std::size_t blocks, std::error_code& ec) const noexcept {
+  ec.clear();
+  if (blocks == 0) return {};
+  if (!state_->reserve_many(blocks)) {
+    ec = kv_errc::capacity_exhausted;
+    return {};
+  }
+  state_->count_reserved(static_cast<std::int64_t>(blocks));
+  state_->add_ref();
+  return {state_, blocks};
+}
+
+void kv_block_pool::preallocate(std::size_t blocks, std::error_code& ec) noexcept { ec = state_->preallocate(blocks); }
+
+void kv_block_pool::preallocate(std::size_t blocks) {
+  std::error_code ec;
+  preallocate(blocks, ec);
+  if (ec == std::errc::not_enough_memory) throw std::bad_alloc();
+  if (ec) throw std::system_error(ec);
+}
+
+kv_block_reservation kv_block_pool::reserve(std::size_t blocks) const {
+  std::error_code ec;
+  kv_block_reservation r = reserve(blocks, ec);
+  if (ec) throw std::system_error(ec);
+  return r;
+}
+
+kv_block_reservation::kv_block_reservation(kv_block_reservation&& other) noexcept
+    : pool_(std::exchange(other.pool_, nullptr)), blocks_(std::exchange(other.blocks_, 0)) {}
+
+kv_block_reservation& kv_block_reservation::operator=(kv_block_reservation&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = std::exchange(other.pool_, nullptr);
+    blocks_ = std::exchange(other.blocks_, 0);
+  }
+  return *this;
+}
+
+void kv_block_reservation::reset() noexcept {
+  if (!pool_) return;
+  const std::size_t n = std::exchange(blocks_, 0);
+  pool_->count_reserved(-static_cast<std::int64_t>(n));
+  pool_->unreserve(n);
+  std::exchange(pool_, nullptr)->release();
+}
+
+kv_block_pool kv_block_reservation::pool() const noexcept {
+  return detail::pool_access::handle(detail::ref_ptr<detail::block_pool>::share(pool_));
+}
+
+kv_pool_stats kv_block_pool::stats() const noexcept {
+  const detail::block_pool& p = *state_;
+  kv_pool_stats s;
+  s.block_bytes = p.payload_bytes();
+  s.max_blocks = p.max_blocks();
+  s.blocks_in_use = p.blocks_in_use();
+  s.blocks_free = p.blocks_free();
+  s.peak_blocks_in_use = p.peak_blocks_in_use();
+  s.blocks_shared = p.blocks_shared();
+  s.cow_copies = p.cow_copies();
+  s.blocks_allocated = p.blocks_allocated();
+  const detail::kept_blocks kept = p.kept();
+  s.blocks_cached = kept.cached;
+  s.blocks_cached_idle = kept.idle;
+  s.blocks_reserved = p.blocks_reserved();
+  s.blocks_available = p.budget_left() + kept.reclaimable;
+  return s;
+}
+
+GHOSTLINK_NAMESPACE_END

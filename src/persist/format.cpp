@@ -1,0 +1,227 @@
+#include "persist/format.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <utility>
+
+#include "ghostlink/error.hpp"
+
+// The payload (and the token ids) are written as the host stores them; the
+// format says little-endian, so a big-endian host would have to swap them.
+static_assert(std::endian::native == std::endian::little, "the saved-sequence format is written little-endian");
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+namespace {
+
+// Byte offsets of the header's fixed fields (docs/FORMAT.md).
+enum header_field : std::size_t {
+  at_magic = 0,
+  at_version = 8,
+  at_header_bytes = 12,
+  at_element = 16,
+  at_element_bytes = 20,
+  at_num_layers = 24,
+  at_num_heads = 32,
+  at_head_dim = 40,
+  at_block_tokens = 48,
+  at_tokens = 56,
+  at_tokens_offset = 64,
+  at_table_offset = 72,
+  at_file_bytes = 80,
+  at_model_bytes = 88,
+  at_reserved = 92,
+};
+constexpr std::size_t checksum_bytes = 8;
+constexpr std::size_t entry_bytes = 24;
+
+// Checked arithmetic on what a file says: false on overflow.
+bool mul(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept { return !__builtin_mul_overflow(a, b, &out); }
+bool add(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept { return !__builtin_add_overflow(a, b, &out); }
+/// `a` rounded up to a multiple of `to` (a power of two).
+bool align(std::uint64_t a, std::uint64_t to, std::uint64_t& out) noexcept {
+  if (!add(a, to - 1, out)) return false;
+  out &= ~(to - 1);
+  return true;
+}
+
+std::uint32_t element_bytes_of(std::uint32_t element) noexcept {
+  switch (element) {
+    case element_code<float>: return sizeof(float);
+    case element_code<half>: return sizeof(half);
+    case element_code<bfloat16>: return sizeof(bfloat16);
+    default: return 0;
+  }
+}
+
+/// The layout the header's geometry implies; false on overflow.
+bool lay_out(file_header& h) noexcept {
+  file_layout& l = h.layout;
+  std::uint64_t width = 0, elements = 0, ids = 0, table = 0, end = 0, strides = 0;
+  l.header_bytes = fixed_header_bytes + h.model.size() + checksum_bytes;
+  // The payload of a layer: keys and values, `tokens * width` elements each.
+  if (!mul(h.num_heads, h.head_dim, width) || !mul(width, h.tokens, elements) ||
+      !mul(elements, 2 * std::uint64_t{h.element_bytes}, l.layer_bytes))
+    return false;
+  // The token ids and their checksum, 8-aligned after the header.
+  if (!align(l.header_bytes, 8, l.tokens_offset) || !mul(h.tokens, sizeof(token_id), ids) ||
+      !add(l.tokens_offset, ids, end) || !add(end, checksum_bytes, end))
+    return false;
+  // The layer table and its checksum, 8-aligned after them.
+  if (!align(end, 8, l.table_offset) || !mul(h.num_layers, entry_bytes, table) || !add(l.table_offset, table, end) ||
+      !add(end, checksum_bytes, end))
+    return false;
+  // The layers, each 64-aligned.
+  return align(end, layer_alignment, l.first_layer) && align(l.layer_bytes, layer_alignment, l.layer_stride) &&
+         mul(h.num_layers - 1, l.layer_stride, strides) && add(l.first_layer, strides, end) &&
+         add(end, l.layer_bytes, l.file_bytes);
+}
+
+}  // namespace
+
+error_code make_header(std::size_t num_layers, const kv_cache_config& config, std::size_t tokens,
+                       file_element_type element, std::string model, file_header& out) {
+  out = {};
+  out.element = element.code;
+  out.element_bytes = static_cast<std::uint32_t>(element.codec.size);
+  out.num_layers = num_layers;
+  out.num_heads = config.num_heads;
+  out.head_dim = config.head_dim;
+  out.block_tokens = config.block_tokens;
+  out.tokens = tokens;
+  out.model = std::move(model);
+  if (num_layers == 0 || !lay_out(out)) return kv_errc::file_corrupt;
+  return {};
+}
+
+std::vector<std::byte> encode_front(const file_header& h, std::span<const token_id> ids,
+                                    std::span<const layer_entry> table) {
+  const file_layout& l = h.layout;
+  std::vector<std::byte> out(l.first_layer);  // zeros: the padding
+  std::byte* p = out.data();
+  std::memcpy(p + at_magic, file_magic.data(), file_magic.size());
+  put_le<std::uint32_t>(p + at_version, file_version);
+  put_le<std::uint32_t>(p + at_header_bytes, static_cast<std::uint32_t>(l.header_bytes));
+  put_le<std::uint32_t>(p + at_element, h.element);
+  put_le<std::uint32_t>(p + at_element_bytes, h.element_bytes);
+  put_le<std::uint64_t>(p + at_num_layers, h.num_layers);
+  put_le<std::uint64_t>(p + at_num_heads, h.num_heads);
+  put_le<std::uint64_t>(p + at_head_dim, h.head_dim);
+  put_le<std::uint64_t>(p + at_block_tokens, h.block_tokens);
+  put_le<std::uint64_t>(p + at_tokens, h.tokens);
+  put_le<std::uint64_t>(p + at_tokens_offset, l.tokens_offset);
+  put_le<std::uint64_t>(p + at_table_offset, l.table_offset);
+  put_le<std::uint64_t>(p + at_file_bytes, l.file_bytes);
+  put_le<std::uint32_t>(p + at_model_bytes, static_cast<std::uint32_t>(h.model.size()));
+  std::memcpy(p + fixed_header_bytes, h.model.data(), h.model.size());
+  const std::size_t hashed = fixed_header_bytes + h.model.size();
+  put_le<std::uint64_t>(p + hashed, xxh3_64(std::span(out).first(hashed)));
+
+  std::byte* t = p + l.tokens_offset;
+  for (std::size_t i = 0; i < ids.size(); ++i) put_le<std::uint32_t>(t + 4 * i, std::bit_cast<std::uint32_t>(ids[i]));
+  put_le<std::uint64_t>(t + 4 * ids.size(), xxh3_64(std::span(out).subspan(l.tokens_offset, 4 * ids.size())));
+
+  std::byte* e = p + l.table_offset;
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    put_le<std::uint64_t>(e + entry_bytes * i, table[i].offset);
+    put_le<std::uint64_t>(e + entry_bytes * i + 8, table[i].bytes);
+    put_le<std::uint64_t>(e + entry_bytes * i + 16, table[i].checksum);
+  }
+  put_le<std::uint64_t>(e + entry_bytes * table.size(),
+                        xxh3_64(std::span(out).subspan(l.table_offset, entry_bytes * table.size())));
+  return out;
+}
+
+error_code header_length(std::span<const std::byte> start, std::uint64_t file_bytes, std::size_t& header_bytes) {
+  const std::size_t have = std::min<std::uint64_t>(start.size(), file_bytes);
+  const std::size_t magic = std::min(have, file_magic.size());
+  // (An empty file has no data pointer to compare: memcmp must not see it.)
+  if (magic != 0 && std::memcmp(start.data(), file_magic.data(), magic) != 0) return kv_errc::file_corrupt;
+  if (have < at_version + 4) return kv_errc::file_truncated;
+  if (get_le<std::uint32_t>(start.data() + at_version) != file_version) return kv_errc::file_version_unsupported;
+  if (have < fixed_header_bytes) return kv_errc::file_truncated;
+  const std::uint32_t model = get_le<std::uint32_t>(start.data() + at_model_bytes);
+  header_bytes = get_le<std::uint32_t>(start.data() + at_header_bytes);
+  if (model > max_model_bytes || header_bytes != fixed_header_bytes + model + checksum_bytes)
+    return kv_errc::file_corrupt;
+  if (file_bytes < header_bytes) return kv_errc::file_truncated;
+  return {};
+}
+
+error_code decode_header(std::span<const std::byte> bytes, std::uint64_t file_bytes, file_header& out) {
+  out = {};
+  const std::byte* p = bytes.data();
+  const std::size_t hashed = bytes.size() - checksum_bytes;
+  if (get_le<std::uint64_t>(p + hashed) != xxh3_64(bytes.first(hashed))) return kv_errc::file_corrupt;
+  out.element = get_le<std::uint32_t>(p + at_element);
+  out.element_bytes = get_le<std::uint32_t>(p + at_element_bytes);
+  out.num_layers = get_le<std::uint64_t>(p + at_num_layers);
+  out.num_heads = get_le<std::uint64_t>(p + at_num_heads);
+  out.head_dim = get_le<std::uint64_t>(p + at_head_dim);
+  out.block_tokens = get_le<std::uint64_t>(p + at_block_tokens);
+  out.tokens = get_le<std::uint64_t>(p + at_tokens);
+  out.model.assign(reinterpret_cast<const char*>(p + fixed_header_bytes), hashed - fixed_header_bytes);
+  if (out.element_bytes == 0 || out.element_bytes != element_bytes_of(out.element) || out.num_layers == 0 ||
+      out.num_heads == 0 || out.head_dim == 0 || out.block_tokens == 0 || get_le<std::uint32_t>(p + at_reserved) != 0 ||
+      !lay_out(out))
+    return kv_errc::file_corrupt;
+  const file_layout& l = out.layout;
+  if (get_le<std::uint64_t>(p + at_tokens_offset) != l.tokens_offset ||
+      get_le<std::uint64_t>(p + at_table_offset) != l.table_offset ||
+      get_le<std::uint64_t>(p + at_file_bytes) != l.file_bytes)
+    return kv_errc::file_corrupt;
+  if (file_bytes < l.file_bytes) return kv_errc::file_truncated;
+  if (file_bytes > l.file_bytes) return kv_errc::file_corrupt;
+  return {};
+}
+
+error_code check_expected(const file_header& h, const file_expectation& expected) {
+  if (h.element != expected.element.code) return kv_errc::element_type_mismatch;
+  if (h.num_layers != expected.num_layers || h.num_heads != expected.config.num_heads ||
+      h.head_dim != expected.config.head_dim || h.block_tokens != expected.config.block_tokens)
+    return kv_errc::geometry_mismatch;
+  if (h.model != expected.model) return kv_errc::model_mismatch;
+  return {};
+}
+
+std::uint64_t token_section_bytes(const file_header& h) noexcept {
+  return sizeof(token_id) * h.tokens + checksum_bytes;
+}
+
+error_code decode_tokens(const file_header& h, std::span<const std::byte> bytes, std::vector<token_id>& out) {
+  const std::size_t ids = bytes.size() - checksum_bytes;
+  if (get_le<std::uint64_t>(bytes.data() + ids) != xxh3_64(bytes.first(ids))) return kv_errc::file_corrupt;
+  out.resize(h.tokens);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = std::bit_cast<token_id>(get_le<std::uint32_t>(bytes.data() + sizeof(token_id) * i));
+  return {};
+}
+
+std::uint64_t table_bytes(const file_header& h) noexcept { return entry_bytes * h.num_layers + checksum_bytes; }
+
+error_code decode_table(const file_header& h, std::span<const std::byte> bytes, std::vector<layer_entry>& out) {
+  const std::size_t entries = bytes.size() - checksum_bytes;
+  if (get_le<std::uint64_t>(bytes.data() + entries) != xxh3_64(bytes.first(entries))) return kv_errc::file_corrupt;
+  out.resize(h.num_layers);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const std::byte* e = bytes.data() + entry_bytes * i;
+    out[i] = {get_le<std::uint64_t>(e), get_le<std::uint64_t>(e + 8), get_le<std::uint64_t>(e + 16)};
+    if (out[i].offset != h.layout.layer_offset(i) || out[i].bytes != h.layout.layer_bytes) return kv_errc::file_corrupt;
+  }
+  return {};
+}
+
+void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out) noexcept {
+  switch (element) {
+    case element_code<half>: widen(reinterpret_cast<const half*>(stored), n, out); break;
+    case element_code<bfloat16>: widen(reinterpret_cast<const bfloat16*>(stored), n, out); break;
+    default:
+      if (n != 0) std::memcpy(out, stored, n * sizeof(float));
+      break;
+  }
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,102 @@
+#pragma once
+// The file format of a saved sequence, version 1 (docs/FORMAT.md gives it
+// byte by byte): encoding, decoding and validation, with no file I/O. Every
+// decoder returns `file_corrupt`, `file_truncated` or
+// `file_version_unsupported` for a file it refuses, and checks every size
+// and offset against the layout the geometry implies, without overflow, so
+// that a reader never goes out of bounds whatever the bytes say.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "ghostlink/detail/persist_interface.hpp"
+#include "ghostlink/types.hpp"
+#include "io/bytes.hpp"
+#include "io/checksum.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+/// The first 8 bytes of every file: "\x89GLKV\r\n\x1a" (as PNG's, it
+/// catches a file mangled as text).
+inline constexpr std::array<unsigned char, 8> file_magic = {0x89, 'G', 'L', 'K', 'V', '\r', '\n', 0x1a};
+inline constexpr std::uint32_t file_version = 1;
+/// The header's fixed part: everything up to the model id.
+inline constexpr std::size_t fixed_header_bytes = 96;
+inline constexpr std::size_t max_model_bytes = 65536;
+/// A layer's payload starts at a multiple of this.
+inline constexpr std::uint64_t layer_alignment = 64;
+
+/// Where everything is, as the geometry implies it.
+struct file_layout {
+  std::uint64_t header_bytes = 0;   // the fixed part, the model id and the header's checksum
+  std::uint64_t tokens_offset = 0;  // the token ids, then their checksum
+  std::uint64_t table_offset = 0;   // the layer table, then its checksum
+  std::uint64_t first_layer = 0;    // layer 0's payload
+  std::uint64_t layer_stride = 0;   // from one layer's payload to the next
+  std::uint64_t layer_bytes = 0;    // one layer's payload: its keys, then its values
+  std::uint64_t file_bytes = 0;
+
+  std::uint64_t layer_offset(std::uint64_t layer) const noexcept { return first_layer + layer * layer_stride; }
+};
+
+/// What the header says.
+struct file_header {
+  std::uint32_t element = 0;  // element_code<T>
+  std::uint32_t element_bytes = 0;
+  std::uint64_t num_layers = 0, num_heads = 0, head_dim = 0, block_tokens = 0;
+  std::uint64_t tokens = 0;
+  std::string model;
+  file_layout layout;  // computed from the above
+
+  std::uint64_t token_width() const noexcept { return num_heads * head_dim; }
+  /// Bytes of one layer's keys (or values).
+  std::uint64_t half_layer_bytes() const noexcept { return layout.layer_bytes / 2; }
+};
+
+/// One entry of the layer table.
+struct layer_entry {
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t checksum = 0;  // XXH3-64 of the payload
+};
+
+/// A header for `tokens` tokens of `config`'s geometry; `file_corrupt` if
+/// the layout overflows (it cannot for a snapshot that exists).
+error_code make_header(std::size_t num_layers, const kv_cache_config& config, std::size_t tokens,
+                       file_element_type element, std::string model, file_header& out);
+
+/// Bytes [0, layout.first_layer): the header, the token ids and the layer
+/// table, each with its checksum, and the zero padding between them.
+std::vector<std::byte> encode_front(const file_header& header, std::span<const token_id> ids,
+                                    std::span<const layer_entry> table);
+
+/// From the file's first min(file_bytes, fixed_header_bytes) bytes: the
+/// header's length (`header_bytes`), or why the file is refused.
+error_code header_length(std::span<const std::byte> start, std::uint64_t file_bytes, std::size_t& header_bytes);
+/// The whole header (`header_length()` bytes), checked: its checksum, its
+/// geometry and offsets, and the file's length.
+error_code decode_header(std::span<const std::byte> bytes, std::uint64_t file_bytes, file_header& out);
+/// `element_type_mismatch`, `geometry_mismatch` or `model_mismatch` unless
+/// the header is what `expected` asks for.
+error_code check_expected(const file_header& header, const file_expectation& expected);
+/// The token section (`token_section_bytes()` bytes), checked.
+error_code decode_tokens(const file_header& header, std::span<const std::byte> bytes, std::vector<token_id>& out);
+std::uint64_t token_section_bytes(const file_header& header) noexcept;
+/// The layer table (`table_bytes()` bytes), checked against its checksum and
+/// the layout.
+error_code decode_table(const file_header& header, std::span<const std::byte> bytes, std::vector<layer_entry>& out);
+std::uint64_t table_bytes(const file_header& header) noexcept;
+
+/// Widens `n` stored elements of type `element` (element_code<T>) exactly
+/// into floats.
+void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out) noexcept;
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

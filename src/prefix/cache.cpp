@@ -1,0 +1,174 @@
+// The untyped interface of ghostlink/prefix_cache.hpp: making the index,
+// and attach and insert, which reach into sequences (src/sequence/sequence.hpp).
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <new>
+#include <system_error>
+#include <utility>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "core/actor.hpp"
+#include "ghostlink/error.hpp"
+#include "prefix/index.hpp"
+#include "sequence/sequence.hpp"
+#include "store/entry.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+[[noreturn]] void throw_errc(kv_errc e) { throw std::system_error(make_error_code(e)); }
+
+}  // namespace
+
+std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
+                                                element_codec codec, std::uint8_t element, const kv_block_pool& pool,
+                                                kv_prefix_options options) {
+  validate(config, codec.size);
+  if (num_layers == 0 || config.max_blocks != kv_cache_config{}.max_blocks ||
+      2 * config.block_tokens * config.token_width() * codec.size != pool.block_bytes())
+    throw_errc(kv_errc::invalid_config);
+  return std::make_shared<prefix_index>(num_layers, config, codec, element, pool_access::state(pool),
+                                        std::move(options.model), std::move(options.store), options.store_policy);
+}
+
+std::size_t num_layers(const prefix_index& p) noexcept { return p.num_layers(); }
+const kv_cache_config& config_of(const prefix_index& p) noexcept { return p.config(); }
+kv_block_pool pool_of(const prefix_index& p) noexcept { return pool_access::handle(p.pool()); }
+
+std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens,
+                                        std::string_view salt) {
+  return p.hashes(tokens, salt);
+}
+
+std::size_t prefix_match(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt) {
+  const std::vector<kv_block_hash> h = p.hashes(p.within_max(tokens), salt);
+  return p.match(h) * p.config().block_tokens;
+}
+
+std::shared_ptr<sequence_state> prefix_attach(prefix_index& p, asio::any_io_executor ex,
+                                              std::span<const token_id> tokens, std::string_view salt) {
+  const std::vector<kv_block_hash> h = p.hashes(p.within_max(tokens), salt);
+  std::vector<std::vector<ref_ptr<block>>> blocks;
+  const std::size_t n = p.take(h, blocks);
+  return make_attached_sequence(std::move(ex), p.config(), p.codec(), p.pool(), std::move(blocks),
+                                tokens.first(n * p.config().block_tokens));
+}
+
+namespace {
+
+/// A sequence's layers and token ids pinned as its snapshot() pins them
+/// (narrowed to one length), with that length.
+struct pinned_sequence {
+  std::vector<ref_ptr<epoch>> layers;
+  ref_ptr<epoch> ids;
+  std::size_t size = 0;
+};
+
+pinned_sequence pin_sequence(const sequence_state& seq) {
+  pinned_sequence p;
+  const std::size_t n = seq.model_layers();
+  p.layers.reserve(n);
+  for (std::uint64_t removals = seq.drops.load(std::memory_order_acquire);;) {
+    for (std::size_t i = 0; i < n; ++i) p.layers.push_back(seq.layers[i]->pin());
+    p.ids = seq.layers[seq.ids_layer()]->pin();
+    p.size = std::min(seq.bound.load(std::memory_order_acquire), p.ids->size);
+    const std::uint64_t now = seq.drops.load(std::memory_order_acquire);
+    if (now == removals) break;
+    removals = now;
+    p.layers.clear();
+  }
+  for (const ref_ptr<epoch>& e : p.layers) p.size = std::min(p.size, e->size);
+  return p;
+}
+
+/// Hands the store the entries `insert()` just added (indices `added` of
+/// `hashes`), each holding its blocks until written. The caller still pins
+/// them, so they are busy: the references taken here are not an idle
+/// block's (which only an attach may hand out). Memory refused loses the
+/// write-through of the rest, nothing else.
+void write_through(prefix_index& p, std::span<const kv_block_hash> hashes,
+                   std::span<const std::vector<const block*>> blocks, std::span<const std::size_t> added) noexcept {
+  std::size_t handed = 0;
+  try {
+    for (const std::size_t i : added) {
+      std::vector<ref_ptr<block>> held;
+      held.reserve(blocks[i].size());
+      for (const block* b : blocks[i]) held.push_back(ref_ptr<block>::share(const_cast<block*>(b)));
+      p.store()->put(std::make_shared<held_entry>(p.geometry(), hashes[i], std::move(held)));
+      ++handed;
+    }
+  } catch (const std::bad_alloc&) {
+  }
+  p.count_store_puts(handed);
+}
+
+token_id stored_id(const epoch& ids, std::size_t i) {
+  if (i >= ids.stored) return no_token_id;
+  float bits = 0;
+  std::memcpy(&bits, ids.layout->keys(ids.block_of(i), i % ids.layout->block_tokens), sizeof bits);
+  return std::bit_cast<token_id>(bits);
+}
+
+}  // namespace
+
+std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std::span<const token_id>* tokens,
+                          std::string_view salt) {
+  if (!seq) throw_errc(kv_errc::invalid_config);
+  if (seq->model_layers() != p.num_layers()) throw_errc(kv_errc::layer_mismatch);
+  const kv_cache_config& c = seq->config;
+  if (&seq->layers[0]->pool() != p.pool().get() || c.num_heads != p.config().num_heads ||
+      c.head_dim != p.config().head_dim || c.block_tokens != p.config().block_tokens)
+    throw_errc(kv_errc::invalid_config);
+
+  const pinned_sequence pinned = pin_sequence(*seq);  // held until the entries hold the blocks
+  const std::size_t bt = c.block_tokens;
+  std::size_t full = pinned.size;
+  std::vector<token_id> stored;
+  if (tokens) {
+    full = std::min(full, tokens->size());
+  } else {
+    stored.reserve(full);
+    for (std::size_t i = 0; i < full; ++i) {
+      const token_id id = stored_id(*pinned.ids, i);
+      if (id == no_token_id) break;
+      stored.push_back(id);
+    }
+    full = stored.size();
+  }
+  // Whole blocks that every layer holds as blocks of its own data.
+  std::vector<std::vector<const block*>> blocks;
+  blocks.reserve(full / bt);
+  for (std::size_t b = 0; b < full / bt; ++b) {
+    std::vector<const block*> per_layer;
+    per_layer.reserve(p.num_layers());
+    for (const ref_ptr<epoch>& e : pinned.layers) {
+      if (e->stored < (b + 1) * bt) break;
+      const block& blk = *e->table->entry(b);
+      if (!blk.counted()) break;  // the zero block
+      per_layer.push_back(&blk);
+    }
+    if (per_layer.size() != p.num_layers()) break;
+    blocks.push_back(std::move(per_layer));
+  }
+  const std::span<const token_id> used =
+      tokens ? tokens->first(blocks.size() * bt) : std::span<const token_id>(stored).first(blocks.size() * bt);
+  const std::vector<kv_block_hash> h = p.hashes(used, salt);
+  if (!p.store() || p.store_policy() != kv_store_policy::write_through) return p.insert(h, blocks);
+  std::vector<std::size_t> added;
+  added.reserve(h.size());
+  const std::size_t n = p.insert(h, blocks, &added);
+  write_through(p, h, blocks, added);
+  return n;
+}
+
+void prefix_clear(prefix_index& p) noexcept { p.clear(); }
+kv_prefix_stats prefix_stats(const prefix_index& p) noexcept { return p.stats(); }
+void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler) {
+  p.set_event_handler(std::move(handler));
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,133 @@
+// The prefix cache's block hash: OpenSSL's SHA-256 over the definition in
+// ghostlink/prefix_cache.hpp.
+
+#include <openssl/evp.h>
+#include "ghostlink/detail/flavour.hpp"
+
+#include <array>
+#include <bit>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "prefix/index.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+
+std::string kv_block_hash::hex() const {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s(2 * bytes.size(), '0');
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    s[2 * i] = digits[bytes[i] >> 4];
+    s[2 * i + 1] = digits[bytes[i] & 0xf];
+  }
+  return s;
+}
+
+GHOSTLINK_NAMESPACE_END
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+/// SHA-256 through one reused OpenSSL context per thread, with the
+/// algorithm fetched once (an implicit fetch per digest costs more than a
+/// 96-byte digest).
+class sha256 {
+ public:
+  sha256() : ctx_(EVP_MD_CTX_new()) {
+    if (!ctx_) throw std::bad_alloc();
+  }
+  ~sha256() { EVP_MD_CTX_free(ctx_); }
+  sha256(const sha256&) = delete;
+  sha256& operator=(const sha256&) = delete;
+
+  static sha256& for_this_thread() {
+    thread_local sha256 h;
+    return h;
+  }
+  void begin() {
+    if (EVP_DigestInit_ex2(ctx_, algorithm(), nullptr) != 1) throw std::bad_alloc();
+  }
+  void add(const void* data, std::size_t n) { EVP_DigestUpdate(ctx_, data, n); }
+  kv_block_hash end() {
+    kv_block_hash h;
+    unsigned int n = 0;
+    EVP_DigestFinal_ex(ctx_, h.bytes.data(), &n);
+    return h;
+  }
+
+ private:
+  static const EVP_MD* algorithm() {
+    static const std::unique_ptr<EVP_MD, void (*)(EVP_MD*)> md(EVP_MD_fetch(nullptr, "SHA256", nullptr), &EVP_MD_free);
+    if (!md) throw std::bad_alloc();
+    return md.get();
+  }
+  EVP_MD_CTX* ctx_;
+};
+
+void add_u64(sha256& h, std::uint64_t v) {
+  std::array<std::uint8_t, 8> le{};
+  for (std::size_t i = 0; i < le.size(); ++i) le[i] = static_cast<std::uint8_t>(v >> (8 * i));
+  h.add(le.data(), le.size());
+}
+
+}  // namespace
+
+kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size_t num_layers, const kv_cache_config& c,
+                        std::uint8_t element) {
+  static constexpr std::string_view tag = "ghostlink-prefix-v1";
+  sha256& h = sha256::for_this_thread();
+  h.begin();
+  h.add(tag.data(), tag.size());
+  add_u64(h, model.size());
+  h.add(model.data(), model.size());
+  add_u64(h, salt.size());
+  h.add(salt.data(), salt.size());
+  add_u64(h, num_layers);
+  add_u64(h, c.num_heads);
+  add_u64(h, c.head_dim);
+  add_u64(h, c.block_tokens);
+  h.add(&element, 1);
+  return h.end();
+}
+
+kv_block_hash prefix_index::root(std::string_view salt) const {
+  return salt.empty() ? unsalted_root_ : root_hash(model_, salt, num_layers_, config_, element_);
+}
+
+std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens, std::string_view salt) const {
+  const std::size_t bt = config_.block_tokens;
+  const std::size_t n = tokens.size() / bt;
+  std::vector<kv_block_hash> out;
+  out.reserve(n);
+  if (n == 0) return out;
+  // One buffer per block: the previous hash, then the block's tokens as
+  // little-endian i32.
+  std::vector<std::uint8_t> buffer(32 + 4 * bt);
+  kv_block_hash prev = root(salt);
+  sha256& h = sha256::for_this_thread();
+  for (std::size_t b = 0; b < n; ++b) {
+    std::memcpy(buffer.data(), prev.bytes.data(), 32);
+    const token_id* t = tokens.data() + b * bt;
+    if constexpr (std::endian::native == std::endian::little) {
+      std::memcpy(buffer.data() + 32, t, 4 * bt);
+    } else {
+      for (std::size_t i = 0; i < bt; ++i) {
+        const auto v = static_cast<std::uint32_t>(t[i]);
+        for (std::size_t k = 0; k < 4; ++k) buffer[32 + 4 * i + k] = static_cast<std::uint8_t>(v >> (8 * k));
+      }
+    }
+    h.begin();
+    h.add(buffer.data(), buffer.size());
+    prev = h.end();
+    out.push_back(prev);
+  }
+  return out;
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

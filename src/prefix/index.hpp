@@ -1,0 +1,230 @@
+#pragma once
+// The prefix cache's index (src/prefix/index.cpp; its hashing in
+// src/prefix/hash.cpp): entries by block hash, the blocks they hold,
+// which entries are idle, and the eviction order. Every member is safe from
+// any thread; all state below is under mutex_.
+//
+// Invariants (under mutex_):
+// - entries_ is prefix-closed: an entry's parent (the previous block of the
+//   same prefix) is cached while it is; `children` counts the cached
+//   entries whose parent it is.
+// - nodes_ holds one node per distinct block some entry references, with
+//   the entries that do; the block carries block::cached_bit exactly while
+//   its node exists.
+// - node.busy is false exactly when the block's outside references are 0.
+//   It turns true only here (an attach adds a reference to an idle block,
+//   the only way anyone gets one), and false only in block_idle(), which
+//   the release that leaves the block with its cached bit alone calls.
+// - entry.busy counts its nodes that are busy; an entry is idle at 0.
+// - lru_ holds exactly the evictable entries (idle, no cached child),
+//   ordered by tick (last attached or inserted); `in_lru()` says which. Each
+//   entry's set node is allocated with it and moves between lru_ and the
+//   entry, so no eviction or release allocates.
+// - idle_nodes_ counts nodes that are not busy; idle_entries_ entries at 0.
+// - An entry is pinned when it is busy or has a pinned child (an idle
+//   parent of an entry in use: two requests computed the same block, one
+//   let go). A node is reclaimable when it is not busy and no entry holding
+//   it is pinned: evicting leaves first frees it. reclaimable_ counts them;
+//   it is what the pool's blocks_available() adds to the free budget.
+// - cached_blocks_, idle_blocks_ and reclaimable_blocks_ mirror
+//   nodes_.size(), idle_nodes_ and reclaimable_ for the pool's kept(),
+//   written by publish_counts() whenever those change.
+//
+// Locks: the pool's reclaimer mutex, then mutex_ (evictions come from the
+// allocation path through the pool, idle blocks from releases). Nothing
+// here releases an outside block reference under mutex_: a release may
+// call block_idle().
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "core/epoch.hpp"
+#include "ghostlink/prefix_cache.hpp"
+#include "memory/block.hpp"
+#include "memory/block_pool.hpp"
+#include "memory/reclaimer.hpp"
+#include "store/entry.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+struct prefix_entry;
+
+/// The evictable entries by (tick, entry).
+using lru_set = std::set<std::pair<std::uint64_t, prefix_entry*>>;
+
+/// One block some entries reference.
+struct prefix_node {
+  const block* blk = nullptr;
+  bool busy = true;                     // held outside the cache
+  bool reclaimable = false;             // not busy, and every entry holding it unpinned
+  std::vector<prefix_entry*> entries;   // usually one
+};
+
+/// One cached full block of a prefix, in every layer.
+struct prefix_entry {
+  kv_block_hash hash;
+  prefix_entry* parent = nullptr;   // null for block 0
+  std::size_t children = 0;         // cached entries whose parent this is
+  std::uint64_t tick = 0;           // last attached or inserted
+  std::size_t busy = 0;             // nodes held outside the cache
+  std::size_t pinned_children = 0;  // cached children that are pinned
+  bool pinned = false;              // busy, or a pinned child: eviction cannot reach it now
+  std::vector<prefix_node*> nodes;  // one per layer
+  bool from_store = false;          // fetched from the store: write-back skips it
+  lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
+  /// Evictable: its node is in lru_.
+  bool in_lru() const noexcept { return lru_node.empty(); }
+};
+
+struct block_hash_hasher {
+  std::size_t operator()(const kv_block_hash& h) const noexcept {
+    std::size_t v = 0;
+    for (std::size_t i = 0; i < sizeof v; ++i) v = (v << 8) | h.bytes[i];
+    return v;  // SHA-256 bytes are uniform already
+  }
+};
+
+/// The root hash of the definition (src/prefix/hash.cpp).
+kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size_t num_layers,
+                        const kv_cache_config& config, std::uint8_t element);
+
+/// The pool's reclaimer (memory/reclaimer.hpp).
+class prefix_index final : public reclaimer {
+ public:
+  /// Claims `pool` for this index.
+  /// @throws std::system_error(kv_errc::invalid_config) if the pool has an index already.
+  prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec, std::uint8_t element,
+               ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
+               kv_store_policy policy);
+  /// Lets go of the pool, then of every entry.
+  ~prefix_index();
+  prefix_index(const prefix_index&) = delete;
+  prefix_index& operator=(const prefix_index&) = delete;
+
+  std::size_t num_layers() const noexcept { return num_layers_; }
+  const kv_cache_config& config() const noexcept { return config_; }
+  element_codec codec() const noexcept { return codec_; }
+  const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
+  /// The tier below RAM (null: none), and when entries go to it.
+  const std::shared_ptr<kv_block_store>& store() const noexcept { return store_; }
+  kv_store_policy store_policy() const noexcept { return policy_; }
+  /// The geometry of its entries as a store keeps them.
+  const entry_geometry& geometry() const noexcept { return geometry_; }
+
+  /// The tokens of `tokens` an attached sequence can hold: at most
+  /// `max_tokens_per_seq` (entries inserted from sequences of a larger
+  /// bound may be longer).
+  std::span<const token_id> within_max(std::span<const token_id> tokens) const noexcept {
+    return tokens.first(std::min(tokens.size(), config_.max_tokens_per_seq));
+  }
+  /// The hashes of the full blocks of `tokens` under `salt` (no lock).
+  std::vector<kv_block_hash> hashes(std::span<const token_id> tokens, std::string_view salt) const;
+
+  /// Cached entries from block 0 on; counts a query of `hashes.size()` blocks.
+  std::size_t match(std::span<const kv_block_hash> hashes) const noexcept;
+  /// As match(), and references the matched entries' blocks for an attach:
+  /// `out[l]` gets layer l's, in block order; they become the most recently
+  /// used and are in use. Throws std::bad_alloc, changing nothing.
+  std::size_t take(std::span<const kv_block_hash> hashes, std::vector<std::vector<ref_ptr<block>>>& out);
+  /// Adds an entry for each of `hashes` that has none, referencing
+  /// `blocks[i]` (one per layer, held by the caller throughout); existing
+  /// ones become the most recently used. Returns the entries added, and
+  /// appends their indices into `hashes` to `added` (if given, with room
+  /// for `hashes.size()` reserved). `from_store`: they came from the store.
+  /// Throws std::bad_alloc, changing nothing.
+  std::size_t insert(std::span<const kv_block_hash> hashes, std::span<const std::vector<const block*>> blocks,
+                     std::vector<std::size_t>* added = nullptr, bool from_store = false);
+  /// Counts an attach's tokens from the store, the entries handed to it,
+  /// and the values it returned that were refused.
+  void count_store_hits(std::size_t tokens) noexcept { store_hit_tokens_.fetch_add(tokens, std::memory_order_relaxed); }
+  void count_store_puts(std::size_t entries) noexcept { store_puts_.fetch_add(entries, std::memory_order_relaxed); }
+  void count_store_reject() noexcept { store_rejects_.fetch_add(1, std::memory_order_relaxed); }
+  void clear() noexcept;
+  kv_prefix_stats stats() const noexcept;
+  void set_event_handler(kv_prefix_event_handler handler);
+
+  // The pool's calls, under its reclaimer mutex.
+  /// Evicts the least recently used evictable entry; false if none.
+  bool evict_one() noexcept override;
+  /// `b` may have become idle; it is only looked up (it may be gone).
+  void block_idle(const block* b) noexcept override;
+  kept_blocks kept() const noexcept override {
+    return {cached_blocks_.load(std::memory_order_relaxed), idle_blocks_.load(std::memory_order_relaxed),
+            reclaimable_blocks_.load(std::memory_order_relaxed)};
+  }
+
+ private:
+  kv_block_hash root(std::string_view salt) const;
+  /// The cached run of `hashes` from block 0, in blocks (under mutex_).
+  std::size_t cached_run(std::span<const kv_block_hash> hashes) const noexcept;
+  /// Marks `e` used now (its eviction order).
+  void touch(prefix_entry& e) noexcept;
+  void node_busy(prefix_node& n) noexcept;
+  void entry_idle(prefix_entry& e) noexcept;
+  void entry_busy(prefix_entry& e) noexcept;
+  void lru_add(prefix_entry& e) noexcept;
+  /// Recomputes `e`'s pin from its counts, and up its ancestors while it changes.
+  void refresh_pin(prefix_entry* e) noexcept;
+  void refresh_node(prefix_node& n) noexcept;
+  void lru_remove(prefix_entry& e) noexcept;
+  /// Drops `e` from the index and its nodes; the blocks no entry holds any
+  /// more lose their cached bit (freed if idle).
+  void remove(prefix_entry& e) noexcept;
+  void emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent) noexcept;
+  void publish_counts() noexcept;
+
+  const std::size_t num_layers_;
+  const kv_cache_config config_;
+  const element_codec codec_;
+  const std::uint8_t element_;
+  const ref_ptr<block_pool> pool_;
+  const std::string model_;
+  const kv_block_hash unsalted_root_;
+  const std::shared_ptr<kv_block_store> store_;
+  const kv_store_policy policy_;
+  const entry_geometry geometry_;
+
+  mutable std::mutex mutex_;
+  std::unordered_map<kv_block_hash, std::unique_ptr<prefix_entry>, block_hash_hasher> entries_;
+  std::unordered_map<const block*, prefix_node> nodes_;
+  lru_set lru_;
+  std::uint64_t clock_ = 0;
+  std::size_t idle_nodes_ = 0;
+  std::size_t idle_entries_ = 0;
+  std::size_t reclaimable_ = 0;
+  std::atomic<std::size_t> cached_blocks_{0};
+  std::atomic<std::size_t> idle_blocks_{0};
+  std::atomic<std::size_t> reclaimable_blocks_{0};
+  kv_prefix_event_handler handler_;
+  std::uint64_t event_sequence_ = 0;
+  std::vector<const std::byte*> halves_;  // a write-back's, two per layer: eviction allocates no room for them
+
+  // Counters (relaxed; stats() reads them without the lock). A match()
+  // counts a query without changing any entry.
+  mutable std::atomic<std::uint64_t> queries_{0};
+  mutable std::atomic<std::uint64_t> query_tokens_{0};
+  mutable std::atomic<std::uint64_t> hit_tokens_{0};
+  std::atomic<std::uint64_t> inserted_{0};
+  std::atomic<std::uint64_t> evicted_{0};
+  std::atomic<std::size_t> cached_{0};
+  std::atomic<std::size_t> idle_{0};
+  std::atomic<std::uint64_t> store_hit_tokens_{0};
+  std::atomic<std::uint64_t> store_puts_{0};
+  std::atomic<std::uint64_t> store_rejects_{0};
+};
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

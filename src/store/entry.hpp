@@ -1,0 +1,103 @@
+#pragma once
+// A prefix-cache entry as a block store keeps it (docs/FORMAT.md, "Block
+// entries"): encoding, and checking bytes a store returned, with no I/O.
+// The values handed to a store (kv_store_value): a write-through value holds
+// the entry's blocks until the store encodes it; a write-back value is
+// encoded at once, since eviction is about to free the blocks.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "ghostlink/block_store.hpp"
+#include "ghostlink/config.hpp"
+#include "memory/block.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+/// "\x89GLKB\r\n\x1a": a block entry (a saved sequence's file has "GLKV").
+inline constexpr std::array<unsigned char, 8> entry_magic = {0x89, 'G', 'L', 'K', 'B', '\r', '\n', 0x1a};
+inline constexpr std::uint32_t entry_version = 1;
+inline constexpr std::size_t entry_header_bytes = 96;
+
+/// What every entry of one prefix cache shares.
+struct entry_geometry {
+  std::size_t num_layers = 0;
+  std::size_t num_heads = 0;
+  std::size_t head_dim = 0;
+  std::size_t block_tokens = 0;
+  std::uint32_t element = 0;        // element_code<T>
+  std::uint32_t element_bytes = 0;  // sizeof(T)
+
+  entry_geometry() = default;
+  entry_geometry(std::size_t layers, const kv_cache_config& c, std::uint32_t element, std::uint32_t element_bytes)
+      : num_layers(layers),
+        num_heads(c.num_heads),
+        head_dim(c.head_dim),
+        block_tokens(c.block_tokens),
+        element(element),
+        element_bytes(element_bytes) {}
+
+  /// One layer's block: its keys, then its values.
+  std::size_t block_bytes() const noexcept { return 2 * block_tokens * num_heads * head_dim * element_bytes; }
+  /// A whole entry: header, every layer's block, the payload's checksum.
+  std::size_t entry_bytes() const noexcept { return entry_header_bytes + num_layers * block_bytes() + 8; }
+};
+
+/// Writes the entry of `hash` whose layer l has the keys `halves[2 * l]`
+/// and the values `halves[2 * l + 1]` (block_bytes() / 2 each) to `out`
+/// (entry_bytes()).
+void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<const std::byte* const> halves,
+                  std::span<std::byte> out) noexcept;
+
+/// Whether `bytes` is exactly a well-formed entry of `hash` and `g`: both
+/// checksums hold, and its header names this hash, geometry and element
+/// type. Reads nothing out of bounds whatever the bytes are.
+bool check_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<const std::byte> bytes) noexcept;
+
+/// Layer `layer`'s block in a checked entry.
+inline const std::byte* entry_layer(const entry_geometry& g, std::span<const std::byte> entry,
+                                    std::size_t layer) noexcept {
+  return entry.data() + entry_header_bytes + layer * g.block_bytes();
+}
+
+/// A write-through value: the entry's blocks, held until the store is done.
+class held_entry final : public kv_store_value {
+ public:
+  /// @throws std::bad_alloc
+  held_entry(const entry_geometry& g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks);
+  const kv_block_hash& hash() const noexcept override { return hash_; }
+  std::size_t size() const noexcept override { return geometry_.entry_bytes(); }
+  void encode(std::span<std::byte> out) const noexcept override;
+
+ private:
+  entry_geometry geometry_;
+  kv_block_hash hash_;
+  std::vector<ref_ptr<block>> blocks_;
+  std::vector<const std::byte*> halves_;  // blocks_[l]'s keys and values
+};
+
+/// A write-back value: the entry, encoded when it was evicted.
+class copied_entry final : public kv_store_value {
+ public:
+  /// Null if memory is refused.
+  static std::shared_ptr<copied_entry> make(const entry_geometry& g, const kv_block_hash& hash,
+                                            std::span<const std::byte* const> halves) noexcept;
+  const kv_block_hash& hash() const noexcept override { return hash_; }
+  std::size_t size() const noexcept override { return bytes_.size(); }
+  void encode(std::span<std::byte> out) const noexcept override;
+
+  explicit copied_entry(const kv_block_hash& hash) noexcept : hash_(hash) {}
+
+ private:
+  kv_block_hash hash_;
+  std::vector<std::byte> bytes_;
+};
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

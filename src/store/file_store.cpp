@@ -1,0 +1,338 @@
+// kv_file_store: one file per entry in one directory, under a byte budget.
+//
+// State (file_store_state, shared with every queued job so that the jobs
+// outlive the handle): the index of the entries this process knows of, with
+// their sizes and eviction order, the counters, and the puts in flight; all
+// under mutex_. The files themselves are the truth for lookups: a lookup
+// reads the file whether or not the index knows it, so a file another
+// process wrote is found, and an index entry whose file is gone is a miss.
+//
+// A write reserves its room when its job starts (reserved_, beside the
+// indexed bytes_), evicting the least recently used entries that no write
+// is rewriting, and unlinking their files under mutex_. It renames its
+// temporary file over the entry's name and indexes it under mutex_ too, so
+// an eviction never unlinks a file it does not index. Its room is given
+// back, indexed or not, when it ends. A lookup that reads a file this
+// process did not know of indexes it, evicting to stay within the budget.
+
+#include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX kill
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <new>
+#include <set>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+#include "ghostlink/detail/asio_config.hpp"
+
+#include "ghostlink/block_store.hpp"
+#include "ghostlink/detail/persist_interface.hpp"
+#include "io/file.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+constexpr std::string_view entry_suffix = ".kvb";
+
+/// The hash a file name `<64 hex digits>.kvb` names, if it is one.
+bool parse_entry_name(const std::string& name, kv_block_hash& out) {
+  if (name.size() != 64 + entry_suffix.size() || !name.ends_with(entry_suffix)) return false;
+  for (std::size_t i = 0; i < 32; ++i) {
+    unsigned v = 0;
+    const auto [end, ec] = std::from_chars(name.data() + 2 * i, name.data() + 2 * i + 2, v, 16);
+    if (ec != std::errc() || end != name.data() + 2 * i + 2) return false;
+    out.bytes[i] = static_cast<std::uint8_t>(v);
+  }
+  return out.hex() + std::string(entry_suffix) == name;  // lowercase only
+}
+
+/// Whether `name` is a temporary file of replacement_file whose process is
+/// gone (".<target>.tmp.<pid>.<n>").
+bool is_orphaned_temporary(const std::string& name) {
+  const std::size_t at = name.find(".tmp.");
+  if (name.empty() || name[0] != '.' || at == std::string::npos) return false;
+  long pid = 0;
+  const char* first = name.data() + at + 5;
+  const auto [end, ec] = std::from_chars(first, name.data() + name.size(), pid);
+  if (ec != std::errc() || end == first || pid <= 0) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+}  // namespace
+
+class file_store_state : public std::enable_shared_from_this<file_store_state> {
+ public:
+  file_store_state(std::filesystem::path directory, kv_file_store_limits limits)
+      : directory_(std::move(directory)), limits_(std::move(limits)), io_(io_pool_executor(limits_.io_executor)) {
+    std::filesystem::create_directories(directory_);
+    std::vector<std::pair<std::filesystem::file_time_type, kv_block_hash>> found;
+    for (const std::filesystem::directory_entry& f : std::filesystem::directory_iterator(directory_)) {
+      const std::string name = f.path().filename().string();
+      std::error_code ec;
+      if (is_orphaned_temporary(name)) {
+        std::filesystem::remove(f.path(), ec);
+        continue;
+      }
+      kv_block_hash h;
+      if (!f.is_regular_file(ec) || !parse_entry_name(name, h)) continue;
+      const std::uintmax_t bytes = f.file_size(ec);
+      if (ec) continue;
+      const auto modified = f.last_write_time(ec);
+      if (ec) continue;
+      entries_[h].bytes = bytes;
+      bytes_ += bytes;
+      found.emplace_back(modified, h);
+    }
+    std::sort(found.begin(), found.end());
+    for (const auto& [time, h] : found) touch(h);
+    evict_until(0);
+  }
+
+  const std::filesystem::path& directory() const noexcept { return directory_; }
+  std::filesystem::path path_of(const kv_block_hash& h) const {
+    return directory_ / (h.hex() + std::string(entry_suffix));
+  }
+
+  void put(std::shared_ptr<const kv_store_value> value) noexcept {
+    const std::size_t size = value->size();
+    std::uint64_t ticket = 0;
+    try {
+      std::lock_guard lock(mutex_);
+      ++stats_.puts;
+      if (size > limits_.max_bytes || pending_bytes_ + size > limits_.max_pending_bytes) {
+        ++stats_.dropped;
+        return;
+      }
+      ticket = ++issued_;
+      pending_.insert(ticket);
+      pending_bytes_ += size;
+    } catch (...) {  // memory refused
+      std::lock_guard lock(mutex_);
+      ++stats_.write_errors;
+      return;
+    }
+    try {
+      asio::post(io_, [self = shared_from_this(), value = std::move(value), ticket]() mutable {
+        self->write(std::move(value), ticket);
+      });
+    } catch (...) {  // memory refused, or the executor's own failure: not stored
+      finish_put(ticket, size, false);
+    }
+  }
+
+  void fetch(std::vector<kv_block_hash> hashes, const kv_block_store::fetch_handler& on_value) {
+    auto request = std::make_shared<fetch_request>(std::move(hashes), on_value);
+    {
+      std::lock_guard lock(mutex_);
+      stats_.lookups += request->hashes.size();
+    }
+    std::size_t i = 0;
+    try {
+      for (; i < request->hashes.size(); ++i)
+        asio::post(io_, [self = shared_from_this(), request, i] { self->read(*request, i); });
+    } catch (...) {  // memory refused part way: the rest are misses
+      for (; i < request->hashes.size() && !request->stopped.load(std::memory_order_acquire); ++i)
+        if (!request->on_value(i, {})) request->stopped.store(true, std::memory_order_release);
+    }
+  }
+
+  kv_store_stats stats() const noexcept {
+    std::lock_guard lock(mutex_);
+    kv_store_stats s = stats_;
+    s.entries = entries_.size();
+    s.bytes = bytes_;
+    s.pending_bytes = pending_bytes_;
+    return s;
+  }
+
+  void flush() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t last = issued_;
+    idle_.wait(lock, [&] { return pending_.empty() || *pending_.begin() > last; });
+  }
+
+ private:
+  struct indexed {
+    std::uint64_t bytes = 0;
+    std::uint64_t tick = 0;
+  };
+  struct fetch_request {
+    fetch_request(std::vector<kv_block_hash> h, kv_block_store::fetch_handler f)
+        : hashes(std::move(h)), on_value(std::move(f)) {}
+    std::vector<kv_block_hash> hashes;
+    kv_block_store::fetch_handler on_value;
+    std::atomic<bool> stopped{false};
+  };
+
+  /// Makes `h` the most recently used (under mutex_).
+  void touch(const kv_block_hash& h) {
+    indexed& e = entries_[h];
+    if (e.tick != 0) lru_.erase({e.tick, h});
+    e.tick = ++clock_;
+    lru_.emplace(e.tick, h);
+  }
+
+  /// Drops `h` from the index (under mutex_); true if it was there.
+  bool forget(const kv_block_hash& h) {
+    auto it = entries_.find(h);
+    if (it == entries_.end()) return false;
+    bytes_ -= it->second.bytes;
+    lru_.erase({it->second.tick, h});
+    entries_.erase(it);
+    return true;
+  }
+
+  /// Evicts the least recently used entries, their files unlinked, until
+  /// `incoming` more bytes fit the budget beside those indexed and those
+  /// being written (under mutex_: a write's rename and its indexing happen
+  /// under it too, so no eviction removes a file it does not index). An
+  /// entry being rewritten is skipped.
+  void evict_until(std::uint64_t incoming) {
+    auto it = lru_.begin();
+    while (it != lru_.end() && bytes_ + reserved_ + incoming > limits_.max_bytes) {
+      const kv_block_hash h = (it++)->second;
+      if (writing_.contains(h)) continue;
+      forget(h);
+      (void)::unlink(path_of(h).c_str());
+      ++stats_.evictions;
+    }
+  }
+
+  void write(std::shared_ptr<const kv_store_value> value, std::uint64_t ticket) noexcept {
+    const std::size_t size = value->size();
+    const kv_block_hash h = value->hash();
+    bool stored = false;
+    bool reserved = false;
+    replacement_file file;
+    try {
+      {
+        std::lock_guard lock(mutex_);
+        evict_until(size);
+        ++writing_[h];
+        reserved_ += size;
+        reserved = true;
+      }
+      std::vector<std::byte> bytes(size);
+      value->encode(bytes);
+      error_code ec = file.create(path_of(h), 0);
+      if (!ec) ec = write_at(file.file(), 0, bytes);
+      if (!ec && limits_.durable) ec = file.sync();
+      if (!ec) {
+        // The rename and the indexing under one hold of the lock: an
+        // eviction sees the file indexed or not yet there.
+        std::lock_guard lock(mutex_);
+        ec = file.rename();
+        if (!ec) {
+          forget(h);  // a replaced file's room
+          touch(h);
+          entries_[h].bytes = size;
+          bytes_ += size;
+          stored = true;
+          release_reservation(h, size);  // in the same hold: never counted twice
+          reserved = false;
+        }
+      }
+    } catch (...) {  // memory refused: not stored
+    }
+    if (reserved) {
+      std::lock_guard lock(mutex_);
+      release_reservation(h, size);
+    }
+    if (stored && limits_.durable && file.sync_directory()) stored = false;  // renamed, but not known to be on disk
+    value.reset();  // its blocks back to the pool before flush() may return
+    finish_put(ticket, size, stored);
+  }
+
+  /// A write's room and mark given back (under mutex_).
+  void release_reservation(const kv_block_hash& h, std::size_t size) noexcept {
+    reserved_ -= size;
+    if (auto w = writing_.find(h); w != writing_.end() && --w->second == 0) writing_.erase(w);
+  }
+
+  void finish_put(std::uint64_t ticket, std::size_t size, bool stored) noexcept {
+    std::lock_guard lock(mutex_);
+    ++(stored ? stats_.stored : stats_.write_errors);
+    pending_bytes_ -= size;
+    pending_.erase(ticket);
+    idle_.notify_all();
+  }
+
+  void read(fetch_request& request, std::size_t i) noexcept {
+    if (request.stopped.load(std::memory_order_acquire)) return;
+    std::vector<std::byte> bytes;
+    try {
+      file_descriptor file;
+      std::uint64_t file_bytes = 0;
+      const kv_block_hash& h = request.hashes[i];
+      if (!open_for_reading(path_of(h), file, file_bytes) && file_bytes <= limits_.max_bytes) {
+        bytes.resize(file_bytes);
+        if (read_at(file, 0, bytes)) bytes.clear();
+      }
+      if (!bytes.empty()) {
+        std::lock_guard lock(mutex_);
+        ++stats_.hits;
+        const bool known = entries_.contains(h);
+        touch(h);
+        if (!known) {  // written by another process: it counts now, within the budget
+          entries_[h].bytes = bytes.size();
+          bytes_ += bytes.size();
+          evict_until(0);
+        }
+      }
+    } catch (...) {  // memory refused: a miss
+      bytes.clear();
+    }
+    bool more = false;
+    try {
+      more = request.on_value(i, std::move(bytes));
+    } catch (...) {
+    }
+    if (!more) request.stopped.store(true, std::memory_order_release);
+  }
+
+  const std::filesystem::path directory_;
+  const kv_file_store_limits limits_;
+  const asio::any_io_executor io_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable idle_;  // a put finished
+  std::map<kv_block_hash, indexed> entries_;
+  std::set<std::pair<std::uint64_t, kv_block_hash>> lru_;  // (tick, hash), least recent first
+  std::uint64_t clock_ = 0;
+  std::uint64_t bytes_ = 0;
+  std::uint64_t reserved_ = 0;                  // bytes of the writes in progress
+  std::map<kv_block_hash, std::size_t> writing_;  // writes in progress, by hash
+  std::size_t pending_bytes_ = 0;
+  std::uint64_t issued_ = 0;          // puts numbered 1, 2, ...
+  std::set<std::uint64_t> pending_;   // the numbers of those not finished
+  kv_store_stats stats_;
+};
+
+}  // namespace detail
+
+kv_file_store::kv_file_store(std::filesystem::path directory, kv_file_store_limits limits)
+    : state_(std::make_shared<detail::file_store_state>(std::move(directory), std::move(limits))) {}
+
+kv_file_store::~kv_file_store() = default;
+
+void kv_file_store::put(std::shared_ptr<const kv_store_value> value) noexcept {
+  if (value) state_->put(std::move(value));
+}
+void kv_file_store::fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) {
+  state_->fetch(std::move(hashes), on_value);
+}
+kv_store_stats kv_file_store::stats() const noexcept { return state_->stats(); }
+const std::filesystem::path& kv_file_store::directory() const noexcept { return state_->directory(); }
+std::filesystem::path kv_file_store::path_of(const kv_block_hash& hash) const { return state_->path_of(hash); }
+void kv_file_store::flush() { state_->flush(); }
+
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,141 @@
+#pragma once
+// A pipelined RESP2 client on one Asio socket (unix or TCP), for the Redis
+// store (store.cpp) and the tests.
+//
+// Requests are queued on the connection's strand, written in batches, and
+// their replies read in order; each request's callback runs exactly once on
+// the strand: with the reply, or with a `failed` reply when the connection
+// is down, is lost, or the request's deadline passes. A late reply closes
+// the connection (the stream cannot be resynchronised otherwise), which is
+// opened again after the backoff; while it is down, requests fail at once.
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+#include "ghostlink/redis_store.hpp"
+
+// clang-format off
+#include GHOSTLINK_ASIO_HEADER(generic/stream_protocol.hpp)
+#include GHOSTLINK_ASIO_HEADER(ip/tcp.hpp)
+#include GHOSTLINK_ASIO_HEADER(steady_timer.hpp)
+// clang-format on
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+/// One RESP2 reply. Arrays (CLUSTER SLOTS) keep their elements, nested at
+/// most `max_redis_depth` deep and `max_redis_elements` long: the parser is
+/// fed by the network.
+struct redis_reply {
+  enum class type : std::uint8_t { failed, status, error, integer, bulk, nil, array };
+  type kind = type::failed;
+  std::vector<std::byte> bytes;       // status, error, bulk
+  std::int64_t integer = 0;           // integer; array: its element count
+  std::vector<redis_reply> elements;  // array
+
+  /// The bytes as text (status, error, bulk).
+  std::string_view text() const noexcept { return {reinterpret_cast<const char*>(bytes.data()), bytes.size()}; }
+};
+
+inline constexpr std::size_t max_redis_depth = 8;
+inline constexpr std::int64_t max_redis_elements = std::int64_t{1} << 20;
+
+/// A request encoded: `*N\r\n$len\r\narg\r\n...`.
+std::string redis_command(std::initializer_list<std::string_view> args);
+
+/// Parses one reply at the front of `in`; the bytes it took, 0 if `in`
+/// holds only part of one; throws std::runtime_error on a protocol error
+/// (arrays nested deeper or longer than the limits above included).
+std::size_t parse_redis_reply(std::string_view in, redis_reply& out);
+
+struct redis_timeouts {
+  std::chrono::milliseconds connect{1000};
+  std::chrono::milliseconds request{1000};
+  std::chrono::milliseconds backoff{100};
+};
+
+class redis_connection : public std::enable_shared_from_this<redis_connection> {
+ public:
+  using callback = std::function<void(redis_reply)>;
+
+  redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint, redis_timeouts timeouts);
+
+  /// Starts connecting (once).
+  void start();
+  /// A command kept by its sender beyond the write (to send it again
+  /// elsewhere: a Redis Cluster redirect), rather than moved in.
+  using shared_command = std::shared_ptr<const std::string>;
+
+  /// Queues `command` (from any thread); `done` runs on the strand.
+  /// @throws std::bad_alloc, having queued nothing.
+  void send(std::string command, callback done);
+  /// Runs `f` on the strand; `f` may call `send_here`.
+  template <class F>
+  void run(F&& f) {
+    asio::post(strand_, std::forward<F>(f));
+  }
+  /// `send` on the strand.
+  void send_here(std::string command, callback done) noexcept;
+  /// `send_here` of a command the caller keeps too.
+  void send_here(shared_command command, callback done) noexcept;
+  /// Whether requests would be written now or soon (connected or
+  /// connecting), not failed at once.
+  bool accepting() const noexcept { return state_ != state::backoff && state_ != state::closed; }
+  /// Stops reconnecting; closes the socket once nothing is in flight.
+  void close();
+  /// Where it connects.
+  const kv_redis_endpoint& endpoint() const noexcept { return endpoint_; }
+  /// Calls `done` with a failed reply, swallowing what it throws.
+  static void fail(callback& done) noexcept;
+
+ private:
+  enum class state : std::uint8_t { idle, connecting, connected, backoff, closed };
+  struct request {
+    std::string command;
+    shared_command shared;  // instead of `command` when set
+    callback done;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  void connect();
+  void connect_to(const asio::generic::stream_protocol::endpoint& where, std::uint64_t generation);
+  void connected();
+  void lost();  // fails everything, closes, backs off
+  void write_more();
+  void read_more();
+  void arm_deadline();
+  void check_deadlines();
+  static void finish_callback(callback& done) noexcept { fail(done); }
+  void queue(request r) noexcept;
+  void close_if_drained();
+
+  asio::strand<asio::any_io_executor> strand_;
+  const kv_redis_endpoint endpoint_;
+  const redis_timeouts timeouts_;
+  asio::generic::stream_protocol::socket socket_;
+  asio::ip::tcp::resolver resolver_;
+  asio::steady_timer connect_timer_;   // connect timeout, backoff
+  asio::steady_timer deadline_timer_;  // the oldest request's deadline
+  bool deadline_armed_ = false;
+  bool writing_ = false;
+  bool closing_ = false;
+  std::atomic<state> state_{state::idle};
+  std::uint64_t generation_ = 0;  // one a socket: completions of an older one are ignored
+  std::deque<request> queued_;     // not yet written
+  std::deque<request> in_flight_;  // written, replies awaited in this order
+  std::vector<asio::const_buffer> writing_buffers_;
+  std::string in_;  // bytes read, from in_start_
+  std::size_t in_start_ = 0;
+};
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,115 @@
+#pragma once
+// What the Redis store's puts and fetches share, on one server or on a
+// Redis Cluster (store.cpp): the keys, the SET command, the counters
+// (and the puts flush() waits for), and a fetch's delivery to its handler.
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ghostlink/block_store.hpp"
+#include "store/redis/connection.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+inline constexpr std::string_view redis_key_prefix = "ghostlink:v1:";
+
+/// The key of an entry: `ghostlink:v1:<hash hex>`.
+inline std::string redis_key(const kv_block_hash& hash) { return std::string(redis_key_prefix) + hash.hex(); }
+
+/// `SET key value [EX ttl]`, the value encoded in place.
+std::string redis_set_command(const kv_store_value& value, const std::optional<std::uint64_t>& ttl);
+
+/// Whether a SET's reply says it stored (`+OK`).
+inline bool redis_stored(const redis_reply& reply) noexcept {
+  return reply.kind == redis_reply::type::status && reply.text() == "OK";
+}
+
+/// The counters, and the puts flush() waits for.
+class redis_counters {
+ public:
+  explicit redis_counters(std::size_t max_pending_bytes) : max_pending_bytes_(max_pending_bytes) {}
+
+  /// Counts a put; false if it is dropped.
+  bool begin_put(std::size_t size) noexcept {
+    std::lock_guard lock(mutex_);
+    ++stats_.puts;
+    if (pending_bytes_ + size > max_pending_bytes_) {
+      ++stats_.dropped;
+      return false;
+    }
+    pending_bytes_ += size;
+    ++pending_puts_;
+    return true;
+  }
+  void finish_put(std::size_t size, bool stored) noexcept {
+    std::lock_guard lock(mutex_);
+    ++(stored ? stats_.stored : stats_.write_errors);
+    pending_bytes_ -= size;
+    if (--pending_puts_ == 0) idle_.notify_all();
+  }
+  void lookups(std::size_t n) noexcept {
+    std::lock_guard lock(mutex_);
+    stats_.lookups += n;
+  }
+  void hit() noexcept {
+    std::lock_guard lock(mutex_);
+    ++stats_.hits;
+  }
+  kv_store_stats stats() const noexcept {
+    std::lock_guard lock(mutex_);
+    kv_store_stats s = stats_;
+    s.pending_bytes = pending_bytes_;
+    return s;
+  }
+  void flush() {
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [&] { return pending_puts_ == 0; });
+  }
+
+ private:
+  const std::size_t max_pending_bytes_;
+  mutable std::mutex mutex_;
+  std::condition_variable idle_;
+  kv_store_stats stats_;
+  std::size_t pending_bytes_ = 0;
+  std::size_t pending_puts_ = 0;
+};
+
+/// A fetch's handler, called until it says "no more".
+struct fetch_request {
+  explicit fetch_request(kv_block_store::fetch_handler f) : on_value(std::move(f)) {}
+  kv_block_store::fetch_handler on_value;
+  std::atomic<bool> stopped{false};
+
+  void deliver(std::size_t i, std::vector<std::byte> bytes) noexcept {
+    if (stopped.load(std::memory_order_acquire)) return;
+    bool more = false;
+    try {
+      more = on_value(i, std::move(bytes));
+    } catch (...) {
+    }
+    if (!more) stopped.store(true, std::memory_order_release);
+  }
+  /// Delivers a GET's reply to index `i`: a non-empty string is a hit,
+  /// anything else (nil, an error, a failure) a miss.
+  void answer(std::size_t i, redis_reply reply, redis_counters& counters) noexcept {
+    std::vector<std::byte> bytes;
+    if (reply.kind == redis_reply::type::bulk && !reply.bytes.empty()) {
+      counters.hit();
+      bytes = std::move(reply.bytes);
+    }
+    deliver(i, std::move(bytes));
+  }
+};
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END

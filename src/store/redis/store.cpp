@@ -1,0 +1,263 @@
+// kv_redis_store: entries as Redis strings, over pipelined connections
+// (connection.hpp) to one server (node.hpp) or to the masters of
+// a Redis Cluster (cluster.hpp).
+//
+// The state (redis_store_state) belongs to the handle alone; what the
+// requests in flight need (the counters, the connections) is shared with
+// them, so a request's completion never destroys the state. With an I/O
+// context of its own, the state's destructor closes the connections once
+// their requests are done and joins the context's thread; if the last
+// handle goes on that very thread (a fetch handler holding the store), the
+// thread is joined by another one instead.
+
+#include <sys/un.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "ghostlink/detail/asio_config.hpp"
+#include "ghostlink/redis_store.hpp"
+#include "store/redis/cluster.hpp"
+#include "store/redis/connection.hpp"
+#include "store/redis/node.hpp"
+#include "store/redis/requests.hpp"
+
+// clang-format off
+#include GHOSTLINK_ASIO_HEADER(io_context.hpp)
+#include GHOSTLINK_ASIO_HEADER(post.hpp)
+// clang-format on
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+/// A put's reply, counted.
+redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, std::size_t size) {
+  return [counters = std::move(counters), size](const redis_reply& reply) {
+    counters->finish_put(size, redis_stored(reply));
+  };
+}
+
+}  // namespace
+
+std::string redis_set_command(const kv_store_value& value, const std::optional<std::uint64_t>& ttl) {
+  const std::string key = redis_key(value.hash());
+  const std::size_t size = value.size();
+  std::string out = ttl ? "*5\r\n" : "*3\r\n";
+  out += "$3\r\nSET\r\n$" + std::to_string(key.size()) + "\r\n" + key + "\r\n$" + std::to_string(size) + "\r\n";
+  const std::size_t at = out.size();
+  out.resize(at + size);
+  value.encode(std::span<std::byte>(reinterpret_cast<std::byte*>(out.data() + at), size));
+  out += "\r\n";
+  if (ttl) {
+    const std::string seconds = std::to_string(*ttl);
+    out += "$2\r\nEX\r\n$" + std::to_string(seconds.size()) + "\r\n" + seconds + "\r\n";
+  }
+  return out;
+}
+
+class redis_store_state {
+ public:
+  redis_store_state(std::vector<kv_redis_endpoint> endpoints, kv_redis_store_options options)
+      : options_(std::move(options)), counters_(std::make_shared<redis_counters>(options_.max_pending_bytes)) {
+    if (endpoints.empty()) throw std::invalid_argument("kv_redis_store: no endpoint");
+    if (options_.connections == 0) throw std::invalid_argument("kv_redis_store: 0 connections");
+    if (endpoints.front().unix_socket.size() >= sizeof(sockaddr_un{}.sun_path))
+      throw std::invalid_argument("kv_redis_store: unix socket path too long");
+    if (options_.cluster)
+      for (const kv_redis_endpoint& e : endpoints)
+        if (!e.unix_socket.empty()) throw std::invalid_argument("kv_redis_store: a cluster's endpoints are TCP");
+    if (options_.io_executor) {
+      io_ = *options_.io_executor;
+    } else {
+      own_io_ = std::make_unique<asio::io_context>(1);
+      guard_.emplace(own_io_->get_executor());
+      io_ = own_io_->get_executor();
+      thread_ = std::thread([io = own_io_.get()] {
+        for (;;) {
+          try {
+            io->run();
+            return;
+          } catch (...) {  // no handler of ours throws; a handler's own failure is not the store's end
+          }
+        }
+      });
+    }
+    const redis_timeouts timeouts{options_.connect_timeout, options_.request_timeout, options_.reconnect_backoff};
+    if (options_.cluster) {
+      cluster_ = std::make_shared<redis_cluster>(io_, std::move(endpoints), options_.connections, timeouts);
+      cluster_->start();
+    } else {
+      node_ = std::make_unique<redis_node>(io_, endpoints.front(), options_.connections, timeouts);
+    }
+  }
+  redis_store_state(const redis_store_state&) = delete;
+  redis_store_state& operator=(const redis_store_state&) = delete;
+
+  ~redis_store_state() {
+    if (cluster_) cluster_->close();
+    cluster_.reset();
+    node_.reset();  // closes its connections
+    if (!own_io_) return;
+    guard_.reset();
+    if (thread_.get_id() != std::this_thread::get_id()) {
+      thread_.join();
+      return;
+    }
+    // The last handle went on the context's own thread: another thread
+    // joins it once the handler it is in returns.
+    std::thread([io = std::move(own_io_), t = std::move(thread_)]() mutable {
+      t.join();
+      io.reset();
+    }).detach();
+  }
+
+  void put(std::shared_ptr<const kv_store_value> value) noexcept {
+    const std::size_t size = value->size();
+    if (!counters_->begin_put(size)) return;
+    if (cluster_) {
+      put_in_cluster(std::move(value), size);
+      return;
+    }
+    try {
+      std::shared_ptr<redis_connection> c = node_->pick();
+      c->run([c, counters = counters_, value = std::move(value), size, ttl = options_.ttl_seconds]() mutable {
+        std::string command;
+        bool encoded = false;
+        if (c->accepting()) {  // else down: fails at once, without encoding
+          try {
+            command = redis_set_command(*value, ttl);
+            encoded = true;
+          } catch (...) {  // memory refused: not stored
+          }
+        }
+        // The blocks a write-through value holds go back now, before
+        // flush() may return: a caller that flushed may count on them.
+        value.reset();
+        if (!encoded) {
+          counters->finish_put(size, false);
+          return;
+        }
+        c->send_here(std::move(command), count_put(counters, size));
+      });
+    } catch (...) {  // memory refused, or the executor's own failure: not stored
+      counters_->finish_put(size, false);
+    }
+  }
+
+  void fetch(std::vector<kv_block_hash> hashes, kv_block_store::fetch_handler on_value) {
+    auto request = std::make_shared<fetch_request>(std::move(on_value));
+    if (cluster_) {
+      fetch_in_cluster(hashes, request);
+      return;
+    }
+    // The GETs of each connection taking requests (one down until its
+    // backoff ends would fail its share at once), made before anything is sent.
+    const std::vector<std::shared_ptr<redis_connection>> connections = node_->taking();
+    const std::size_t k = connections.size();
+    const std::size_t first = node_->next();
+    std::vector<std::vector<std::pair<std::size_t, std::string>>> batches(k);
+    for (std::size_t i = 0; i < hashes.size(); ++i)
+      batches[(first + i) % k].emplace_back(i, redis_command({"GET", redis_key(hashes[i])}));
+    counters_->lookups(hashes.size());
+    std::size_t sent = 0;
+    try {
+      for (; sent < k; ++sent) {
+        if (batches[sent].empty()) continue;
+        const std::shared_ptr<redis_connection>& c = connections[sent];
+        c->run([c, request, counters = counters_, batch = std::move(batches[sent])]() mutable {
+          for (auto& [i, command] : batch)
+            c->send_here(std::move(command), [request, counters, i = i](redis_reply reply) {
+              request->answer(i, std::move(reply), *counters);
+            });
+        });
+      }
+    } catch (...) {  // memory refused part way: the GETs not sent are misses
+      for (std::size_t i = 0; i < hashes.size(); ++i)
+        if ((first + i) % k >= sent) request->deliver(i, {});
+    }
+  }
+
+  kv_store_stats stats() const noexcept { return counters_->stats(); }
+  void flush() { counters_->flush(); }
+
+ private:
+  /// Encodes `value` on the I/O executor, then sends it to its slot's master.
+  void put_in_cluster(std::shared_ptr<const kv_store_value> value, std::size_t size) noexcept {
+    try {
+      const std::uint16_t slot = redis_key_slot(redis_key(value->hash()));
+      asio::post(io_, [cluster = cluster_, counters = counters_, value = std::move(value), size, slot,
+                       ttl = options_.ttl_seconds]() mutable {
+        redis_connection::shared_command command;
+        try {
+          command = std::make_shared<const std::string>(redis_set_command(*value, ttl));
+        } catch (...) {  // memory refused: not stored
+        }
+        value.reset();  // as above: before flush() may return
+        if (!command) {
+          counters->finish_put(size, false);
+          return;
+        }
+        try {
+          std::vector<redis_cluster::routed> one;
+          one.push_back({slot, std::move(command), count_put(counters, size)});
+          cluster->send(std::move(one));
+        } catch (...) {  // memory refused: not sent
+          counters->finish_put(size, false);
+        }
+      });
+    } catch (...) {  // memory refused, or the executor's own failure: not stored
+      counters_->finish_put(size, false);
+    }
+  }
+
+  /// The GETs, each to its slot's master, pipelined on each node.
+  void fetch_in_cluster(const std::vector<kv_block_hash>& hashes, const std::shared_ptr<fetch_request>& request) {
+    std::vector<redis_cluster::routed> gets;
+    gets.reserve(hashes.size());
+    for (std::size_t i = 0; i < hashes.size(); ++i) {
+      const std::string key = redis_key(hashes[i]);
+      gets.push_back(
+          {redis_key_slot(key), std::make_shared<const std::string>(redis_command({"GET", key})),
+           [request, counters = counters_, i](redis_reply reply) { request->answer(i, std::move(reply), *counters); }});
+    }
+    counters_->lookups(hashes.size());
+    cluster_->send(std::move(gets));
+  }
+
+  const kv_redis_store_options options_;
+  std::unique_ptr<asio::io_context> own_io_;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard_;
+  std::thread thread_;
+  asio::any_io_executor io_;
+  std::shared_ptr<redis_counters> counters_;
+  std::unique_ptr<redis_node> node_;           // one server
+  std::shared_ptr<redis_cluster> cluster_;   // or a Redis Cluster
+};
+
+}  // namespace detail
+
+kv_redis_store::kv_redis_store(std::vector<kv_redis_endpoint> endpoints, kv_redis_store_options options)
+    : state_(std::make_unique<detail::redis_store_state>(std::move(endpoints), std::move(options))) {}
+
+kv_redis_store::~kv_redis_store() = default;
+
+void kv_redis_store::put(std::shared_ptr<const kv_store_value> value) noexcept {
+  if (value) state_->put(std::move(value));
+}
+void kv_redis_store::fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) {
+  state_->fetch(std::move(hashes), std::move(on_value));
+}
+kv_store_stats kv_redis_store::stats() const noexcept { return state_->stats(); }
+std::string kv_redis_store::key_of(const kv_block_hash& hash) { return detail::redis_key(hash); }
+void kv_redis_store::flush() { state_->flush(); }
+
+GHOSTLINK_NAMESPACE_END

@@ -1,0 +1,44 @@
+#pragma once
+// Test hooks: fault injection and leak accounting. Only tests include this
+// header (its directory is on no consumer's include path); the library
+// defines these functions, and production code never calls them.
+
+#include <cstddef>
+#include <cstdint>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "ghostlink/block_pool.hpp"
+#include "memory/block_pool.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+/// The next `n` requests of `pool` for a block's memory, or for an extent's
+/// in `preallocate`, fail as if the system had none.
+void fail_next_allocations(const kv_block_pool& pool, std::size_t n) noexcept;
+/// Extents of `pool` now, and of them those no block uses and no cursor
+/// fills (what trim() returns to the system).
+extent_census census(const kv_block_pool& pool) noexcept;
+/// Of the allocations of block tables, table chunks and epochs (by any
+/// cache) from now on, `after` succeed and the next throws std::bad_alloc.
+void fail_metadata_allocation(std::size_t after) noexcept;
+/// Disarms fail_metadata_allocation(); whether the failure was still pending.
+bool cancel_metadata_failure() noexcept;
+
+/// Calls `hook` in every submit that queues its request (not one that a
+/// drain carries), after queueing it and before counting it: a test holds a
+/// submitter there, so that a drain takes a request its submitter has not
+/// counted yet. Null removes it.
+void set_enqueued_hook(void (*hook)()) noexcept;
+
+/// Block pools alive in this process. Every block holds its pool, so none
+/// alive once every cache and snapshot is gone means no block leaked.
+std::size_t pools_alive() noexcept;
+/// Pools destroyed while still counting blocks in use (an accounting error).
+std::size_t pools_destroyed_unbalanced() noexcept;
+/// Bytes the mailboxes of every cache in the process hold (moodycamel's
+/// blocks); a mailbox keeps the blocks it grew to until its cache dies.
+std::uint64_t mailbox_bytes_allocated() noexcept;
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END
