@@ -5,7 +5,6 @@
 // baseline ends the benchmark, as fail() does).
 
 #include <fcntl.h>
-#include <stdlib.h>  // NOLINT(modernize-deprecated-headers): POSIX mkdtemp
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,26 +15,12 @@
 #include <string>
 #include <system_error>
 
+#include "testing/temp_dir.hpp"
 #include "workload.hpp"
 
 namespace ghostlink::bench {
 
-/// A fresh directory under the system's temporary one
-/// (std::filesystem::temp_directory_path()), removed with everything in it.
-struct temp_dir {
-  explicit temp_dir(const std::string& scenario) {
-    std::string name = (std::filesystem::temp_directory_path() / ("ghostlink-bench-" + scenario + "-XXXXXX")).string();
-    if (::mkdtemp(name.data()) == nullptr) fail(scenario, "mkdtemp: " + std::generic_category().message(errno));
-    path = name;
-  }
-  temp_dir(const temp_dir&) = delete;
-  temp_dir& operator=(const temp_dir&) = delete;
-  ~temp_dir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  std::filesystem::path path;
-};
+using ghostlink::testing::temp_dir;
 
 namespace raw {
 

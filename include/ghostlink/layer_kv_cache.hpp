@@ -195,24 +195,24 @@ class basic_layer_kv_cache {
   auto async_write(std::size_t index, std::span<const float> keys, std::span<const float> values,
                    CompletionToken&& token = default_completion_token()) const;
 
-  /// Writes every entry, in order (a later entry for an index wins), as one
-  /// atomic request: every entry is validated first and a snapshot sees all
+  /// Writes every token of `writes`, in order (a later write to an index wins), as one
+  /// atomic request: every write is validated first and a snapshot sees all
   /// of the batch or none of it. An empty batch succeeds and does nothing.
   ///
   /// The span and every span inside it must stay valid until completion.
   /// Completion signature: `void(std::error_code)`; errors as `async_write`,
-  /// for the first bad entry. On error nothing of the batch is stored.
+  /// for the first bad write. On error nothing of the batch is stored.
   ///
   /// Handler: queued on its associated executor (without one, the executor
   /// the cache was made from, not the strand), never run inside this call.
   /// Cancellable until the actor takes it (see Cancellation above).
   ///
-  /// @param entries the tokens to write, in order.
+  /// @param writes the tokens to write, in order.
   /// @param token   the completion token; none is needed to `co_await`.
   /// @return what `asio::async_initiate` makes of `token`: by default an
   ///         `asio::awaitable<void>`.
   template <class CompletionToken = default_completion_token>
-  auto async_write_batch(std::span<const kv_write> entries, CompletionToken&& token = default_completion_token()) const;
+  auto async_write_batch(std::span<const kv_write> writes, CompletionToken&& token = default_completion_token()) const;
 
   /// Drops tokens `[n, size())` (a speculative-decoding rollback): size
   /// becomes `min(size(), n)`. Snapshots taken before keep seeing the old

@@ -107,7 +107,7 @@ void actor::discard_mailbox() noexcept {
 
 void actor::submit(request* r, urgency u) noexcept {
   bool queued = false;
-  if (pending_.load(std::memory_order_relaxed) == 0 && mailbox_->reserve_carried()) {
+  if (pending_.load(std::memory_order_relaxed) == 0 && mailbox_->hold_carried_place()) {
     std::int64_t idle = 0;
     if (pending_.compare_exchange_strong(idle, 1, std::memory_order_acq_rel, std::memory_order_relaxed)) {
       schedule(u, r);  // no drain queued or running: the drain carries r
@@ -135,7 +135,7 @@ void actor::schedule(urgency u, request* carried) noexcept {
 
 void actor::apply(request* const* batch, error_code* results, std::size_t n) {
   try {
-    state_->reserve_epoch();
+    state_->prepare_epoch();
   } catch (const std::bad_alloc&) {
     for (std::size_t i = 0; i < n; ++i) ::new (results + i) error_code(kv_errc::capacity_exhausted);
     return;
@@ -147,10 +147,10 @@ void actor::apply(request* const* batch, error_code* results, std::size_t n) {
 error_code actor::apply(request& r) {
   switch (r.kind()) {
     case request_kind::initialize: return state_->initialize(r.size());
-    case request_kind::write_batch: return state_->write(r.entries());
+    case request_kind::write_batch: return state_->write(r.writes());
     case request_kind::truncate: return state_->truncate(r.size());
     case request_kind::fork: return fork(r);
-    case request_kind::reserve: return state_->reserve(r.size(), r.tokens());
+    case request_kind::set_aside: return state_->set_aside(r.size(), r.tokens());
   }
   return {};
 }

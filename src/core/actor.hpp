@@ -16,7 +16,7 @@
 //   nothing; the late submitter's own count then brings pending_ up from
 //   zero and schedules the drain that takes whatever was enqueued meanwhile.
 // - Carried requests: a submitter that finds the mailbox empty (it takes
-//   the first place, mailbox::reserve_carried) and raises pending_ from zero
+//   the first place, mailbox::hold_carried_place) and raises pending_ from zero
 //   to one by CAS hands its request to the drain it schedules instead of
 //   the queue. The drain applies it first: every earlier request of the
 //   same thread left the mailbox before, taken by a drain that the strand
@@ -98,7 +98,7 @@ class actor : public std::enable_shared_from_this<actor> {
   /// publishes.
   void drain(request* carried);
   /// Applies `n` requests, constructing their results in `results` (raw
-  /// storage for n); if the next epoch cannot be reserved, applies none and
+  /// storage for n); if the next epoch cannot be prepared, applies none and
   /// fails each with capacity_exhausted.
   void apply(request* const* batch, error_code* results, std::size_t n);
   /// Applies one claimed request: the one place a request's kind decides

@@ -43,23 +43,23 @@ std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std:
   const block_layout& layout = *e.layout;
   const std::size_t bt = layout.block_tokens;
   std::size_t n = 0;
-  // The stored tokens: a run per stretch of table entries each of which is
+  // The stored tokens: a run per stretch of table blocks each of which is
   // the block right after the one before (one extent), told from the
-  // pointers alone. Chunk by chunk, a compare per entry: the processor
+  // pointers alone. Chunk by chunk, a compare per block: the processor
   // reads ahead through the chunks' lines rather than waiting on each.
   if (const std::size_t stored_end = std::min(end, e.stored); first < stored_end) {
     const block_table& table = *e.table;
     std::size_t b = first / bt;
     const std::size_t last = (stored_end - 1) / bt;
-    const block* prev = table.entry(b).get();
+    const block* prev = table.block_at(b).get();
     const std::size_t position = first - b * bt;
     stored_run r{first, 0, layout.keys(*prev, position), layout.values(*prev, position)};
     for (++b; b <= last;) {
       const std::size_t chunk = b / table_chunk::size;
-      const ref_ptr<block>* entries = table.chunks[chunk]->blocks.data();
+      const ref_ptr<block>* blocks = table.chunks[chunk]->blocks.data();
       const std::size_t chunk_end = std::min(last + 1, (chunk + 1) * table_chunk::size);
       for (; b < chunk_end; ++b) {
-        const block* next = entries[b - chunk * table_chunk::size].get();
+        const block* next = blocks[b - chunk * table_chunk::size].get();
         if (!prev->followed_by(*next)) {
           r.count = b * bt - r.first;
           out[n++] = r;

@@ -28,7 +28,7 @@ namespace detail {
 /// (std::bad_alloc; see src/testing/hooks.hpp).
 void* metadata_new(std::size_t size);
 
-/// Up to `size` consecutive entries of a block table. Never changed once
+/// Up to `size` consecutive blocks of a block table. Never changed once
 /// published; tables of one cache share unchanged chunks.
 struct table_chunk : ref_counted<table_chunk> {
   static constexpr std::size_t size = 32;
@@ -52,13 +52,13 @@ struct block_table : ref_counted<block_table> {
   static void* operator new(std::size_t size) { return metadata_new(size); }
   static void operator delete(void* p) noexcept { ::operator delete(p); }
 
-  const ref_ptr<block>& entry(std::size_t b) const noexcept {
+  const ref_ptr<block>& block_at(std::size_t b) const noexcept {
     return chunks[b / table_chunk::size]->blocks[b % table_chunk::size];
   }
 
   const std::uint64_t born_epoch;  // the first epoch of its cache that can see it
   std::vector<ref_ptr<table_chunk>> chunks;
-  std::size_t blocks = 0;  // entries in use; later ones are null or the zero block
+  std::size_t blocks = 0;  // blocks in use; later ones are null or the zero block
 };
 
 struct epoch;
@@ -151,7 +151,7 @@ struct epoch : ref_counted<epoch> {
   /// The block holding token `index` (`index < size`); its position there
   /// is `index % block_tokens`.
   const block& block_of(std::size_t index) const noexcept {
-    return index < stored ? *table->entry(index / layout->block_tokens) : *zeros;
+    return index < stored ? *table->block_at(index / layout->block_tokens) : *zeros;
   }
 
   const std::uint64_t number;

@@ -33,14 +33,14 @@ void mailbox_traits::free(void* p) {
   std::free(raw);
 }
 
-bool mailbox::try_reserve() noexcept {
+bool mailbox::try_hold_place() noexcept {
   std::size_t n = queued_.load(std::memory_order_relaxed);
   while (n < max_pending_)
     if (queued_.compare_exchange_weak(n, n + 1, std::memory_order_acq_rel, std::memory_order_relaxed)) return true;
   return false;
 }
 
-bool mailbox::enqueue_reserved(request* r) noexcept {
+bool mailbox::enqueue_held(request* r) noexcept {
   if (queue_.enqueue(r)) return true;
   queued_.fetch_sub(1, std::memory_order_acq_rel);
   return false;
@@ -59,15 +59,15 @@ void mailbox::park(request* r) noexcept {
 
 bool mailbox::push(request* r) noexcept {
   // Ordering rests on queued_ and the mutex (see the invariants).
-  if (waiting() == 0 && try_reserve()) return enqueue_reserved(r);
+  if (waiting() == 0 && try_hold_place()) return enqueue_held(r);
   {
     std::lock_guard lock(mutex_);
-    if (waiting_head_ || !try_reserve()) {
+    if (waiting_head_ || !try_hold_place()) {
       park(r);
       return true;
     }
   }
-  return enqueue_reserved(r);
+  return enqueue_held(r);
 }
 
 std::size_t mailbox::take(request** out, std::size_t n) noexcept {
@@ -86,7 +86,7 @@ std::size_t mailbox::take(request** out, std::size_t n) noexcept {
   return taken;
 }
 
-bool mailbox::reserve_carried() noexcept {
+bool mailbox::hold_carried_place() noexcept {
   // Only into an empty mailbox: with no place held and none waiting, every
   // request queued before was taken by a drain, which runs on the strand
   // before the one a carried request rides.
@@ -97,7 +97,7 @@ bool mailbox::reserve_carried() noexcept {
 
 void mailbox::release_carried() noexcept { queued_.fetch_sub(1, std::memory_order_acq_rel); }
 
-bool mailbox::enqueue_carried(request* r) noexcept { return enqueue_reserved(r); }
+bool mailbox::enqueue_carried(request* r) noexcept { return enqueue_held(r); }
 
 std::size_t mailbox::queued() const noexcept { return queued_.load(std::memory_order_relaxed); }
 

@@ -5,7 +5,7 @@
 //
 // Invariants (mutex_ guards waiting_head_/waiting_tail_ and every change of
 // waiting_count_):
-// - queued_ counts places reserved in queue_: a request reserves one before it
+// - queued_ counts places held in queue_: a request holds one before it
 //   is enqueued (a carried request holds one too) and the drain releases one
 //   per request it dequeues, so a bounded queue_ never holds more than
 //   max_pending_ requests and its memory stays bounded by them. An unbounded
@@ -13,12 +13,12 @@
 //   reaches: it never parks.
 // - waiting_count_ is the length of the waiting list. While it is non-zero,
 //   every new request parks behind the waiting ones. Read without the lock
-//   it may be stale: a stale 0 only sends a request to try_reserve(), which
+//   it may be stale: a stale 0 only sends a request to try_hold_place(), which
 //   is exact, and a drain that misses a park is followed by another, as the
 //   parked request is counted in the actor's pending_.
 // - Order: per thread, a queued request precedes any request parked after
 //   it. take() hands out parked requests only when, under mutex_, queued_ is
-//   zero: every request that reserved a place before a park the take can see
+//   zero: every request that held a place before a park the take can see
 //   has then been dequeued already, into this batch or an earlier one.
 //   moodycamel's ConcurrentQueue keeps each producer thread's items in FIFO
 //   order; with the above, requests initiated from one thread apply in the
@@ -59,16 +59,16 @@ class mailbox {
   // A request may bypass the queue when the actor is idle: the drain it
   // schedules carries it (see actor.hpp). It holds a place as if queued
   // (so bounds, order and queued() are as for a queued request) from
-  // reserve_carried() until release_carried() or enqueue_carried().
+  // hold_carried_place() until release_carried() or enqueue_carried().
 
   /// Sets aside a place for a carried request; false (nothing set aside)
   /// when it must queue or park instead: the mailbox holds a request (a
   /// place is held or one waits for room), so an earlier request of this
   /// thread may still be in it.
-  bool reserve_carried() noexcept;
+  bool hold_carried_place() noexcept;
   /// The drain took its carried request (or discarded it): frees the place.
   void release_carried() noexcept;
-  /// Queues a request whose place reserve_carried() set aside, the drain it
+  /// Queues a request whose place hold_carried_place() set aside, the drain it
   /// was to ride not being scheduled; as push() otherwise.
   bool enqueue_carried(request* r) noexcept;
 
@@ -82,8 +82,8 @@ class mailbox {
   static std::uint64_t bytes_allocated() noexcept;
 
  private:
-  bool try_reserve() noexcept;
-  bool enqueue_reserved(request* r) noexcept;
+  bool try_hold_place() noexcept;
+  bool enqueue_held(request* r) noexcept;
   void park(request* r) noexcept;  // mutex_ held
 
   const std::size_t max_pending_;

@@ -82,7 +82,7 @@ std::unique_ptr<working_state> working_state::fork() {
   return child;
 }
 
-void working_state::reserve_epoch() {
+void working_state::prepare_epoch() {
   if (spare_epoch_) return;
   spare_epoch_ = registry_->take_spare_epoch();
   if (!spare_epoch_) spare_epoch_ = metadata_new(sizeof(epoch));
@@ -92,7 +92,7 @@ ref_ptr<epoch> working_state::publish() {
   seal();
   // ::operator new(sizeof(epoch)) memory, fresh or given back to the
   // registry by an earlier epoch (epoch::destroy).
-  reserve_epoch();
+  prepare_epoch();
   void* memory = std::exchange(spare_epoch_, nullptr);
   auto e = ref_ptr<epoch>::adopt(
       ::new (memory) epoch(next_epoch_, size_, stored_, table_, zero_block_.get(), *layout_, registry_));
@@ -106,14 +106,14 @@ void working_state::seal() noexcept {
   touched_.clear();
 }
 
-error_code working_state::validate(std::span<const kv_write> entries) const noexcept {
+error_code working_state::validate(std::span<const kv_write> writes) const noexcept {
   const std::size_t width = config_.token_width();
-  for (const kv_write& w : entries) {
+  for (const kv_write& w : writes) {
     if (w.keys.size() != w.values.size()) return kv_errc::length_mismatch;
     if (w.keys.size() != width) return kv_errc::width_mismatch;
     if (w.index >= config_.max_tokens_per_seq) return kv_errc::index_out_of_range;
   }
-  if (!entries.empty() && !initialized_) return kv_errc::not_initialized;
+  if (!writes.empty() && !initialized_) return kv_errc::not_initialized;
   return {};
 }
 
@@ -135,20 +135,20 @@ error_code working_state::truncate(std::size_t size) {
   const std::size_t stored = std::min(stored_, size);
   const std::size_t blocks = ceil_div(stored, bt);
   if (blocks < table_->blocks) {
-    // Drop the entries past the new end of the last kept chunk; whole
+    // Drop the blocks past the new end of the last kept chunk; whole
     // chunks past it go with the list's tail. Copy what a published epoch
     // reads first, so a failed copy changes nothing.
     const std::size_t chunk_end = std::min(table_->blocks, ceil_div(blocks, table_chunk::size) * table_chunk::size);
     try {
       if (blocks < chunk_end)
-        editable_entry(blocks);
+        editable_block(blocks);
       else
         own_table();
     } catch (const std::bad_alloc&) {
       return kv_errc::capacity_exhausted;
     }
     seal();  // touched blocks may be dropped below; none is touched again before the next seal
-    for (std::size_t b = blocks; b < chunk_end; ++b) editable_entry(b) = {};
+    for (std::size_t b = blocks; b < chunk_end; ++b) editable_block(b) = {};
     table_->chunks.resize(ceil_div(blocks, table_chunk::size));
     table_->blocks = blocks;
   }
@@ -156,7 +156,7 @@ error_code working_state::truncate(std::size_t size) {
   // cache's tokens: make skipped positions there read as zeros if written
   // again.
   if (stored % bt != 0) {
-    block& last = *table_->entry(blocks - 1);
+    block& last = *table_->block_at(blocks - 1);
     if (last.owner() == owner_ && last.materialized() > stored % bt) {
       last.set_materialized(stored % bt);
       last.set_rewound_epoch(next_epoch_);
@@ -168,8 +168,8 @@ error_code working_state::truncate(std::size_t size) {
   return {};
 }
 
-error_code working_state::reserve(std::size_t index, std::size_t tokens) {
-  reserved_.clear();
+error_code working_state::set_aside(std::size_t index, std::size_t tokens) {
+  set_aside_.clear();
   if (tokens == 0) return truncate(index);
   const std::size_t bt = config_.block_tokens;
   // A block that already holds position `index` and takes the write in
@@ -182,7 +182,7 @@ error_code working_state::reserve(std::size_t index, std::size_t tokens) {
   const std::size_t last = (index + tokens - 1) / bt;
   const std::size_t kept = std::min(stored_, index);
   if (index % bt != 0 && first < ceil_div(kept, bt) && size_ <= index) {
-    const ref_ptr<block>& blk = table_->entry(first);
+    const ref_ptr<block>& blk = table_->block_at(first);
     if (blk && writable_in_place(first, *blk, index % bt)) ++first;
   }
   // A write past a partial last block below `index` zero-fills it (a copy
@@ -191,15 +191,15 @@ error_code working_state::reserve(std::size_t index, std::size_t tokens) {
   const std::size_t needed = last + 1 - first + (gap ? 1 : 0);
   try {
     if (!zero_chunk()) return kv_errc::capacity_exhausted;  // a table that grows takes whole zero chunks
-    std::vector<ref_ptr<block>> set_aside;
-    set_aside.reserve(needed);
+    std::vector<ref_ptr<block>> fresh;
+    fresh.reserve(needed);
     for (std::size_t i = 0; i < needed; ++i) {
-      set_aside.push_back(block::make(*pool_, cursor_, owner_, account_.get()));
-      if (!set_aside.back()) return kv_errc::capacity_exhausted;
+      fresh.push_back(block::make(*pool_, cursor_, owner_, account_.get()));
+      if (!fresh.back()) return kv_errc::capacity_exhausted;
     }
-    std::reverse(set_aside.begin(), set_aside.end());  // taken from the back: the first made goes first
+    std::reverse(fresh.begin(), fresh.end());  // taken from the back: the first made goes first
     if (error_code ec = truncate(index)) return ec;
-    reserved_ = std::move(set_aside);
+    set_aside_ = std::move(fresh);
   } catch (const std::bad_alloc&) {
     return kv_errc::capacity_exhausted;
   }
@@ -207,18 +207,18 @@ error_code working_state::reserve(std::size_t index, std::size_t tokens) {
 }
 
 ref_ptr<block> working_state::fresh_block() noexcept {
-  if (reserved_.empty()) return block::make(*pool_, cursor_, owner_, account_.get());
-  ref_ptr<block> b = std::move(reserved_.back());
-  reserved_.pop_back();
+  if (set_aside_.empty()) return block::make(*pool_, cursor_, owner_, account_.get());
+  ref_ptr<block> b = std::move(set_aside_.back());
+  set_aside_.pop_back();
   return b;
 }
 
-error_code working_state::write(std::span<const kv_write> entries) {
-  if (error_code ec = validate(entries)) return ec;
-  if (entries.empty()) return {};
+error_code working_state::write(std::span<const kv_write> writes) {
+  if (error_code ec = validate(writes)) return ec;
+  if (writes.empty()) return {};
 
   std::size_t stored = stored_;
-  for (const kv_write& w : entries) stored = std::max(stored, w.index + 1);
+  for (const kv_write& w : writes) stored = std::max(stored, w.index + 1);
 
   const std::size_t old_blocks = table_->blocks;
   const std::size_t old_touched = touched_.size();
@@ -226,27 +226,27 @@ error_code working_state::write(std::span<const kv_write> entries) {
   // last one and its own. Its undo log is a member kept between writes, so
   // it allocates nothing; a batch gets one of its own, freed after.
   undo_log batch_undo;
-  undo_log& undo = entries.size() == 1 ? undo_ : batch_undo;
+  undo_log& undo = writes.size() == 1 ? undo_ : batch_undo;
   bool ok = false;
   try {
     // So that recording an undo step or a touched block cannot throw.
-    undo.reserve(entries.size() + 1);
-    const std::size_t touches = touched_.size() + entries.size() + 1;
+    undo.reserve(writes.size() + 1);
+    const std::size_t touches = touched_.size() + writes.size() + 1;
     if (touched_.capacity() < touches) touched_.reserve(std::max(touches, 2 * touched_.capacity()));
-    ok = prepare(entries, stored, undo);
+    ok = prepare(writes, stored, undo);
   } catch (const std::bad_alloc&) {
     ok = false;  // a table or chunk copy failed; what prepare() did so far is undone below
   }
   if (!ok) {
-    // Put back what make_writable() replaced (entries it set are in private
-    // chunks); entries past old_blocks may stay null or the zero block.
+    // Put back what make_writable() replaced (the blocks it set are in private
+    // chunks); blocks past old_blocks may stay null or the zero block.
     touched_.resize(old_touched);
-    for (auto& [index, old] : std::ranges::reverse_view(undo)) editable_entry(index) = std::move(old);
+    for (auto& [index, old] : std::ranges::reverse_view(undo)) editable_block(index) = std::move(old);
     if (table_->blocks != old_blocks) resize_table(old_blocks);
     undo.clear();
     return kv_errc::capacity_exhausted;
   }
-  reserved_.clear();  // a reservation serves one write
+  set_aside_.clear();  // a set-aside serves one write
   // Blocks replaced by copies leave the table (and may be freed with the
   // undo log): forget them.
   for (const auto& replaced : undo) std::erase(touched_, replaced.second.get());
@@ -255,8 +255,8 @@ error_code working_state::write(std::span<const kv_write> entries) {
   // Phase 2: copy the data in. Cannot fail.
   const std::size_t bt = config_.block_tokens;
   const block_layout& layout = *layout_;
-  for (const kv_write& w : entries) {
-    block& blk = *table_->entry(w.index / bt);
+  for (const kv_write& w : writes) {
+    block& blk = *table_->block_at(w.index / bt);
     const std::size_t position = w.index % bt;
     materialize(blk, position);
     layout.codec.store(w.keys, layout.keys(blk, position));
@@ -267,18 +267,18 @@ error_code working_state::write(std::span<const kv_write> entries) {
   // what was skipped in the blocks this write touched and in the old last
   // block (prepare() made both writable; the zero block is all zeros).
   auto complete = [&](std::size_t b) {
-    block& blk = *table_->entry(b);
+    block& blk = *table_->block_at(b);
     if (&blk != zero_block_.get()) materialize(blk, std::min(bt, stored - b * bt));
   };
   if (stored > stored_ && stored_ % bt != 0) complete((stored_ - 1) / bt);
-  for (const kv_write& w : entries) complete(w.index / bt);
+  for (const kv_write& w : writes) complete(w.index / bt);
   stored_ = stored;
   size_ = std::max(size_, stored);
   changed_ = true;
   return {};
 }
 
-bool working_state::prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo) {
+bool working_state::prepare(std::span<const kv_write> writes, std::size_t stored, undo_log& undo) {
   const std::size_t bt = config_.block_tokens;
   const std::size_t old_blocks = table_->blocks;
   const std::size_t blocks = ceil_div(stored, bt);
@@ -286,17 +286,17 @@ bool working_state::prepare(std::span<const kv_write> entries, std::size_t store
   // The old last block gets zeros past stored_ if the write goes beyond it.
   if (stored > stored_ && stored_ % bt != 0) {
     const std::size_t last = (stored_ - 1) / bt;
-    if (table_->entry(last) != zero_block_ && !make_writable(last, stored_, undo)) return false;
+    if (table_->block_at(last) != zero_block_ && !make_writable(last, stored_, undo)) return false;
   }
-  for (const kv_write& w : entries)
+  for (const kv_write& w : writes)
     if (!make_writable(w.index / bt, w.index, undo)) return false;
-  // New entries not written in the old last chunk (whole new chunks start
+  // New blocks not written in the old last chunk (whole new chunks start
   // as zero chunks): nothing was written there, so they read as zeros.
   const std::size_t old_chunk_end = std::min(blocks, ceil_div(old_blocks, table_chunk::size) * table_chunk::size);
   for (std::size_t b = old_blocks; b < old_chunk_end; ++b) {
-    if (table_->entry(b)) continue;
+    if (table_->block_at(b)) continue;
     if (!zero_block()) return false;
-    editable_entry(b) = zero_block_;
+    editable_block(b) = zero_block_;
   }
   return true;
 }
@@ -328,7 +328,7 @@ const ref_ptr<table_chunk>& working_state::zero_chunk() {
   return zero_chunk_;
 }
 
-ref_ptr<block>& working_state::editable_entry(std::size_t b) {
+ref_ptr<block>& working_state::editable_block(std::size_t b) {
   own_table();
   ref_ptr<table_chunk>& chunk = table_->chunks[b / table_chunk::size];
   if (chunk->born_epoch != next_epoch_ || chunk == zero_chunk_) {
@@ -340,7 +340,7 @@ ref_ptr<block>& working_state::editable_entry(std::size_t b) {
 }
 
 bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& undo) {
-  const ref_ptr<block>& current = table_->entry(b);
+  const ref_ptr<block>& current = table_->block_at(b);
   if (current && writable_in_place(b, *current, index % config_.block_tokens)) {
     if (touched_.empty() || touched_.back() != current.get()) touched_.push_back(current.get());
     return true;
@@ -358,8 +358,8 @@ bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& un
   }
   fresh->set_materialized(current == zero_block_ ? 0 : held);
   touched_.push_back(fresh.get());
-  ref_ptr<block>& entry = editable_entry(b);
-  undo.emplace_back(b, std::exchange(entry, std::move(fresh)));
+  ref_ptr<block>& slot = editable_block(b);
+  undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
   return true;
 }
 

@@ -11,7 +11,7 @@
 //   (see epoch in epoch.hpp). stored_ <= size_.
 // - table_ holds exactly ceil(stored_ / block_tokens) blocks, none null;
 //   blocks of never-written tokens below stored_ are the zero block;
-//   entries past them are null or the zero block.
+//   places past them are null or the zero block.
 // - In a block this cache owns, every position below stored_ is materialized
 //   (see block::materialized): new blocks are not zeroed up front; the
 //   positions skipped are zero-filled as stored_ passes them. Blocks owned
@@ -35,8 +35,8 @@
 //   epoch and is never edited (it is copied first). Tables and chunks are
 //   never shared between caches; a fork copies them.
 // - apply() changes nothing visible unless it returns success.
-// - reserved_ holds fresh blocks of this cache that no table or epoch
-//   refers to, set aside by reserve() for the next write; the next write
+// - set_aside_ holds fresh blocks of this cache that no table or epoch
+//   refers to, set aside by set_aside() for the next write; the next write
 //   that succeeds frees what it did not use.
 
 #include <cstddef>
@@ -75,14 +75,14 @@ class working_state {
 
   // Each applies one request all-or-nothing: on error nothing changed.
   error_code initialize(std::size_t size);
-  error_code write(std::span<const kv_write> entries);
+  error_code write(std::span<const kv_write> writes);
   error_code truncate(std::size_t size);
   /// Drops the tokens from `index` on, frees the blocks set aside before,
   /// and sets aside every block a write of tokens `[index, index + tokens)`
   /// will need, so that it cannot fail for want of a block (a sequence
   /// step's begin; with `tokens` 0, its undo). On error (capacity_exhausted)
   /// nothing is set aside and nothing changed.
-  error_code reserve(std::size_t index, std::size_t tokens);
+  error_code set_aside(std::size_t index, std::size_t tokens);
   /// A new working state equal to this one, sharing every block
   /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.
   std::unique_ptr<working_state> fork();
@@ -90,9 +90,9 @@ class working_state {
   bool has_changes() const noexcept { return changed_; }
   /// Sets aside the memory of the next epoch, so that publish() cannot fail
   /// once requests are applied. Throws std::bad_alloc.
-  void reserve_epoch();
+  void prepare_epoch();
   /// Freezes the working state into the next epoch (in the memory
-  /// reserve_epoch() set aside, if any).
+  /// prepare_epoch() set aside, if any).
   ref_ptr<epoch> publish();
   std::size_t size() const noexcept { return size_; }
   const kv_cache_config& config() const noexcept { return config_; }
@@ -108,17 +108,17 @@ class working_state {
  private:
   working_state(const working_state& parent, std::uint64_t next_epoch);
 
-  error_code validate(std::span<const kv_write> entries) const noexcept;
+  error_code validate(std::span<const kv_write> writes) const noexcept;
 
   /// Entry `b` of the working table, ready to be set: the table and the
-  /// entry's chunk are copied first if a published epoch can see them.
-  ref_ptr<block>& editable_entry(std::size_t b);
-  /// Sets the working table's entry count; whole new chunks are the zero
+  /// block's chunk are copied first if a published epoch can see them.
+  ref_ptr<block>& editable_block(std::size_t b);
+  /// Sets the working table's block count; whole new chunks are the zero
   /// chunk. False when the zero block cannot be had or the table would pass
   /// its bound; throws std::bad_alloc (changing nothing) when the list of
   /// chunks cannot grow.
   bool resize_table(std::size_t blocks);
-  /// A chunk whose every entry is the zero block; never edited in place.
+  /// A chunk whose every block is the zero block; never edited in place.
   const ref_ptr<table_chunk>& zero_chunk();
   /// Makes the working table one no published epoch reads (a copy of its
   /// list of chunks, unless it was born in the epoch being built).
@@ -126,14 +126,14 @@ class working_state {
   using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
   /// Phase 1 of a write: every block it will touch writable, gaps filled
   /// with the zero block. Changes no token's value; false when out of blocks.
-  bool prepare(std::span<const kv_write> entries, std::size_t stored, undo_log& undo);
+  bool prepare(std::span<const kv_write> writes, std::size_t stored, undo_log& undo);
   /// Makes block `b` writable at token `index`; records what it replaced.
   bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
   bool writable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;
   /// The rewrite-after-rollback case of writable_in_place (see above).
   bool rewritable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;
   const ref_ptr<block>& zero_block();
-  /// A fresh block of this cache: one set aside by reserve(), else a new one
+  /// A fresh block of this cache: one set aside by set_aside(), else a new one
   /// (null when the pool has none to give).
   ref_ptr<block> fresh_block() noexcept;
   /// Zero-fills `blk`'s positions from its materialized count up to `positions`.
@@ -154,7 +154,7 @@ class working_state {
   ref_ptr<table_chunk> zero_chunk_;
   undo_log undo_;                // a one-token write's undo log; empty between writes
   std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
-  std::vector<ref_ptr<block>> reserved_;  // set aside by reserve() for the next write
+  std::vector<ref_ptr<block>> set_aside_;  // set aside by set_aside() for the next write
   ref_ptr<block_account> account_;        // its sequence's (none for a layer cache)
   std::size_t size_ = 0;
   std::size_t stored_ = 0;

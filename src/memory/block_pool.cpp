@@ -97,7 +97,7 @@ block_pool::~block_pool() {
   live_pools.fetch_sub(1, std::memory_order_relaxed);
 }
 
-bool block_pool::reserve() noexcept {
+bool block_pool::charge() noexcept {
   std::size_t n = in_use_.load(std::memory_order_relaxed);
   do {
     if (n >= max_blocks_) return false;
@@ -108,15 +108,15 @@ bool block_pool::reserve() noexcept {
   return true;
 }
 
-bool block_pool::reserve_evicting() noexcept {
+bool block_pool::charge_evicting() noexcept {
   std::lock_guard lock(reclaimer_mutex_);
   for (;;) {
-    if (reserve()) return true;
+    if (charge()) return true;
     if (!reclaimer_ || !reclaimer_->evict_one()) return false;
   }
 }
 
-bool block_pool::reserve_many(std::size_t n) noexcept {
+bool block_pool::charge_many(std::size_t n) noexcept {
   std::lock_guard lock(reclaimer_mutex_);
   if (budget_left() + (reclaimer_ ? reclaimer_->kept().reclaimable : 0) < n) return false;  // refused whole
   for (;;) {
@@ -166,7 +166,7 @@ block_account::~block_account() {
   const std::size_t n = left.load(std::memory_order_relaxed);
   if (n == 0) return;
   pool->count_reserved(-static_cast<std::int64_t>(n));
-  pool->unreserve(n);
+  pool->uncharge(n);
 }
 
 block_cursor::block_cursor(block_cursor&& other) noexcept
@@ -417,7 +417,7 @@ ref_ptr<block> block::make(block_pool& pool, block_cursor& cursor, std::uint64_t
   const bool from_account = account && account->take();
   if (from_account)
     pool.count_reserved(-1);
-  else if (!pool.reserve() && !pool.reserve_evicting())
+  else if (!pool.charge() && !pool.charge_evicting())
     return {};
   const block_memory memory = pool.take_memory(cursor);
   if (!memory) {
@@ -425,7 +425,7 @@ ref_ptr<block> block::make(block_pool& pool, block_cursor& cursor, std::uint64_t
       pool.count_reserved(1);
       account->give_back();
     } else {
-      pool.unreserve();
+      pool.uncharge();
     }
     return {};
   }
@@ -478,7 +478,7 @@ void block::destroy() const noexcept {
   const std::uint8_t slot = slot_;
   self->~block();
   pool->give_memory(self, slot);
-  if (counted) pool->unreserve();
+  if (counted) pool->uncharge();
 }
 
 }  // namespace detail
@@ -521,7 +521,7 @@ std::size_t kv_block_pool::blocks_available() const noexcept { return state_->bl
 kv_block_reservation kv_block_pool::reserve(std::size_t blocks, std::error_code& ec) const noexcept {
   ec.clear();
   if (blocks == 0) return {};
-  if (!state_->reserve_many(blocks)) {
+  if (!state_->charge_many(blocks)) {
     ec = kv_errc::capacity_exhausted;
     return {};
   }
@@ -562,7 +562,7 @@ void kv_block_reservation::reset() noexcept {
   if (!pool_) return;
   const std::size_t n = std::exchange(blocks_, 0);
   pool_->count_reserved(-static_cast<std::int64_t>(n));
-  pool_->unreserve(n);
+  pool_->uncharge(n);
   std::exchange(pool_, nullptr)->release();
 }
 

@@ -111,15 +111,15 @@ class block_pool : public ref_counted<block_pool> {
   std::size_t max_blocks() const noexcept { return max_blocks_; }
 
   /// Counts one block against the budget; false when the budget is spent.
-  bool reserve() noexcept;
-  void unreserve(std::size_t n = 1) noexcept { in_use_.fetch_sub(n, std::memory_order_relaxed); }
-  /// As reserve(), asking the pool's reclaimer (if any) to evict one entry
+  bool charge() noexcept;
+  void uncharge(std::size_t n = 1) noexcept { in_use_.fetch_sub(n, std::memory_order_relaxed); }
+  /// As charge(), asking the pool's reclaimer (if any) to evict one entry
   /// at a time until it succeeds; false when nothing can be evicted. The
-  /// slow path of an allocation: called only once reserve() has failed.
-  bool reserve_evicting() noexcept;
+  /// slow path of an allocation: called only once charge() has failed.
+  bool charge_evicting() noexcept;
   /// Counts `n` blocks against the budget at once, evicting as needed; or,
   /// when they cannot all be had, none (false). A reservation's.
-  bool reserve_many(std::size_t n) noexcept;
+  bool charge_many(std::size_t n) noexcept;
   /// Blocks the budget has left, not counting what evicting would free.
   std::size_t budget_left() const noexcept;
   /// Budget left plus the blocks that the reclaimer could give back now.

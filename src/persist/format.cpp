@@ -35,7 +35,7 @@ enum header_field : std::size_t {
   at_reserved = 92,
 };
 constexpr std::size_t checksum_bytes = 8;
-constexpr std::size_t entry_bytes = 24;
+constexpr std::size_t record_bytes = 24;
 
 // Checked arithmetic on what a file says: false on overflow.
 bool mul(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept { return !__builtin_mul_overflow(a, b, &out); }
@@ -70,7 +70,7 @@ bool lay_out(file_header& h) noexcept {
       !add(l.tokens_offset, ids, end) || !add(end, checksum_bytes, end))
     return false;
   // The layer table and its checksum, 8-aligned after them.
-  if (!align(end, 8, l.table_offset) || !mul(h.num_layers, entry_bytes, table) || !add(l.table_offset, table, end) ||
+  if (!align(end, 8, l.table_offset) || !mul(h.num_layers, record_bytes, table) || !add(l.table_offset, table, end) ||
       !add(end, checksum_bytes, end))
     return false;
   // The layers, each 64-aligned.
@@ -97,7 +97,7 @@ error_code make_header(std::size_t num_layers, const kv_cache_config& config, st
 }
 
 std::vector<std::byte> encode_front(const file_header& h, std::span<const token_id> ids,
-                                    std::span<const layer_entry> table) {
+                                    std::span<const layer_record> table) {
   const file_layout& l = h.layout;
   std::vector<std::byte> out(l.first_layer);  // zeros: the padding
   std::byte* p = out.data();
@@ -125,12 +125,12 @@ std::vector<std::byte> encode_front(const file_header& h, std::span<const token_
 
   std::byte* e = p + l.table_offset;
   for (std::size_t i = 0; i < table.size(); ++i) {
-    put_le<std::uint64_t>(e + entry_bytes * i, table[i].offset);
-    put_le<std::uint64_t>(e + entry_bytes * i + 8, table[i].bytes);
-    put_le<std::uint64_t>(e + entry_bytes * i + 16, table[i].checksum);
+    put_le<std::uint64_t>(e + record_bytes * i, table[i].offset);
+    put_le<std::uint64_t>(e + record_bytes * i + 8, table[i].bytes);
+    put_le<std::uint64_t>(e + record_bytes * i + 16, table[i].checksum);
   }
-  put_le<std::uint64_t>(e + entry_bytes * table.size(),
-                        xxh3_64(std::span(out).subspan(l.table_offset, entry_bytes * table.size())));
+  put_le<std::uint64_t>(e + record_bytes * table.size(),
+                        xxh3_64(std::span(out).subspan(l.table_offset, record_bytes * table.size())));
   return out;
 }
 
@@ -199,14 +199,14 @@ error_code decode_tokens(const file_header& h, std::span<const std::byte> bytes,
   return {};
 }
 
-std::uint64_t table_bytes(const file_header& h) noexcept { return entry_bytes * h.num_layers + checksum_bytes; }
+std::uint64_t table_bytes(const file_header& h) noexcept { return record_bytes * h.num_layers + checksum_bytes; }
 
-error_code decode_table(const file_header& h, std::span<const std::byte> bytes, std::vector<layer_entry>& out) {
-  const std::size_t entries = bytes.size() - checksum_bytes;
-  if (get_le<std::uint64_t>(bytes.data() + entries) != xxh3_64(bytes.first(entries))) return kv_errc::file_corrupt;
+error_code decode_table(const file_header& h, std::span<const std::byte> bytes, std::vector<layer_record>& out) {
+  const std::size_t records = bytes.size() - checksum_bytes;
+  if (get_le<std::uint64_t>(bytes.data() + records) != xxh3_64(bytes.first(records))) return kv_errc::file_corrupt;
   out.resize(h.num_layers);
   for (std::size_t i = 0; i < out.size(); ++i) {
-    const std::byte* e = bytes.data() + entry_bytes * i;
+    const std::byte* e = bytes.data() + record_bytes * i;
     out[i] = {get_le<std::uint64_t>(e), get_le<std::uint64_t>(e + 8), get_le<std::uint64_t>(e + 16)};
     if (out[i].offset != h.layout.layer_offset(i) || out[i].bytes != h.layout.layer_bytes) return kv_errc::file_corrupt;
   }

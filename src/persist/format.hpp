@@ -60,8 +60,8 @@ struct file_header {
   std::uint64_t half_layer_bytes() const noexcept { return layout.layer_bytes / 2; }
 };
 
-/// One entry of the layer table.
-struct layer_entry {
+/// One record of the layer table.
+struct layer_record {
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
   std::uint64_t checksum = 0;  // XXH3-64 of the payload
@@ -75,7 +75,7 @@ error_code make_header(std::size_t num_layers, const kv_cache_config& config, st
 /// Bytes [0, layout.first_layer): the header, the token ids and the layer
 /// table, each with its checksum, and the zero padding between them.
 std::vector<std::byte> encode_front(const file_header& header, std::span<const token_id> ids,
-                                    std::span<const layer_entry> table);
+                                    std::span<const layer_record> table);
 
 /// From the file's first min(file_bytes, fixed_header_bytes) bytes: the
 /// header's length (`header_bytes`), or why the file is refused.
@@ -91,7 +91,7 @@ error_code decode_tokens(const file_header& header, std::span<const std::byte> b
 std::uint64_t token_section_bytes(const file_header& header) noexcept;
 /// The layer table (`table_bytes()` bytes), checked against its checksum and
 /// the layout.
-error_code decode_table(const file_header& header, std::span<const std::byte> bytes, std::vector<layer_entry>& out);
+error_code decode_table(const file_header& header, std::span<const std::byte> bytes, std::vector<layer_record>& out);
 std::uint64_t table_bytes(const file_header& header) noexcept;
 
 /// Widens `n` stored elements of type `element` (element_code<T>) exactly

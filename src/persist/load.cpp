@@ -54,7 +54,7 @@ error_code check_layer_padding(const file_descriptor& file, const file_header& h
 /// limit before anything of that size is read), the layer table, the
 /// padding between them, and the token ids if `ids` is not null.
 error_code open_checked(const std::filesystem::path& path, const file_expectation& expected, file_descriptor& file,
-                        file_header& header, std::vector<layer_entry>& table, std::vector<token_id>* ids) {
+                        file_header& header, std::vector<layer_record>& table, std::vector<token_id>* ids) {
   std::uint64_t file_bytes = 0;
   if (error_code ec = open_for_reading(path, file, file_bytes)) return ec;
   std::vector<std::byte> bytes(std::min<std::uint64_t>(file_bytes, fixed_header_bytes));
@@ -150,7 +150,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
   /// checksum on the way; then makes the sequence on the full blocks. On
   /// any error the blocks read so far are released: nothing is created.
   error_code read_and_make() {
-    std::vector<layer_entry> table;
+    std::vector<layer_record> table;
     if (error_code ec = open_checked(path_, expected_, file_, header_, table, &ids_)) return ec;
     // Every block the tokens fill, reserved at once: nothing taken if short.
     std::error_code short_of;
@@ -178,7 +178,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
 
   /// Layer `l`: its keys, then its values, each in file order (block after
   /// block, then the tail), hashed as they arrive.
-  error_code read_layer(std::size_t l, const layer_entry& entry, block_pool& pool, block_account& account,
+  error_code read_layer(std::size_t l, const layer_record& record, block_pool& pool, block_account& account,
                         std::vector<ref_ptr<block>>& out) {
     const std::size_t full = full_blocks();
     const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
@@ -196,7 +196,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
     parts.reserve(std::min(per_read, full));
     xxh3_stream hash;
     for (const bool values : {false, true}) {
-      const std::uint64_t base = entry.offset + (values ? header_.half_layer_bytes() : 0);
+      const std::uint64_t base = record.offset + (values ? header_.half_layer_bytes() : 0);
       for (std::size_t first = 0; first < full; first += per_read) {
         parts.clear();
         for (std::size_t i = first; i < std::min(full, first + per_read); ++i)
@@ -211,7 +211,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
       hash.update(raw);
       widen_stored(header_.element, raw.data(), floats.size(), floats.data());
     }
-    if (hash.digest() != entry.checksum) return kv_errc::file_corrupt;
+    if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
     for (const ref_ptr<block>& b : out) b->set_filled(header_.block_tokens);
     return {};
   }
@@ -296,14 +296,14 @@ class read_layer_job {
   error_code read() {
     file_descriptor file;
     file_header header;
-    std::vector<layer_entry> table;
+    std::vector<layer_record> table;
     if (error_code ec = open_checked(path_, expected_, file, header, table, nullptr)) return ec;
-    const layer_entry& entry = table[layer_];
-    std::vector<std::byte> bytes(entry.bytes);
-    if (error_code ec = read_at(file, entry.offset, bytes)) return ec;
+    const layer_record& record = table[layer_];
+    std::vector<std::byte> bytes(record.bytes);
+    if (error_code ec = read_at(file, record.offset, bytes)) return ec;
     xxh3_stream hash;
     hash.update(bytes);
-    if (hash.digest() != entry.checksum) return kv_errc::file_corrupt;
+    if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
     if (error_code ec = check_layer_padding(file, header, layer_)) return ec;
     const std::size_t elements = header.tokens * header.token_width();
     kv_range& out = op_->layer;

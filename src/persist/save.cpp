@@ -87,7 +87,7 @@ class save_job {
     const std::vector<token_id> ids = snapshot_->token_ids();
     replacement_file file;
     if (error_code ec = file.create(path_, header_.layout.file_bytes)) return ec;
-    std::vector<layer_entry> table;
+    std::vector<layer_record> table;
     table.reserve(header_.num_layers);
     for (std::size_t l = 0; l < header_.num_layers; ++l) {
       layer_writer out(file.file(), header_.layout.layer_offset(l));

@@ -45,8 +45,7 @@ error_code make_result(const prefix_index& p, io_op* op, const asio::any_io_exec
                        std::vector<std::vector<ref_ptr<block>>> blocks, std::span<const token_id> tokens,
                        std::size_t attached) {
   try {
-    op->loaded = make_attached_sequence(ex, p.config(), p.codec(), p.pool(), std::move(blocks),
-                                        tokens.first(attached * p.config().block_tokens));
+    op->loaded = attached_sequence(p, ex, std::move(blocks), tokens, attached);
   } catch (const std::bad_alloc&) {
     ec = kv_errc::capacity_exhausted;
   }

@@ -53,8 +53,14 @@ std::shared_ptr<sequence_state> prefix_attach(prefix_index& p, asio::any_io_exec
   const std::vector<kv_block_hash> h = p.hashes(p.within_max(tokens), salt);
   std::vector<std::vector<ref_ptr<block>>> blocks;
   const std::size_t n = p.take(h, blocks);
+  return attached_sequence(p, std::move(ex), std::move(blocks), tokens, n);
+}
+
+std::shared_ptr<sequence_state> attached_sequence(const prefix_index& p, asio::any_io_executor ex,
+                                                  std::vector<std::vector<ref_ptr<block>>> blocks,
+                                                  std::span<const token_id> tokens, std::size_t attached) {
   return make_attached_sequence(std::move(ex), p.config(), p.codec(), p.pool(), std::move(blocks),
-                                tokens.first(n * p.config().block_tokens));
+                                tokens.first(attached * p.config().block_tokens));
 }
 
 namespace {
@@ -86,7 +92,7 @@ pinned_sequence pin_sequence(const sequence_state& seq) {
 
 /// Hands the store the entries `insert()` just added (indices `added` of
 /// `hashes`), each holding its blocks until written. The caller still pins
-/// them, so they are busy: the references taken here are not an idle
+/// them, so they are in use: the references taken here are not an idle
 /// block's (which only an attach may hand out). Memory refused loses the
 /// write-through of the rest, nothing else.
 void write_through(prefix_index& p, std::span<const kv_block_hash> hashes,
@@ -146,7 +152,7 @@ std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std:
     per_layer.reserve(p.num_layers());
     for (const ref_ptr<epoch>& e : pinned.layers) {
       if (e->stored < (b + 1) * bt) break;
-      const block& blk = *e->table->entry(b);
+      const block& blk = *e->table->block_at(b);
       if (!blk.counted()) break;  // the zero block
       per_layer.push_back(&blk);
     }

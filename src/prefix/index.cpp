@@ -83,7 +83,7 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
       prefix_node& n = *e->nodes[l];
       // The attached layer never writes into it (another owner's), only refers to it.
       out[l].push_back(ref_ptr<block>::share(const_cast<block*>(n.blk)));
-      if (!n.busy) node_busy(n);
+      if (!n.in_use) node_in_use(n);
     }
   publish_counts();
   queries_.fetch_add(1, std::memory_order_relaxed);
@@ -148,9 +148,9 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
     if (added) added->push_back(i);  // room reserved by the caller
     e.parent = i == 0 ? nullptr : chain[i - 1];
     if (e.parent && e.parent->children++ == 0 && e.parent->in_lru()) lru_remove(*e.parent);
-    // The caller holds every block, so every node is busy (an idle node's
+    // The caller holds every block, so every node is in use (an idle node's
     // block has no outside reference, and only an attach gives one out).
-    e.busy = e.nodes.size();
+    e.in_use = e.nodes.size();
     refresh_pin(&e);
     emit(kv_prefix_event::kind::stored, e.hash, e.parent ? &e.parent->hash : nullptr);
   }
@@ -167,11 +167,11 @@ void prefix_index::touch(prefix_entry& e) noexcept {
   if (was) lru_add(e);
 }
 
-void prefix_index::node_busy(prefix_node& n) noexcept {
-  n.busy = true;
+void prefix_index::node_in_use(prefix_node& n) noexcept {
+  n.in_use = true;
   --idle_nodes_;
   for (prefix_entry* e : n.entries) {
-    if (e->busy++ == 0) entry_busy(*e);
+    if (e->in_use++ == 0) entry_in_use(*e);
     refresh_pin(e);
   }
   refresh_node(n);
@@ -179,7 +179,7 @@ void prefix_index::node_busy(prefix_node& n) noexcept {
 
 void prefix_index::refresh_pin(prefix_entry* e) noexcept {
   while (e) {
-    const bool pinned = e->busy > 0 || e->pinned_children > 0;
+    const bool pinned = e->in_use > 0 || e->pinned_children > 0;
     if (pinned == e->pinned) return;
     e->pinned = pinned;
     for (prefix_node* n : e->nodes) refresh_node(*n);
@@ -195,7 +195,7 @@ void prefix_index::refresh_pin(prefix_entry* e) noexcept {
 
 void prefix_index::refresh_node(prefix_node& n) noexcept {
   const bool reclaimable =
-      !n.busy && std::none_of(n.entries.begin(), n.entries.end(), [](const prefix_entry* e) { return e->pinned; });
+      !n.in_use && std::none_of(n.entries.begin(), n.entries.end(), [](const prefix_entry* e) { return e->pinned; });
   if (reclaimable == n.reclaimable) return;
   n.reclaimable = reclaimable;
   if (reclaimable)
@@ -204,7 +204,7 @@ void prefix_index::refresh_node(prefix_node& n) noexcept {
     --reclaimable_;
 }
 
-void prefix_index::entry_busy(prefix_entry& e) noexcept {
+void prefix_index::entry_in_use(prefix_entry& e) noexcept {
   --idle_entries_;
   if (e.in_lru()) lru_remove(e);
 }
@@ -226,12 +226,12 @@ void prefix_index::block_idle(const block* b) noexcept {
   auto it = nodes_.find(b);
   if (it == nodes_.end()) return;  // dropped meanwhile
   prefix_node& n = it->second;
-  // A late report: the block may be busy again (an attach since).
-  if (!n.busy || n.blk->outside_references() != 0) return;
-  n.busy = false;
+  // A late report: the block may be in use again (an attach since).
+  if (!n.in_use || n.blk->outside_references() != 0) return;
+  n.in_use = false;
   ++idle_nodes_;
   for (prefix_entry* e : n.entries) {
-    if (--e->busy == 0) entry_idle(*e);
+    if (--e->in_use == 0) entry_idle(*e);
     refresh_pin(e);
   }
   refresh_node(n);
@@ -268,8 +268,8 @@ bool prefix_index::evict_one() noexcept {
 }
 
 void prefix_index::remove(prefix_entry& e) noexcept {
-  if (e.parent && --e.parent->children == 0 && e.parent->busy == 0) lru_add(*e.parent);
-  if (e.busy == 0) --idle_entries_;
+  if (e.parent && --e.parent->children == 0 && e.parent->in_use == 0) lru_add(*e.parent);
+  if (e.in_use == 0) --idle_entries_;
   for (prefix_node* n : e.nodes) {
     std::erase(n->entries, &e);
     if (!n->entries.empty()) {
@@ -277,7 +277,7 @@ void prefix_index::remove(prefix_entry& e) noexcept {
       continue;
     }
     const block* blk = n->blk;
-    if (!n->busy) --idle_nodes_;
+    if (!n->in_use) --idle_nodes_;
     if (n->reclaimable) --reclaimable_;
     nodes_.erase(blk);
     blk->drop_cached();  // frees it when idle

@@ -11,19 +11,19 @@
 // - nodes_ holds one node per distinct block some entry references, with
 //   the entries that do; the block carries block::cached_bit exactly while
 //   its node exists.
-// - node.busy is false exactly when the block's outside references are 0.
+// - node.in_use is false exactly when the block's outside references are 0.
 //   It turns true only here (an attach adds a reference to an idle block,
 //   the only way anyone gets one), and false only in block_idle(), which
 //   the release that leaves the block with its cached bit alone calls.
-// - entry.busy counts its nodes that are busy; an entry is idle at 0.
+// - entry.in_use counts its nodes that are in use; an entry is idle at 0.
 // - lru_ holds exactly the evictable entries (idle, no cached child),
 //   ordered by tick (last attached or inserted); `in_lru()` says which. Each
 //   entry's set node is allocated with it and moves between lru_ and the
 //   entry, so no eviction or release allocates.
-// - idle_nodes_ counts nodes that are not busy; idle_entries_ entries at 0.
-// - An entry is pinned when it is busy or has a pinned child (an idle
+// - idle_nodes_ counts nodes that are not in use; idle_entries_ entries at 0.
+// - An entry is pinned when it is in use or has a pinned child (an idle
 //   parent of an entry in use: two requests computed the same block, one
-//   let go). A node is reclaimable when it is not busy and no entry holding
+//   let go). A node is reclaimable when it is not in use and no entry holding
 //   it is pinned: evicting leaves first frees it. reclaimable_ counts them;
 //   it is what the pool's blocks_available() adds to the free budget.
 // - cached_blocks_, idle_blocks_ and reclaimable_blocks_ mirror
@@ -68,8 +68,8 @@ using lru_set = std::set<std::pair<std::uint64_t, prefix_entry*>>;
 /// One block some entries reference.
 struct prefix_node {
   const block* blk = nullptr;
-  bool busy = true;                     // held outside the cache
-  bool reclaimable = false;             // not busy, and every entry holding it unpinned
+  bool in_use = true;                   // held outside the cache
+  bool reclaimable = false;             // not in use, and every entry holding it unpinned
   std::vector<prefix_entry*> entries;   // usually one
 };
 
@@ -79,9 +79,9 @@ struct prefix_entry {
   prefix_entry* parent = nullptr;   // null for block 0
   std::size_t children = 0;         // cached entries whose parent this is
   std::uint64_t tick = 0;           // last attached or inserted
-  std::size_t busy = 0;             // nodes held outside the cache
+  std::size_t in_use = 0;           // nodes held outside the cache
   std::size_t pinned_children = 0;  // cached children that are pinned
-  bool pinned = false;              // busy, or a pinned child: eviction cannot reach it now
+  bool pinned = false;              // in use, or a pinned child: eviction cannot reach it now
   std::vector<prefix_node*> nodes;  // one per layer
   bool from_store = false;          // fetched from the store: write-back skips it
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
@@ -172,9 +172,9 @@ class prefix_index final : public reclaimer {
   std::size_t cached_run(std::span<const kv_block_hash> hashes) const noexcept;
   /// Marks `e` used now (its eviction order).
   void touch(prefix_entry& e) noexcept;
-  void node_busy(prefix_node& n) noexcept;
+  void node_in_use(prefix_node& n) noexcept;
   void entry_idle(prefix_entry& e) noexcept;
-  void entry_busy(prefix_entry& e) noexcept;
+  void entry_in_use(prefix_entry& e) noexcept;
   void lru_add(prefix_entry& e) noexcept;
   /// Recomputes `e`'s pin from its counts, and up its ancestors while it changes.
   void refresh_pin(prefix_entry* e) noexcept;
@@ -225,6 +225,13 @@ class prefix_index final : public reclaimer {
   std::atomic<std::uint64_t> store_puts_{0};
   std::atomic<std::uint64_t> store_rejects_{0};
 };
+
+/// What an attach returns: a sequence on `ex` of `blocks` (`blocks[l]`
+/// layer l's, in block order), holding the first `attached` blocks of
+/// `tokens` and their ids. Throws std::bad_alloc.
+std::shared_ptr<sequence_state> attached_sequence(const prefix_index& p, asio::any_io_executor ex,
+                                                  std::vector<std::vector<ref_ptr<block>>> blocks,
+                                                  std::span<const token_id> tokens, std::size_t attached);
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -108,7 +108,7 @@ void fan_out::end_stage(queueing how) {
       return complete(ec, how);  // the forks of layers that did fork go with the fan-out
     }
     case stage::begin_step:
-      if (error_code ec = first_error()) return undo(stage::undo_begin_step, ec, reserve_args{index_, 0});
+      if (error_code ec = first_error()) return undo(stage::undo_begin_step, ec, set_aside_args{index_, 0});
       // The layers dropped any hidden token from index_ on (a snapshot that
       // pinned one before must pin again); the step's tokens stay hidden
       // until its commit. The sequence stays busy until the step ends.

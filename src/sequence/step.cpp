@@ -117,7 +117,7 @@ bool step_state::end(sequence_op* op) noexcept {
   if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel)) return false;
   fan_out* end = std::exchange(end_, nullptr);
   end->set_operation(op);
-  const reserve_args drop{index, 0};
+  const set_aside_args drop{index, 0};
   end->start([drop](std::size_t) { return drop; }, drop, {}, [](std::size_t) { return true; });
   return true;
 }
@@ -250,7 +250,7 @@ void start_begin_step(const std::shared_ptr<sequence_state>& s, sequence_op* op,
   fan_out_to_layers(
       s, op, stage::begin_step, index,
       [&](const fan_out&, std::size_t) {
-        return reserve_args{index, tokens};
+        return set_aside_args{index, tokens};
       },
       [](const fan_out& fan) { return fan.id_writes(); }, tokens, {}, std::move(step), ids);
 }

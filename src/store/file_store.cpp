@@ -7,7 +7,7 @@
 // reads the file whether or not the index knows it, so a file another
 // process wrote is found, and an index entry whose file is gone is a miss.
 //
-// A write reserves its room when its job starts (reserved_, beside the
+// A write holds its room when its job starts (bytes_in_flight_, beside the
 // indexed bytes_), evicting the least recently used entries that no write
 // is rewriting, and unlinking their files under mutex_. It renames its
 // temporary file over the entry's name and indexes it under mutex_ too, so
@@ -198,7 +198,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   /// entry being rewritten is skipped.
   void evict_until(std::uint64_t incoming) {
     auto it = lru_.begin();
-    while (it != lru_.end() && bytes_ + reserved_ + incoming > limits_.max_bytes) {
+    while (it != lru_.end() && bytes_ + bytes_in_flight_ + incoming > limits_.max_bytes) {
       const kv_block_hash h = (it++)->second;
       if (writing_.contains(h)) continue;
       forget(h);
@@ -211,15 +211,15 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     const std::size_t size = value->size();
     const kv_block_hash h = value->hash();
     bool stored = false;
-    bool reserved = false;
+    bool holding = false;
     replacement_file file;
     try {
       {
         std::lock_guard lock(mutex_);
         evict_until(size);
         ++writing_[h];
-        reserved_ += size;
-        reserved = true;
+        bytes_in_flight_ += size;
+        holding = true;
       }
       std::vector<std::byte> bytes(size);
       value->encode(bytes);
@@ -237,15 +237,15 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
           entries_[h].bytes = size;
           bytes_ += size;
           stored = true;
-          release_reservation(h, size);  // in the same hold: never counted twice
-          reserved = false;
+          release_hold(h, size);  // in the same hold: never counted twice
+          holding = false;
         }
       }
     } catch (...) {  // memory refused: not stored
     }
-    if (reserved) {
+    if (holding) {
       std::lock_guard lock(mutex_);
-      release_reservation(h, size);
+      release_hold(h, size);
     }
     if (stored && limits_.durable && file.sync_directory()) stored = false;  // renamed, but not known to be on disk
     value.reset();  // its blocks back to the pool before flush() may return
@@ -253,8 +253,8 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   }
 
   /// A write's room and mark given back (under mutex_).
-  void release_reservation(const kv_block_hash& h, std::size_t size) noexcept {
-    reserved_ -= size;
+  void release_hold(const kv_block_hash& h, std::size_t size) noexcept {
+    bytes_in_flight_ -= size;
     if (auto w = writing_.find(h); w != writing_.end() && --w->second == 0) writing_.erase(w);
   }
 
@@ -309,7 +309,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   std::set<std::pair<std::uint64_t, kv_block_hash>> lru_;  // (tick, hash), least recent first
   std::uint64_t clock_ = 0;
   std::uint64_t bytes_ = 0;
-  std::uint64_t reserved_ = 0;                  // bytes of the writes in progress
+  std::uint64_t bytes_in_flight_ = 0;                  // bytes of the writes in progress
   std::map<kv_block_hash, std::size_t> writing_;  // writes in progress, by hash
   std::size_t pending_bytes_ = 0;
   std::uint64_t issued_ = 0;          // puts numbered 1, 2, ...

@@ -52,7 +52,7 @@ TEST_CASE("a pinned epoch stays intact while newer ones are published and freed"
         while (!done.load(std::memory_order_acquire)) {
           ref_ptr<epoch> e = cell.pin();
           ++pins[r];
-          if (first_key(*e->table->entry(0)) != static_cast<float>(e->number)) ++torn[r];
+          if (first_key(*e->table->block_at(0)) != static_cast<float>(e->number)) ++torn[r];
           if (e->number < last) ++backwards[r];
           last = e->number;
         }

@@ -397,7 +397,7 @@ class model {
         in_place.push_back(k.block);
         continue;
       }
-      // A block set aside by reserve() first (counted already). Blocks
+      // A block set aside by set_aside() first (counted already). Blocks
       // taken before a failure stay counted in peak and cow_copies; the
       // budget is reserved (peak counted) before the memory is asked for.
       if (!c.reserved.empty()) {
@@ -431,7 +431,7 @@ class model {
     }
     c.data.resize(stored);
     for (const mwrite& w : entries) c.data[w.index] = w.r;
-    c.reserved.clear();  // a reservation serves one write
+    c.reserved.clear();  // a set-aside serves one write
     c.table = std::move(table);
     c.stored = stored;
     c.length = std::max(c.length, stored);

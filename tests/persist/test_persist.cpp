@@ -338,7 +338,7 @@ TEST_CASE("a save to a name of 250 bytes works: its temporary name stays within 
   const loaded<float> got = load<float>(f.threads, target, f.pool);
   REQUIRE_FALSE(got.ec);
   CHECK(got.seq.size() == 5);
-  CHECK(f.dir.entries() == std::vector<std::string>{target.filename().string()});
+  CHECK(f.dir.names() == std::vector<std::string>{target.filename().string()});
 }
 
 TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
@@ -600,7 +600,7 @@ TEST_CASE("a missing file or an impossible path is the operating system's error"
   const ghostlink::error_code ec = f.save(not_a_dir / "seq.glkv");
   INFO(ec.message());
   CHECK(ec == errno_error(ENOTDIR));
-  CHECK(f.dir.entries() == std::vector<std::string>{"plain"});
+  CHECK(f.dir.names() == std::vector<std::string>{"plain"});
   check_refused(f, not_a_dir / "seq.glkv", errno_error(ENOTDIR));
 }
 
@@ -642,7 +642,7 @@ TEST_CASE("a save checks its arguments before any I/O", "[persist]") {
   zero.block_tokens = 0;
   CHECK(f.save(f.file, save_options(zero)) == kv_errc::invalid_config);
   CHECK(f.save(f.file, {test_config(), std::string(65537, 'm'), std::nullopt}) == kv_errc::invalid_config);
-  CHECK(f.dir.entries().empty());
+  CHECK(f.dir.names().empty());
 }
 
 TEST_CASE("a save replaces a file atomically; a failed one leaves it intact and no temporary file", "[persist]") {
@@ -651,7 +651,7 @@ TEST_CASE("a save replaces a file atomically; a failed one leaves it intact and 
   REQUIRE_FALSE(f.save());
   f.append(20);
   REQUIRE_FALSE(f.save());
-  CHECK(f.dir.entries() == std::vector<std::string>{"seq.glkv"});
+  CHECK(f.dir.names() == std::vector<std::string>{"seq.glkv"});
   const loaded<float> first = load<float>(f.threads, f.file, f.pool);
   REQUIRE_FALSE(first.ec);
   CHECK(first.seq.size() == 23);
@@ -675,7 +675,7 @@ TEST_CASE("a save replaces a file atomically; a failed one leaves it intact and 
   REQUIRE(::sigaction(SIGXFSZ, &old_action, nullptr) == 0);
   INFO(ec.message());
   CHECK(ec == errno_error(EFBIG));
-  CHECK(f.dir.entries() == std::vector<std::string>{"seq.glkv"});
+  CHECK(f.dir.names() == std::vector<std::string>{"seq.glkv"});
   CHECK(read_file(f.file) == before);
   CHECK(load<float>(f.threads, f.file, f.pool).seq.size() == 23);
 }
@@ -803,7 +803,7 @@ TEST_CASE("a cancelled save or load does nothing and completes with operation_ab
     REQUIRE(got.has_value());
     CHECK(*got == asio::error::operation_aborted);
     CHECK(read_file(f.file) == before);
-    CHECK(f.dir.entries() == std::vector<std::string>{"seq.glkv"});
+    CHECK(f.dir.names() == std::vector<std::string>{"seq.glkv"});
   }
   SECTION("a load: no sequence, no block") {
     std::promise<std::pair<ghostlink::error_code, bool>> done;

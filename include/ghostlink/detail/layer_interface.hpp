@@ -29,7 +29,7 @@ class actor;
 class mailbox;
 
 /// The operations a layer's actor applies.
-enum class request_kind : unsigned char { initialize, write_batch, truncate, fork, reserve };
+enum class request_kind : unsigned char { initialize, write_batch, truncate, fork, set_aside };
 
 /// The argument of an initialize request: the size asked for.
 struct initialize_args {
@@ -45,7 +45,7 @@ struct fork_args {};
 /// with `tokens` 0): drop any token from `index` on, and set aside the
 /// blocks a write of `tokens` tokens from `index` on needs, for the cache's
 /// next write (freeing any set aside before).
-struct reserve_args {
+struct set_aside_args {
   std::size_t index;
   std::size_t tokens;
 };
@@ -59,8 +59,8 @@ class request : public operation {
   std::size_t size() const noexcept { return size_; }
   /// `reserve`: the tokens to set blocks aside for.
   std::size_t tokens() const noexcept { return tokens_; }
-  /// `write_batch`: the entries, in order.
-  std::span<const kv_write> entries() const noexcept { return entries_; }
+  /// `write_batch`: the writes, in order.
+  std::span<const kv_write> writes() const noexcept { return writes_; }
 
   /// `fork`: the new cache's actor, set by the actor when the fork succeeds.
   std::shared_ptr<actor> forked;
@@ -71,12 +71,12 @@ class request : public operation {
   request(finish_fn finish, truncate_args a) noexcept
       : operation(finish), kind_(request_kind::truncate), size_(a.size) {}
   request(finish_fn finish, fork_args) noexcept : operation(finish), kind_(request_kind::fork) {}
-  request(finish_fn finish, reserve_args a) noexcept
-      : operation(finish), kind_(request_kind::reserve), size_(a.index), tokens_(a.tokens) {}
-  request(finish_fn finish, std::span<const kv_write> entries) noexcept
-      : operation(finish), kind_(request_kind::write_batch), entries_(entries) {}
+  request(finish_fn finish, set_aside_args a) noexcept
+      : operation(finish), kind_(request_kind::set_aside), size_(a.index), tokens_(a.tokens) {}
+  request(finish_fn finish, std::span<const kv_write> writes) noexcept
+      : operation(finish), kind_(request_kind::write_batch), writes_(writes) {}
   request(finish_fn finish, const kv_write& single) noexcept
-      : operation(finish), kind_(request_kind::write_batch), single_(single), entries_(&single_, 1) {}
+      : operation(finish), kind_(request_kind::write_batch), single_(single), writes_(&single_, 1) {}
   ~request() = default;
 
  private:
@@ -84,7 +84,7 @@ class request : public operation {
   std::size_t size_ = 0;
   std::size_t tokens_ = 0;
   kv_write single_{};
-  std::span<const kv_write> entries_;
+  std::span<const kv_write> writes_;
   friend class mailbox;
   request* next_waiting_ = nullptr;  // the mailbox's list of requests waiting for room
 };

@@ -82,8 +82,8 @@ auto basic_layer_kv_cache<T>::async_write(std::size_t index, std::span<const flo
 
 template <storage_element T>
 template <class CompletionToken>
-auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> entries, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{state_}, token, entries);
+auto basic_layer_kv_cache<T>::async_write_batch(std::span<const kv_write> writes, CompletionToken&& token) const {
+  return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_request{state_}, token, writes);
 }
 
 template <storage_element T>
