@@ -29,6 +29,7 @@
 #include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/attend.hpp"
+#include "ghostlink/detail/attention_pass.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GHOSTLINK_ATTEND_AVX2 1

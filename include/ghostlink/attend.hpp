@@ -42,58 +42,6 @@ struct pending_tokens {
   std::span<const float> values;
 };
 
-namespace detail {
-
-/// The kernel's state for one call (attend.cpp): validated arguments, the
-/// running maxima and sums, and the run loops for each element type.
-///
-/// Runs are attended `runs_behind` behind the one added, so that each is
-/// attended while the one that many ahead (a block elsewhere in memory) is
-/// prefetched; `finish` attends those still held.
-class attention_pass {
- public:
-  /// Checks the arguments against `width` (the snapshot's token width, 0
-  /// for an empty snapshot) and `stored` tokens; then clears `out`.
-  std::error_code begin(const attention_shape& shape, std::size_t width, std::size_t stored, pending_tokens pending,
-                        std::span<const float> queries, std::span<float> out) noexcept;
-  /// Attends `count` stored tokens from position `first`, now or (runs
-  /// being held `runs_behind`) by a later `add` or `finish`: the memory must
-  /// stay valid until `finish`.
-  void add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept;
-  void add(std::size_t first, std::size_t count, const half* keys, const half* values) noexcept;
-  void add(std::size_t first, std::size_t count, const bfloat16* keys, const bfloat16* values) noexcept;
-  /// Attends the pending tokens (rounded to `T` first, as a write to a `T`
-  /// cache stores them), then normalises the output.
-  template <storage_element T>
-  void finish() noexcept;
-
- private:
-  /// Runs held before they are attended.
-  static constexpr std::size_t runs_behind = 3;
-  /// Larger runs are not prefetched: the hardware's prefetchers keep up
-  /// within them, and more would not stay in L2 until used.
-  static constexpr std::size_t max_prefetched_run = std::size_t{32} << 10;
-  template <class T>
-  void hold(std::size_t first, std::size_t count, const T* keys, const T* values) noexcept;
-  /// Attends the oldest run held while `ahead` (none if empty) is prefetched.
-  template <class T>
-  void attend_held(const stored_run& ahead) noexcept;
-
-  attention_shape shape_{};
-  stored_run held_runs_[runs_behind]{};
-  std::size_t held_ = 0;
-  std::size_t rows_ = 0, stored_ = 0, total_ = 0;
-  pending_tokens pending_{};
-  const float* queries_ = nullptr;
-  float* out_ = nullptr;
-};
-
-extern template void attention_pass::finish<float>() noexcept;
-extern template void attention_pass::finish<half>() noexcept;
-extern template void attention_pass::finish<bfloat16>() noexcept;
-
-}  // namespace detail
-
 /// The attention of `queries` over every token of `snapshot` followed by
 /// the `pending` tokens, into `out`: per query head, the softmax of its
 /// scaled dot products with the keys of its group's KV head, weighting
@@ -137,15 +85,7 @@ extern template void attention_pass::finish<bfloat16>() noexcept;
 ///         On error `out` is unchanged.
 template <storage_element T>
 std::error_code attend(const basic_kv_snapshot<T>& snapshot, std::span<const float> queries, std::span<float> out,
-                       const attention_shape& shape, pending_tokens pending = {}) noexcept {
-  detail::attention_pass pass;
-  if (auto ec = pass.begin(shape, snapshot.token_width(), snapshot.size(), pending, queries, out)) return ec;
-  (void)snapshot.for_each_block(0, snapshot.size(),
-                                [&](std::size_t first, std::size_t count, std::span<const T> keys,
-                                    std::span<const T> values) { pass.add(first, count, keys.data(), values.data()); });
-  pass.finish<T>();
-  return {};
-}
+                       const attention_shape& shape, pending_tokens pending = {}) noexcept;
 
 /// As `attend` over a snapshot, over `keys.size() / (kv_heads * head_dim)`
 /// contiguous tokens instead (a copied range, say), token-major.
@@ -161,3 +101,5 @@ std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16>
                        std::span<float> out, const attention_shape& shape) noexcept;
 
 GHOSTLINK_NAMESPACE_END
+
+#include "ghostlink/impl/attend.hpp"

@@ -4,11 +4,12 @@
 // request out to every layer's actor and complete the user's operation once.
 //
 // Invariants:
-// - `busy` admits one append, truncate or fork at a time: whoever sets it
-//   owns `size` until it clears it (release), and the next owner's setting
-//   (acquire) sees what it stored.
-// - `drops` counts completed removals of tokens (a truncate, or the undo of
-//   a failed append), each bumped after every layer has published it and
+// - `busy` admits one append, truncate, fork or step at a time (a step
+//   holds it from its begin until it commits or ends, src/sequence/step.hpp):
+//   whoever sets it owns `size` until it clears it (release), and the next
+//   owner's setting (acquire) sees what it stored.
+// - `drops` counts completed removals of tokens (a truncate, the undo of a
+//   failed append, a step's begin and its end without commit), each bumped after every layer has published it and
 //   before the next operation can start. A snapshot pins the layers one by
 //   one; taking the shortest is enough while tokens are only added (every
 //   layer's first `min` tokens are the same tokens), but a removal followed
