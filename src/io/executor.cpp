@@ -7,7 +7,7 @@
 #include GHOSTLINK_ASIO_HEADER(thread_pool.hpp)
 // clang-format on
 
-#include "ghostlink/detail/persist_interface.hpp"
+#include "ghostlink/detail/io_op.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {

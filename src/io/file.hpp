@@ -1,8 +1,9 @@
 #pragma once
-// The file I/O of saving and loading sequences (POSIX): whole reads and
-// writes at an offset, and the atomic replacement of a file by a new one.
-// Everything here blocks: it runs on the I/O executor only
-// (detail::io_executor), never on a cache's strand.
+// The file I/O every tier shares (POSIX): saving and loading sequences, the
+// file store, an attach from it. Whole reads and writes at an offset, and
+// the atomic replacement of a file by a new one; how a job starts on the I/O
+// executor. Everything here blocks: it runs on the I/O executor only
+// (io_pool_executor, or the one the caller gave), never on a cache's strand.
 
 #include <cstddef>
 #include <cstdint>
@@ -12,7 +13,7 @@
 #include <utility>
 #include "ghostlink/detail/asio_config.hpp"
 
-#include "ghostlink/detail/persist_interface.hpp"
+#include "ghostlink/detail/io_op.hpp"
 #include "ghostlink/error.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN

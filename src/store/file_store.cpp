@@ -34,7 +34,7 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/block_store.hpp"
-#include "ghostlink/detail/persist_interface.hpp"
+#include "ghostlink/detail/io_op.hpp"
 #include "io/file.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN

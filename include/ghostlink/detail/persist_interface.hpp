@@ -22,6 +22,7 @@
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/completion.hpp"
+#include "ghostlink/detail/io_op.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/types.hpp"
@@ -29,36 +30,12 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
-class sequence_state;
-
-/// A save, a load, a layer read or a prefix cache's attach from its store.
-class io_op : public operation {
- public:
-  /// A load's new sequence, set by the machinery when the load succeeds;
-  /// an attach's, always.
-  std::shared_ptr<sequence_state> loaded;
-  /// A load's token ids.
-  std::vector<token_id> ids;
-  /// A layer read's tokens.
-  kv_range layer;
-
- protected:
-  explicit io_op(finish_fn finish) noexcept : operation(finish) {}
-  ~io_op() = default;
-};
-
 /// Turns a finished load into the handler's arguments after the error code.
 template <class Sequence>
 struct take_loaded {
   std::tuple<Sequence, std::vector<token_id>> operator()(io_op& op) const noexcept {
     return {cache_access::adopt<Sequence>(std::move(op.loaded)), std::move(op.ids)};
   }
-};
-
-/// Turns a finished attach into the handler's second argument.
-template <class Sequence>
-struct take_sequence {
-  Sequence operator()(io_op& op) const noexcept { return cache_access::adopt<Sequence>(std::move(op.loaded)); }
 };
 
 /// Turns a finished layer read into the handler's second argument.
@@ -126,10 +103,6 @@ struct file_expectation {
   std::string model;
   file_element_type element;
 };
-
-/// `given`, else the private I/O pool's executor (the pool made at the
-/// first call that needs it).
-asio::any_io_executor io_pool_executor(const std::optional<asio::any_io_executor>& given);
 
 /// Each takes ownership of `op` and completes it exactly once, never inside
 /// this call; the file I/O runs on `io`. They throw only if memory is

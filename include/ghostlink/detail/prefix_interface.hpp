@@ -14,7 +14,7 @@
 #include "ghostlink/block_hash.hpp"
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/config.hpp"
-#include "ghostlink/detail/persist_interface.hpp"
+#include "ghostlink/detail/io_op.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/events.hpp"
 #include "ghostlink/stats.hpp"

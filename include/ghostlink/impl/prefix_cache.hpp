@@ -12,7 +12,7 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/detail/completion.hpp"
-#include "ghostlink/detail/persist_interface.hpp"
+#include "ghostlink/detail/io_op.hpp"
 #include "ghostlink/detail/prefix_interface.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
 
