@@ -20,7 +20,16 @@
 
 namespace ghostlink::bench {
 
-using ghostlink::testing::temp_dir;
+/// A fresh temporary directory for `scenario`, removed with everything in
+/// it (the tests' src/testing/temp_dir.hpp); one that cannot be made ends
+/// the benchmark, as fail() does.
+struct temp_dir : testing::temp_dir {
+  explicit temp_dir(const std::string& scenario) try : testing
+    ::temp_dir("ghostlink-bench-" + scenario) {}
+  catch (const std::system_error& e) {
+    fail(scenario, e.what());
+  }
+};
 
 namespace raw {
 

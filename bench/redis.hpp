@@ -136,7 +136,7 @@ inline void command(std::string& out, std::initializer_list<std::string_view> ar
 /// persistence and no TCP port, stopped by its process id.
 class server {
  public:
-  explicit server(const std::string& scenario) : dir_("ghostlink-bench-" + scenario) {
+  explicit server(const std::string& scenario) : dir_(scenario) {
     const std::filesystem::path program = find_server();
     if (program.empty()) fail(scenario, "redis-server is not on PATH (Debian: redis-server)");
     std::vector<std::string> args{

@@ -216,7 +216,7 @@ constexpr std::array prefix_families{
     "Entries (one block of tokens each) evicted for room in the pool.",
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.evicted_blocks}; }},
   prefix_family{"ghostlink_prefix_cache_entries", "gauge", "Entries (one block of tokens each, every layer) cached now.",
-    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.cached_entries}; }},
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.cached_blocks}; }},
   prefix_family{"ghostlink_prefix_cache_idle_entries", "gauge", "Of the entries, those nothing but the cache uses.",
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.idle_blocks}; }},
 };

@@ -45,7 +45,7 @@ void attach_from_disk(const options& o, report& out) {
   std::mt19937_64 rng(7);
   const std::vector<token_id> ids = random_token_ids(rng, n);
   const std::vector<std::span<const float>> keys(o.layers, data.keys_of(0, n)), values(o.layers, data.values_of(0, n));
-  const temp_dir dir("ghostlink-bench-attach_from_disk");
+  const temp_dir dir("attach_from_disk");
 
   asio::thread_pool threads(o.threads);
   const auto pool = kv_block_pool::for_caches(config);

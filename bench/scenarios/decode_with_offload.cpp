@@ -133,7 +133,7 @@ asio::awaitable<void> decode(const options& o, kv_prefix_cache* cache, const seq
 }
 
 outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vector<token>& data, arena& memory) {
-  const temp_dir dir("ghostlink-bench-decode_with_offload");
+  const temp_dir dir("decode_with_offload");
   arena::resource resource(memory);  // outlives the pool, as it must
   asio::thread_pool threads(o.threads);
   const kv_cache_config config = offload_config(o);
@@ -240,7 +240,7 @@ class entry_writer {
 };
 
 outcome run_locked(const options& o, const token_rows& prompt, const std::vector<token>& data, arena& memory) {
-  const temp_dir dir("ghostlink-bench-decode_with_offload");
+  const temp_dir dir("decode_with_offload");
   arena::resource resource(memory);
   const std::size_t width = o.config().token_width(), bt = o.block_tokens;
   const std::size_t half_block = bt * width * sizeof(float);  // a layer's keys (or values) of one block

@@ -41,7 +41,7 @@ void save_load(const options& o, report& out) {
   const std::vector<token_id> ids = random_token_ids(rng, n);
   const std::vector<std::span<const float>> keys(o.layers, data.keys_of(0, n)), values(o.layers, data.values_of(0, n));
   const std::string model = "ghostlink-bench";
-  const temp_dir dir("ghostlink-bench-save_load");
+  const temp_dir dir("save_load");
   const std::filesystem::path file = dir.path / "sequence.kv", plain = dir.path / "plain.bin";
 
   asio::thread_pool threads(o.threads);

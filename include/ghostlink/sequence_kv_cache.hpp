@@ -16,6 +16,7 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/block_pool.hpp"
+#include "ghostlink/completion_token.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/sequence_interface.hpp"

@@ -11,6 +11,7 @@
 
 #include "ghostlink/detail/asio_config.hpp"
 
+#include "ghostlink/completion_token.hpp"
 #include "ghostlink/detail/cache_access.hpp"
 #include "ghostlink/detail/sequence_interface.hpp"
 #include "ghostlink/element.hpp"

@@ -88,13 +88,12 @@ struct kv_prefix_stats {
   std::uint64_t hit_tokens = 0;       ///< Of those, found cached.
   std::uint64_t inserted_blocks = 0;  ///< Entries `insert()` (and `async_attach()`, from the store) added.
   std::uint64_t evicted_blocks = 0;   ///< Entries evicted for room in the pool.
-  std::size_t cached_blocks =
-      0;      ///< Entries now (the same as `cached_entries`; one entry is one block of every layer).
-  std::size_t cached_entries = 0;     ///< Entries now.
+  std::size_t cached_blocks = 0;      ///< Entries now (as `cached_entries`: an entry is a block of every layer).
   std::size_t idle_blocks = 0;        ///< Entries now that nothing but the cache uses.
   std::uint64_t store_hit_tokens = 0;  ///< Tokens `async_attach()` attached from the store.
   std::uint64_t store_puts = 0;        ///< Entries handed to the store (write-through or write-back).
   std::uint64_t store_rejects = 0;     ///< Values from the store refused as corrupt or of another entry.
+  std::size_t cached_entries = 0;      ///< Entries now (the count `cached_blocks` holds, by its name).
 };
 
 GHOSTLINK_NAMESPACE_END

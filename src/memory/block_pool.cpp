@@ -118,7 +118,7 @@ bool block_pool::charge_evicting() noexcept {
 
 bool block_pool::charge_many(std::size_t n) noexcept {
   std::lock_guard lock(reclaimer_mutex_);
-  if (budget_left() + (reclaimer_ ? reclaimer_->kept().reclaimable : 0) < n) return false;  // refused whole
+  if (blocks_available() < n) return false;  // refused whole, nothing evicted
   for (;;) {
     std::size_t used = in_use_.load(std::memory_order_relaxed);
     while (used <= max_blocks_ && n <= max_blocks_ - used) {
@@ -139,11 +139,6 @@ std::size_t block_pool::budget_left() const noexcept {
 }
 
 std::size_t block_pool::blocks_available() const noexcept { return budget_left() + kept().reclaimable; }
-
-kept_blocks block_pool::kept() const noexcept {
-  std::lock_guard lock(reclaimer_mutex_);
-  return reclaimer_ ? reclaimer_->kept() : kept_blocks{};
-}
 
 bool block_pool::attach_reclaimer(reclaimer* r) noexcept {
   std::lock_guard lock(reclaimer_mutex_);

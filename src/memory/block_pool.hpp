@@ -124,8 +124,18 @@ class block_pool : public ref_counted<block_pool> {
   std::size_t budget_left() const noexcept;
   /// Budget left plus the blocks that the reclaimer could give back now.
   std::size_t blocks_available() const noexcept;
-  /// What the reclaimer keeps (zeros without one).
-  kept_blocks kept() const noexcept;
+  /// What the reclaimer keeps, as it last reported (zeros without one).
+  kept_blocks kept() const noexcept {
+    return {kept_cached_.load(std::memory_order_relaxed), kept_idle_.load(std::memory_order_relaxed),
+            kept_reclaimable_.load(std::memory_order_relaxed)};
+  }
+  /// The reclaimer reports what it keeps, under its own lock, whenever that
+  /// changes; and zeros as it goes.
+  void set_kept(const kept_blocks& k) noexcept {
+    kept_cached_.store(k.cached, std::memory_order_relaxed);
+    kept_idle_.store(k.idle, std::memory_order_relaxed);
+    kept_reclaimable_.store(k.reclaimable, std::memory_order_relaxed);
+  }
 
   /// Makes `r` the pool's reclaimer; false if it has one already.
   bool attach_reclaimer(reclaimer* r) noexcept;
@@ -236,6 +246,10 @@ class block_pool : public ref_counted<block_pool> {
   std::atomic<std::uint64_t> cow_copies_{0};
   std::atomic<std::uint64_t> allocated_{0};
   std::atomic<std::size_t> reserved_{0};
+  // What the reclaimer keeps (set_kept), written under its lock.
+  std::atomic<std::size_t> kept_cached_{0};
+  std::atomic<std::size_t> kept_idle_{0};
+  std::atomic<std::size_t> kept_reclaimable_{0};
   // Rarely.
   // Extents: which have free slots, which are unused. Taken when a cursor
   // has no slot left and when a slot frees up in a full extent (or makes

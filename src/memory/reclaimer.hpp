@@ -1,8 +1,10 @@
 #pragma once
 // What a pool asks of the one cache that may keep its blocks while nobody
 // uses them (the prefix cache, src/prefix/index.hpp): give budget back by
-// evicting, hear that a kept block became idle, and say what it keeps. The
-// pool knows nothing else of it (includes point down: docs/ARCHITECTURE.md).
+// evicting, and hear that a kept block became idle. The pool knows nothing
+// else of it (includes point down: docs/ARCHITECTURE.md). What the
+// reclaimer keeps it reports the other way, to block_pool::set_kept, so that
+// the pool's stats() and blocks_available() stay lock-free.
 //
 // The pool calls every member under its reclaimer mutex
 // (block_pool::reclaimer_mutex_), so a reclaimer never dies while a call
@@ -31,8 +33,6 @@ class reclaimer {
   /// A kept block's last outside reference went (block::release). `b` is
   /// only looked up, never read: it may be gone.
   virtual void block_idle(const block* b) noexcept = 0;
-  /// What it keeps now (no lock of its own needed).
-  virtual kept_blocks kept() const noexcept = 0;
 
  protected:
   ~reclaimer() = default;

@@ -35,6 +35,7 @@ prefix_index::~prefix_index() {
   std::lock_guard lock(mutex_);
   for (auto& [blk, node] : nodes_) blk->drop_cached();
   nodes_.clear();
+  pool_->set_kept({});
 }
 
 std::size_t prefix_index::cached_run(std::span<const kv_block_hash> hashes) const noexcept {
@@ -299,9 +300,7 @@ void prefix_index::clear() noexcept {
 void prefix_index::publish_counts() noexcept {
   cached_.store(entries_.size(), std::memory_order_relaxed);
   idle_.store(idle_entries_, std::memory_order_relaxed);
-  cached_blocks_.store(nodes_.size(), std::memory_order_relaxed);
-  idle_blocks_.store(idle_nodes_, std::memory_order_relaxed);
-  reclaimable_blocks_.store(reclaimable_, std::memory_order_relaxed);
+  pool_->set_kept({nodes_.size(), idle_nodes_, reclaimable_});
 }
 
 void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent) noexcept {

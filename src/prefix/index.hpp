@@ -26,9 +26,9 @@
 //   let go). A node is reclaimable when it is not in use and no entry holding
 //   it is pinned: evicting leaves first frees it. reclaimable_ counts them;
 //   it is what the pool's blocks_available() adds to the free budget.
-// - cached_blocks_, idle_blocks_ and reclaimable_blocks_ mirror
-//   nodes_.size(), idle_nodes_ and reclaimable_ for the pool's kept(),
-//   written by publish_counts() whenever those change.
+// - The pool's kept() is nodes_.size(), idle_nodes_ and reclaimable_ as
+//   publish_counts() last reported them (block_pool::set_kept), whenever
+//   they change; zeros once the index is gone.
 //
 // Locks: the pool's reclaimer mutex, then mutex_ (evictions come from the
 // allocation path through the pool, idle blocks from releases). Nothing
@@ -161,10 +161,6 @@ class prefix_index final : public reclaimer {
   bool evict_one() noexcept override;
   /// `b` may have become idle; it is only looked up (it may be gone).
   void block_idle(const block* b) noexcept override;
-  kept_blocks kept() const noexcept override {
-    return {cached_blocks_.load(std::memory_order_relaxed), idle_blocks_.load(std::memory_order_relaxed),
-            reclaimable_blocks_.load(std::memory_order_relaxed)};
-  }
 
  private:
   kv_block_hash root(std::string_view salt) const;
@@ -205,9 +201,6 @@ class prefix_index final : public reclaimer {
   std::size_t idle_nodes_ = 0;
   std::size_t idle_entries_ = 0;
   std::size_t reclaimable_ = 0;
-  std::atomic<std::size_t> cached_blocks_{0};
-  std::atomic<std::size_t> idle_blocks_{0};
-  std::atomic<std::size_t> reclaimable_blocks_{0};
   kv_prefix_event_handler handler_;
   std::uint64_t event_sequence_ = 0;
   std::vector<const std::byte*> halves_;  // a write-back's, two per layer: eviction allocates no room for them

@@ -128,7 +128,7 @@ struct mcache {
   std::vector<recipe> data;            // [0, stored)
   std::vector<std::uint32_t> table;    // ceil(stored / block_tokens) block ids
   std::vector<std::uint32_t> touched;  // owned blocks written since the last seal
-  std::vector<std::uint32_t> reserved;  // fresh blocks set aside for the next write (a sequence step's)
+  std::vector<std::uint32_t> set_aside;  // fresh blocks set aside for the next write (a sequence step's)
   bool changed = false;
   std::uint64_t next_epoch = 0;
   std::shared_ptr<const mepoch> current;
@@ -200,7 +200,7 @@ class model {
     };
     for (const auto& w : caches_) {
       visit(w.lock()->table);
-      visit(w.lock()->reserved);
+      visit(w.lock()->set_aside);
     }
     for (const auto& w : epochs_) visit(w.lock()->blocks);
     for (const mentry& e : entries) visit(e.blocks);
@@ -218,7 +218,7 @@ class model {
     };
     for (const auto& w : caches_) {
       visit(w.lock()->table);
-      visit(w.lock()->reserved);
+      visit(w.lock()->set_aside);
     }
     for (const auto& w : epochs_) visit(w.lock()->blocks);
   }
@@ -399,9 +399,9 @@ class model {
       }
       // A block set aside by set_aside() first (counted already). Blocks
       // taken before a failure stay counted in peak and cow_copies; the
-      // budget is reserved (peak counted) before the memory is asked for.
-      if (!c.reserved.empty()) {
-        c.reserved.pop_back();  // a fresh id stands for it below
+      // budget is charged (peak counted) before the memory is asked for.
+      if (!c.set_aside.empty()) {
+        c.set_aside.pop_back();  // a fresh id stands for it below
       } else {
         while (used >= p.max) {  // evicting prefix-cache entries, least recently used first
           if (!evict(c.pool)) return kv_errc::capacity_exhausted;
@@ -431,7 +431,7 @@ class model {
     }
     c.data.resize(stored);
     for (const mwrite& w : entries) c.data[w.index] = w.r;
-    c.reserved.clear();  // a set-aside serves one write
+    c.set_aside.clear();  // a set-aside serves one write
     c.table = std::move(table);
     c.stored = stored;
     c.length = std::max(c.length, stored);
@@ -443,7 +443,7 @@ class model {
   /// set aside, and set aside the fresh blocks a write of `tokens` tokens
   /// from `index` on takes (none for a block written in place).
   ghostlink::error_code reserve(mcache& c, std::size_t index, std::size_t tokens) {
-    c.reserved.clear();
+    c.set_aside.clear();
     if (tokens == 0) return truncate(c, index);
     const std::size_t bt = geometry_.block_tokens;
     std::size_t first = index / bt;
@@ -471,7 +471,7 @@ class model {
     truncate(c, index);
     for (std::size_t i = 0; i < needed; ++i) {
       blocks_.push_back({c.pool, c.owner, 0, 0, 0});
-      c.reserved.push_back(static_cast<std::uint32_t>(blocks_.size()));
+      c.set_aside.push_back(static_cast<std::uint32_t>(blocks_.size()));
     }
     return {};
   }

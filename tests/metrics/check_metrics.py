@@ -62,7 +62,7 @@ def prefix_series(x):
         'ghostlink_prefix_cache_lookups_total': x['queries'],
         'ghostlink_prefix_cache_insertions_total': x['inserted_blocks'],
         'ghostlink_prefix_cache_evictions_total': x['evicted_blocks'],
-        'ghostlink_prefix_cache_entries': x['cached_entries'],
+        'ghostlink_prefix_cache_entries': x['cached_blocks'],
         'ghostlink_prefix_cache_idle_entries': x['idle_blocks'],
     }
 

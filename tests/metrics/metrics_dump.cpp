@@ -94,7 +94,7 @@ void json(std::ostream& out, const std::vector<gl::kv_metrics_source>& sources) 
       field(out, "hit_tokens", x.hit_tokens);
       field(out, "inserted_blocks", x.inserted_blocks);
       field(out, "evicted_blocks", x.evicted_blocks);
-      field(out, "cached_entries", x.cached_entries);
+      field(out, "cached_blocks", x.cached_blocks);
       field(out, "idle_blocks", x.idle_blocks, true);
       out << '}';
     } else {

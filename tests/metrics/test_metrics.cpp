@@ -177,7 +177,7 @@ TEST_CASE("the prefix cache's families name tokens as vLLM does, and only pools 
   x.hit_tokens = 16;
   x.inserted_blocks = 9;
   x.evicted_blocks = 4;
-  x.cached_blocks = x.cached_entries = 5;
+  x.cached_blocks = 5;
   x.idle_blocks = 2;
   std::vector<kv_metrics_source> sources(2);
   sources[0] = {.pool = "with", .prefix = x};
