@@ -8,6 +8,7 @@
 #include "common/prefix_support.hpp"
 
 #include <array>
+#include <atomic>
 #include <latch>
 #include <mutex>
 #include <set>
@@ -79,6 +80,38 @@ TEST_CASE("cached_entries counts entries, as cached_blocks does, while the pool 
   f.cache.clear();
   CHECK(f.cache.stats().cached_entries == 0);
   CHECK(f.cache.stats().cached_blocks == 0);
+}
+
+TEST_CASE("a pool's stats() and blocks_available() may be read from handlers that an eviction calls",
+          "[prefix][behaviour]") {
+  // Evictions run under the pool's reclaimer lock; the pool's readings do
+  // not take it, so a handler called inside one (a block freed, an entry
+  // removed) can read them without deadlocking.
+  fixture f(8);  // 2 layers: 4 entries fill the budget
+  REQUIRE(f.insert_idle(run(1, 4 * bt)) == 4);
+  REQUIRE(f.pool.stats().blocks_available == 8);
+  std::atomic<std::size_t> freed_reads{0}, removed_reads{0}, wrong{0};
+  f.pool.set_event_handler([&](const kv_event& e) {
+    if (e.what != kv_event::kind::block_freed) return;
+    const kv_pool_stats s = f.pool.stats();
+    if (s.blocks_cached > 8 || f.pool.blocks_available() > 8) ++wrong;
+    ++freed_reads;
+  });
+  f.cache.set_event_handler([&](const kv_prefix_event& e) {
+    if (e.what != kv_prefix_event::kind::removed) return;
+    if (f.pool.stats().blocks_in_use > 8) ++wrong;
+    ++removed_reads;
+  });
+  {
+    auto seq = f.prefill(run(100, 2 * bt));  // 4 blocks: two entries go
+    CHECK(seq.size() == 2 * bt);
+  }
+  CHECK(removed_reads.load() >= 2);
+  CHECK(freed_reads.load() >= 4);
+  CHECK(wrong.load() == 0);
+  f.pool.set_event_handler({});
+  f.cache.set_event_handler({});
+  expect_balanced(f);
 }
 
 // vLLM: test_prefill
