@@ -91,10 +91,13 @@ TEST_CASE("a pool's stats() and blocks_available() may be read from handlers tha
   REQUIRE(f.insert_idle(run(1, 4 * bt)) == 4);
   REQUIRE(f.pool.stats().blocks_available == 8);
   std::atomic<std::size_t> freed_reads{0}, removed_reads{0}, wrong{0};
+  // Each reading is read separately (exact when the pool is idle): inside an
+  // eviction only what never passes the budget is checked.
   f.pool.set_event_handler([&](const kv_event& e) {
     if (e.what != kv_event::kind::block_freed) return;
     const kv_pool_stats s = f.pool.stats();
-    if (s.blocks_cached > 8 || f.pool.blocks_available() > 8) ++wrong;
+    (void)f.pool.blocks_available();
+    if (s.blocks_cached > 8 || s.blocks_in_use > 8) ++wrong;
     ++freed_reads;
   });
   f.cache.set_event_handler([&](const kv_prefix_event& e) {
