@@ -27,15 +27,19 @@ struct kept_blocks {
 
 class reclaimer {
  public:
+  // Public and virtual, as clang-tidy's cppcoreguidelines-virtual-class-destructor
+  // asks: the pool never deletes a reclaimer, and its one kind is final.
+  virtual ~reclaimer() = default;
+  reclaimer() = default;
+  reclaimer(const reclaimer&) = delete;
+  reclaimer& operator=(const reclaimer&) = delete;
+
   /// Evicts one entry, least recently used first, so that some budget
   /// comes back; false when nothing can be evicted.
   virtual bool evict_one() noexcept = 0;
   /// A kept block's last outside reference went (block::release). `b` is
   /// only looked up, never read: it may be gone.
   virtual void block_idle(const block* b) noexcept = 0;
-
- protected:
-  ~reclaimer() = default;
 };
 
 }  // namespace detail

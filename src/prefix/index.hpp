@@ -110,7 +110,7 @@ class prefix_index final : public reclaimer {
                ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
                kv_store_policy policy);
   /// Lets go of the pool, then of every entry.
-  ~prefix_index();
+  ~prefix_index() override;
   prefix_index(const prefix_index&) = delete;
   prefix_index& operator=(const prefix_index&) = delete;
 

@@ -7,8 +7,6 @@
 
 #include "common/asio_compat.hpp"
 
-#include "common/asio_compat.hpp"
-
 #include <algorithm>
 #include <cstdio>
 #include <memory>
