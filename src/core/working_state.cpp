@@ -358,8 +358,8 @@ bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& un
   }
   fresh->set_materialized(current == zero_block_ ? 0 : held);
   touched_.push_back(fresh.get());
-  ref_ptr<block>& slot = editable_block(b);
-  undo.emplace_back(b, std::exchange(slot, std::move(fresh)));
+  ref_ptr<block>& target = editable_block(b);
+  undo.emplace_back(b, std::exchange(target, std::move(fresh)));
   return true;
 }
 

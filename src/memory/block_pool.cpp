@@ -133,12 +133,10 @@ bool block_pool::charge_many(std::size_t n) noexcept {
   }
 }
 
-std::size_t block_pool::budget_left() const noexcept {
+std::size_t block_pool::blocks_available() const noexcept {
   const std::size_t used = in_use_.load(std::memory_order_relaxed);
-  return used < max_blocks_ ? max_blocks_ - used : 0;
+  return (used < max_blocks_ ? max_blocks_ - used : 0) + kept_reclaimable_.load(std::memory_order_relaxed);
 }
-
-std::size_t block_pool::blocks_available() const noexcept { return budget_left() + kept().reclaimable; }
 
 bool block_pool::attach_reclaimer(reclaimer* r) noexcept {
   std::lock_guard lock(reclaimer_mutex_);
@@ -580,7 +578,7 @@ kv_pool_stats kv_block_pool::stats() const noexcept {
   s.blocks_cached = kept.cached;
   s.blocks_cached_idle = kept.idle;
   s.blocks_reserved = p.blocks_reserved();
-  s.blocks_available = p.budget_left() + kept.reclaimable;
+  s.blocks_available = p.blocks_available();
   return s;
 }
 

@@ -120,8 +120,6 @@ class block_pool : public ref_counted<block_pool> {
   /// Counts `n` blocks against the budget at once, evicting as needed; or,
   /// when they cannot all be had, none (false). A reservation's.
   bool charge_many(std::size_t n) noexcept;
-  /// Blocks the budget has left, not counting what evicting would free.
-  std::size_t budget_left() const noexcept;
   /// Budget left plus the blocks that the reclaimer could give back now.
   std::size_t blocks_available() const noexcept;
   /// What the reclaimer keeps, as it last reported (zeros without one).
