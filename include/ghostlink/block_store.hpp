@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <system_error>
 #include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
@@ -62,6 +63,19 @@ struct kv_store_stats {
   std::size_t entries = 0;         ///< Entries now.
   std::size_t bytes = 0;           ///< Their bytes now.
   std::size_t pending_bytes = 0;   ///< Bytes of puts not yet stored or dropped.
+  std::uint64_t auth_errors = 0;   ///< Connections the server refused to authenticate (`store_auth_failed`).
+  std::uint64_t tls_errors = 0;    ///< Connections whose TLS handshake failed (`store_tls_failed`).
+  std::uint64_t oversized = 0;     ///< Values found larger than `max_value_bytes()`: misses, not read past it.
+  /// The last error the store met (a write's, a connection's, a value
+  /// refused): a `kv_errc` or the system's error; empty while none.
+  std::error_code last_error{};
+  /// When `last_error` happened; the epoch while none.
+  std::chrono::system_clock::time_point last_error_time{};
+  /// The file store's directory can be written by users other than its
+  /// owner (group or others write permission): they could replace or
+  /// remove entries (the checksums turn any replaced into misses) or fill
+  /// the disk. A warning, not an error: the store works.
+  bool directory_writable_by_others = false;
 };
 
 /// Where a prefix cache keeps entries beyond RAM: a map from block hashes to
@@ -101,6 +115,15 @@ class kv_block_store {
 
   /// The counters now.
   virtual kv_store_stats stats() const noexcept = 0;
+
+  /// Caps the values this store reads: a value stored larger than `bytes`
+  /// is a miss, read or buffered no further than that (and a file store
+  /// does not count such a file as an entry). A prefix cache calls it with
+  /// the size of its entries (every entry of a geometry has one size) when
+  /// it is made on the store; with several prefix caches on one store the
+  /// largest call holds. Until called, no cap (the default does nothing:
+  /// a store of the user's own may ignore it).
+  virtual void limit_value_size(std::size_t bytes) noexcept { (void)bytes; }
 };
 
 /// The limits and I/O of a `kv_file_store`.
@@ -121,6 +144,15 @@ struct kv_file_store_limits {
   /// process still leaves whole files or none (the rename is atomic), and a
   /// file torn by a power loss fails its checksum: a miss.
   bool durable = false;
+  /// The largest value read, as `kv_block_store::limit_value_size` sets
+  /// it, known before the directory is listed (so a file larger is not
+  /// counted at start either); none: until a prefix cache sets it.
+  std::optional<std::size_t> max_value_bytes{};
+  /// The permission bits of the files it creates (whatever the umask);
+  /// the directory, if it makes it, gets these plus the matching execute
+  /// bits. Default: the owner only (0600 files, a 0700 directory). 0640,
+  /// say, shares the cache with the file's group.
+  std::filesystem::perms file_mode = std::filesystem::perms::owner_read | std::filesystem::perms::owner_write;
   /// Where the file I/O runs; none: ghostlink's private I/O pool (the one
   /// saves and loads use, two threads).
   std::optional<asio::any_io_executor> io_executor{};

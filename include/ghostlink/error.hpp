@@ -46,6 +46,11 @@ enum class kv_errc {
   geometry_mismatch,         ///< a saved sequence of other layers, heads, head size or block size than expected.
   element_type_mismatch,     ///< a saved sequence of another element type than the one loaded.
   model_mismatch,            ///< a saved sequence of another model id than expected.
+  store_auth_failed,  ///< a store's server refused its credentials or its database (`AUTH`, `SELECT`, an ACL
+                      ///< that forbids a command or key the store uses, or a server that wants a password).
+  store_tls_failed,   ///< a store's TLS handshake failed: a certificate not verified, a name not matched, no
+                      ///< TLS spoken by the server, or the CA, certificate or key files unreadable.
+  store_unavailable,  ///< a store's server did not answer in time (nothing listening, refused, unreachable).
 };
 
 /// The category of `kv_errc`; its name is `"ghostlink.kv"`. In the Boost

@@ -47,8 +47,45 @@ struct kv_redis_endpoint {
   std::uint16_t port = 6379;
 };
 
+/// TLS to a Redis server (`kv_redis_store_options::tls`), through
+/// `asio::ssl` over OpenSSL: TLS 1.2 or later, the server's certificate
+/// verified against the CA given and its name against the endpoint's host
+/// (or `server_name`), which is also sent as SNI.
+struct kv_redis_tls_options {
+  /// A PEM file of the CA certificates the server's chain must lead to;
+  /// empty (and `ca_directory` empty too): the system's default CA paths.
+  std::string ca_file{};
+  /// A directory of hashed CA certificates (`openssl rehash`), as well as
+  /// or instead of `ca_file`.
+  std::string ca_directory{};
+  /// A PEM client certificate, for a server that asks for one
+  /// (`tls-auth-clients yes`, Redis's default); empty: none sent.
+  std::string certificate_file{};
+  /// The PEM private key of `certificate_file`.
+  std::string private_key_file{};
+  /// The name the server's certificate must carry (and the SNI sent);
+  /// empty: the endpoint's `host` (for a cluster, each node's as the
+  /// cluster names it).
+  std::string server_name{};
+  /// Verify the server's certificate chain and name. On by default; off
+  /// encrypts without knowing who answers (a test bench only).
+  bool verify = true;
+};
+
 /// The connections, timeouts and limits of a `kv_redis_store`.
 struct kv_redis_store_options {
+  /// The ACL user to authenticate as (`AUTH username password`); empty:
+  /// `AUTH password` (the `default` user) when a password is set.
+  std::string username{};
+  /// The password (`requirepass`, or the ACL user's); empty: no `AUTH`.
+  /// Never logged, printed or put in an error message.
+  std::string password{};
+  /// The database to `SELECT` on every connection; a cluster has only
+  /// database 0, so any other with `cluster` is `invalid_config`.
+  std::uint32_t database = 0;
+  /// TLS on every connection (cluster nodes and reconnects included);
+  /// none: plain TCP or the unix socket.
+  std::optional<kv_redis_tls_options> tls{};
   /// Whether the endpoints are seed nodes of a Redis Cluster (TCP
   /// endpoints) rather than one server: the store reads the cluster's slot
   /// map from the first seed that answers `CLUSTER SLOTS`, sends each

@@ -49,6 +49,9 @@ class kv_category_impl final : public category_base {
         return "the saved sequence has other layers, heads, head size or block size than expected";
       case kv_errc::element_type_mismatch: return "the saved sequence stores another element type";
       case kv_errc::model_mismatch: return "the saved sequence is of another model";
+      case kv_errc::store_auth_failed: return "the store's server refused its credentials or database";
+      case kv_errc::store_tls_failed: return "the store's TLS handshake failed";
+      case kv_errc::store_unavailable: return "the store's server did not answer";
     }
     return "unknown ghostlink.kv error " + std::to_string(ev);
   }
