@@ -30,13 +30,15 @@ start() {
   redis-server "$@" --save '' --appendonly no --loglevel warning >"$log" 2>&1 &
   pids+=($!)
 }
-# until_true COMMAND...: COMMAND, retried until it succeeds (10 s at most).
+# until_true COMMAND...: COMMAND, retried until it succeeds (30 s at most:
+# a server starting on a loaded 2-core machine once took over 10 s).
 until_true() {
-  for _ in $(seq 100); do
+  for _ in $(seq 300); do
     "$@" && return 0
     sleep 0.1
   done
   echo "shared_prefix.sh: gave up waiting for: $*" >&2
+  tail -n 20 "$dir"/*/log 2>/dev/null >&2 || true
   return 1
 }
 answers() { [ "$(redis-cli "$@" ping 2>/dev/null)" = PONG ]; }

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <charconv>
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <set>
@@ -222,6 +223,86 @@ constexpr std::array prefix_families{
 };
 // clang-format on
 
+/// One gauge or counter of a store's readings.
+struct store_family {
+  std::string_view name;
+  std::string_view type;
+  std::string_view help;
+  number (*value)(const kv_store_stats&);
+};
+
+/// Seconds since the Unix epoch of `t` (0 for the epoch itself: no error yet).
+double unix_seconds(std::chrono::system_clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+// clang-format off
+constexpr std::array store_families{
+  store_family{"ghostlink_store_puts_total", "counter", "Entries handed to the store to write.",
+    [](const kv_store_stats& s) -> number { return s.puts; }},
+  store_family{"ghostlink_store_lookups_total", "counter", "Entries looked up in the store.",
+    [](const kv_store_stats& s) -> number { return s.lookups; }},
+  store_family{"ghostlink_store_hits_total", "counter", "Of the lookups, those answered with bytes.",
+    [](const kv_store_stats& s) -> number { return s.hits; }},
+  store_family{"ghostlink_store_evictions_total", "counter", "Entries the store removed for its byte budget.",
+    [](const kv_store_stats& s) -> number { return s.evictions; }},
+  store_family{"ghostlink_store_oversized_total", "counter",
+    "Values found larger than any entry of the cache's geometry: misses, not read.",
+    [](const kv_store_stats& s) -> number { return s.oversized; }},
+  store_family{"ghostlink_store_entries", "gauge", "Entries the store holds (0 for Redis: its INFO tells).",
+    [](const kv_store_stats& s) -> number { return std::uint64_t{s.entries}; }},
+  store_family{"ghostlink_store_bytes", "gauge", "Bytes of the entries the store holds (0 for Redis).",
+    [](const kv_store_stats& s) -> number { return std::uint64_t{s.bytes}; }},
+  store_family{"ghostlink_store_pending_bytes", "gauge", "Bytes of writes not yet stored or dropped.",
+    [](const kv_store_stats& s) -> number { return std::uint64_t{s.pending_bytes}; }},
+  store_family{"ghostlink_store_directory_writable_by_others", "gauge",
+    "1 if the file store's directory can be written by users other than its owner, else 0.",
+    [](const kv_store_stats& s) -> number { return std::uint64_t{s.directory_writable_by_others ? 1U : 0U}; }},
+  store_family{"ghostlink_store_last_error_timestamp_seconds", "gauge",
+    "When the store last met an error, in seconds since the Unix epoch; 0 while none.",
+    [](const kv_store_stats& s) -> number { return s.last_error ? unix_seconds(s.last_error_time) : 0.0; }},
+};
+// clang-format on
+
+/// The store's families, for the sources that have a store.
+void write_stores(exposition& e, std::span<const kv_metrics_source> sources) {
+  bool any = false;
+  for (const kv_metrics_source& source : sources) any = any || source.store.has_value();
+  if (!any) return;
+  for (const store_family& f : store_families) {
+    e.family(f.name, f.type, f.help);
+    for (const kv_metrics_source& source : sources)
+      if (source.store) e.sample(f.name, {{"pool", source.pool}}, f.value(*source.store));
+  }
+  e.family("ghostlink_store_writes_total", "counter",
+           "Writes the store settled, by outcome: stored, dropped (a limit) or failed (an error).");
+  for (const kv_metrics_source& source : sources) {
+    if (!source.store) continue;
+    e.sample("ghostlink_store_writes_total", {{"pool", source.pool}, {"outcome", "stored"}}, source.store->stored);
+    e.sample("ghostlink_store_writes_total", {{"pool", source.pool}, {"outcome", "dropped"}}, source.store->dropped);
+    e.sample("ghostlink_store_writes_total", {{"pool", source.pool}, {"outcome", "failed"}},
+             source.store->write_errors);
+  }
+  e.family("ghostlink_store_connection_errors_total", "counter",
+           "Connections to the store's server refused, by kind: auth (credentials, database, ACL) or tls (the "
+           "handshake or the certificate).");
+  for (const kv_metrics_source& source : sources) {
+    if (!source.store) continue;
+    e.sample("ghostlink_store_connection_errors_total", {{"pool", source.pool}, {"kind", "auth"}},
+             source.store->auth_errors);
+    e.sample("ghostlink_store_connection_errors_total", {{"pool", source.pool}, {"kind", "tls"}},
+             source.store->tls_errors);
+  }
+  e.family("ghostlink_store_last_error_code", "gauge",
+           "The store's last error: its code, labelled by its category (ghostlink.kv, generic, system); no sample "
+           "while none.");
+  for (const kv_metrics_source& source : sources)
+    if (source.store && source.store->last_error)
+      e.sample("ghostlink_store_last_error_code",
+               {{"pool", source.pool}, {"category", source.store->last_error.category().name()}},
+               static_cast<double>(source.store->last_error.value()));
+}
+
 /// One cache's readings, or several caches' summed.
 struct cache_totals {
   std::uint64_t applied = 0, failed = 0, cancelled = 0, delayed = 0;
@@ -339,6 +420,8 @@ void write_prometheus(std::ostream& out, std::span<const kv_metrics_source> sour
         if (source.prefix) e.sample(f.name, {{"pool", source.pool}}, f.value(*source.prefix));
     }
   }
+
+  write_stores(e, sources);
 
   e.family("ghostlink_kv_caches", "gauge",
            "Caches (layers) the readings of the pool's ghostlink_kv_cache_* series sum.");

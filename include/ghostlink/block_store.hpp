@@ -22,12 +22,12 @@
 #include <memory>
 #include <optional>
 #include <span>
-#include <system_error>
 #include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/block_hash.hpp"
+#include "ghostlink/stats.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 
@@ -49,33 +49,6 @@ class kv_store_value {
   /// Writes its encoded bytes to `out` (of exactly `size()` bytes). Safe
   /// from any thread, any number of times.
   virtual void encode(std::span<std::byte> out) const noexcept = 0;
-};
-
-/// A store's counters, each read separately: exact when the store is idle.
-struct kv_store_stats {
-  std::uint64_t puts = 0;          ///< Values handed to `put()`.
-  std::uint64_t stored = 0;        ///< Of those, stored.
-  std::uint64_t dropped = 0;       ///< Of those, not stored because of a limit (see the store's limits).
-  std::uint64_t write_errors = 0;  ///< Of those, not stored because of an error (I/O, memory).
-  std::uint64_t lookups = 0;       ///< Hashes asked of `fetch()`.
-  std::uint64_t hits = 0;          ///< Of those, answered with bytes.
-  std::uint64_t evictions = 0;     ///< Entries removed for the budget.
-  std::size_t entries = 0;         ///< Entries now.
-  std::size_t bytes = 0;           ///< Their bytes now.
-  std::size_t pending_bytes = 0;   ///< Bytes of puts not yet stored or dropped.
-  std::uint64_t auth_errors = 0;   ///< Connections the server refused to authenticate (`store_auth_failed`).
-  std::uint64_t tls_errors = 0;    ///< Connections whose TLS handshake failed (`store_tls_failed`).
-  std::uint64_t oversized = 0;     ///< Values found larger than `max_value_bytes()`: misses, not read past it.
-  /// The last error the store met (a write's, a connection's, a value
-  /// refused): a `kv_errc` or the system's error; empty while none.
-  std::error_code last_error{};
-  /// When `last_error` happened; the epoch while none.
-  std::chrono::system_clock::time_point last_error_time{};
-  /// The file store's directory can be written by users other than its
-  /// owner (group or others write permission): they could replace or
-  /// remove entries (the checksums turn any replaced into misses) or fill
-  /// the disk. A warning, not an error: the store works.
-  bool directory_writable_by_others = false;
 };
 
 /// Where a prefix cache keeps entries beyond RAM: a map from block hashes to

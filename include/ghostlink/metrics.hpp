@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// The counters of pools, their caches and prefix caches in the Prometheus
+/// The counters of pools, their caches, prefix caches and their stores in the Prometheus
 /// text exposition format (version 0.0.4), for a `/metrics` endpoint.
 
 #include <optional>
@@ -34,6 +34,9 @@ struct kv_metrics_source {
   /// labelled `cache="<cache_id>"`. Off by default: with a cache per layer
   /// per sequence, the series would multiply with every request.
   bool per_cache_series = false;
+  /// The counters of the prefix cache's store (`kv_block_store::stats()`),
+  /// if it has one: the `ghostlink_store_*` series.
+  std::optional<kv_store_stats> store{};
 };
 
 /// Writes `sources` in the Prometheus text exposition format 0.0.4: each

@@ -1,10 +1,13 @@
 #pragma once
 /// @file
-/// Counters a `layer_kv_cache` and a `kv_block_pool` keep about themselves.
+/// Counters a `layer_kv_cache`, a `kv_block_pool`, a prefix cache and a
+/// block store keep about themselves.
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <system_error>
 #include "ghostlink/detail/flavour.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -94,6 +97,34 @@ struct kv_prefix_stats {
   std::uint64_t store_puts = 0;        ///< Entries handed to the store (write-through or write-back).
   std::uint64_t store_rejects = 0;     ///< Values from the store refused as corrupt or of another entry.
   std::size_t cached_entries = 0;      ///< Entries now (the count `cached_blocks` holds, by its name).
+};
+
+/// A store's counters, each read separately: exact when the store is idle.
+struct kv_store_stats {
+  std::uint64_t puts = 0;          ///< Values handed to `put()`.
+  std::uint64_t stored = 0;        ///< Of those, stored.
+  std::uint64_t dropped = 0;       ///< Of those, not stored because of a limit (see the store's limits).
+  std::uint64_t write_errors = 0;  ///< Of those, not stored because of an error (I/O, memory).
+  std::uint64_t lookups = 0;       ///< Hashes asked of `fetch()`.
+  std::uint64_t hits = 0;          ///< Of those, answered with bytes.
+  std::uint64_t evictions = 0;     ///< Entries removed for the budget.
+  std::size_t entries = 0;         ///< Entries now.
+  std::size_t bytes = 0;           ///< Their bytes now.
+  std::size_t pending_bytes = 0;   ///< Bytes of puts not yet stored or dropped.
+  std::uint64_t auth_errors = 0;   ///< Connections the server refused to authenticate (`store_auth_failed`).
+  std::uint64_t tls_errors = 0;    ///< Connections whose TLS handshake failed (`store_tls_failed`).
+  std::uint64_t oversized =
+      0;     ///< Values found larger than the cap (`kv_block_store::limit_value_size`): misses, unread.
+  /// The last error the store met (a write's, a connection's, a value
+  /// refused): a `kv_errc` or the system's error; empty while none.
+  std::error_code last_error{};
+  /// When `last_error` happened; the epoch while none.
+  std::chrono::system_clock::time_point last_error_time{};
+  /// The file store's directory can be written by users other than its
+  /// owner (group or others write permission): they could replace or
+  /// remove entries (the checksums turn any replaced into misses) or fill
+  /// the disk. A warning, not an error: the store works.
+  bool directory_writable_by_others = false;
 };
 
 GHOSTLINK_NAMESPACE_END

@@ -67,6 +67,30 @@ def prefix_series(x):
     }
 
 
+def store_series(x, pool):
+    """The store's families, as {(sample name, frozenset(labels)): value}."""
+    out = {}
+    put = lambda name, value, **extra: out.__setitem__((name, frozenset({'pool': pool, **extra}.items())), value)
+    put('ghostlink_store_puts_total', x['puts'])
+    put('ghostlink_store_lookups_total', x['lookups'])
+    put('ghostlink_store_hits_total', x['hits'])
+    put('ghostlink_store_evictions_total', x['evictions'])
+    put('ghostlink_store_oversized_total', x['oversized'])
+    put('ghostlink_store_entries', x['entries'])
+    put('ghostlink_store_bytes', x['bytes'])
+    put('ghostlink_store_pending_bytes', x['pending_bytes'])
+    put('ghostlink_store_directory_writable_by_others', x['directory_writable_by_others'])
+    error = x['last_error_category'] is not None
+    put('ghostlink_store_last_error_timestamp_seconds', x['last_error_time'] if error else 0)
+    for outcome, field in (('stored', 'stored'), ('dropped', 'dropped'), ('failed', 'write_errors')):
+        put('ghostlink_store_writes_total', x[field], outcome=outcome)
+    put('ghostlink_store_connection_errors_total', x['auth_errors'], kind='auth')
+    put('ghostlink_store_connection_errors_total', x['tls_errors'], kind='tls')
+    if error:
+        put('ghostlink_store_last_error_code', x['last_error_code'], category=x['last_error_category'])
+    return out
+
+
 def request_series(prefix, caches, labels):
     """The request families of `prefix` over the sum of `caches`, as
     {(sample name, frozenset(labels)): value}."""
@@ -100,6 +124,8 @@ def expected(readings):
         if r['prefix'] is not None:
             for name, v in prefix_series(r['prefix']).items():
                 out[key(name)] = v
+        if r['store'] is not None:
+            out.update(store_series(r['store'], r['pool']))
         out[key('ghostlink_kv_caches')] = len(r['caches'])
         out.update(request_series('ghostlink_kv_cache', r['caches'], pool))
         if r['per_cache_series']:
@@ -166,7 +192,8 @@ def main():
     # The dump must have done real work, or the comparison proves little.
     nonzero = sum(1 for v in want.values() if v)
     for name in ('ghostlink_prefix_cache_hits_total', 'ghostlink_prefix_cache_evictions_total',
-                 'ghostlink_kv_blocks_in_use', 'ghostlink_kv_block_copies_total', 'ghostlink_kv_cache_usage_ratio'):
+                 'ghostlink_kv_blocks_in_use', 'ghostlink_kv_block_copies_total', 'ghostlink_kv_cache_usage_ratio',
+                 'ghostlink_store_puts_total', 'ghostlink_store_hits_total', 'ghostlink_store_last_error_code'):
         if not any(v for (n, _), v in want.items() if n == name):
             failures += 1
             print('the dump left %s at zero in every pool' % name)

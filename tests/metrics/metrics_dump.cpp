@@ -6,15 +6,19 @@
 // promtool, parses it with prometheus_client and compares every sample
 // with what it computes from the readings.
 
+#include <ghostlink/block_store.hpp>
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/thread_pool.hpp>
 #include <asio/use_future.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -100,6 +104,32 @@ void json(std::ostream& out, const std::vector<gl::kv_metrics_source>& sources) 
     } else {
       out << "null";
     }
+    out << ",\n \"store\": ";
+    if (s.store) {
+      const gl::kv_store_stats& x = *s.store;
+      out << '{';
+      field(out, "puts", x.puts);
+      field(out, "stored", x.stored);
+      field(out, "dropped", x.dropped);
+      field(out, "write_errors", x.write_errors);
+      field(out, "lookups", x.lookups);
+      field(out, "hits", x.hits);
+      field(out, "evictions", x.evictions);
+      field(out, "entries", x.entries);
+      field(out, "bytes", x.bytes);
+      field(out, "pending_bytes", x.pending_bytes);
+      field(out, "auth_errors", x.auth_errors);
+      field(out, "tls_errors", x.tls_errors);
+      field(out, "oversized", x.oversized);
+      field(out, "directory_writable_by_others", x.directory_writable_by_others ? 1 : 0);
+      out << "\"last_error_category\": "
+          << (x.last_error ? json_string(x.last_error.category().name()) : std::string("null")) << ", ";
+      field(out, "last_error_code", static_cast<unsigned long long>(x.last_error.value()));
+      out << "\"last_error_time\": "
+          << std::to_string(std::chrono::duration<double>(x.last_error_time.time_since_epoch()).count()) << "}";
+    } else {
+      out << "null";
+    }
     out << ",\n \"caches\": [";
     for (std::size_t c = 0; c < s.caches.size(); ++c) {
       const gl::kv_cache_stats& k = s.caches[c];
@@ -134,7 +164,9 @@ int dump(const char* readings_path) {
   // and let go; a fourth that shares the first's opening blocks attaches
   // them; the budget runs out, so idle entries are evicted.
   auto pool1 = gl::kv_block_pool::for_caches(config, {.max_blocks = 24});
-  gl::kv_prefix_cache prefix(layers, config, pool1, {.model = "llama-3-8b@main"});
+  const std::filesystem::path directory = std::filesystem::path(readings_path).parent_path() / "store";
+  auto store = std::make_shared<gl::kv_file_store>(directory);
+  gl::kv_prefix_cache prefix(layers, config, pool1, {.model = "llama-3-8b@main", .store = store});
   for (gl::token_id p = 0; p < 3; ++p) {
     gl::sequence_kv_cache seq(threads, layers, config, pool1);
     const auto ids = run(1000 * (p + 1), 16);
@@ -151,6 +183,12 @@ int dump(const char* readings_path) {
   const auto pinned = attached.snapshot();  // an old epoch pinned
   append(attached, run(70, 2));
   (void)prefix.match(run(2000, 12));
+  // The prompts again, from the store where RAM evicted them: store hits.
+  store->flush();
+  for (gl::token_id p = 0; p < 3; ++p) {
+    const auto ids = run(1000 * (p + 1), 16);
+    (void)prefix.async_attach(threads.get_executor(), ids, "", asio::use_future).get();
+  }
 
   gl::kv_metrics_source model;
   model.pool = "llama-3-8b@main";
@@ -159,6 +197,8 @@ int dump(const char* readings_path) {
   for (const gl::sequence_kv_cache* s : {&attached, &other, &forked})
     for (std::size_t l = 0; l < layers; ++l) model.caches.push_back(s->layer(l).stats());
   model.per_cache_series = true;
+  store->flush();
+  model.store = store->stats();
 
   // Pool 2: no budget, no prefix cache, one layer on its own with a burst of
   // writes (drains of several requests), and a pool name that needs escaping.
@@ -175,6 +215,12 @@ int dump(const char* readings_path) {
   odd.pool = "tenant \"b\"\\\nsecond line";
   odd.pool_stats = pool2.stats();
   odd.caches.push_back(layer.stats());
+  // A store's readings with an error in them, as a Redis store reports a
+  // refused password: the error families' samples are written from them.
+  odd.store = gl::kv_store_stats{.puts = 3, .write_errors = 3, .lookups = 2, .auth_errors = 2, .tls_errors = 1};
+  odd.store->last_error = gl::kv_errc::store_auth_failed;
+  odd.store->last_error_time = std::chrono::system_clock::now();
+  odd.store->directory_writable_by_others = true;
 
   const std::vector<gl::kv_metrics_source> sources{model, odd};
   gl::write_prometheus(std::cout, sources);

@@ -5,6 +5,7 @@
 // checks real readings with promtool and prometheus_client.
 #include "common/support.hpp"
 
+#include <chrono>
 #include <locale>
 #include <sstream>
 #include <stdexcept>
@@ -198,6 +199,52 @@ TEST_CASE("the prefix cache's families name tokens as vLLM does, and only pools 
   // Before any query the hit ratio is 0, not NaN.
   CHECK(value_of(exposition(kv_metrics_source{.pool = "new", .prefix = kv_prefix_stats{}}),
                  R"(ghostlink_prefix_cache_hit_ratio{pool="new"})") == "0");
+}
+
+TEST_CASE("a store's families: writes by outcome, refused connections by kind, the last error's code and time",
+          "[metrics]") {
+  kv_store_stats x;
+  x.puts = 10;
+  x.stored = 6;
+  x.dropped = 1;
+  x.write_errors = 2;
+  x.lookups = 8;
+  x.hits = 5;
+  x.oversized = 1;
+  x.auth_errors = 3;
+  x.tls_errors = 4;
+  x.pending_bytes = 1024;
+  std::vector<kv_metrics_source> sources(2);
+  sources[0] = {.pool = "with", .store = x};
+  sources[1] = {.pool = "without"};
+  std::string text = exposition(sources);
+  CHECK(value_of(text, R"(ghostlink_store_puts_total{pool="with"})") == "10");
+  CHECK(value_of(text, R"(ghostlink_store_writes_total{pool="with",outcome="stored"})") == "6");
+  CHECK(value_of(text, R"(ghostlink_store_writes_total{pool="with",outcome="dropped"})") == "1");
+  CHECK(value_of(text, R"(ghostlink_store_writes_total{pool="with",outcome="failed"})") == "2");
+  CHECK(value_of(text, R"(ghostlink_store_hits_total{pool="with"})") == "5");
+  CHECK(value_of(text, R"(ghostlink_store_oversized_total{pool="with"})") == "1");
+  CHECK(value_of(text, R"(ghostlink_store_connection_errors_total{pool="with",kind="auth"})") == "3");
+  CHECK(value_of(text, R"(ghostlink_store_connection_errors_total{pool="with",kind="tls"})") == "4");
+  CHECK(value_of(text, R"(ghostlink_store_pending_bytes{pool="with"})") == "1024");
+  CHECK(value_of(text, R"(ghostlink_store_directory_writable_by_others{pool="with"})") == "0");
+  // No error yet: a timestamp of 0 and no code sample.
+  CHECK(value_of(text, R"(ghostlink_store_last_error_timestamp_seconds{pool="with"})") == "0");
+  CHECK(text.find("ghostlink_store_last_error_code{") == std::string::npos);
+  CHECK(text.find(R"(ghostlink_store_puts_total{pool="without"})") == std::string::npos);
+  CHECK(exposition(sources[1]).find("ghostlink_store") == std::string::npos);
+
+  const auto when = std::chrono::system_clock::time_point(std::chrono::seconds(1'700'000'000));
+  sources[0].store->last_error = kv_errc::store_tls_failed;
+  sources[0].store->last_error_time = when;
+  sources[0].store->directory_writable_by_others = true;
+  text = exposition(sources);
+  CHECK(std::stod(value_of(text, R"(ghostlink_store_last_error_timestamp_seconds{pool="with"})")) == 1.7e9);
+  CHECK(value_of(text, R"(ghostlink_store_last_error_code{pool="with",category="ghostlink.kv"})") ==
+        std::to_string(static_cast<int>(kv_errc::store_tls_failed)));
+  CHECK(value_of(text, R"(ghostlink_store_directory_writable_by_others{pool="with"})") == "1");
+  CHECK(count_lines(text, "# TYPE ghostlink_store_writes_total counter") == 1);
+  CHECK(count_lines(text, "ghostlink_store_writes_total{") == 3);
 }
 
 TEST_CASE("the pool's cache series sum its caches; requests per drain is a cumulative histogram", "[metrics]") {
