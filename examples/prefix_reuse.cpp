@@ -385,8 +385,8 @@ double percent(std::uint64_t part, std::uint64_t whole) { return whole ? 100.0 *
 
 /// A new directory for the disk tier, removed with it.
 struct scratch_dir {
-  std::filesystem::path path = std::filesystem::temp_directory_path() /
-                               ("ghostlink-prefix_reuse-" + std::to_string(std::random_device{}()));
+  std::filesystem::path path =
+      std::filesystem::temp_directory_path() / ("ghostlink-prefix_reuse-" + std::to_string(std::random_device{}()));
   scratch_dir() { std::filesystem::create_directories(path); }
   scratch_dir(const scratch_dir&) = delete;
   scratch_dir& operator=(const scratch_dir&) = delete;
@@ -404,9 +404,9 @@ std::size_t restart_misses(const options& o, const ghostlink::kv_cache_config& c
   asio::thread_pool threads(o.threads);
   auto disk = std::make_shared<ghostlink::kv_file_store>(dir);
   ghostlink::kv_block_pool pool = ghostlink::kv_block_pool::for_caches(config, {.max_blocks = o.blocks});
-  ghostlink::kv_prefix_cache cache(o.layers, config, pool,
-                                   {.model = "tiny-llama-2026", .store = disk,
-                                    .store_policy = ghostlink::kv_store_policy::write_back});
+  ghostlink::kv_prefix_cache cache(
+      o.layers, config, pool,
+      {.model = "tiny-llama-2026", .store = disk, .store_policy = ghostlink::kv_store_policy::write_back});
   std::size_t misses = 0;
   for (const conversation& conv : work.conversations) {
     if (conv.turns.empty()) continue;
@@ -470,9 +470,9 @@ int main(int argc, char** argv) try {
   }
   asio::thread_pool threads(o.threads);
   ghostlink::kv_block_pool pool = ghostlink::kv_block_pool::for_caches(config, {.max_blocks = o.blocks});
-  ghostlink::kv_prefix_cache cache(o.layers, config, pool,
-                                   {.model = "tiny-llama-2026", .store = disk,
-                                    .store_policy = ghostlink::kv_store_policy::write_back});
+  ghostlink::kv_prefix_cache cache(
+      o.layers, config, pool,
+      {.model = "tiny-llama-2026", .store = disk, .store_policy = ghostlink::kv_store_policy::write_back});
   cache.set_event_handler(mirror.handler());
   ledger blocks(pool);
   server srv{o, model, work, pool, cache, blocks};

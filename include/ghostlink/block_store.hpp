@@ -133,13 +133,12 @@ class kv_block_store {
   /// one of the store's, or inside this call when nothing is pending; it is
   /// quick and does not throw. A store destroyed first still calls it, once
   /// its queued puts are written or discarded: a prefix cache's
-  /// `async_flush` waits on it, never completing without it. What the
-  /// prefix cache's `async_flush` waits for.
+  /// `async_flush()` completes only through it.
   ///
   /// The default calls `done` at once, inside this call: right for a store
   /// whose `put()` has stored (or dropped) its value when it returns. A
-  /// store that queues its puts overrides it, or `async_flush` completes
-  /// before the store has its entries.
+  /// store that queues its puts overrides it, or `async_flush()` completes
+  /// before the store has the entries.
   /// @throws std::bad_alloc, having kept nothing of `done`, which is then
   ///         never called.
   virtual void when_flushed(std::function<void()> done) { done(); }

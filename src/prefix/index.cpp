@@ -289,8 +289,8 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   entries_.erase(e.hash);  // destroys e
 }
 
-bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes,
-                                    std::vector<std::vector<ref_ptr<block>>>& refs, bool pin) noexcept {
+bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes, std::vector<std::vector<ref_ptr<block>>>& refs,
+                                    bool pin) noexcept {
   try {
     hashes.reserve(entries_.size());
     refs.reserve(entries_.size());
