@@ -172,7 +172,7 @@ std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std:
   if (!p.store() || p.store_policy() != kv_store_policy::write_through) return p.insert(h, blocks);
   std::vector<std::size_t> added;
   added.reserve(h.size());
-  const auto gate = p.handing();  // from marking the entries in the store until they are put
+  const auto handoff = p.handing();  // from marking the entries in the store until they are put
   const std::size_t n = p.insert(h, blocks, &added, true);
   write_through(p, h, blocks, added);
   return n;

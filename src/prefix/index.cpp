@@ -242,8 +242,8 @@ void prefix_index::block_idle(const block* b) noexcept {
 
 bool prefix_index::evict_one() noexcept {
   std::shared_ptr<copied_entry> written_back;
-  std::shared_lock<std::shared_mutex> gate;
-  if (writes_back()) gate = handing();  // held until the put: a flush waits for it
+  handoff_tracker::ticket handoff;
+  if (writes_back()) handoff = handing();  // until the put: a flush waits for it
   {
     std::lock_guard lock(mutex_);
     if (lru_.empty()) return false;
@@ -321,7 +321,7 @@ std::size_t prefix_index::put_collected(std::span<const kv_block_hash> hashes,
   try {
     values.reserve(hashes.size());
     for (; put < hashes.size(); ++put) {
-      // A copy of the references: `refs` lets go of its own after handing().
+      // A copy of the references: `refs` lets go of its own outside the locks.
       values.push_back(std::make_shared<held_entry>(geometry_, hashes[put], refs[put]));
       store_->put(values.back());
     }
@@ -334,12 +334,12 @@ std::size_t prefix_index::put_collected(std::span<const kv_block_hash> hashes,
 bool prefix_index::flush() noexcept {
   if (!store_) return true;
   std::vector<kv_block_hash> hashes;
-  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside both locks
+  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside the lock
   std::vector<std::shared_ptr<const kv_store_value>> values;
   bool whole = false;
   std::size_t put = 0;
   {
-    auto gate = handing();
+    const auto handoff = handing();
     {
       std::lock_guard lock(mutex_);
       whole = collect_unstored(hashes, refs, true);
@@ -352,8 +352,8 @@ bool prefix_index::flush() noexcept {
     mark_unstored(std::span(hashes).subspan(put));
   }
   // The puts of other threads that took entries before this one looked
-  // (a write-back, another flush) have returned once this is had.
-  std::unique_lock wait(handoff_);
+  // (a write-back, another flush, a clear()) have returned after this.
+  handoffs_.wait_for_earlier();
   return whole;
 }
 
@@ -365,10 +365,10 @@ void prefix_index::mark_unstored(std::span<const kv_block_hash> hashes) noexcept
 
 void prefix_index::clear() noexcept {
   std::vector<kv_block_hash> hashes;
-  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside both locks
+  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside the lock
   std::vector<std::shared_ptr<const kv_store_value>> values;
-  std::shared_lock<std::shared_mutex> gate;
-  if (store_) gate = handing();
+  handoff_tracker::ticket handoff;
+  if (store_) handoff = handing();
   {
     std::lock_guard lock(mutex_);
     // Every entry leaves RAM here: those not in the store yet go to it,

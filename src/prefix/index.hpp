@@ -37,12 +37,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <set>
-#include <shared_mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -96,6 +96,62 @@ struct block_hash_hasher {
     for (std::size_t i = 0; i < sizeof v; ++i) v = (v << 8) | h.bytes[i];
     return v;  // SHA-256 bytes are uniform already
   }
+};
+
+/// The puts on their way to a store: each from the moment its entry is
+/// marked in the store (or removed for a write-back) until its put() has
+/// returned. A flush waits for the ones begun before it, never for later
+/// ones, so a steady stream of write-backs cannot starve it; each put
+/// returns at once, so the wait is short. Its lock is held only briefly,
+/// never while another is taken.
+class handoff_tracker {
+ public:
+  /// One handoff in progress, ended by its destruction; empty: none.
+  class ticket {
+   public:
+    ticket() = default;
+    ticket(ticket&& o) noexcept : tracker_(std::exchange(o.tracker_, nullptr)), parity_(o.parity_) {}
+    ticket& operator=(ticket&& o) noexcept {
+      std::swap(tracker_, o.tracker_);
+      std::swap(parity_, o.parity_);
+      return *this;
+    }
+    ~ticket() {
+      if (tracker_) tracker_->end(parity_);
+    }
+
+   private:
+    friend class handoff_tracker;
+    ticket(handoff_tracker* t, std::size_t parity) noexcept : tracker_(t), parity_(parity) {}
+    handoff_tracker* tracker_ = nullptr;
+    std::size_t parity_ = 0;
+  };
+
+  ticket begin() noexcept {
+    std::lock_guard lock(mutex_);
+    const std::size_t p = generation_ & 1;
+    ++in_flight_[p];
+    return {this, p};
+  }
+  /// Returns once every handoff begun before the call has ended.
+  void wait_for_earlier() noexcept {
+    std::lock_guard one(waiter_);  // one waiter flips at a time: the other side is empty when it does
+    std::unique_lock lock(mutex_);
+    const std::size_t p = generation_++ & 1;
+    ended_.wait(lock, [&] { return in_flight_[p] == 0; });
+  }
+
+ private:
+  void end(std::size_t p) noexcept {
+    std::lock_guard lock(mutex_);
+    if (--in_flight_[p] == 0) ended_.notify_all();
+  }
+
+  std::mutex waiter_;
+  std::mutex mutex_;
+  std::condition_variable ended_;
+  std::uint64_t generation_ = 0;
+  std::size_t in_flight_[2] = {0, 0};
 };
 
 /// The root hash of the definition (src/prefix/hash.cpp).
@@ -152,12 +208,9 @@ class prefix_index final : public reclaimer {
   /// The entries of `hashes` (those still cached) are not in the store
   /// after all: their handing was refused memory.
   void mark_unstored(std::span<const kv_block_hash> hashes) noexcept;
-  /// Held (shared) from the moment an entry is marked in the store, or
-  /// removed for a write-back, until its put() has returned: a flush takes
-  /// it exclusively to wait for those puts (each returns at once). Taken
-  /// before mutex_, after the pool's reclaimer mutex; nothing releases a
-  /// block's last outside reference while holding it.
-  std::shared_lock<std::shared_mutex> handing() noexcept { return std::shared_lock(handoff_); }
+  /// Held from before an entry is marked in the store, or removed for a
+  /// write-back, until its put() has returned: what a flush waits for.
+  handoff_tracker::ticket handing() noexcept { return handoffs_.begin(); }
   /// Hands the store every entry not in it yet (in use or idle), each
   /// holding its blocks until written (idle ones are in use meanwhile, as
   /// an attach's), then waits for the puts other threads are making. False
@@ -202,7 +255,7 @@ class prefix_index final : public reclaimer {
   /// if memory was refused part way (what was collected stands).
   bool collect_unstored(std::vector<kv_block_hash>& hashes, std::vector<std::vector<ref_ptr<block>>>& refs,
                         bool pin) noexcept;
-  /// Outside mutex_, under handing(): puts a held_entry of each collected
+  /// Outside mutex_, within a handing() ticket: puts a held_entry of each collected
   /// entry, keeping each value in `values` so that no block is let go of
   /// here. Returns how many were put (fewer if memory was refused).
   std::size_t put_collected(std::span<const kv_block_hash> hashes, std::span<const std::vector<ref_ptr<block>>> refs,
@@ -223,7 +276,7 @@ class prefix_index final : public reclaimer {
   const kv_store_policy policy_;
   const entry_geometry geometry_;
 
-  std::shared_mutex handoff_;  // see handing()
+  handoff_tracker handoffs_;  // see handing()
   mutable std::mutex mutex_;
   std::unordered_map<kv_block_hash, std::unique_ptr<prefix_entry>, block_hash_hasher> entries_;
   std::unordered_map<const block*, prefix_node> nodes_;
