@@ -265,7 +265,8 @@ class basic_kv_prefix_cache {
   /// the store lets go of a value, its entry's blocks are held, as an
   /// attach holds them: not evictable. The entries that a write-back,
   /// another flush or a write-through of another thread was putting when
-  /// this call looked are waited for too. The cache's destruction (its
+  /// this call looked are waited for too (this call waits for their put()
+  /// to return, which is at once). The cache's destruction (its
   /// last handle gone) stores nothing: a server flushes first.
   ///
   /// Completion signature: `void(error_code)`. Success when every entry was
