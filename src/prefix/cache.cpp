@@ -182,7 +182,7 @@ void prefix_clear(prefix_index& p) noexcept { p.clear(); }
 
 void start_flush(const std::shared_ptr<prefix_index>& p, io_op* op) {
   unstarted_op started(op);
-  const error_code ec = p->flush() ? error_code() : make_error_code(kv_errc::capacity_exhausted);
+  const error_code ec = p->flush() ? error_code() : error_code(kv_errc::capacity_exhausted);
   io_op* taken = started.take();
   // Completed (posted, never run here) once the store has settled the puts.
   auto done = [taken, ec]() noexcept {

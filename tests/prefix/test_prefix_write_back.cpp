@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -46,6 +47,15 @@ class settling_store final : public kv_block_store {
   settling_store(asio::any_io_executor ex, bool immediate) : ex_(std::move(ex)), immediate_(immediate) {}
 
   void put(std::shared_ptr<const kv_store_value> value) noexcept override {
+    std::optional<std::promise<void>> entered;
+    {
+      std::lock_guard lock(mutex_);
+      entered.swap(hold_);
+    }
+    if (entered) {  // held: as a slow put() would be, inside a write-back's eviction
+      entered->set_value();
+      release_.wait();
+    }
     {
       std::lock_guard lock(mutex_);
       ++puts_[value->hash()];
@@ -111,6 +121,14 @@ class settling_store final : public kv_block_store {
     std::lock_guard lock(mutex_);
     return waiters_.size();
   }
+  /// Makes the next put() wait inside until release_put(); the future is
+  /// ready once it is there.
+  std::future<void> hold_next_put() {
+    std::lock_guard lock(mutex_);
+    hold_.emplace();
+    return hold_->get_future();
+  }
+  void release_put() { released_.set_value(); }
   /// The most puts any one hash had.
   std::size_t most_puts_of_a_hash() const {
     std::lock_guard lock(mutex_);
@@ -128,6 +146,9 @@ class settling_store final : public kv_block_store {
   std::vector<std::function<void()>> waiters_;
   std::map<kv_block_hash, std::vector<std::byte>> values_;
   std::size_t stored_ = 0;
+  std::optional<std::promise<void>> hold_;
+  std::promise<void> released_;
+  std::shared_future<void> release_ = released_.get_future().share();
 };
 
 /// A settling store and, above it, a write-back prefix cache of 2 layers on
@@ -328,6 +349,34 @@ TEST_CASE("async_flush from two threads while two others insert completes every 
   CHECK(f.cache.stats().cached_entries == threads * prompts * 4);
   CHECK(w.puts() == threads * prompts * 4);
   CHECK(f.cache.stats().store_puts == threads * prompts * 4);
+  CHECK(store->most_puts_of_a_hash() == 1);
+}
+
+TEST_CASE("async_flush waits for the write-back another thread is putting when it looks") {
+  // 2 layers x 5 blocks: a's 4 entries and 2 blocks free; b's 2 entries
+  // need 2 more, so a's deepest entry is evicted, and its put is held.
+  write_back_fixture w(true, 10);
+  auto& [io, store, f] = w;
+  const std::vector<token_id> a = prompt(), b = run(900, 8);
+  REQUIRE(f.insert_idle(a) == 4);
+  std::future<void> in_put = store->hold_next_put();
+  auto evicting = std::async(std::launch::async, [&] {
+    sequence_kv_cache seq(f.threads, 2, config(), f.pool);
+    return append(seq, b);
+  });
+  in_put.wait();  // the eviction is inside its put
+  std::promise<std::size_t> done;
+  auto flushing = std::async(std::launch::async, [&] {
+    f.cache.async_flush([&](ghostlink::error_code ec) { done.set_value(ec ? 0 : store->stats().entries); });
+  });
+  store->release_put();
+  // a's four entries: three the flush put, and the evicted one, whose put
+  // returned before the flush completed.
+  CHECK(done.get_future().get() == 4);
+  CHECK(evicting.get() == ghostlink::error_code());
+  flushing.get();
+  CHECK(f.cache.stats().evicted_blocks == 1);
+  CHECK(w.puts() == 4);
   CHECK(store->most_puts_of_a_hash() == 1);
 }
 
