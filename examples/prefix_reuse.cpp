@@ -34,7 +34,16 @@
 // that disagree with the cache, or no eviction when the budget cannot hold
 // every prefix (as the default's cannot), fails the program (exit 1).
 //
+// With `--disk 1`, the cache has a disk tier below RAM: a kv_file_store in
+// a temporary directory, written back (kv_store_policy::write_back: an
+// entry goes to disk when RAM evicts it). At shutdown the server awaits
+// cache.async_flush(), which stores what RAM still holds and completes once
+// the disk has it; then a restarted server (a new pool, cache and store on
+// the same directory, its RAM empty) must attach every full block of every
+// conversation's last turn from disk, or the program fails.
+//
 //   prefix_reuse [--requests N] [--turns N] [--in-flight N] [--decode N] [--layers N] [--threads N] [--blocks N]
+//                [--disk 1]
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
@@ -49,8 +58,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <future>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -73,6 +84,7 @@ constexpr std::size_t block_tokens = ghostlink::kv_cache_config{}.block_tokens; 
 struct options {
   std::size_t requests = 48, turns = 4, in_flight = 4, decode = 8, layers = 8, threads = 2;
   std::size_t blocks = 0;  // the pool's budget; 0: from the trace, small enough to evict
+  bool disk = false;       // a write-back kv_file_store below RAM, and a restart from it
   std::size_t conversations() const { return (requests + turns - 1) / turns; }
 };
 
@@ -358,6 +370,8 @@ options parse(int argc, char** argv, bool& budget_given) {
       o.layers = value;
     else if (flag == "--threads")
       o.threads = value;
+    else if (flag == "--disk")
+      o.disk = true;
     else if (flag == "--blocks") {
       o.blocks = value;
       budget_given = true;
@@ -368,6 +382,45 @@ options parse(int argc, char** argv, bool& budget_given) {
 }
 
 double percent(std::uint64_t part, std::uint64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0; }
+
+/// A new directory for the disk tier, removed with it.
+struct scratch_dir {
+  std::filesystem::path path =
+      std::filesystem::temp_directory_path() / ("ghostlink-prefix_reuse-" + std::to_string(std::random_device{}()));
+  scratch_dir() { std::filesystem::create_directories(path); }
+  scratch_dir(const scratch_dir&) = delete;
+  scratch_dir& operator=(const scratch_dir&) = delete;
+  ~scratch_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+/// A restarted server: a new pool, cache and store on `dir`, its RAM
+/// empty, attaches each conversation's last turn. The conversations whose
+/// every full block did not come from disk.
+std::size_t restart_misses(const options& o, const ghostlink::kv_cache_config& config, const trace& work,
+                           const std::filesystem::path& dir) {
+  asio::thread_pool threads(o.threads);
+  auto disk = std::make_shared<ghostlink::kv_file_store>(dir);
+  ghostlink::kv_block_pool pool = ghostlink::kv_block_pool::for_caches(config, {.max_blocks = o.blocks});
+  ghostlink::kv_prefix_cache cache(
+      o.layers, config, pool,
+      {.model = "tiny-llama-2026", .store = disk, .store_policy = ghostlink::kv_store_policy::write_back});
+  std::size_t misses = 0;
+  for (const conversation& conv : work.conversations) {
+    if (conv.turns.empty()) continue;
+    const std::vector<token_id>& t = conv.turns.back().tokens;
+    const ghostlink::sequence_kv_cache seq = cache.async_attach(threads.get_executor(), t, {}, asio::use_future).get();
+    const std::size_t full = std::min(t.size(), config.max_tokens_per_seq) / block_tokens * block_tokens;
+    misses += seq.size() != full || seq.snapshot().token_ids() != std::vector<token_id>(t.begin(), t.begin() + full);
+  }
+  const std::uint64_t from_disk = cache.stats().store_hit_tokens;
+  std::printf("  restart:     %llu tokens attached from disk by a restarted server (its RAM empty); %zu "
+              "conversations short\n",
+              static_cast<unsigned long long>(from_disk), misses);
+  return misses;
+}
 
 }  // namespace
 
@@ -409,9 +462,17 @@ int main(int argc, char** argv) try {
   const ghostlink::kv_cache_config config{
       .max_tokens_per_seq = longest, .num_heads = dims.kv_heads, .head_dim = dims.head_dim};
   router_mirror mirror;
+  std::optional<scratch_dir> disk_dir;
+  std::shared_ptr<ghostlink::kv_file_store> disk;
+  if (o.disk) {
+    disk_dir.emplace();
+    disk = std::make_shared<ghostlink::kv_file_store>(disk_dir->path);
+  }
   asio::thread_pool threads(o.threads);
   ghostlink::kv_block_pool pool = ghostlink::kv_block_pool::for_caches(config, {.max_blocks = o.blocks});
-  ghostlink::kv_prefix_cache cache(o.layers, config, pool, {.model = "tiny-llama-2026"});
+  ghostlink::kv_prefix_cache cache(
+      o.layers, config, pool,
+      {.model = "tiny-llama-2026", .store = disk, .store_policy = ghostlink::kv_store_policy::write_back});
   cache.set_event_handler(mirror.handler());
   ledger blocks(pool);
   server srv{o, model, work, pool, cache, blocks};
@@ -474,6 +535,16 @@ int main(int argc, char** argv) try {
   if (router_disagrees)
     std::fprintf(stderr, "prefix_reuse: the counters or the event mirror disagree with the cache\n");
 
+  // The shutdown: what RAM holds goes to disk, and the flush completes
+  // once the disk has it, so a restarted server finds it there.
+  if (disk) {
+    asio::co_spawn(
+        threads, [&cache]() -> asio::awaitable<void> { co_await cache.async_flush(asio::use_awaitable); },
+        asio::use_future)
+        .get();
+    disk->flush();  // the file store's own wait, until it overrides kv_block_store::when_flushed
+  }
+
   // Once every sequence is gone (the threads joined: no layer holds a
   // block any more), clearing the cache gives every block back.
   threads.join();
@@ -518,7 +589,8 @@ int main(int argc, char** argv) try {
   std::printf("  recompute:   %s (max abs logit diff %.2e over %zu rows: every position every request computed); "
               "token ids %s\n",
               total.bad ? "MISMATCH" : "match", total.worst, total.rows, ids_bad ? "MISMATCH" : "match");
-  const bool failed = total.bad || ids_bad || router_disagrees || leaked || eviction_missing;
+  const std::size_t restart_short = disk ? restart_misses(o, config, work, disk_dir->path) : 0;
+  const bool failed = total.bad || ids_bad || router_disagrees || leaked || eviction_missing || restart_short;
   return failed ? 1 : 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "prefix_reuse: %s\n", e.what());

@@ -97,6 +97,24 @@ class kv_block_store {
   /// largest call holds. Until called, no cap (the default does nothing:
   /// a store of the user's own may ignore it).
   virtual void limit_value_size(std::size_t bytes) noexcept { (void)bytes; }
+
+  /// Calls `done` exactly once, when every `put()` that returned before this
+  /// call has settled: its value stored (a `fetch()` from then on finds it),
+  /// dropped or failed (counted in `stats()`), and let go of (a value that
+  /// holds blocks has given them back to their pool). Puts made during or
+  /// after the call may or may not be waited for. `done` runs on any thread:
+  /// one of the store's, or inside this call when nothing is pending; it is
+  /// quick and does not throw. A store destroyed first still calls it, once
+  /// its queued puts are written or discarded: a prefix cache's
+  /// `async_flush()` completes only through it.
+  ///
+  /// The default calls `done` at once, inside this call: right for a store
+  /// whose `put()` has stored (or dropped) its value when it returns. A
+  /// store that queues its puts overrides it, or `async_flush()` completes
+  /// before the store has the entries.
+  /// @throws std::bad_alloc, having kept nothing of `done`, which is then
+  ///         never called.
+  virtual void when_flushed(std::function<void()> done) { done(); }
 };
 
 /// The limits and I/O of a `kv_file_store`.

@@ -40,10 +40,12 @@ enum class kv_store_policy : std::uint8_t {
   /// Every entry `insert()` adds is also stored, in the background, from
   /// its blocks (held until written, as a snapshot holds them).
   write_through,
-  /// An entry is stored when it is evicted from RAM: eviction copies its
-  /// blocks (`num_layers` blocks) on the evicting thread, then the store
-  /// writes the copy in the background. Entries that came from the store
-  /// are not written again.
+  /// An entry is stored when it leaves RAM: eviction copies its blocks
+  /// (`num_layers` blocks) on the evicting thread, then the store writes
+  /// the copy in the background; `clear()` hands the store the entries it
+  /// drops. `async_flush()` stores the entries still in RAM (before a
+  /// shutdown, say). No entry is put twice while RAM holds it: not one
+  /// that came from the store, nor one a flush or `clear()` put.
   write_back,
 };
 
@@ -236,7 +238,53 @@ class basic_kv_prefix_cache {
   /// Drops every entry: blocks in use elsewhere stay with their users, idle
   /// ones go back to the pool. Not an eviction: `evicted_blocks` stays, and
   /// one `cleared` event is emitted (also on an empty cache), no `removed`.
+  ///
+  /// With a store, every entry not in it yet (with `write_back`, those not
+  /// evicted nor fetched nor flushed; with `write_through`, only those whose
+  /// write memory refused), idle or in use, is handed to it first, as a
+  /// flush hands it: clear() is where those entries leave RAM, so
+  /// write-back stores them as it stores an evicted one. They are put, not
+  /// copied: each value holds its blocks until the store has written or
+  /// dropped it (a store's pending limit, as `kv_file_store_limits::
+  /// max_pending_bytes`, bounds what it holds), so clear() stays quick and
+  /// allocates no copy of the cache; the idle blocks go back to the pool as
+  /// the store lets go of them. It does not wait for the store:
+  /// `async_flush()` first does. Memory refused for a value loses its
+  /// entry's write, nothing else.
   void clear() noexcept { detail::prefix_clear(*index_); }
+
+  /// Hands the store every entry not in it yet, in use or idle (one a
+  /// sequence still references is cached data that never changes, so it is
+  /// stored too: a shutdown keeps everything RAM held), and completes when
+  /// the store has settled those puts: stored, dropped (a limit) or failed,
+  /// as `kv_block_store::when_flushed` reports. What a server calls before
+  /// it shuts down, with `write_back`, so that a restarted one attaches
+  /// what this one computed. Each put counts in `store_puts`; no entry is
+  /// put twice (a second flush with nothing new puts nothing, and an
+  /// evicted entry that a flush stored is not written back again). Until
+  /// the store lets go of a value, its entry's blocks are held, as an
+  /// attach holds them: not evictable. The entries that a write-back,
+  /// another flush or a write-through of another thread was putting when
+  /// this call looked are waited for too (this call waits for their put()
+  /// to return, which is at once). The cache's destruction (its
+  /// last handle gone) stores nothing: a server flushes first.
+  ///
+  /// Completion signature: `void(error_code)`. Success when every entry was
+  /// handed, also when there was nothing to put or the cache has no store;
+  /// puts the store dropped or failed are not errors here (the tier is a
+  /// cache): they count in the store's `dropped` and `write_errors`.
+  /// `kv_errc::capacity_exhausted` if memory was refused for some entry's
+  /// value (it stays unstored: a later flush tries again). Not
+  /// cancellable: the puts are handed in this call. The handler is queued
+  /// on its associated executor, default ghostlink's private I/O pool,
+  /// never run inside this call; the store calls `when_flushed`'s
+  /// callback from its own thread, which only queues it.
+  /// @throws std::bad_alloc if the operation or the store's wait cannot be
+  ///         allocated (the puts are handed all the same).
+  template <class CompletionToken = default_completion_token>
+  auto async_flush(CompletionToken&& token = default_completion_token()) {
+    return asio::async_initiate<CompletionToken, void(error_code)>(detail::initiate_flush<T>{}, token, index_);
+  }
 
   /// The counters now (see `kv_prefix_stats`). `cached_entries -
   /// idle_blocks` entries are in use.

@@ -11,6 +11,7 @@
 
 #include "core/actor.hpp"
 #include "ghostlink/error.hpp"
+#include "io/file.hpp"
 #include "prefix/index.hpp"
 #include "sequence/sequence.hpp"
 #include "store/entry.hpp"
@@ -94,7 +95,7 @@ pinned_sequence pin_sequence(const sequence_state& seq) {
 /// `hashes`), each holding its blocks until written. The caller still pins
 /// them, so they are in use: the references taken here are not an idle
 /// block's (which only an attach may hand out). Memory refused loses the
-/// write-through of the rest, nothing else.
+/// write-through of the rest, which a flush then hands.
 void write_through(prefix_index& p, std::span<const kv_block_hash> hashes,
                    std::span<const std::vector<const block*>> blocks, std::span<const std::size_t> added) noexcept {
   std::size_t handed = 0;
@@ -107,6 +108,12 @@ void write_through(prefix_index& p, std::span<const kv_block_hash> hashes,
       ++handed;
     }
   } catch (const std::bad_alloc&) {
+    std::vector<kv_block_hash> rest;
+    try {
+      for (const std::size_t i : added.subspan(handed)) rest.push_back(hashes[i]);
+    } catch (const std::bad_alloc&) {
+    }
+    p.mark_unstored(rest);
   }
   p.count_store_puts(handed);
 }
@@ -165,12 +172,36 @@ std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std:
   if (!p.store() || p.store_policy() != kv_store_policy::write_through) return p.insert(h, blocks);
   std::vector<std::size_t> added;
   added.reserve(h.size());
-  const std::size_t n = p.insert(h, blocks, &added);
+  const auto handoff = p.handing();  // from marking the entries in the store until they are put
+  const std::size_t n = p.insert(h, blocks, &added, true);
   write_through(p, h, blocks, added);
   return n;
 }
 
 void prefix_clear(prefix_index& p) noexcept { p.clear(); }
+
+void start_flush(const std::shared_ptr<prefix_index>& p, io_op* op) {
+  unstarted_op started(op);
+  const error_code ec = p->flush() ? error_code() : error_code(kv_errc::capacity_exhausted);
+  io_op* taken = started.take();
+  // Completed (posted, never run here) once the store has settled the puts.
+  auto done = [taken, ec]() noexcept {
+    try {
+      taken->complete(ec, queueing::post);
+    } catch (...) {  // memory refused for the queueing: the handler is lost, its work released
+    }
+  };
+  if (!p->store()) {
+    done();
+    return;
+  }
+  try {
+    p->store()->when_flushed(done);
+  } catch (...) {
+    taken->discard();
+    throw;
+  }
+}
 kv_prefix_stats prefix_stats(const prefix_index& p) noexcept { return p.stats(); }
 void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler) {
   p.set_event_handler(std::move(handler));

@@ -28,6 +28,7 @@ prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config
       geometry_(num_layers_, config_, element_, static_cast<std::uint32_t>(codec_.size)),
       halves_(2 * num_layers_) {
   if (!pool_->attach_reclaimer(this)) throw std::system_error(make_error_code(kv_errc::invalid_config));
+  if (store_) store_->limit_value_size(geometry_.entry_bytes());
 }
 
 prefix_index::~prefix_index() {
@@ -95,7 +96,7 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
 
 std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
                                  std::span<const std::vector<const block*>> blocks, std::vector<std::size_t>* added,
-                                 bool from_store) {
+                                 bool in_store) {
   std::vector<prefix_entry*> chain(hashes.size(), nullptr);
   std::vector<bool> is_new(hashes.size(), false);
   std::vector<kv_block_hash> created;
@@ -145,7 +146,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
   for (std::size_t i = 0; i < hashes.size(); ++i) {
     if (!is_new[i]) continue;
     prefix_entry& e = *chain[i];
-    e.from_store = from_store;
+    e.in_store = in_store;
     if (added) added->push_back(i);  // room reserved by the caller
     e.parent = i == 0 ? nullptr : chain[i - 1];
     if (e.parent && e.parent->children++ == 0 && e.parent->in_lru()) lru_remove(*e.parent);
@@ -241,12 +242,14 @@ void prefix_index::block_idle(const block* b) noexcept {
 
 bool prefix_index::evict_one() noexcept {
   std::shared_ptr<copied_entry> written_back;
+  handoff_tracker::ticket handoff;
+  if (writes_back()) handoff = handing();  // until the put: a flush waits for it
   {
     std::lock_guard lock(mutex_);
     if (lru_.empty()) return false;
     prefix_entry& e = *lru_.begin()->second;
     lru_remove(e);
-    if (store_ && policy_ == kv_store_policy::write_back && !e.from_store) {
+    if (writes_back() && !e.in_store) {
       // The copy is made here, as the blocks are about to be freed; memory
       // refused only loses the write-back.
       for (std::size_t l = 0; l < num_layers_; ++l) {
@@ -286,15 +289,100 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   entries_.erase(e.hash);  // destroys e
 }
 
-void prefix_index::clear() noexcept {
+bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes, std::vector<std::vector<ref_ptr<block>>>& refs,
+                                    bool pin) noexcept {
+  try {
+    hashes.reserve(entries_.size());
+    refs.reserve(entries_.size());
+    for (auto& [hash, entry] : entries_) {
+      prefix_entry& e = *entry;
+      if (e.in_store) continue;
+      std::vector<ref_ptr<block>> held;
+      held.reserve(num_layers_);  // the last allocation: a throw leaves nothing held
+      for (prefix_node* n : e.nodes) {
+        // As an attach's: the block never changes while cached.
+        held.push_back(ref_ptr<block>::share(const_cast<block*>(n->blk)));
+        if (pin && !n->in_use) node_in_use(*n);
+      }
+      e.in_store = true;
+      hashes.push_back(hash);       // reserved: cannot throw
+      refs.push_back(std::move(held));
+    }
+    return true;
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+}
+
+std::size_t prefix_index::put_collected(std::span<const kv_block_hash> hashes,
+                                        std::span<const std::vector<ref_ptr<block>>> refs,
+                                        std::vector<std::shared_ptr<const kv_store_value>>& values) noexcept {
+  std::size_t put = 0;
+  try {
+    values.reserve(hashes.size());
+    for (; put < hashes.size(); ++put) {
+      // A copy of the references: `refs` lets go of its own outside the locks.
+      values.push_back(std::make_shared<held_entry>(geometry_, hashes[put], refs[put]));
+      store_->put(values.back());
+    }
+  } catch (const std::bad_alloc&) {
+  }
+  store_puts_.fetch_add(put, std::memory_order_relaxed);
+  return put;
+}
+
+bool prefix_index::flush() noexcept {
+  if (!store_) return true;
+  std::vector<kv_block_hash> hashes;
+  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside the lock
+  std::vector<std::shared_ptr<const kv_store_value>> values;
+  bool whole = false;
+  std::size_t put = 0;
+  {
+    const auto handoff = handing();
+    {
+      std::lock_guard lock(mutex_);
+      whole = collect_unstored(hashes, refs, true);
+      publish_counts();
+    }
+    put = put_collected(hashes, refs, values);
+  }
+  if (put < hashes.size()) {
+    whole = false;
+    mark_unstored(std::span(hashes).subspan(put));
+  }
+  // The puts of other threads that took entries before this one looked
+  // (a write-back, another flush, a clear()) have returned after this.
+  handoffs_.wait_for_earlier();
+  return whole;
+}
+
+void prefix_index::mark_unstored(std::span<const kv_block_hash> hashes) noexcept {
   std::lock_guard lock(mutex_);
-  lru_.clear();
-  for (auto& [blk, node] : nodes_) blk->drop_cached();
-  nodes_.clear();
-  entries_.clear();
-  idle_nodes_ = idle_entries_ = reclaimable_ = 0;
-  emit(kv_prefix_event::kind::cleared, {}, nullptr);
-  publish_counts();
+  for (const kv_block_hash& h : hashes)
+    if (auto it = entries_.find(h); it != entries_.end()) it->second->in_store = false;
+}
+
+void prefix_index::clear() noexcept {
+  std::vector<kv_block_hash> hashes;
+  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside the lock
+  std::vector<std::shared_ptr<const kv_store_value>> values;
+  handoff_tracker::ticket handoff;
+  if (store_) handoff = handing();
+  {
+    std::lock_guard lock(mutex_);
+    // Every entry leaves RAM here: those not in the store yet go to it,
+    // holding their blocks (no copy) until it has written them.
+    if (store_) collect_unstored(hashes, refs, false);
+    lru_.clear();
+    for (auto& [blk, node] : nodes_) blk->drop_cached();
+    nodes_.clear();
+    entries_.clear();
+    idle_nodes_ = idle_entries_ = reclaimable_ = 0;
+    emit(kv_prefix_event::kind::cleared, {}, nullptr);
+    publish_counts();
+  }
+  if (store_) put_collected(hashes, refs, values);
 }
 
 void prefix_index::publish_counts() noexcept {

@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -83,7 +84,7 @@ struct prefix_entry {
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // in use, or a pinned child: eviction cannot reach it now
   std::vector<prefix_node*> nodes;  // one per layer
-  bool from_store = false;          // fetched from the store: write-back skips it
+  bool in_store = false;            // fetched from the store or handed to it: nothing puts it again
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
@@ -95,6 +96,62 @@ struct block_hash_hasher {
     for (std::size_t i = 0; i < sizeof v; ++i) v = (v << 8) | h.bytes[i];
     return v;  // SHA-256 bytes are uniform already
   }
+};
+
+/// The puts on their way to a store: each from the moment its entry is
+/// marked in the store (or removed for a write-back) until its put() has
+/// returned. A flush waits for the ones begun before it, never for later
+/// ones, so a steady stream of write-backs cannot starve it; each put
+/// returns at once, so the wait is short. Its lock is held only briefly,
+/// never while another is taken.
+class handoff_tracker {
+ public:
+  /// One handoff in progress, ended by its destruction; empty: none.
+  class ticket {
+   public:
+    ticket() = default;
+    ticket(ticket&& o) noexcept : tracker_(std::exchange(o.tracker_, nullptr)), parity_(o.parity_) {}
+    ticket& operator=(ticket&& o) noexcept {
+      std::swap(tracker_, o.tracker_);
+      std::swap(parity_, o.parity_);
+      return *this;
+    }
+    ~ticket() {
+      if (tracker_) tracker_->end(parity_);
+    }
+
+   private:
+    friend class handoff_tracker;
+    ticket(handoff_tracker* t, std::size_t parity) noexcept : tracker_(t), parity_(parity) {}
+    handoff_tracker* tracker_ = nullptr;
+    std::size_t parity_ = 0;
+  };
+
+  ticket begin() noexcept {
+    std::lock_guard lock(mutex_);
+    const std::size_t p = generation_ & 1;
+    ++in_flight_[p];
+    return {this, p};
+  }
+  /// Returns once every handoff begun before the call has ended.
+  void wait_for_earlier() noexcept {
+    std::lock_guard one(waiter_);  // one waiter flips at a time: the other side is empty when it does
+    std::unique_lock lock(mutex_);
+    const std::size_t p = generation_++ & 1;
+    ended_.wait(lock, [&] { return in_flight_[p] == 0; });
+  }
+
+ private:
+  void end(std::size_t p) noexcept {
+    std::lock_guard lock(mutex_);
+    if (--in_flight_[p] == 0) ended_.notify_all();
+  }
+
+  std::mutex waiter_;
+  std::mutex mutex_;
+  std::condition_variable ended_;
+  std::uint64_t generation_ = 0;
+  std::size_t in_flight_[2] = {0, 0};
 };
 
 /// The root hash of the definition (src/prefix/hash.cpp).
@@ -143,10 +200,22 @@ class prefix_index final : public reclaimer {
   /// `blocks[i]` (one per layer, held by the caller throughout); existing
   /// ones become the most recently used. Returns the entries added, and
   /// appends their indices into `hashes` to `added` (if given, with room
-  /// for `hashes.size()` reserved). `from_store`: they came from the store.
+  /// for `hashes.size()` reserved). `in_store`: they came from the store,
+  /// or the caller hands them to it (write-through).
   /// Throws std::bad_alloc, changing nothing.
   std::size_t insert(std::span<const kv_block_hash> hashes, std::span<const std::vector<const block*>> blocks,
-                     std::vector<std::size_t>* added = nullptr, bool from_store = false);
+                     std::vector<std::size_t>* added = nullptr, bool in_store = false);
+  /// The entries of `hashes` (those still cached) are not in the store
+  /// after all: their handing was refused memory.
+  void mark_unstored(std::span<const kv_block_hash> hashes) noexcept;
+  /// Held from before an entry is marked in the store, or removed for a
+  /// write-back, until its put() has returned: what a flush waits for.
+  handoff_tracker::ticket handing() noexcept { return handoffs_.begin(); }
+  /// Hands the store every entry not in it yet (in use or idle), each
+  /// holding its blocks until written (idle ones are in use meanwhile, as
+  /// an attach's), then waits for the puts other threads are making. False
+  /// if memory was refused for some (they stay unstored). No store: true.
+  bool flush() noexcept;
   /// Counts an attach's tokens from the store, the entries handed to it,
   /// and the values it returned that were refused.
   void count_store_hits(std::size_t tokens) noexcept { store_hit_tokens_.fetch_add(tokens, std::memory_order_relaxed); }
@@ -179,6 +248,20 @@ class prefix_index final : public reclaimer {
   /// Drops `e` from the index and its nodes; the blocks no entry holds any
   /// more lose their cached bit (freed if idle).
   void remove(prefix_entry& e) noexcept;
+  /// Under mutex_: the hashes of the entries not in the store, and in
+  /// `refs` (reserved by the caller's side of the lock, released after
+  /// it) their blocks, referenced; they count as in the store from now.
+  /// `pin`: their idle nodes turn in use (the entries stay cached). False
+  /// if memory was refused part way (what was collected stands).
+  bool collect_unstored(std::vector<kv_block_hash>& hashes, std::vector<std::vector<ref_ptr<block>>>& refs,
+                        bool pin) noexcept;
+  /// Outside mutex_, within a handing() ticket: puts a held_entry of each collected
+  /// entry, keeping each value in `values` so that no block is let go of
+  /// here. Returns how many were put (fewer if memory was refused).
+  std::size_t put_collected(std::span<const kv_block_hash> hashes, std::span<const std::vector<ref_ptr<block>>> refs,
+                            std::vector<std::shared_ptr<const kv_store_value>>& values) noexcept;
+  /// Whether entries leaving RAM are written back.
+  bool writes_back() const noexcept { return store_ && policy_ == kv_store_policy::write_back; }
   void emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent) noexcept;
   void publish_counts() noexcept;
 
@@ -193,6 +276,7 @@ class prefix_index final : public reclaimer {
   const kv_store_policy policy_;
   const entry_geometry geometry_;
 
+  handoff_tracker handoffs_;  // see handing()
   mutable std::mutex mutex_;
   std::unordered_map<kv_block_hash, std::unique_ptr<prefix_entry>, block_hash_hasher> entries_;
   std::unordered_map<const block*, prefix_node> nodes_;

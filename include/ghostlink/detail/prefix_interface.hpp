@@ -61,6 +61,19 @@ void start_attach(const std::shared_ptr<prefix_index>& p, const asio::any_io_exe
                   std::span<const token_id> tokens, std::string_view salt, const kv_attach_options& options,
                   const std::shared_ptr<attach_wakeup>& wakeup, io_op* op);
 
+/// Hands the store every entry not in it yet, then completes `op` (taking
+/// ownership) when the store has settled those puts (kv_block_store::
+/// when_flushed), never inside this call: `kv_errc::capacity_exhausted` if
+/// memory was refused for some entry, else success (also without a store).
+/// Throws only if memory is refused for the wait, then discarding `op`
+/// first (src/prefix/cache.cpp).
+void start_flush(const std::shared_ptr<prefix_index>& p, io_op* op);
+
+/// Starts an `async_flush` (impl/prefix_cache.hpp); a template, as the
+/// member using it must not need it complete.
+template <storage_element T>
+struct initiate_flush;
+
 /// Starts an `async_attach` (impl/prefix_cache.hpp).
 template <storage_element T>
 struct initiate_attach;

@@ -1,7 +1,7 @@
 #pragma once
-// Template implementation of basic_kv_prefix_cache's asynchronous attach:
-// its initiation, and the cancellation handler that also wakes a job
-// waiting on the store.
+// Template implementation of basic_kv_prefix_cache's asynchronous
+// operations: an attach's initiation, and the cancellation handler that
+// also wakes a job waiting on the store; a flush's initiation.
 
 #include <memory>
 #include <span>
@@ -55,6 +55,20 @@ struct initiate_attach {
       }
     }
     start_attach(p, ex, tokens, salt, options, wakeup, started);
+  }
+};
+
+/// Starts an `async_flush`.
+template <storage_element T>
+struct initiate_flush {
+  template <class Handler>
+  void operator()(Handler&& handler, const std::shared_ptr<prefix_index>& p) const {
+    using handler_type = std::decay_t<Handler>;
+    using op = handler_op<io_op, handler_type, asio::any_io_executor>;
+    // Whatever may throw (the private pool's threads) before the operation exists.
+    asio::any_io_executor io = io_pool_executor({});
+    handler_type h(std::forward<Handler>(handler));
+    start_flush(p, op::make(std::move(h), io));
   }
 };
 
