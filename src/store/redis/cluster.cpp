@@ -278,7 +278,7 @@ void redis_cluster::refresh_from(const std::shared_ptr<const std::vector<kv_redi
                          }
                          try {
                            self->install(*ranges, host);
-                           self->session_->readiness->ready();
+                           self->session_->mapped();
                          } catch (...) {  // memory refused: the map stays as it was
                          }
                          std::lock_guard lock(self->mutex_);

@@ -4,6 +4,7 @@
 // connection (AUTH, SELECT, or a PING), the counters its failures are
 // recorded in, and the readiness async_wait_ready() waits for.
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -81,14 +82,21 @@ struct redis_session {
   std::string server_name;
   /// Whether the server's certificate is verified.
   bool verify = true;
-  /// One server: a connection opened is the store ready. A cluster: its slot map read.
+  /// One server: a connection opened is the store ready. A cluster: its
+  /// slot map read (`map_read`), and then any connection opened again.
   bool ready_on_hello = true;
+  mutable std::atomic<bool> map_read{false};
   std::shared_ptr<redis_counters> counters;
   std::shared_ptr<redis_readiness> readiness;
 
   /// A connection of this store opened (TLS and AUTH done).
   void opened() const noexcept {
-    if (ready_on_hello) readiness->ready();
+    if (ready_on_hello || map_read.load(std::memory_order_acquire)) readiness->ready();
+  }
+  /// A cluster's slot map read: the store is ready.
+  void mapped() const noexcept {
+    map_read.store(true, std::memory_order_release);
+    readiness->ready();
   }
   /// A connection of this store failed with `e` (recorded, counted).
   void failed(kv_errc e) const noexcept {
