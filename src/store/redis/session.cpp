@@ -69,6 +69,14 @@ bool is_redis_auth_error(std::string_view error) noexcept {
   return error.starts_with("NOAUTH") || error.starts_with("WRONGPASS") || error.starts_with("NOPERM");
 }
 
+void redis_readiness::finish(waiter& w, error_code ec) noexcept {
+  try {
+    w.timer->cancel();
+  } catch (...) {  // its wait then finds no waiter
+  }
+  complete(w.op, ec);
+}
+
 void redis_readiness::complete(io_op* op, error_code ec) noexcept {
   try {
     op->complete(ec, queueing::post);
@@ -115,10 +123,7 @@ void redis_readiness::settle(error_code ec) noexcept {
     if (closed_) return;
     done.swap(waiters_);
   }
-  for (auto& [id, w] : done) {
-    w.timer->cancel();
-    complete(w.op, ec);
-  }
+  for (auto& [id, w] : done) finish(w, ec);
 }
 
 void redis_readiness::close() noexcept {
@@ -128,10 +133,7 @@ void redis_readiness::close() noexcept {
     closed_ = true;
     done.swap(waiters_);
   }
-  for (auto& [id, w] : done) {
-    w.timer->cancel();
-    complete(w.op, asio::error::operation_aborted);
-  }
+  for (auto& [id, w] : done) finish(w, asio::error::operation_aborted);
 }
 
 }  // namespace detail

@@ -57,6 +57,8 @@ class redis_readiness : public std::enable_shared_from_this<redis_readiness> {
   };
   void settle(error_code ec) noexcept;
   static void complete(io_op* op, error_code ec) noexcept;
+  /// Cancels `w`'s timer and completes its operation with `ec`.
+  static void finish(waiter& w, error_code ec) noexcept;
 
   const asio::any_io_executor io_;
   const std::chrono::milliseconds patience_;
