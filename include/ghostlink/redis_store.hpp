@@ -19,7 +19,7 @@
 /// - hiredis 0.14's asynchronous API needs an event-loop adapter to Asio
 ///   written anyway, and its reader copies every reply (an entry is
 ///   megabytes) before handing it over;
-/// - the part of RESP2 used (GET, SET, PING, CLUSTER SLOTS, ASKING and
+/// - the part of RESP2 used (GET, SET, PING, AUTH, SELECT, CLUSTER SLOTS, ASKING and
 ///   their replies: `+`, `-`, `:`, `$` bulk and nil, `*` arrays) is small.
 
 #include <chrono>

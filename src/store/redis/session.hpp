@@ -88,7 +88,9 @@ struct redis_session {
   /// slot map read (`map_read`), and then any connection opened again.
   bool ready_on_hello = true;
   mutable std::atomic<bool> map_read{false};
+  /// Where failures, auth and TLS errors, oversized replies are counted; the value cap.
   std::shared_ptr<redis_counters> counters;
+  /// What async_wait_ready() waits on.
   std::shared_ptr<redis_readiness> readiness;
 
   /// A connection of this store opened (TLS and AUTH done).
