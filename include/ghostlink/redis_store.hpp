@@ -192,8 +192,9 @@ class redis_store_state;
 /// Errors recorded (`kv_store_stats::last_error` and its time): a
 /// connection refused, lost or not answered in time (`store_unavailable`),
 /// a TLS handshake failed (`store_tls_failed`), credentials, database or
-/// an ACL refused (`store_auth_failed`), a put refused by the server with
-/// another error (`-OOM`, `-LOADING`, `-CLUSTERDOWN`: `store_unavailable`).
+/// an ACL refused (`store_auth_failed`), a put or a lookup refused by the
+/// server with another error (`-OOM`, `-LOADING`, `-CLUSTERDOWN`:
+/// `store_unavailable`).
 /// The password is in no error, message or log.
 ///
 /// Costs: a put encodes its value on the I/O executor's thread into the

@@ -77,6 +77,12 @@ std::string redis_command(std::initializer_list<std::string_view> args);
 std::size_t parse_redis_reply(std::string_view in, redis_reply& out,
                               std::size_t max_bulk = static_cast<std::size_t>(-1));
 
+/// Whether an error reply is the server refusing who we are or what we may
+/// do: `NOAUTH`, `WRONGPASS`, `NOPERM`.
+inline bool is_redis_auth_error(std::string_view error) noexcept {
+  return error.starts_with("NOAUTH") || error.starts_with("WRONGPASS") || error.starts_with("NOPERM");
+}
+
 struct redis_session;
 
 struct redis_timeouts {

@@ -76,6 +76,12 @@ class redis_counters {
     stats_.last_error = make_error_code(e);
     stats_.last_error_time = std::chrono::system_clock::now();
   }
+  /// Records an error reply other than an auth error (the connection
+  /// records those): the server refusing the request (`-OOM`, `-LOADING`,
+  /// `-CLUSTERDOWN`, ...) as `store_unavailable`.
+  void refused(const redis_reply& reply) noexcept {
+    if (reply.kind == redis_reply::type::error && !is_redis_auth_error(reply.text())) error(kv_errc::store_unavailable);
+  }
   /// Counts a value larger than the cap (not an error: the cap is the caller's).
   void oversized() noexcept {
     std::lock_guard lock(mutex_);
@@ -128,8 +134,9 @@ struct fetch_request {
     if (!more) stopped.store(true, std::memory_order_release);
   }
   /// Delivers a GET's reply to index `i`: a non-empty string is a hit,
-  /// anything else (nil, an error, a failure) a miss.
+  /// anything else (nil, an error, a failure, an oversized value) a miss.
   void answer(std::size_t i, redis_reply reply, redis_counters& counters) noexcept {
+    counters.refused(reply);
     std::vector<std::byte> bytes;
     if (reply.kind == redis_reply::type::bulk && !reply.bytes.empty()) {
       counters.hit();

@@ -65,10 +65,6 @@ std::shared_ptr<redis_session> make_redis_session(const kv_redis_store_options& 
   return s;
 }
 
-bool is_redis_auth_error(std::string_view error) noexcept {
-  return error.starts_with("NOAUTH") || error.starts_with("WRONGPASS") || error.starts_with("NOPERM");
-}
-
 void redis_readiness::finish(waiter& w, error_code ec) noexcept {
   try {
     w.timer->cancel();

@@ -115,9 +115,5 @@ struct redis_session {
 std::shared_ptr<redis_session> make_redis_session(const kv_redis_store_options& options,
                                                   std::shared_ptr<redis_counters> counters);
 
-/// Whether an error reply is the server refusing who we are or what we may
-/// do: `NOAUTH`, `WRONGPASS`, `NOPERM`.
-bool is_redis_auth_error(std::string_view error) noexcept;
-
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -41,12 +41,10 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
-/// A put's reply, counted. An error reply other than an auth error (the
-/// connection records those) is the server refusing to store: recorded.
+/// A put's reply, counted (an error reply recorded).
 redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, std::size_t size) {
   return [counters = std::move(counters), size](const redis_reply& reply) {
-    if (reply.kind == redis_reply::type::error && !is_redis_auth_error(reply.text()))
-      counters->error(kv_errc::store_unavailable);
+    counters->refused(reply);
     counters->finish_put(size, redis_stored(reply));
   };
 }
