@@ -42,7 +42,7 @@ void usage(int code) {
               "                      decode_with_offloader memory fork prefill memory_waste storage_16bit\n"
               "                      prefix_attach prefix_hash prefix_match prefix_eviction prefix_workload\n"
               "                      save_load decode_with_offload attach_from_disk\n"
-              "                      redis_store attach_from_redis\n"
+              "                      redis_store redis_store_tls attach_from_redis\n"
               "  --impl A,B          only these of ghostlink rwlock_zero_copy rwlock mutex strand_only (default: all)\n"
               "  --json FILE         also write every figure as JSON\n");
   std::exit(code);  // NOLINT(concurrency-mt-unsafe): parsing the command line, before any thread starts

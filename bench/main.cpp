@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
       {"decode_with_offload", decode_with_offload},
       {"attach_from_disk", attach_from_disk},
       {"redis_store", redis_store},
+      {"redis_store_tls", redis_store_tls},
       {"attach_from_redis", attach_from_redis}};
   if (!opts.only.empty() && !scenarios.contains(opts.only)) {
     std::fprintf(stderr, "unknown scenario %s\n", opts.only.c_str());
@@ -69,6 +70,7 @@ int main(int argc, char** argv) {
                            "decode_with_offload",
                            "attach_from_disk",
                            "redis_store",
+                           "redis_store_tls",
                            "attach_from_redis"})
     if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",

@@ -32,6 +32,7 @@ void save_load(const options& opts, report& out);
 void decode_with_offload(const options& opts, report& out);
 void attach_from_disk(const options& opts, report& out);
 void redis_store(const options& opts, report& out);
+void redis_store_tls(const options& opts, report& out);
 void attach_from_redis(const options& opts, report& out);
 
 }  // namespace ghostlink::bench

@@ -18,6 +18,11 @@
 //   bulk reply read straight into a buffer of its size (allocated once).
 // Reported: the entries' bytes over each time; target ghostlink >= 0.8x.
 //
+// redis_store_tls: the same over TLS (TLS 1.3, a P-256 certificate
+// verified against the CA the benchmark makes) to the server's loopback
+// TLS port: the store with `tls`, the raw baseline with OpenSSL's
+// SSL_write and SSL_read on its blocking sockets.
+//
 // attach_from_redis: each run clears the RAM cache and times async_attach
 // of the 4096 tokens (every block from Redis: fetched, checked, copied into
 // the pool, attached) against one multi-token async_append of the same
@@ -49,22 +54,26 @@ constexpr std::size_t connections = 2;
 
 /// The server, a prefix cache on it, and the prompt's sequence.
 struct redis_tier {
-  redis_tier(const options& o, const std::string& scenario)
+  /// With `tls`: the store on the server's TLS port.
+  redis_tier(const options& o, const std::string& scenario, bool tls = false)
       : n(std::min<std::size_t>(4096, o.tokens) / o.block_tokens * o.block_tokens),
         entries(n / o.block_tokens),
         config(o.config()),
         data(config.token_width(), n),
-        server(scenario),
+        server(scenario, tls),
         threads(o.threads),
         io(connections),
         pool(kv_block_pool::for_caches(config)),
         store(std::make_shared<kv_redis_store>(
-            std::vector<kv_redis_endpoint>{{.unix_socket = server.socket().string()}},
+            std::vector<kv_redis_endpoint>{tls ? kv_redis_endpoint{.host = "127.0.0.1", .port = server.tls_port()}
+                                               : kv_redis_endpoint{.unix_socket = server.socket().string()}},
             // Room for every put of one insert, and time for 256 MiB of replies on a busy machine.
-            kv_redis_store_options{.connections = connections,
-                                   .request_timeout = std::chrono::seconds(10),
-                                   .max_pending_bytes = std::size_t{1} << 30,
-                                   .io_executor = io.get_executor()})),
+            kv_redis_store_options{
+                .tls = tls ? std::optional(kv_redis_tls_options{.ca_file = server.ca_file()}) : std::nullopt,
+                .connections = connections,
+                .request_timeout = std::chrono::seconds(10),
+                .max_pending_bytes = std::size_t{1} << 30,
+                .io_executor = io.get_executor()})),
         cache(o.layers, config, pool,
               {.model = "ghostlink-bench", .store = store, .store_policy = kv_store_policy::write_through}),
         seq(threads, o.layers, config, pool) {
@@ -124,12 +133,11 @@ bool have_redis(report& out, const std::string& scenario) {
   return false;
 }
 
-}  // namespace
-
-void redis_store(const options& o, report& out) {
-  const std::string scenario = "redis_store";
+/// redis_store and redis_store_tls.
+void store_and_fetch(const options& o, report& out, const std::string& scenario, bool tls) {
   if (!have_redis(out, scenario)) return;
-  redis_tier tier(o, scenario);
+  redis_tier tier(o, scenario, tls);
+  const redis::target raw_target = tier.server.target();
   // The values as stored, for the baseline.
   tier.store_all(scenario);
   std::vector<std::string> ghostlink_keys, raw_keys;
@@ -170,8 +178,7 @@ void redis_store(const options& o, report& out) {
     };
     tier.empty();
     stores.values["ghostlink"] = rate([&] { tier.store_all(scenario); });
-    stores.values["raw"] =
-        rate([&] { redis::raw_set(tier.server.socket(), connections, raw_keys, raw_values, scenario); });
+    stores.values["raw"] = rate([&] { redis::raw_set(raw_target, connections, raw_keys, raw_values, scenario); });
     fetches.values["ghostlink"] = rate([&] {
       std::promise<void> done;
       std::size_t left = tier.entries, missing = 0;
@@ -183,18 +190,24 @@ void redis_store(const options& o, report& out) {
       done.get_future().get();
       if (missing != 0) fail(scenario, std::to_string(missing) + " entries missing from Redis");
     });
-    fetches.values["raw"] =
-        rate([&] { redis::raw_get(tier.server.socket(), connections, raw_keys, raw_out, scenario); });
+    fetches.values["raw"] = rate([&] { redis::raw_get(raw_target, connections, raw_keys, raw_out, scenario); });
     store_ratio.values["ghostlink"] = stores.values["ghostlink"] / stores.values["raw"];
     fetch_ratio.values["ghostlink"] = fetches.values["ghostlink"] / fetches.values["raw"];
   });
   out.add_note(scenario, std::to_string(tier.n) + " tokens x " + std::to_string(o.layers) +
                              " layers: " + std::to_string(tier.entries) + " entries, " + std::to_string(bytes) +
-                             " bytes, to a redis-server on a unix socket (no persistence); ghostlink: "
+                             " bytes, to a redis-server " +
+                             (tls ? std::string("over TLS on a loopback port") : std::string("on a unix socket")) +
+                             " (no persistence); ghostlink: "
                              "insert_stored_tokens written through a kv_redis_store + flush(), and store->fetch(); "
                              "raw: the same values pipelined as SETs and GETs, " +
                              std::to_string(connections) + " connections, one thread each, in both. Target >= 0.8x");
 }
+
+}  // namespace
+
+void redis_store(const options& o, report& out) { store_and_fetch(o, out, "redis_store", false); }
+void redis_store_tls(const options& o, report& out) { store_and_fetch(o, out, "redis_store_tls", true); }
 
 void attach_from_redis(const options& o, report& out) {
   const std::string scenario = "attach_from_redis";

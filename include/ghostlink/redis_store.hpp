@@ -19,7 +19,7 @@
 /// - hiredis 0.14's asynchronous API needs an event-loop adapter to Asio
 ///   written anyway, and its reader copies every reply (an entry is
 ///   megabytes) before handing it over;
-/// - the part of RESP2 used (GET, SET, PING, CLUSTER SLOTS, ASKING and
+/// - the part of RESP2 used (GET, SET, PING, AUTH, SELECT, CLUSTER SLOTS, ASKING and
 ///   their replies: `+`, `-`, `:`, `$` bulk and nil, `*` arrays) is small.
 
 #include <chrono>
@@ -28,11 +28,17 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "ghostlink/block_store.hpp"
+#include "ghostlink/completion_token.hpp"
+#include "ghostlink/detail/completion.hpp"
+#include "ghostlink/detail/io_op.hpp"
+#include "ghostlink/error.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 
@@ -50,7 +56,15 @@ struct kv_redis_endpoint {
 /// TLS to a Redis server (`kv_redis_store_options::tls`), through
 /// `asio::ssl` over OpenSSL: TLS 1.2 or later, the server's certificate
 /// verified against the CA given and its name against the endpoint's host
-/// (or `server_name`), which is also sent as SNI.
+/// (or `server_name`), which is also sent as SNI (a host name only: an IP
+/// address is matched against the certificate's IP addresses, and sent as
+/// no SNI). TCP endpoints only: TLS with a unix socket is `invalid_config`
+/// (the socket's file permissions guard it; TLS would add only its cost).
+/// A failed handshake (a certificate not verified, a name not matched, a
+/// server speaking no TLS) counts in `kv_store_stats::tls_errors`, sets
+/// `last_error` to `kv_errc::store_tls_failed`, and the connection is
+/// tried again after `reconnect_backoff`. On close, the TLS session is not
+/// shut down (no `close_notify` awaited): the socket is closed.
 struct kv_redis_tls_options {
   /// A PEM file of the CA certificates the server's chain must lead to;
   /// empty (and `ca_directory` empty too): the system's default CA paths.
@@ -73,15 +87,38 @@ struct kv_redis_tls_options {
 };
 
 /// The connections, timeouts and limits of a `kv_redis_store`.
+///
+/// Every connection (each of `connections`, every reconnect, every node of
+/// a cluster, a redirect's and a slot map reading's included) is opened the
+/// same way before any request is written on it: connected (within
+/// `connect_timeout`), the TLS handshake if `tls`, then `AUTH` (if
+/// `password`) and `SELECT` (if `database` is not 0) pipelined, or a
+/// `PING` if neither, their replies checked (handshake and replies within
+/// `request_timeout`). An error reply (`WRONGPASS`, `NOAUTH`, `NOPERM`,
+/// `ERR invalid password`, `ERR DB index is out of range`, ...) counts in
+/// `kv_store_stats::auth_errors`, sets `last_error` to
+/// `kv_errc::store_auth_failed`, fails the connection's requests (misses,
+/// write errors) and backs off. A `NOAUTH` or `NOPERM` replied to a
+/// request later (an ACL that forbids a command or a key) counts so too,
+/// that request failing.
+///
+/// The ACL a user needs: `+get +set` and the keys `~ghostlink:*`;
+/// `+select` if `database` is not 0; `+cluster|slots +asking` on a
+/// cluster (e.g. `ACL SETUSER ghost on >pw ~ghostlink:* +get +set`). `AUTH`
+/// needs no permission; the `PING` sent without a password is the
+/// `default` user's.
 struct kv_redis_store_options {
   /// The ACL user to authenticate as (`AUTH username password`); empty:
-  /// `AUTH password` (the `default` user) when a password is set.
+  /// `AUTH password` (the `default` user) when a password is set. A user
+  /// without a password is `invalid_config`.
   std::string username{};
   /// The password (`requirepass`, or the ACL user's); empty: no `AUTH`.
   /// Never logged, printed or put in an error message.
   std::string password{};
   /// The database to `SELECT` on every connection; a cluster has only
-  /// database 0, so any other with `cluster` is `invalid_config`.
+  /// database 0, so any other with `cluster` is `invalid_config`, as is
+  /// one above `kv_redis_store::max_database` (a server has 16 unless
+  /// configured otherwise: one it lacks is an auth failure, as above).
   std::uint32_t database = 0;
   /// TLS on every connection (cluster nodes and reconnects included);
   /// none: plain TCP or the unix socket.
@@ -110,6 +147,7 @@ struct kv_redis_store_options {
   /// The bytes of puts not yet answered, beyond which a put is dropped.
   std::size_t max_pending_bytes = std::size_t{256} << 20;
   /// An expiry set on every value stored (`SET ... EX`); none: no expiry.
+  /// 0 or more than `kv_redis_store::max_ttl_seconds` is `invalid_config`.
   std::optional<std::uint64_t> ttl_seconds{};
   /// Where the sockets and timers run; none: an I/O context of the store's
   /// own, with one thread. A given executor must keep running until the
@@ -145,18 +183,48 @@ class redis_store_state;
 /// `reconnect_backoff`. No request waits longer than `request_timeout`
 /// (counted from when its connection takes it), connecting or not.
 ///
+/// Read cap: once `limit_value_size()` is called (a prefix cache does, with
+/// its entry size), a GET reply longer than the cap is a miss counted in
+/// `kv_store_stats::oversized` (not an error: `last_error` is unchanged),
+/// and its bytes are skipped as they arrive, never buffered: a value
+/// planted too large in Redis costs its transfer, not its memory.
+///
+/// Errors recorded (`kv_store_stats::last_error` and its time): a
+/// connection refused, lost or not answered in time (`store_unavailable`),
+/// a TLS handshake failed (`store_tls_failed`), credentials, database or
+/// an ACL refused (`store_auth_failed`), a put or a lookup refused by the
+/// server with another error (`-OOM`, `-LOADING`, `-CLUSTERDOWN`:
+/// `store_unavailable`).
+/// The password is in no error, message or log.
+///
 /// Costs: a put encodes its value on the I/O executor's thread into the
 /// request itself (one copy) and is written with the requests queued with
 /// it; a lookup's reply is read into one buffer, copied once into the
 /// value handed to the prefix cache, whose checks run on that thread.
 class kv_redis_store final : public kv_block_store {
  public:
+  /// The largest `ttl_seconds`: 9 * 10^15 s, so that the expiry in
+  /// milliseconds plus the server's clock stays within Redis's signed
+  /// 64 bits (Redis refuses `EX` beyond that with `invalid expire time`).
+  static constexpr std::uint64_t max_ttl_seconds = 9'000'000'000'000'000 / 1000;
+  /// The largest `database` (Redis takes a database index as a C `int`).
+  static constexpr std::uint32_t max_database = 2'147'483'647;
+
   /// A store on `endpoints.front()`, or on the cluster whose seeds
   /// `endpoints` are; starts connecting in the background (never blocks on
-  /// the server).
+  /// the server). Nothing is started when it throws.
   /// @throws std::invalid_argument if `endpoints` is empty, its unix
   /// socket path is longer than a socket address holds, a cluster's
   /// endpoint is a unix socket, or `options.connections` is 0.
+  /// @throws std::system_error with `kv_errc::invalid_config` if an
+  /// endpoint used (the first; a cluster's every seed) is TCP with an empty
+  /// `host` or port 0, or is a unix socket with `tls`; `ttl_seconds` is 0
+  /// or above `max_ttl_seconds`; `database` is not 0 on a cluster or is
+  /// above `max_database`; `username` is set without `password`;
+  /// `connect_timeout` or `request_timeout` is not positive or
+  /// `reconnect_backoff` negative; or a TLS file (`ca_file`,
+  /// `ca_directory`, `certificate_file`, `private_key_file`) cannot be read
+  /// or used, or a certificate comes without its key or the reverse.
   explicit kv_redis_store(std::vector<kv_redis_endpoint> endpoints, kv_redis_store_options options = {});
   /// Closes the connections once the requests on them are answered or
   /// time out. With the store's own I/O context, waits for that (at most
@@ -173,8 +241,40 @@ class kv_redis_store final : public kv_block_store {
   /// Blocks the calling thread until every put queued before the call is
   /// stored, dropped or failed. Never call it from the I/O executor's threads.
   void flush();
+  /// Caps the values read (see "Read cap" above); the largest call holds.
+  void limit_value_size(std::size_t bytes) noexcept override;
+
+  /// Waits until the store can serve: a connection to the server opened
+  /// (TLS handshaken, authenticated, database selected), or for a cluster
+  /// the slot map read from a seed. Completes at once (queued, never inside
+  /// this call) if that holds now; else at the next outcome of a connection
+  /// attempt: success, `kv_errc::store_auth_failed`,
+  /// `kv_errc::store_tls_failed` or `kv_errc::store_unavailable` (a refused
+  /// or timed-out connect, or nothing at all within `connect_timeout +
+  /// 2 * request_timeout + reconnect_backoff`). `asio::error::operation_aborted`
+  /// if the store is destroyed first. Not cancellable (it is bounded).
+  ///
+  /// Completion signature: `void(error_code)`. Handler: queued on its
+  /// associated executor; without one, on the store's I/O executor (its
+  /// own thread, or `io_executor`): it must not block there.
+  /// @param token the completion token; none is needed to `co_await`.
+  /// @return what `asio::async_initiate` makes of `token`.
+  template <class CompletionToken = default_completion_token>
+  auto async_wait_ready(CompletionToken&& token = default_completion_token()) {
+    return asio::async_initiate<CompletionToken, void(error_code)>(
+        [this](auto handler) {
+          using op = detail::handler_op<detail::io_op, std::decay_t<decltype(handler)>, asio::any_io_executor>;
+          start_wait_ready(op::make(std::move(handler), executor()));
+        },
+        token);
+  }
 
  private:
+  /// The I/O executor the connections run on.
+  asio::any_io_executor executor() const noexcept;
+  /// Hands `op` to the readiness (which completes it, or discards it if this throws).
+  void start_wait_ready(detail::io_op* op);
+
   std::unique_ptr<detail::redis_store_state> state_;
 };
 

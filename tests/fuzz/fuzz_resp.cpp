@@ -33,9 +33,9 @@ using ghostlink::detail::redis_reply;
 }
 
 /// The bytes taken, 0 for more, or npos for a protocol error.
-std::size_t parse(std::string_view in, redis_reply& out) {
+std::size_t parse(std::string_view in, redis_reply& out, std::size_t max_bulk = static_cast<std::size_t>(-1)) {
   try {
-    return parse_redis_reply(in, out);
+    return parse_redis_reply(in, out, max_bulk);
   } catch (const std::runtime_error&) {
     return std::string_view::npos;
   }
@@ -64,6 +64,7 @@ void encode(const redis_reply& r, std::string& out) {
       for (const redis_reply& e : r.elements) encode(e, out);
       return;
     case redis_reply::type::failed: mismatch("a reply taken with no kind");
+    case redis_reply::type::oversized: mismatch("an oversized reply without a cap");
   }
 }
 
@@ -85,6 +86,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (std::size_t k = 0; k < took; k += (took - k <= 16 ? 1 : stride)) {
     redis_reply part;
     if (parse(whole.substr(0, k), part) != 0) mismatch("a prefix of a reply was taken or refused");
+  }
+
+  // With a cap below a top-level bulk's length: its header alone, the
+  // length said; a cap at its length: the same reply.
+  if (reply.kind == redis_reply::type::bulk && !reply.bytes.empty()) {
+    redis_reply capped;
+    const std::size_t header = took - reply.bytes.size() - 2;
+    if (parse(whole, capped, reply.bytes.size() - 1) != header || capped.kind != redis_reply::type::oversized ||
+        capped.integer != static_cast<std::int64_t>(reply.bytes.size()))
+      mismatch("a bulk beyond the cap is not its header alone");
+    if (parse(whole, capped, reply.bytes.size()) != took || !same(capped, reply))
+      mismatch("a bulk at the cap parses otherwise");
   }
 
   std::string again;

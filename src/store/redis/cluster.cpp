@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "store/redis/session.hpp"
+
 // clang-format off
 #include GHOSTLINK_ASIO_HEADER(post.hpp)
 // clang-format on
@@ -96,11 +98,12 @@ std::optional<std::vector<redis_slot_range>> parse_cluster_slots(const redis_rep
 }
 
 redis_cluster::redis_cluster(asio::any_io_executor io, std::vector<kv_redis_endpoint> seeds, std::size_t connections,
-                             redis_timeouts timeouts)
+                             redis_timeouts timeouts, std::shared_ptr<const redis_session> session)
     : io_(std::move(io)),
       seeds_(std::move(seeds)),
       connections_(connections),
       timeouts_(timeouts),
+      session_(std::move(session)),
       slots_(redis_slots) {
   if (seeds_.empty()) throw std::invalid_argument("kv_redis_store: no endpoint");
   for (const kv_redis_endpoint& e : seeds_)
@@ -125,7 +128,8 @@ redis_cluster::node_ptr redis_cluster::node_at(const std::string& host, std::uin
   const std::string name = node_name(host, port);
   if (auto found = nodes_.find(name); found != nodes_.end()) return found->second;
   if (nodes_.size() >= max_redis_nodes) return nullptr;
-  auto node = std::make_shared<redis_node>(io_, kv_redis_endpoint{.host = host, .port = port}, connections_, timeouts_);
+  auto node = std::make_shared<redis_node>(io_, kv_redis_endpoint{.host = host, .port = port}, connections_, timeouts_,
+                                           session_);
   nodes_.emplace(name, node);
   return node;
 }
@@ -274,6 +278,7 @@ void redis_cluster::refresh_from(const std::shared_ptr<const std::vector<kv_redi
                          }
                          try {
                            self->install(*ranges, host);
+                           self->session_->mapped();
                          } catch (...) {  // memory refused: the map stays as it was
                          }
                          std::lock_guard lock(self->mutex_);

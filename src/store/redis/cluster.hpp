@@ -15,7 +15,11 @@
 //
 // State: the map and the nodes are guarded by `mutex_`, taken from any
 // thread (the store's callers, the connections' strands); no request is
-// sent while holding it. Callbacks hold the cluster; once closed, it makes
+// sent while holding it.
+//
+// Every node's connections authenticate as the store's session says
+// (session.hpp), those of a redirect's node and of a map reading too; the
+// store is ready once a map is read. Callbacks hold the cluster; once closed, it makes
 // no node and reads no map, so they end as their requests do.
 
 #include <chrono>
@@ -84,7 +88,7 @@ class redis_cluster : public std::enable_shared_from_this<redis_cluster> {
 
   /// @throws std::invalid_argument if `seeds` is empty or names a unix socket.
   redis_cluster(asio::any_io_executor io, std::vector<kv_redis_endpoint> seeds, std::size_t connections,
-                redis_timeouts timeouts);
+                redis_timeouts timeouts, std::shared_ptr<const redis_session> session);
   redis_cluster(const redis_cluster&) = delete;
   redis_cluster& operator=(const redis_cluster&) = delete;
   ~redis_cluster();
@@ -119,6 +123,7 @@ class redis_cluster : public std::enable_shared_from_this<redis_cluster> {
   const std::vector<kv_redis_endpoint> seeds_;
   const std::size_t connections_;
   const redis_timeouts timeouts_;
+  const std::shared_ptr<const redis_session> session_;  // every node's connections', and the readiness
   std::mutex mutex_;
   std::map<std::string, node_ptr> nodes_;          // by host:port
   std::vector<node_ptr> slots_;                    // redis_slots of them; null: unknown

@@ -8,13 +8,18 @@
 
 #include "store/redis/connection.hpp"
 
+#include <openssl/ssl.h>
+
 #include <algorithm>
 #include <charconv>
 #include <stdexcept>
 #include <utility>
 
+#include "store/redis/session.hpp"
+
 // clang-format off
 #include GHOSTLINK_ASIO_HEADER(connect.hpp)
+#include GHOSTLINK_ASIO_HEADER(ip/address.hpp)
 #include GHOSTLINK_ASIO_HEADER(local/stream_protocol.hpp)
 #include GHOSTLINK_ASIO_HEADER(write.hpp)
 // clang-format on
@@ -32,6 +37,12 @@ std::int64_t parse_integer(std::string_view text) {
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || end != text.data() + text.size()) throw std::runtime_error("RESP: bad integer");
   return v;
+}
+
+/// What a read or write error on a connection says: OpenSSL's (an alert:
+/// a client certificate refused, say) is TLS failing; any other, the server gone.
+kv_errc error_of(const error_code& ec) noexcept {
+  return ec.category() == asio::error::get_ssl_category() ? kv_errc::store_tls_failed : kv_errc::store_unavailable;
 }
 
 std::vector<std::byte> as_bytes(std::string_view text) {
@@ -53,7 +64,7 @@ std::string redis_command(std::initializer_list<std::string_view> args) {
 
 namespace {
 
-std::size_t parse_reply_at(std::string_view in, redis_reply& out, std::size_t depth) {
+std::size_t parse_reply_at(std::string_view in, redis_reply& out, std::size_t depth, std::size_t max_bulk) {
   if (in.empty()) return 0;
   const std::size_t eol = in.find("\r\n");
   if (eol == std::string_view::npos) return 0;
@@ -79,7 +90,12 @@ std::size_t parse_reply_at(std::string_view in, redis_reply& out, std::size_t de
         return after;
       }
       if (n < 0) throw std::runtime_error("RESP: bad bulk length");
-      const auto length = static_cast<std::size_t>(n);
+      const auto length = static_cast<std::uint64_t>(n);
+      if (depth == 0 && length > max_bulk) {  // not buffered: the caller skips it
+        out.kind = redis_reply::type::oversized;
+        out.integer = n;
+        return after;
+      }
       if (in.size() - after < length + 2) return 0;
       if (in.substr(after + length, 2) != "\r\n") throw std::runtime_error("RESP: bulk not terminated");
       out.kind = redis_reply::type::bulk;
@@ -101,7 +117,7 @@ std::size_t parse_reply_at(std::string_view in, redis_reply& out, std::size_t de
       std::size_t at = after;
       for (std::int64_t i = 0; i < n; ++i) {
         redis_reply element;
-        const std::size_t took = parse_reply_at(in.substr(at), element, depth + 1);
+        const std::size_t took = parse_reply_at(in.substr(at), element, depth + 1, max_bulk);
         if (took == 0) return 0;
         at += took;
         elements.push_back(std::move(element));
@@ -117,12 +133,16 @@ std::size_t parse_reply_at(std::string_view in, redis_reply& out, std::size_t de
 
 }  // namespace
 
-std::size_t parse_redis_reply(std::string_view in, redis_reply& out) { return parse_reply_at(in, out, 0); }
+std::size_t parse_redis_reply(std::string_view in, redis_reply& out, std::size_t max_bulk) {
+  return parse_reply_at(in, out, 0, max_bulk);
+}
 
-redis_connection::redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint, redis_timeouts timeouts)
+redis_connection::redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint, redis_timeouts timeouts,
+                                   std::shared_ptr<const redis_session> session)
     : strand_(asio::make_strand(ex)),
       endpoint_(std::move(endpoint)),
       timeouts_(timeouts),
+      session_(std::move(session)),
       socket_(strand_),
       resolver_(strand_),
       connect_timer_(strand_),
@@ -165,7 +185,7 @@ void redis_connection::queue(request r) noexcept {
     arm_deadline();
   } catch (...) {  // memory refused for an operation: the connection starts again
     try {
-      lost();
+      lost(std::nullopt);
     } catch (...) {  // not even that (no memory for the backoff timer): it stays down
     }
   }
@@ -185,13 +205,28 @@ void redis_connection::close() {
   });
 }
 
+void redis_connection::arm_connect_timer(std::chrono::milliseconds after) {
+  connect_timer_.expires_after(after);
+  connect_timer_.async_wait([self = shared_from_this(), g = generation_](const error_code& ec) {
+    if (ec || g != self->generation_ || self->state_ != state::connecting) return;
+    // A handshake not answered: no TLS spoken there (or no one answering at all).
+    self->lost(self->phase_ == phase::handshake ? kv_errc::store_tls_failed : kv_errc::store_unavailable);
+  });
+}
+
 void redis_connection::connect() {
   state_ = state::connecting;
+  phase_ = phase::connect;
   const std::uint64_t g = ++generation_;
-  connect_timer_.expires_after(timeouts_.connect);
-  connect_timer_.async_wait([self = shared_from_this(), g](const error_code& ec) {
-    if (!ec && g == self->generation_ && self->state_ == state::connecting) self->lost();
-  });
+  if (session_->tls) {
+    try {
+      tls_ = std::make_shared<tls_stream>(strand_, *session_->tls);
+    } catch (...) {  // memory refused, or OpenSSL's: not this time
+      lost(kv_errc::store_tls_failed);
+      return;
+    }
+  }
+  arm_connect_timer(timeouts_.connect);
   if (!endpoint_.unix_socket.empty()) {
     connect_to(asio::local::stream_protocol::endpoint(endpoint_.unix_socket), g);
     return;
@@ -209,10 +244,10 @@ void redis_connection::connect() {
 }
 
 void redis_connection::connect_to(const asio::generic::stream_protocol::endpoint& where, std::uint64_t g) {
-  socket_.async_connect(where, [self = shared_from_this(), g](const error_code& ec) {
+  lowest_socket().async_connect(where, [self = shared_from_this(), tls = tls_, g](const error_code& ec) {
     if (g != self->generation_) return;
     if (ec) {
-      self->lost();
+      self->lost(error_of(ec));
       return;
     }
     self->connected();
@@ -220,24 +255,112 @@ void redis_connection::connect_to(const asio::generic::stream_protocol::endpoint
 }
 
 void redis_connection::connected() {
-  state_ = state::connected;
-  connect_timer_.cancel();
   if (endpoint_.unix_socket.empty()) {
     error_code ignored;
-    socket_.set_option(asio::ip::tcp::no_delay(true), ignored);
+    lowest_socket().set_option(asio::ip::tcp::no_delay(true), ignored);
   }
   in_.clear();
   in_start_ = 0;
+  skipping_ = 0;
+  arm_connect_timer(timeouts_.request);  // the handshake and the hello, as a request
+  if (tls_)
+    handshake();
+  else
+    send_hello();
+}
+
+void redis_connection::handshake() {
+  phase_ = phase::handshake;
+  const std::string& name = session_->server_name.empty() ? endpoint_.host : session_->server_name;
+  error_code not_address;
+  (void)asio::ip::make_address(name, not_address);
+  // SNI for a host name (never an address, RFC 6066); the name checked.
+  if (not_address && SSL_set_tlsext_host_name(tls_->native_handle(), name.c_str()) != 1) {
+    lost(kv_errc::store_tls_failed);
+    return;
+  }
+  if (session_->verify) {
+    error_code ec;
+    tls_->set_verify_callback(asio::ssl::host_name_verification(name), ec);
+    if (ec) {
+      lost(kv_errc::store_tls_failed);
+      return;
+    }
+  }
+  tls_->async_handshake(asio::ssl::stream_base::client,
+                        [self = shared_from_this(), tls = tls_, g = generation_](const error_code& ec) {
+                          if (g != self->generation_) return;
+                          if (ec) {
+                            self->lost(kv_errc::store_tls_failed);
+                            return;
+                          }
+                          self->send_hello();
+                        });
+}
+
+void redis_connection::send_hello() {
+  phase_ = phase::hello;
+  hello_left_ = session_->hello_replies;
+  const std::uint64_t g = generation_;
   read_more();
+  if (g != generation_) return;
+  writing_ = true;
+  with_stream([&](auto& stream) {
+    asio::async_write(stream, asio::buffer(session_->hello),
+                      [self = shared_from_this(), tls = tls_, g](const error_code& ec, std::size_t) {
+                        self->writing_ = false;
+                        if (g != self->generation_) {
+                          self->close_if_drained();
+                          return;
+                        }
+                        if (ec) {
+                          self->lost(error_of(ec));
+                          return;
+                        }
+                        self->write_more();
+                      });
+  });
+}
+
+void redis_connection::opened() {
+  state_ = state::connected;
+  connect_timer_.cancel();
+  session_->opened();
   write_more();
   arm_deadline();
   close_if_drained();
 }
 
-void redis_connection::lost() {
+bool redis_connection::take(redis_reply reply) {
+  const bool refused = reply.kind == redis_reply::type::error && is_redis_auth_error(reply.text());
+  if (refused) session_->failed(kv_errc::store_auth_failed);
+  if (reply.kind == redis_reply::type::oversized) session_->counters->oversized();
+  if (hello_left_ > 0) {
+    // Any error to AUTH, SELECT or PING: credentials or database refused.
+    if (reply.kind != redis_reply::type::status) {
+      if (!refused) session_->failed(kv_errc::store_auth_failed);
+      lost(std::nullopt);  // recorded above
+      return false;
+    }
+    if (--hello_left_ == 0) opened();
+    return true;
+  }
+  if (in_flight_.empty()) throw std::runtime_error("RESP: a reply to no request");
+  request r = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  try {
+    r.done(std::move(reply));
+  } catch (...) {
+  }
+  return true;
+}
+
+void redis_connection::lost(std::optional<kv_errc> why) {
+  if (why && !closing_) session_->failed(*why);
   ++generation_;
+  hello_left_ = 0;
   error_code ignored;
-  socket_.close(ignored);
+  lowest_socket().close(ignored);  // a TLS stream is not shut down: nothing waits for its peer
   resolver_.cancel();
   state_ = closing_ ? state::closed : state::backoff;
   std::deque<request> failed = std::move(in_flight_);
@@ -286,24 +409,27 @@ void redis_connection::write_more() {
       queued_.pop_front();
     }
   } catch (...) {  // memory refused: the connection's requests fail, it starts again
-    lost();
+    lost(std::nullopt);
     return;
   }
   writing_ = true;
-  asio::async_write(socket_, buffers,
-                    [self = shared_from_this(), batch, g = generation_](const error_code& ec, std::size_t) {
-                      self->writing_ = false;
-                      if (g != self->generation_) {
-                        self->write_more();
-                        self->close_if_drained();
-                        return;
-                      }
-                      if (ec) {
-                        self->lost();
-                        return;
-                      }
-                      self->write_more();
-                    });
+  with_stream([&](auto& stream) {
+    asio::async_write(
+        stream, buffers,
+        [self = shared_from_this(), batch, tls = tls_, g = generation_](const error_code& ec, std::size_t) {
+          self->writing_ = false;
+          if (g != self->generation_) {
+            self->write_more();
+            self->close_if_drained();
+            return;
+          }
+          if (ec) {
+            self->lost(error_of(ec));
+            return;
+          }
+          self->write_more();
+        });
+  });
 }
 
 void redis_connection::read_more() {
@@ -314,39 +440,49 @@ void redis_connection::read_more() {
     }
     in_.resize(in_.size() + read_chunk);
   } catch (...) {
-    lost();
+    lost(std::nullopt);
     return;
   }
   const std::size_t old = in_.size() - read_chunk;
-  socket_.async_read_some(asio::buffer(in_.data() + old, read_chunk), [self = shared_from_this(), g = generation_, old](
-                                                                          const error_code& ec, std::size_t n) {
-    if (g != self->generation_) return;
-    if (ec) {
-      self->lost();
-      return;
-    }
-    self->in_.resize(old + n);
-    try {
-      for (;;) {
-        redis_reply reply;
-        const std::size_t took = parse_redis_reply(std::string_view(self->in_).substr(self->in_start_), reply);
-        if (took == 0) break;
-        if (self->in_flight_.empty()) throw std::runtime_error("RESP: a reply to no request");
-        self->in_start_ += took;
-        request r = std::move(self->in_flight_.front());
-        self->in_flight_.pop_front();
-        try {
-          r.done(std::move(reply));
-        } catch (...) {
-        }
-      }
-    } catch (...) {  // a protocol error, or memory refused: start again
-      self->lost();
-      return;
-    }
-    self->close_if_drained();
-    if (g == self->generation_ && self->state_ == state::connected) self->read_more();
+  with_stream([&](auto& stream) {
+    stream.async_read_some(
+        asio::buffer(in_.data() + old, read_chunk),
+        [self = shared_from_this(), tls = tls_, g = generation_, old](const error_code& ec, std::size_t n) {
+          if (g != self->generation_) return;
+          if (ec) {
+            self->lost(error_of(ec));
+            return;
+          }
+          self->in_.resize(old + n);
+          try {
+            if (!self->parse_replies()) return;
+          } catch (...) {  // a protocol error, or memory refused: start again
+            self->lost();
+            return;
+          }
+          self->close_if_drained();
+          if (g == self->generation_) self->read_more();
+        });
   });
+}
+
+bool redis_connection::parse_replies() {
+  const std::uint64_t g = generation_;
+  const std::size_t cap = session_->counters->value_cap();
+  for (;;) {
+    if (skipping_ > 0) {  // an oversized value's bytes, dropped as they come
+      const std::size_t skip = std::min<std::uint64_t>(skipping_, in_.size() - in_start_);
+      in_start_ += skip;
+      skipping_ -= skip;
+      if (skipping_ > 0) return true;
+    }
+    redis_reply reply;
+    const std::size_t took = parse_redis_reply(std::string_view(in_).substr(in_start_), reply, cap);
+    if (took == 0) return true;
+    in_start_ += took;
+    if (reply.kind == redis_reply::type::oversized) skipping_ = static_cast<std::uint64_t>(reply.integer) + 2;
+    if (!take(std::move(reply)) || g != generation_) return false;
+  }
 }
 
 void redis_connection::arm_deadline() {
@@ -380,11 +516,11 @@ void redis_connection::check_deadlines() {
 
 void redis_connection::close_if_drained() {
   if (!closing_ || !queued_.empty() || !in_flight_.empty() || writing_) return;
-  if (state_ == state::closed && !socket_.is_open() && !deadline_armed_) return;
+  if (state_ == state::closed && !lowest_socket().is_open() && !deadline_armed_) return;
   state_ = state::closed;
   ++generation_;
   error_code ignored;
-  socket_.close(ignored);
+  lowest_socket().close(ignored);
   resolver_.cancel();
   connect_timer_.cancel();
   deadline_timer_.cancel();

@@ -3,7 +3,9 @@
 // Redis Cluster (store.cpp): the keys, the SET command, the counters
 // (and the puts flush() waits for), and a fetch's delivery to its handler.
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -11,10 +13,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
 #include "ghostlink/block_store.hpp"
+#include "ghostlink/error.hpp"
 #include "store/redis/connection.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -64,6 +68,34 @@ class redis_counters {
     std::lock_guard lock(mutex_);
     ++stats_.hits;
   }
+  /// Records `e` as the last error (now); an auth or TLS failure is counted too.
+  void error(kv_errc e) noexcept {
+    std::lock_guard lock(mutex_);
+    if (e == kv_errc::store_auth_failed) ++stats_.auth_errors;
+    if (e == kv_errc::store_tls_failed) ++stats_.tls_errors;
+    stats_.last_error = make_error_code(e);
+    stats_.last_error_time = std::chrono::system_clock::now();
+  }
+  /// Records an error reply other than an auth error (the connection
+  /// records those): the server refusing the request (`-OOM`, `-LOADING`,
+  /// `-CLUSTERDOWN`, ...) as `store_unavailable`.
+  void refused(const redis_reply& reply) noexcept {
+    if (reply.kind == redis_reply::type::error && !is_redis_auth_error(reply.text())) error(kv_errc::store_unavailable);
+  }
+  /// Counts a value larger than the cap (not an error: the cap is the caller's).
+  void oversized() noexcept {
+    std::lock_guard lock(mutex_);
+    ++stats_.oversized;
+  }
+  /// The largest value read (limit_value_size()); no cap until set.
+  std::size_t value_cap() const noexcept { return value_cap_.load(std::memory_order_relaxed); }
+  /// Raises the cap to `bytes` (the first call sets it; the largest holds).
+  void limit_value_size(std::size_t bytes) noexcept {
+    std::size_t now = value_cap_.load(std::memory_order_relaxed);
+    while (!value_cap_.compare_exchange_weak(now, now == no_cap ? bytes : std::max(now, bytes),
+                                             std::memory_order_relaxed)) {
+    }
+  }
   kv_store_stats stats() const noexcept {
     std::lock_guard lock(mutex_);
     kv_store_stats s = stats_;
@@ -82,6 +114,8 @@ class redis_counters {
   kv_store_stats stats_;
   std::size_t pending_bytes_ = 0;
   std::size_t pending_puts_ = 0;
+  static constexpr std::size_t no_cap = static_cast<std::size_t>(-1);
+  std::atomic<std::size_t> value_cap_{no_cap};
 };
 
 /// A fetch's handler, called until it says "no more".
@@ -100,8 +134,9 @@ struct fetch_request {
     if (!more) stopped.store(true, std::memory_order_release);
   }
   /// Delivers a GET's reply to index `i`: a non-empty string is a hit,
-  /// anything else (nil, an error, a failure) a miss.
+  /// anything else (nil, an error, a failure, an oversized value) a miss.
   void answer(std::size_t i, redis_reply reply, redis_counters& counters) noexcept {
+    counters.refused(reply);
     std::vector<std::byte> bytes;
     if (reply.kind == redis_reply::type::bulk && !reply.bytes.empty()) {
       counters.hit();

@@ -19,6 +19,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -29,6 +30,7 @@
 #include "store/redis/connection.hpp"
 #include "store/redis/node.hpp"
 #include "store/redis/requests.hpp"
+#include "store/redis/session.hpp"
 
 // clang-format off
 #include GHOSTLINK_ASIO_HEADER(io_context.hpp)
@@ -39,11 +41,34 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
-/// A put's reply, counted.
+/// A put's reply, counted (an error reply recorded).
 redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, std::size_t size) {
   return [counters = std::move(counters), size](const redis_reply& reply) {
+    counters->refused(reply);
     counters->finish_put(size, redis_stored(reply));
   };
+}
+
+[[noreturn]] void invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
+
+/// Throws what the header documents for bad endpoints or options.
+void check(const std::vector<kv_redis_endpoint>& endpoints, const kv_redis_store_options& o) {
+  if (endpoints.empty()) throw std::invalid_argument("kv_redis_store: no endpoint");
+  if (o.connections == 0) throw std::invalid_argument("kv_redis_store: 0 connections");
+  if (endpoints.front().unix_socket.size() >= sizeof(sockaddr_un{}.sun_path))
+    throw std::invalid_argument("kv_redis_store: unix socket path too long");
+  if (o.cluster)
+    for (const kv_redis_endpoint& e : endpoints)
+      if (!e.unix_socket.empty()) throw std::invalid_argument("kv_redis_store: a cluster's endpoints are TCP");
+  for (const kv_redis_endpoint& e : o.cluster ? endpoints : std::vector<kv_redis_endpoint>{endpoints.front()}) {
+    if (e.unix_socket.empty() && (e.host.empty() || e.port == 0)) invalid_config();
+    if (!e.unix_socket.empty() && o.tls) invalid_config();  // TLS is for TCP
+  }
+  if (o.ttl_seconds && (*o.ttl_seconds == 0 || *o.ttl_seconds > kv_redis_store::max_ttl_seconds)) invalid_config();
+  if (o.database > kv_redis_store::max_database || (o.cluster && o.database != 0)) invalid_config();
+  if (!o.username.empty() && o.password.empty()) invalid_config();
+  if (o.connect_timeout.count() <= 0 || o.request_timeout.count() <= 0 || o.reconnect_backoff.count() < 0)
+    invalid_config();
 }
 
 }  // namespace
@@ -68,13 +93,9 @@ class redis_store_state {
  public:
   redis_store_state(std::vector<kv_redis_endpoint> endpoints, kv_redis_store_options options)
       : options_(std::move(options)), counters_(std::make_shared<redis_counters>(options_.max_pending_bytes)) {
-    if (endpoints.empty()) throw std::invalid_argument("kv_redis_store: no endpoint");
-    if (options_.connections == 0) throw std::invalid_argument("kv_redis_store: 0 connections");
-    if (endpoints.front().unix_socket.size() >= sizeof(sockaddr_un{}.sun_path))
-      throw std::invalid_argument("kv_redis_store: unix socket path too long");
-    if (options_.cluster)
-      for (const kv_redis_endpoint& e : endpoints)
-        if (!e.unix_socket.empty()) throw std::invalid_argument("kv_redis_store: a cluster's endpoints are TCP");
+    check(endpoints, options_);
+    // The TLS files are read before anything starts: unreadable, nothing runs.
+    std::shared_ptr<redis_session> session = make_redis_session(options_, counters_);
     if (options_.io_executor) {
       io_ = *options_.io_executor;
     } else {
@@ -92,17 +113,21 @@ class redis_store_state {
       });
     }
     const redis_timeouts timeouts{options_.connect_timeout, options_.request_timeout, options_.reconnect_backoff};
+    readiness_ = std::make_shared<redis_readiness>(
+        io_, options_.connect_timeout + 2 * options_.request_timeout + options_.reconnect_backoff);
+    session->readiness = readiness_;
     if (options_.cluster) {
-      cluster_ = std::make_shared<redis_cluster>(io_, std::move(endpoints), options_.connections, timeouts);
+      cluster_ = std::make_shared<redis_cluster>(io_, std::move(endpoints), options_.connections, timeouts, session);
       cluster_->start();
     } else {
-      node_ = std::make_unique<redis_node>(io_, endpoints.front(), options_.connections, timeouts);
+      node_ = std::make_unique<redis_node>(io_, endpoints.front(), options_.connections, timeouts, session);
     }
   }
   redis_store_state(const redis_store_state&) = delete;
   redis_store_state& operator=(const redis_store_state&) = delete;
 
   ~redis_store_state() {
+    readiness_->close();
     if (cluster_) cluster_->close();
     cluster_.reset();
     node_.reset();  // closes its connections
@@ -188,6 +213,9 @@ class redis_store_state {
 
   kv_store_stats stats() const noexcept { return counters_->stats(); }
   void flush() { counters_->flush(); }
+  void limit_value_size(std::size_t bytes) noexcept { counters_->limit_value_size(bytes); }
+  void wait_ready(io_op* op) { readiness_->wait(op); }
+  const asio::any_io_executor& executor() const noexcept { return io_; }
 
  private:
   /// Encodes `value` on the I/O executor, then sends it to its slot's master.
@@ -239,6 +267,7 @@ class redis_store_state {
   std::thread thread_;
   asio::any_io_executor io_;
   std::shared_ptr<redis_counters> counters_;
+  std::shared_ptr<redis_readiness> readiness_;
   std::unique_ptr<redis_node> node_;           // one server
   std::shared_ptr<redis_cluster> cluster_;   // or a Redis Cluster
 };
@@ -259,5 +288,8 @@ void kv_redis_store::fetch(std::vector<kv_block_hash> hashes, fetch_handler on_v
 kv_store_stats kv_redis_store::stats() const noexcept { return state_->stats(); }
 std::string kv_redis_store::key_of(const kv_block_hash& hash) { return detail::redis_key(hash); }
 void kv_redis_store::flush() { state_->flush(); }
+void kv_redis_store::limit_value_size(std::size_t bytes) noexcept { state_->limit_value_size(bytes); }
+asio::any_io_executor kv_redis_store::executor() const noexcept { return state_->executor(); }
+void kv_redis_store::start_wait_ready(detail::io_op* op) { state_->wait_ready(op); }
 
 GHOSTLINK_NAMESPACE_END

@@ -46,6 +46,7 @@ using namespace ghostlink::test::prefix;
 namespace fs = std::filesystem;
 using ghostlink::test::temp_dir;
 using ghostlink::test::redis::call;
+using ghostlink::test::redis::cluster_nodes;
 using ghostlink::test::redis::find_program;
 using ghostlink::test::redis::redis_server;
 using ghostlink::test::redis::run_program;
@@ -55,115 +56,6 @@ using clock_type = std::chrono::steady_clock;
 using bytes = std::vector<std::byte>;
 
 namespace {
-
-/// Whether 127.0.0.1:`port` can be bound now.
-bool port_free(std::uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return false;
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(port);
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool bound = ::bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0;
-  ::close(fd);
-  return bound;
-}
-
-/// Three redis-server masters of one Redis Cluster on loopback ports (each
-/// with its cluster bus on port + 10000), every slot assigned, the state
-/// ok on all three. A master's slots stay served while another is down
-/// (node timeout 30 s, full coverage not required).
-class cluster_nodes {
- public:
-  cluster_nodes() {
-    const fs::path cli = find_program("redis-cli");
-    if (cli.empty()) FAIL("redis-cli is not on PATH: the Redis Cluster tests need it (Debian: redis-tools)");
-    // Ports below 22050, so the bus ports stay below the ephemeral range.
-    auto port = static_cast<std::uint16_t>(20000 + std::random_device()() % 2000);
-    for (std::size_t tries = 0; servers_.size() < 3 && tries < 50; ++tries, ++port) {
-      if (!port_free(port) || !port_free(static_cast<std::uint16_t>(port + 10000))) continue;
-      const std::string p = std::to_string(port);
-      auto server = std::make_unique<redis_server>(
-          std::vector<std::string>{"--port", p, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                                   "--cluster-config-file", (dir_.path / ("nodes-" + p + ".conf")).string(), "--dir",
-                                   dir_.path.string(), "--cluster-node-timeout", "30000",
-                                   "--cluster-require-full-coverage", "no"},
-          kv_redis_endpoint{.host = "127.0.0.1", .port = port});
-      if (server->try_start()) servers_.push_back(std::move(server));  // else taken meanwhile: the next port
-    }
-    REQUIRE(servers_.size() == 3);
-    std::vector<std::string> create{cli.string(), "--cluster", "create"};
-    for (const auto& s : servers_) create.push_back("127.0.0.1:" + std::to_string(s->endpoint().port));
-    for (const char* a : {"--cluster-replicas", "0", "--cluster-yes"}) create.emplace_back(a);
-    const auto [status, output] = run_program(create);
-    INFO(output);
-    REQUIRE(status == 0);
-    // Each poll is one redis-cli run (its own pacing), a bounded number of
-    // them: a master turns ok about 2 s after it started (Redis's writable delay).
-    const auto deadline = clock_type::now() + std::chrono::seconds(30);
-    for (const auto& s : servers_) {
-      bool ok = false;
-      for (int poll = 0; !ok && poll < 20000 && clock_type::now() < deadline; ++poll)
-        ok = run_program({cli.string(), "-p", std::to_string(s->endpoint().port), "cluster", "info"})
-                 .second.find("cluster_state:ok") != std::string::npos;
-      REQUIRE(ok);
-    }
-  }
-
-  std::vector<kv_redis_endpoint> endpoints() const {
-    std::vector<kv_redis_endpoint> out;
-    for (const auto& s : servers_) out.push_back(s->endpoint());
-    return out;
-  }
-  const kv_redis_endpoint& endpoint(std::size_t i) const { return servers_.at(i)->endpoint(); }
-  std::size_t size() const { return servers_.size(); }
-  void stop(std::size_t i, int sig) { servers_.at(i)->stop(sig); }
-
-  /// The master that holds `key` (answers its GET without a redirect).
-  std::size_t owner_of(const std::string& key) const {
-    for (std::size_t i = 0; i < size(); ++i)
-      if (call(endpoint(i), {"GET", key}).kind != detail::redis_reply::type::error) return i;
-    FAIL("no master answers GET " << key);
-    return 0;
-  }
-  /// `key`'s value on master `i` (a nil or an error: empty).
-  bytes value_at(std::size_t i, const std::string& key) const {
-    detail::redis_reply r = call(endpoint(i), {"GET", key});
-    return r.kind == detail::redis_reply::type::bulk ? std::move(r.bytes) : bytes{};
-  }
-  std::int64_t dbsize(std::size_t i) const { return call(endpoint(i), {"DBSIZE"}).integer; }
-  std::string id(std::size_t i) const { return text(call(endpoint(i), {"CLUSTER", "MYID"})); }
-
-  /// How many `-<kind>` errors (MOVED, ASK) master `i` has replied.
-  std::int64_t errors(std::size_t i, const std::string& kind) const {
-    const std::string info = text(call(endpoint(i), {"INFO", "errorstats"}));
-    const std::string field = "errorstat_" + kind + ":count=";
-    const std::size_t at = info.find(field);
-    return at == std::string::npos ? 0 : std::stoll(info.substr(at + field.size()));
-  }
-
-  /// Moves `slot` from master `from` to master `to`: importing and
-  /// migrating, every key of it migrated; then, if `finish`, the slot
-  /// given to `to` on every master (else it stays migrating: ASK).
-  void move_slot(std::uint16_t slot, std::size_t from, std::size_t to, bool finish) const {
-    const std::string s = std::to_string(slot), from_id = id(from), to_id = id(to);
-    REQUIRE(text(call(endpoint(to), {"CLUSTER", "SETSLOT", s, "IMPORTING", from_id})) == "OK");
-    REQUIRE(text(call(endpoint(from), {"CLUSTER", "SETSLOT", s, "MIGRATING", to_id})) == "OK");
-    const detail::redis_reply keys = call(endpoint(from), {"CLUSTER", "GETKEYSINSLOT", s, "1000"});
-    REQUIRE(keys.kind == detail::redis_reply::type::array);
-    REQUIRE(!keys.elements.empty());
-    const std::string to_port = std::to_string(endpoint(to).port);
-    for (const detail::redis_reply& key : keys.elements)
-      REQUIRE(text(call(endpoint(from), {"MIGRATE", "127.0.0.1", to_port, key.text(), "0", "5000"})) == "OK");
-    if (!finish) return;
-    for (std::size_t i : {to, from, 3 - to - from})
-      REQUIRE(text(call(endpoint(i), {"CLUSTER", "SETSLOT", s, "NODE", to_id})) == "OK");
-  }
-
- private:
-  temp_dir dir_;
-  std::vector<std::unique_ptr<redis_server>> servers_;
-};
 
 /// A value of given bytes, for puts straight to a store.
 class bytes_value final : public kv_store_value {
