@@ -187,6 +187,13 @@ class kv_file_store final : public kv_block_store {
   void put(std::shared_ptr<const kv_store_value> value) noexcept override;
   void fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) override;
   kv_store_stats stats() const noexcept override;
+  /// As `kv_block_store::limit_value_size`: the cap only rises (the largest
+  /// call, or `max_value_bytes`, holds). Entries indexed that are larger
+  /// leave the index (they count no longer, in `entries`, `bytes` or the
+  /// budget; each counts once in `oversized`) but their files are kept:
+  /// another process, of another geometry, may share the directory. A put
+  /// larger than the cap is dropped.
+  void limit_value_size(std::size_t bytes) noexcept override;
 
   /// The directory it stores in.
   const std::filesystem::path& directory() const noexcept;

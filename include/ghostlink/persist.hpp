@@ -63,6 +63,11 @@ struct kv_save_options {
   std::string model{};
   /// Where the file I/O runs; none: ghostlink's private I/O pool.
   std::optional<asio::any_io_executor> io_executor{};
+  /// The permission bits of the file, exactly (whatever the umask).
+  /// Default: the owner's only (0600): a saved sequence is the model's
+  /// keys and values of someone's prompt. Last, so that
+  /// `{config, model, executor}` still initializes the others.
+  std::filesystem::perms file_mode = std::filesystem::perms::owner_read | std::filesystem::perms::owner_write;
 };
 
 /// Where a load's (or a layer read's) file I/O runs.
