@@ -65,16 +65,23 @@ struct kv_store_stats {
   std::size_t pending_bytes = 0;   ///< Bytes of puts not yet stored or dropped.
   std::uint64_t auth_errors = 0;   ///< Connections the server refused to authenticate (`store_auth_failed`).
   std::uint64_t tls_errors = 0;    ///< Connections whose TLS handshake failed (`store_tls_failed`).
-  std::uint64_t oversized = 0;     ///< Values found larger than `max_value_bytes()`: misses, not read past it.
-  /// The last error the store met (a write's, a connection's, a value
-  /// refused): a `kv_errc` or the system's error; empty while none.
+  /// Values found larger than the cap (`kv_block_store::limit_value_size`,
+  /// `kv_file_store_limits::max_value_bytes`): misses, never read. The file
+  /// store counts each lookup of one, each file found at start and each
+  /// indexed entry a new cap takes out.
+  std::uint64_t oversized = 0;
+  /// The last error the store met (a write's, a read's, a connection's, a
+  /// value over the cap: `EFBIG` in the file store): a `kv_errc` or the
+  /// system's error (`errno` in the generic category); empty while none.
+  /// A missing value is a miss, not an error.
   std::error_code last_error{};
   /// When `last_error` happened; the epoch while none.
   std::chrono::system_clock::time_point last_error_time{};
   /// The file store's directory can be written by users other than its
-  /// owner (group or others write permission): they could replace or
-  /// remove entries (the checksums turn any replaced into misses) or fill
-  /// the disk. A warning, not an error: the store works.
+  /// owner (group or others write permission, sticky or not): they could
+  /// add, replace or remove entries (the checksums turn garbage into
+  /// misses, not a forged consistent entry) or fill the disk. A warning,
+  /// not an error: the store works, and leaves the directory as it is.
   bool directory_writable_by_others = false;
 };
 
@@ -130,7 +137,11 @@ class kv_block_store {
 struct kv_file_store_limits {
   /// The bytes its files may take together: storing beyond evicts the
   /// least recently used files (written or read last) until the new one
-  /// fits. A value larger than the budget is dropped.
+  /// fits. The bytes indexed plus those reserved by writes in flight never
+  /// pass it, whatever the puts and I/O threads at once: a write reserves
+  /// its room when it starts, and one that cannot fit beside the writes in
+  /// flight, even with every entry it may evict gone, is dropped, as is a
+  /// value larger than the budget.
   std::uint64_t max_bytes = std::uint64_t{1} << 30;
   /// The bytes of puts waiting to be written, beyond which a put is
   /// dropped: what a slow disk may hold of the pool (a write-through value
@@ -149,9 +160,11 @@ struct kv_file_store_limits {
   /// counted at start either); none: until a prefix cache sets it.
   std::optional<std::size_t> max_value_bytes{};
   /// The permission bits of the files it creates (whatever the umask);
-  /// the directory, if it makes it, gets these plus the matching execute
-  /// bits. Default: the owner only (0600 files, a 0700 directory). 0640,
-  /// say, shares the cache with the file's group.
+  /// the directory and each missing parent, if it makes them, get these
+  /// plus the execute bit of each class that may read. Default: the owner
+  /// only (0600 files, a 0700 directory). 0640, say, shares the cache with
+  /// the file's group (a 0750 directory). An existing directory is left as
+  /// it is (see `kv_store_stats::directory_writable_by_others`).
   std::filesystem::perms file_mode = std::filesystem::perms::owner_read | std::filesystem::perms::owner_write;
   /// Where the file I/O runs; none: ghostlink's private I/O pool (the one
   /// saves and loads use, two threads).
@@ -174,10 +187,13 @@ class file_store_state;
 /// `pwrite`; a lookup reads one file with one `pread`.
 class kv_file_store final : public kv_block_store {
  public:
-  /// A store in `directory` (made if absent). Lists the entries already
-  /// there (from an earlier run), the least recently modified first in the
-  /// eviction order, evicting beyond the budget; removes temporary files
-  /// that a killed process left. Blocks on that I/O.
+  /// A store in `directory` (made if absent, with `file_mode` plus execute
+  /// bits; an existing one others can write sets
+  /// `kv_store_stats::directory_writable_by_others`: use a directory of
+  /// your own). Lists the entries already there (from an earlier run; not
+  /// those over `max_value_bytes`), the least recently modified first in
+  /// the eviction order, evicting beyond the budget; removes temporary
+  /// files that a killed process left. Blocks on that I/O.
   /// @throws std::system_error if the directory cannot be made or listed.
   explicit kv_file_store(std::filesystem::path directory, kv_file_store_limits limits = {});
   /// Puts still queued go on in the background; their I/O keeps what it
