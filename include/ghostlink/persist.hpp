@@ -151,10 +151,10 @@ auto async_save(basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
 ///
 /// A file changed in place (not replaced by a rename) by another program
 /// while it loads: each part the load uses (the header, the token ids, the
-/// layer table, each layer) is checked against its checksum
-/// over the very bytes it uses (a layer straight into its blocks, which
-/// nothing sees before every layer has passed), so a change torn within a
-/// part is `file_corrupt`, never data. The parts are read one after
+/// layer table, each layer) is checked against its checksum over the very
+/// bytes it uses (a layer straight into its blocks, which nothing sees
+/// before every layer has passed), so a change torn within a part is
+/// `file_corrupt`, never data. The parts are read one after
 /// another, though, and only the layers are bound to the table (by its
 /// checksums): a file rewritten in place by another save of the same
 /// layout between those reads may load the one's token ids with the
