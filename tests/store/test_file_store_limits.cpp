@@ -80,6 +80,14 @@ void check_reservation(std::uint64_t used, std::uint64_t budget) {
   if (used > budget) over_budget.fetch_add(1, std::memory_order_relaxed);
 }
 
+/// check_reservation() as the file stores' reservation hook while it lives.
+struct reservation_watch {
+  reservation_watch() { detail::set_file_store_reserved_hook(&check_reservation); }
+  reservation_watch(const reservation_watch&) = delete;
+  reservation_watch& operator=(const reservation_watch&) = delete;
+  ~reservation_watch() { detail::set_file_store_reserved_hook(nullptr); }
+};
+
 /// The permission bits of `p`.
 unsigned mode_of(const fs::path& p) {
   struct stat st {};
@@ -138,7 +146,7 @@ constexpr std::size_t entry = 1000;  // every value's bytes
 }  // namespace
 
 TEST_CASE("a burst of puts on 2 threads never takes the store past its budget") {
-  detail::set_file_store_reserved_hook(&check_reservation);
+  const reservation_watch watch;
   for (const std::size_t budget_entries : {0u, 1u, 2u, 7u}) {
     CAPTURE(budget_entries);
     const std::uint64_t budget = budget_entries * entry;
@@ -182,7 +190,6 @@ TEST_CASE("a burst of puts on 2 threads never takes the store past its budget") 
     }
     io.join();
   }
-  detail::set_file_store_reserved_hook(nullptr);
 }
 
 TEST_CASE("a value file larger than the cap is a miss, never read, and not counted as an entry") {
