@@ -98,7 +98,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
       if (!f.is_regular_file(ec) || !parse_entry_name(name, h)) continue;
       const std::uintmax_t bytes = f.file_size(ec);
       if (ec) continue;
-      if (bytes > value_cap()) {  // not an entry of ours: left alone, uncounted
+      if (bytes > value_cap()) {  // not an entry: left alone, not indexed
         ++stats_.oversized;
         continue;
       }
@@ -352,6 +352,30 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     idle_.notify_all();
   }
 
+  /// Counts a lookup's outcome (taking mutex_): a value over the cap, an
+  /// error, or a hit of `hit_bytes`, which a file another process wrote
+  /// turns into an entry if it fits.
+  void count_read(const kv_block_hash& h, std::size_t hit_bytes, const error_code& ec, bool oversized) noexcept {
+    if (!oversized && !ec && hit_bytes == 0) return;  // a plain miss: nothing to count
+    try {
+      std::lock_guard lock(mutex_);
+      if (oversized) {
+        ++stats_.oversized;
+        note_error(errno_code(EFBIG));
+      }
+      if (ec) note_error(ec);
+      if (hit_bytes == 0) return;
+      ++stats_.hits;
+      if (entries_.contains(h)) {
+        touch(h);
+      } else if (make_room(hit_bytes)) {  // written by another process: it counts now, if it fits
+        index(h, hit_bytes);
+        observe_budget();
+      }
+    } catch (...) {  // memory refused while indexing: the bytes are still an answer
+    }
+  }
+
   void read(fetch_request& request, std::size_t i) noexcept {
     if (request.stopped.load(std::memory_order_acquire)) return;
     std::vector<std::byte> bytes;
@@ -375,24 +399,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
       ec = kv_errc::capacity_exhausted;
       bytes.clear();
     }
-    try {
-      std::lock_guard lock(mutex_);
-      if (oversized) {
-        ++stats_.oversized;
-        note_error(errno_code(EFBIG));
-      }
-      if (ec) note_error(ec);
-      if (!bytes.empty()) {
-        ++stats_.hits;
-        if (entries_.contains(h))
-          touch(h);
-        else if (make_room(bytes.size())) {  // written by another process: it counts now, if it fits
-          index(h, bytes.size());
-          observe_budget();
-        }
-      }
-    } catch (...) {  // memory refused while indexing: the bytes are still an answer
-    }
+    count_read(h, bytes.size(), ec, oversized);
     bool more = false;
     try {
       more = request.on_value(i, std::move(bytes));
