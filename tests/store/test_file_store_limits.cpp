@@ -3,6 +3,7 @@
 // on the values it reads (a file larger is a miss, never read), the
 // permission bits of what it creates (and of async_save's files, in
 // test_persist), a directory others can write, and the last error.
+#include "common/asio_compat.hpp"
 #include "common/files.hpp"
 
 #include <fcntl.h>
@@ -128,7 +129,7 @@ std::vector<std::size_t> fetch_sizes(kv_file_store& store, std::vector<kv_block_
   std::mutex mutex;
   std::vector<std::size_t> sizes(hashes.size());
   std::latch answered(static_cast<std::ptrdiff_t>(hashes.size()));
-  store.fetch(std::move(hashes), [&](std::size_t i, std::vector<std::byte> bytes) {
+  store.fetch(std::move(hashes), [&](std::size_t i, const std::vector<std::byte>& bytes) {
     {
       std::lock_guard lock(mutex);
       sizes[i] = bytes.size();
