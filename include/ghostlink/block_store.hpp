@@ -121,7 +121,11 @@ class kv_block_store {
 struct kv_file_store_limits {
   /// The bytes its files may take together: storing beyond evicts the
   /// least recently used files (written or read last) until the new one
-  /// fits. A value larger than the budget is dropped.
+  /// fits. The bytes indexed plus those reserved by writes in flight never
+  /// pass it, whatever the puts and I/O threads at once: a write reserves
+  /// its room when it starts, and one that cannot fit beside the writes in
+  /// flight, even with every entry it may evict gone, is dropped, as is a
+  /// value larger than the budget.
   std::uint64_t max_bytes = std::uint64_t{1} << 30;
   /// The bytes of puts waiting to be written, beyond which a put is
   /// dropped: what a slow disk may hold of the pool (a write-through value
@@ -140,9 +144,11 @@ struct kv_file_store_limits {
   /// counted at start either); none: until a prefix cache sets it.
   std::optional<std::size_t> max_value_bytes{};
   /// The permission bits of the files it creates (whatever the umask);
-  /// the directory, if it makes it, gets these plus the matching execute
-  /// bits. Default: the owner only (0600 files, a 0700 directory). 0640,
-  /// say, shares the cache with the file's group.
+  /// the directory and each missing parent, if it makes them, get these
+  /// plus the execute bit of each class that may read. Default: the owner
+  /// only (0600 files, a 0700 directory). 0640, say, shares the cache with
+  /// the file's group (a 0750 directory). An existing directory is left as
+  /// it is (see `kv_store_stats::directory_writable_by_others`).
   std::filesystem::perms file_mode = std::filesystem::perms::owner_read | std::filesystem::perms::owner_write;
   /// Where the file I/O runs; none: ghostlink's private I/O pool (the one
   /// saves and loads use, two threads).
@@ -165,10 +171,13 @@ class file_store_state;
 /// `pwrite`; a lookup reads one file with one `pread`.
 class kv_file_store final : public kv_block_store {
  public:
-  /// A store in `directory` (made if absent). Lists the entries already
-  /// there (from an earlier run), the least recently modified first in the
-  /// eviction order, evicting beyond the budget; removes temporary files
-  /// that a killed process left. Blocks on that I/O.
+  /// A store in `directory` (made if absent, with `file_mode` plus execute
+  /// bits; an existing one others can write sets
+  /// `kv_store_stats::directory_writable_by_others`: use a directory of
+  /// your own). Lists the entries already there (from an earlier run; not
+  /// those over `max_value_bytes`), the least recently modified first in
+  /// the eviction order, evicting beyond the budget; removes temporary
+  /// files that a killed process left. Blocks on that I/O.
   /// @throws std::system_error if the directory cannot be made or listed.
   explicit kv_file_store(std::filesystem::path directory, kv_file_store_limits limits = {});
   /// Puts still queued go on in the background; their I/O keeps what it
@@ -178,6 +187,13 @@ class kv_file_store final : public kv_block_store {
   void put(std::shared_ptr<const kv_store_value> value) noexcept override;
   void fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) override;
   kv_store_stats stats() const noexcept override;
+  /// As `kv_block_store::limit_value_size`: the cap only rises (the largest
+  /// call, or `max_value_bytes`, holds). Entries indexed that are larger
+  /// leave the index (they count no longer, in `entries`, `bytes` or the
+  /// budget; each counts once in `oversized`) but their files are kept:
+  /// another process, of another geometry, may share the directory. A put
+  /// larger than the cap is dropped.
+  void limit_value_size(std::size_t bytes) noexcept override;
 
   /// The directory it stores in.
   const std::filesystem::path& directory() const noexcept;

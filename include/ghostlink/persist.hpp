@@ -63,6 +63,11 @@ struct kv_save_options {
   std::string model{};
   /// Where the file I/O runs; none: ghostlink's private I/O pool.
   std::optional<asio::any_io_executor> io_executor{};
+  /// The permission bits of the file, exactly (whatever the umask).
+  /// Default: the owner's only (0600): a saved sequence is the model's
+  /// keys and values of someone's prompt. Last, so that
+  /// `{config, model, executor}` still initializes the others.
+  std::filesystem::perms file_mode = std::filesystem::perms::owner_read | std::filesystem::perms::owner_write;
 };
 
 /// Where a load's (or a layer read's) file I/O runs.
@@ -142,8 +147,18 @@ auto async_save(basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
 /// `asio::error::operation_aborted` if cancelled first.
 ///
 /// Handler: queued on its associated executor (without one, `ex`), never
-/// run inside this call. A file changed in place (not replaced) by another
-/// program while it loads is not detected.
+/// run inside this call.
+///
+/// A file changed in place (not replaced by a rename) by another program
+/// while it loads: each part the load uses (the header, the token ids, the
+/// layer table, each layer) is checked against its checksum over the very
+/// bytes it uses (a layer straight into its blocks, which nothing sees
+/// before every layer has passed), so a change torn within a part is
+/// `file_corrupt`, never data. The parts are read one after
+/// another, though, and only the layers are bound to the table (by its
+/// checksums): a file rewritten in place by another save of the same
+/// layout between those reads may load the one's token ids with the
+/// other's layers. Replace files by a rename, as `async_save` does.
 ///
 /// @param ex       the executor of the new sequence (its layers' strands).
 /// @param path     the file to read.

@@ -113,17 +113,23 @@ struct kv_store_stats {
   std::size_t pending_bytes = 0;   ///< Bytes of puts not yet stored or dropped.
   std::uint64_t auth_errors = 0;   ///< Connections the server refused to authenticate (`store_auth_failed`).
   std::uint64_t tls_errors = 0;    ///< Connections whose TLS handshake failed (`store_tls_failed`).
-  std::uint64_t oversized =
-      0;     ///< Values found larger than the cap (`kv_block_store::limit_value_size`): misses, unread.
-  /// The last error the store met (a write's, a connection's, a value
-  /// refused): a `kv_errc` or the system's error; empty while none.
+  /// Values found larger than the cap (`kv_block_store::limit_value_size`,
+  /// `kv_file_store_limits::max_value_bytes`): misses, never read. The file
+  /// store counts each lookup of one, each file found at start and each
+  /// indexed entry a new cap takes out.
+  std::uint64_t oversized = 0;
+  /// The last error the store met (a write's, a read's, a connection's, a
+  /// value over the cap: `EFBIG` in the file store): a `kv_errc` or the
+  /// system's error (`errno` in the generic category); empty while none.
+  /// A missing value is a miss, not an error.
   std::error_code last_error{};
   /// When `last_error` happened; the epoch while none.
   std::chrono::system_clock::time_point last_error_time{};
   /// The file store's directory can be written by users other than its
-  /// owner (group or others write permission): they could replace or
-  /// remove entries (the checksums turn any replaced into misses) or fill
-  /// the disk. A warning, not an error: the store works.
+  /// owner (group or others write permission, sticky or not): they could
+  /// add, replace or remove entries (the checksums turn garbage into
+  /// misses, not a forged consistent entry) or fill the disk. A warning,
+  /// not an error: the store works, and leaves the directory as it is.
   bool directory_writable_by_others = false;
 };
 

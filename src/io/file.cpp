@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <string>
+#include <utility>
 
 #include "ghostlink/error.hpp"
 
@@ -120,7 +121,35 @@ replacement_file::~replacement_file() {
   if (created_) (void)::unlink(temporary_.c_str());
 }
 
-error_code replacement_file::create(const std::filesystem::path& target, std::uint64_t bytes) {
+std::filesystem::perms directory_mode(std::filesystem::perms file_mode) noexcept {
+  using std::filesystem::perms;
+  perms mode = file_mode & perms::mask;
+  for (const auto& [read, exec] :
+       {std::pair{perms::owner_read, perms::owner_exec}, std::pair{perms::group_read, perms::group_exec},
+        std::pair{perms::others_read, perms::others_exec}})
+    if ((mode & read) != perms::none) mode |= exec;
+  return mode;
+}
+
+error_code make_directories(const std::filesystem::path& directory, std::filesystem::perms mode) {
+  struct stat st {};
+  if (::stat(directory.c_str(), &st) == 0) return S_ISDIR(st.st_mode) ? error_code() : errno_code(ENOTDIR);
+  if (errno != ENOENT) return last_error();
+  const std::filesystem::path parent = directory.lexically_normal().parent_path();
+  // Parents first (bounded by the path's depth: each call is one level up).
+  if (!parent.empty() && parent != directory.lexically_normal())
+    if (error_code ec = make_directories(parent, mode)) return ec;
+  if (::mkdir(directory.c_str(), mode_bits(mode)) != 0) {
+    if (errno != EEXIST) return last_error();
+    return make_directories(directory, mode);  // made meanwhile: is it a directory?
+  }
+  // Only a directory made here: the umask may have narrowed its bits.
+  if (::chmod(directory.c_str(), mode_bits(mode)) != 0) return last_error();
+  return {};
+}
+
+error_code replacement_file::create(const std::filesystem::path& target, std::uint64_t bytes,
+                                    std::filesystem::perms mode) {
   // A name no other save (of this process or another) uses: the target's,
   // hidden, with the process id and a counter; O_EXCL makes sure.
   static std::atomic<std::uint64_t> counter{0};
@@ -133,12 +162,14 @@ error_code replacement_file::create(const std::filesystem::path& target, std::ui
   for (int attempt = 0; attempt < 100; ++attempt) {
     temporary_ = target.parent_path() / (stem + std::to_string(counter.fetch_add(1, std::memory_order_relaxed)));
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg): open's mode argument
-    file_ = file_descriptor(::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
+    file_ = file_descriptor(::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode_bits(mode)));
     if (file_.get() >= 0) break;
     if (errno != EEXIST) return last_error();
   }
   if (file_.get() < 0) return errno_code(EEXIST);
   created_ = true;
+  // Exactly `mode`: the umask only took bits away at open().
+  if (::fchmod(file_.get(), mode_bits(mode)) != 0) return last_error();
   if (::ftruncate(file_.get(), static_cast<off_t>(bytes)) != 0) return last_error();
   return {};
 }

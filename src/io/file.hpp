@@ -5,6 +5,8 @@
 // executor. Everything here blocks: it runs on the I/O executor only
 // (io_pool_executor, or the one the caller gave), never on a cache's strand.
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -58,6 +60,18 @@ error_code read_scattered(const file_descriptor& file, std::uint64_t offset,
 /// Writes all of `bytes` at `offset`; `EIO` if a write makes no progress.
 error_code write_at(const file_descriptor& file, std::uint64_t offset, std::span<const std::byte> bytes);
 
+/// The permission bits of `mode` as `open`, `mkdir` and `fchmod` take them.
+inline ::mode_t mode_bits(std::filesystem::perms mode) noexcept {
+  return static_cast<::mode_t>(mode & std::filesystem::perms::mask);
+}
+/// A directory's mode for files of `file_mode`: those bits plus the execute
+/// bit of each class that may read (0600 -> 0700, 0640 -> 0750).
+std::filesystem::perms directory_mode(std::filesystem::perms file_mode) noexcept;
+/// Makes `directory` and each missing parent with exactly `mode` (a
+/// `chmod` after `mkdir`, whatever the umask); an existing one is left as
+/// it is. `ENOTDIR` if something other than a directory is in the way.
+error_code make_directories(const std::filesystem::path& directory, std::filesystem::perms mode);
+
 /// A new file that replaces `target` atomically: created beside it under a
 /// unique name, it takes `target`'s name only in commit(), after reaching
 /// the disk. Removed on destruction unless committed.
@@ -68,8 +82,10 @@ class replacement_file {
   replacement_file& operator=(const replacement_file&) = delete;
   ~replacement_file();
 
-  /// Creates the temporary file, of `bytes` bytes (zeros).
-  error_code create(const std::filesystem::path& target, std::uint64_t bytes);
+  /// Creates the temporary file, of `bytes` bytes (zeros), with exactly
+  /// the permission bits `mode` (an `fchmod` after `open`: the umask
+  /// neither narrows nor widens them).
+  error_code create(const std::filesystem::path& target, std::uint64_t bytes, std::filesystem::perms mode);
   const file_descriptor& file() const noexcept { return file_; }
   /// sync(), rename(), sync_directory(): the new file reaches the disk,
   /// then takes the target's name, then the name reaches the disk.

@@ -66,8 +66,12 @@ class save_job {
  public:
   /// Takes `op` once nothing can throw.
   save_job(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, file_header header,
-           unstarted_op& op) noexcept
-      : snapshot_(std::move(snapshot)), path_(std::move(path)), header_(std::move(header)), op_(op.take()) {}
+           std::filesystem::perms mode, unstarted_op& op) noexcept
+      : snapshot_(std::move(snapshot)),
+        path_(std::move(path)),
+        header_(std::move(header)),
+        mode_(mode),
+        op_(op.take()) {}
   save_job(const save_job&) = delete;
   save_job& operator=(const save_job&) = delete;
   ~save_job() {
@@ -86,7 +90,7 @@ class save_job {
   error_code write() {
     const std::vector<token_id> ids = snapshot_->token_ids();
     replacement_file file;
-    if (error_code ec = file.create(path_, header_.layout.file_bytes)) return ec;
+    if (error_code ec = file.create(path_, header_.layout.file_bytes, mode_)) return ec;
     std::vector<layer_record> table;
     table.reserve(header_.num_layers);
     for (std::size_t l = 0; l < header_.num_layers; ++l) {
@@ -106,13 +110,15 @@ class save_job {
   std::unique_ptr<saved_sequence> snapshot_;
   std::filesystem::path path_;
   file_header header_;
+  std::filesystem::perms mode_;
   io_op* op_;  // null once completed
 };
 
 }  // namespace
 
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
-                std::string model, file_element_type element, const asio::any_io_executor& io, io_op* op) {
+                std::string model, file_element_type element, std::filesystem::perms mode,
+                const asio::any_io_executor& io, io_op* op) {
   unstarted_op pending(op);
   if (snapshot->num_layers() == 0) return pending.complete(kv_errc::layer_mismatch);
   try {
@@ -125,7 +131,7 @@ void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path 
   file_header header;
   if (error_code ec = make_header(snapshot->num_layers(), config, snapshot->size(), element, std::move(model), header))
     return pending.complete(ec);
-  auto job = std::make_shared<save_job>(std::move(snapshot), std::move(path), std::move(header), pending);
+  auto job = std::make_shared<save_job>(std::move(snapshot), std::move(path), std::move(header), mode, pending);
   // From here the job owns the operation: a throwing post destroys it, and
   // it discards the operation.
   asio::post(io, [job = std::move(job)] { job->run(); });

@@ -7,22 +7,26 @@
 // reads the file whether or not the index knows it, so a file another
 // process wrote is found, and an index entry whose file is gone is a miss.
 //
-// A write holds its room when its job starts (bytes_in_flight_, beside the
-// indexed bytes_), evicting the least recently used entries that no write
-// is rewriting, and unlinking their files under mutex_. It renames its
-// temporary file over the entry's name and indexes it under mutex_ too, so
-// an eviction never unlinks a file it does not index. Its room is given
-// back, indexed or not, when it ends. A lookup that reads a file this
-// process did not know of indexes it, evicting to stay within the budget.
+// The budget: see file_store_state's bytes_ and make_room(). A write
+// reserves its room when its job starts; its temporary file is written,
+// then renamed over the entry's name and indexed under mutex_ (so an
+// eviction, which unlinks under mutex_, never unlinks a file it does not
+// index); its reservation becomes indexed bytes in that same hold, or is
+// released when it fails. A lookup that reads a file this process did not
+// know of indexes it if it fits the same way.
 
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX kill
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <condition_variable>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <new>
@@ -36,6 +40,7 @@
 #include "ghostlink/block_store.hpp"
 #include "ghostlink/detail/io_op.hpp"
 #include "io/file.hpp"
+#include "store/hooks.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -73,7 +78,14 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
  public:
   file_store_state(std::filesystem::path directory, kv_file_store_limits limits)
       : directory_(std::move(directory)), limits_(std::move(limits)), io_(io_pool_executor(limits_.io_executor)) {
-    std::filesystem::create_directories(directory_);
+    if (limits_.max_value_bytes) cap_.store(*limits_.max_value_bytes, std::memory_order_relaxed);
+    if (error_code ec = make_directories(directory_, directory_mode(limits_.file_mode)))
+      throw std::system_error(std::error_code(ec), "ghostlink: kv_file_store directory " + directory_.string());
+    struct stat st {};
+    // Group or others may write it, sticky or not: even where they cannot
+    // replace our files they can add entries and fill the disk.
+    if (::stat(directory_.c_str(), &st) == 0)
+      stats_.directory_writable_by_others = (st.st_mode & (S_IWGRP | S_IWOTH)) != 0;
     std::vector<std::pair<std::filesystem::file_time_type, kv_block_hash>> found;
     for (const std::filesystem::directory_entry& f : std::filesystem::directory_iterator(directory_)) {
       const std::string name = f.path().filename().string();
@@ -86,6 +98,10 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
       if (!f.is_regular_file(ec) || !parse_entry_name(name, h)) continue;
       const std::uintmax_t bytes = f.file_size(ec);
       if (ec) continue;
+      if (bytes > value_cap()) {  // not an entry: left alone, not indexed
+        ++stats_.oversized;
+        continue;
+      }
       const auto modified = f.last_write_time(ec);
       if (ec) continue;
       entries_[h].bytes = bytes;
@@ -108,7 +124,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     try {
       std::lock_guard lock(mutex_);
       ++stats_.puts;
-      if (size > limits_.max_bytes || pending_bytes_ + size > limits_.max_pending_bytes) {
+      if (size > limits_.max_bytes || size > value_cap() || pending_bytes_ + size > limits_.max_pending_bytes) {
         ++stats_.dropped;
         return;
       }
@@ -117,7 +133,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
       pending_bytes_ += size;
     } catch (...) {  // memory refused
       std::lock_guard lock(mutex_);
-      ++stats_.write_errors;
+      count_write_error(kv_errc::capacity_exhausted);
       return;
     }
     try {
@@ -125,7 +141,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
         self->write(std::move(value), ticket);
       });
     } catch (...) {  // memory refused, or the executor's own failure: not stored
-      finish_put(ticket, size, false);
+      finish_put(ticket, size, kv_errc::capacity_exhausted, false);
     }
   }
 
@@ -160,7 +176,24 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     idle_.wait(lock, [&] { return pending_.empty() || *pending_.begin() > last; });
   }
 
+  /// The cap rises to `bytes` (the largest call holds); indexed entries
+  /// above it leave the index, their files kept: another process, of
+  /// another geometry, may share the directory and read them.
+  void limit_value_size(std::size_t bytes) noexcept {
+    std::lock_guard lock(mutex_);
+    const std::uint64_t now = cap_.load(std::memory_order_relaxed);
+    cap_.store(now == no_cap ? bytes : std::max<std::uint64_t>(now, bytes), std::memory_order_relaxed);
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      const auto [h, e] = *(it++);  // a copy: forget() erases it
+      if (e.bytes <= value_cap()) continue;
+      forget(h);
+      ++stats_.oversized;
+    }
+  }
+
  private:
+  static constexpr std::uint64_t no_cap = std::numeric_limits<std::uint64_t>::max();
+
   struct indexed {
     std::uint64_t bytes = 0;
     std::uint64_t tick = 0;
@@ -172,6 +205,9 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     kv_block_store::fetch_handler on_value;
     std::atomic<bool> stopped{false};
   };
+
+  /// The largest value read or written: the cap, if any.
+  std::uint64_t value_cap() const noexcept { return cap_.load(std::memory_order_relaxed); }
 
   /// Makes `h` the most recently used (under mutex_).
   void touch(const kv_block_hash& h) {
@@ -193,9 +229,8 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
 
   /// Evicts the least recently used entries, their files unlinked, until
   /// `incoming` more bytes fit the budget beside those indexed and those
-  /// being written (under mutex_: a write's rename and its indexing happen
-  /// under it too, so no eviction removes a file it does not index). An
-  /// entry being rewritten is skipped.
+  /// reserved, or none is left to evict (under mutex_). An entry being
+  /// rewritten is skipped: its write replaces it.
   void evict_until(std::uint64_t incoming) {
     auto it = lru_.begin();
     while (it != lru_.end() && bytes_ + bytes_in_flight_ + incoming > limits_.max_bytes) {
@@ -207,90 +242,164 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     }
   }
 
+  /// The budget's one gate (under mutex_): whether `size` more bytes fit
+  /// beside those indexed and those reserved, once every entry it may
+  /// evict is gone; if so, evicts until they do (and nothing otherwise).
+  /// The caller then reserves or indexes them in the same hold.
+  bool make_room(std::uint64_t size) {
+    std::uint64_t kept = bytes_in_flight_ + size;  // what no eviction frees
+    for (const auto& [h, n] : writing_)
+      if (auto e = entries_.find(h); e != entries_.end()) kept += e->second.bytes;
+    if (kept > limits_.max_bytes) return false;
+    evict_until(size);
+    return true;
+  }
+
+  /// The bytes of the budget now used, for the test hook (under mutex_).
+  void observe_budget() const noexcept {
+    if (auto* hook = file_store_reserved_hook.load(std::memory_order_relaxed))
+      hook(bytes_ + bytes_in_flight_, limits_.max_bytes);  // tests only
+  }
+
+  /// Reserves `size` bytes for a write of `h` (under mutex_); false, with
+  /// nothing reserved or evicted, if they cannot fit.
+  bool reserve(const kv_block_hash& h, std::uint64_t size) {
+    if (!make_room(size)) return false;
+    ++writing_[h];
+    bytes_in_flight_ += size;
+    observe_budget();
+    return true;
+  }
+
+  /// A write's reservation and mark given back (under mutex_).
+  void release(const kv_block_hash& h, std::uint64_t size) noexcept {
+    bytes_in_flight_ -= size;
+    if (auto w = writing_.find(h); w != writing_.end() && --w->second == 0) writing_.erase(w);
+  }
+
+  /// Indexes the file of `h`, `size` bytes, as the most recently used
+  /// (under mutex_), in place of any entry of `h` indexed before.
+  void index(const kv_block_hash& h, std::uint64_t size) {
+    forget(h);
+    touch(h);
+    entries_[h].bytes = size;
+    bytes_ += size;
+  }
+
+  /// Every error met (a write's, a read's, a value refused) is recorded
+  /// here, with its time (under mutex_).
+  void note_error(const error_code& ec) noexcept {
+    stats_.last_error = std::error_code(ec);
+    stats_.last_error_time = std::chrono::system_clock::now();
+  }
+  void count_write_error(const error_code& ec) noexcept {
+    ++stats_.write_errors;
+    note_error(ec);
+  }
+
   void write(std::shared_ptr<const kv_store_value> value, std::uint64_t ticket) noexcept {
     const std::size_t size = value->size();
     const kv_block_hash h = value->hash();
-    bool stored = false;
+    error_code ec;
+    bool fits = true;
     bool holding = false;
     replacement_file file;
     try {
       {
         std::lock_guard lock(mutex_);
-        evict_until(size);
-        ++writing_[h];
-        bytes_in_flight_ += size;
-        holding = true;
+        holding = fits = reserve(h, size);
       }
-      std::vector<std::byte> bytes(size);
-      value->encode(bytes);
-      error_code ec = file.create(path_of(h), 0);
-      if (!ec) ec = write_at(file.file(), 0, bytes);
-      if (!ec && limits_.durable) ec = file.sync();
-      if (!ec) {
-        // The rename and the indexing under one hold of the lock: an
-        // eviction sees the file indexed or not yet there.
-        std::lock_guard lock(mutex_);
-        ec = file.rename();
+      if (fits) {
+        std::vector<std::byte> bytes(size);
+        value->encode(bytes);
+        ec = file.create(path_of(h), 0, limits_.file_mode);
+        if (!ec) ec = write_at(file.file(), 0, bytes);
+        if (!ec && limits_.durable) ec = file.sync();
         if (!ec) {
-          forget(h);  // a replaced file's room
-          touch(h);
-          entries_[h].bytes = size;
-          bytes_ += size;
-          stored = true;
-          release_hold(h, size);  // in the same hold: never counted twice
-          holding = false;
+          // The rename and the indexing under one hold of the lock: an
+          // eviction sees the file indexed or not yet there.
+          std::lock_guard lock(mutex_);
+          ec = file.rename();
+          if (!ec) {
+            index(h, size);
+            release(h, size);  // in the same hold: never counted twice
+            holding = false;
+          }
         }
       }
     } catch (...) {  // memory refused: not stored
+      ec = kv_errc::capacity_exhausted;
     }
     if (holding) {
       std::lock_guard lock(mutex_);
-      release_hold(h, size);
+      release(h, size);
     }
-    if (stored && limits_.durable && file.sync_directory()) stored = false;  // renamed, but not known to be on disk
+    if (fits && !ec && limits_.durable) ec = file.sync_directory();  // renamed, but not known to be on disk
     value.reset();  // its blocks back to the pool before flush() may return
-    finish_put(ticket, size, stored);
+    finish_put(ticket, size, ec, !fits);
   }
 
-  /// A write's room and mark given back (under mutex_).
-  void release_hold(const kv_block_hash& h, std::size_t size) noexcept {
-    bytes_in_flight_ -= size;
-    if (auto w = writing_.find(h); w != writing_.end() && --w->second == 0) writing_.erase(w);
-  }
-
-  void finish_put(std::uint64_t ticket, std::size_t size, bool stored) noexcept {
+  void finish_put(std::uint64_t ticket, std::size_t size, const error_code& ec, bool dropped) noexcept {
     std::lock_guard lock(mutex_);
-    ++(stored ? stats_.stored : stats_.write_errors);
+    if (dropped)
+      ++stats_.dropped;
+    else if (ec)
+      count_write_error(ec);
+    else
+      ++stats_.stored;
     pending_bytes_ -= size;
     pending_.erase(ticket);
     idle_.notify_all();
   }
 
+  /// Counts a lookup's outcome (taking mutex_): a value over the cap, an
+  /// error, or a hit of `hit_bytes`, which a file another process wrote
+  /// turns into an entry if it fits.
+  void count_read(const kv_block_hash& h, std::size_t hit_bytes, const error_code& ec, bool oversized) noexcept {
+    if (!oversized && !ec && hit_bytes == 0) return;  // a plain miss: nothing to count
+    try {
+      std::lock_guard lock(mutex_);
+      if (oversized) {
+        ++stats_.oversized;
+        note_error(errno_code(EFBIG));
+      }
+      if (ec) note_error(ec);
+      if (hit_bytes == 0) return;
+      ++stats_.hits;
+      if (entries_.contains(h)) {
+        touch(h);
+      } else if (make_room(hit_bytes)) {  // written by another process: it counts now, if it fits
+        index(h, hit_bytes);
+        observe_budget();
+      }
+    } catch (...) {  // memory refused while indexing: the bytes are still an answer
+    }
+  }
+
   void read(fetch_request& request, std::size_t i) noexcept {
     if (request.stopped.load(std::memory_order_acquire)) return;
     std::vector<std::byte> bytes;
+    error_code ec;
+    bool oversized = false;
+    const kv_block_hash& h = request.hashes[i];
     try {
       file_descriptor file;
       std::uint64_t file_bytes = 0;
-      const kv_block_hash& h = request.hashes[i];
-      if (!open_for_reading(path_of(h), file, file_bytes) && file_bytes <= limits_.max_bytes) {
-        bytes.resize(file_bytes);
-        if (read_at(file, 0, bytes)) bytes.clear();
-      }
-      if (!bytes.empty()) {
-        std::lock_guard lock(mutex_);
-        ++stats_.hits;
-        const bool known = entries_.contains(h);
-        touch(h);
-        if (!known) {  // written by another process: it counts now, within the budget
-          entries_[h].bytes = bytes.size();
-          bytes_ += bytes.size();
-          evict_until(0);
-        }
+      ec = open_for_reading(path_of(h), file, file_bytes);
+      if (ec == errno_code(ENOENT)) {
+        ec = {};  // a miss, no error
+      } else if (!ec && file_bytes > value_cap()) {
+        oversized = true;  // never read: its size is the file's, from fstat
+      } else if (!ec && file_bytes <= limits_.max_bytes) {
+        bytes.resize(file_bytes);  // at most the cap: a file grown since is read no further
+        ec = read_at(file, 0, bytes);
+        if (ec) bytes.clear();
       }
     } catch (...) {  // memory refused: a miss
+      ec = kv_errc::capacity_exhausted;
       bytes.clear();
     }
+    count_read(h, bytes.size(), ec, oversized);
     bool more = false;
     try {
       more = request.on_value(i, std::move(bytes));
@@ -302,18 +411,24 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   const std::filesystem::path directory_;
   const kv_file_store_limits limits_;
   const asio::any_io_executor io_;
+  std::atomic<std::uint64_t> cap_{no_cap};  // the largest value read or written; written under mutex_
 
   mutable std::mutex mutex_;
   std::condition_variable idle_;  // a put finished
   std::map<kv_block_hash, indexed> entries_;
   std::set<std::pair<std::uint64_t, kv_block_hash>> lru_;  // (tick, hash), least recent first
   std::uint64_t clock_ = 0;
-  std::uint64_t bytes_ = 0;
-  std::uint64_t bytes_in_flight_ = 0;                  // bytes of the writes in progress
+  // The budget's invariant, whatever the puts and lookups in flight and the
+  // I/O threads: bytes_ + bytes_in_flight_ <= limits_.max_bytes once the
+  // constructor has listed the directory. Only make_room() lets either
+  // grow (reserve() for a write, read() indexing a file found); a write's
+  // reservation turns into indexed bytes, or is released, in one hold.
+  std::uint64_t bytes_ = 0;            // bytes of the entries indexed
+  std::uint64_t bytes_in_flight_ = 0;  // bytes reserved by the writes in progress
   std::map<kv_block_hash, std::size_t> writing_;  // writes in progress, by hash
   std::size_t pending_bytes_ = 0;
-  std::uint64_t issued_ = 0;          // puts numbered 1, 2, ...
-  std::set<std::uint64_t> pending_;   // the numbers of those not finished
+  std::uint64_t issued_ = 0;         // puts numbered 1, 2, ...
+  std::set<std::uint64_t> pending_;  // the numbers of those not finished
   kv_store_stats stats_;
 };
 
@@ -334,5 +449,6 @@ kv_store_stats kv_file_store::stats() const noexcept { return state_->stats(); }
 const std::filesystem::path& kv_file_store::directory() const noexcept { return state_->directory(); }
 std::filesystem::path kv_file_store::path_of(const kv_block_hash& hash) const { return state_->path_of(hash); }
 void kv_file_store::flush() { state_->flush(); }
+void kv_file_store::limit_value_size(std::size_t bytes) noexcept { state_->limit_value_size(bytes); }
 
 GHOSTLINK_NAMESPACE_END

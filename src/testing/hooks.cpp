@@ -4,6 +4,7 @@
 #include "base/fault_countdown.hpp"
 #include "core/mailbox.hpp"
 #include "memory/block_pool.hpp"
+#include "store/hooks.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -19,6 +20,10 @@ void fail_metadata_allocation(std::size_t after) noexcept {
 bool cancel_metadata_failure() noexcept { return metadata_countdown().exchange(0, std::memory_order_relaxed) != 0; }
 
 void set_enqueued_hook(void (*hook)()) noexcept { enqueued_hook.store(hook, std::memory_order_relaxed); }
+
+void set_file_store_reserved_hook(void (*hook)(std::uint64_t used, std::uint64_t budget)) noexcept {
+  file_store_reserved_hook.store(hook, std::memory_order_relaxed);
+}
 
 extent_census census(const kv_block_pool& pool) noexcept {
   const ref_ptr<block_pool> state = pool_access::state(pool);

@@ -31,6 +31,11 @@ bool cancel_metadata_failure() noexcept;
 /// counted yet. Null removes it.
 void set_enqueued_hook(void (*hook)()) noexcept;
 
+/// Calls `hook` each time a file store reserves room (for a write, or a
+/// file a lookup found), under the store's lock, with its bytes then
+/// indexed plus reserved and its budget. Null removes it.
+void set_file_store_reserved_hook(void (*hook)(std::uint64_t used, std::uint64_t budget)) noexcept;
+
 /// Block pools alive in this process. Every block holds its pool, so none
 /// alive once every cache and snapshot is gone means no block leaked.
 std::size_t pools_alive() noexcept;

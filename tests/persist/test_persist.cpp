@@ -341,6 +341,33 @@ TEST_CASE("a save to a name of 250 bytes works: its temporary name stays within 
   CHECK(f.dir.names() == std::vector<std::string>{target.filename().string()});
 }
 
+TEST_CASE("a saved file is private (0600) whatever the umask, or exactly its file_mode", "[persist]") {
+  fixture<float> f;
+  f.append(5);
+  kv_save_options shared = save_options();
+  shared.file_mode = fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read;
+  const auto mode_of = [](const fs::path& p) {
+    struct stat st {};
+    REQUIRE(::stat(p.c_str(), &st) == 0);
+    return static_cast<unsigned>(st.st_mode) & 07777u;
+  };
+  // The umask is the process's: opened wide only around the two saves.
+  const ::mode_t old = ::umask(0);
+  const ghostlink::error_code private_save = f.save(f.file);
+  const ghostlink::error_code shared_save = f.save(f.dir.path / "shared.glkv", shared);
+  ::umask(old);
+  REQUIRE_FALSE(private_save);
+  REQUIRE_FALSE(shared_save);
+  CHECK(mode_of(f.file) == 0600u);
+  CHECK(mode_of(f.dir.path / "shared.glkv") == 0640u);
+  // A narrow umask does not narrow it either.
+  const ::mode_t narrow = ::umask(0077);
+  const ghostlink::error_code narrow_save = f.save(f.dir.path / "shared.glkv", shared);
+  ::umask(narrow);
+  REQUIRE_FALSE(narrow_save);
+  CHECK(mode_of(f.dir.path / "shared.glkv") == 0640u);
+}
+
 TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   fixture<bfloat16> f;
   f.append(5);

@@ -109,7 +109,8 @@ struct file_expectation {
 /// refused or queueing throws, and then discard `op` (its handler destroyed
 /// unrun, its work released) first.
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
-                std::string model, file_element_type element, const asio::any_io_executor& io, io_op* op);
+                std::string model, file_element_type element, std::filesystem::perms mode,
+                const asio::any_io_executor& io, io_op* op);
 void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
                 file_expectation expected, const asio::any_io_executor& io, io_op* op);
 void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,

@@ -30,8 +30,8 @@ struct initiate_save {
     auto saved = std::make_unique<typed_saved_sequence<T>>(std::move(snapshot));
     handler_type h(std::forward<Handler>(handler));
     io_op* started = op::make(std::move(h), io);
-    start_save(std::move(saved), std::move(path), options.config, std::move(options.model), file_element_of<T>, io,
-               started);
+    start_save(std::move(saved), std::move(path), options.config, std::move(options.model), file_element_of<T>,
+               options.file_mode, io, started);
   }
 };
 
