@@ -542,7 +542,6 @@ int main(int argc, char** argv) try {
         threads, [&cache]() -> asio::awaitable<void> { co_await cache.async_flush(asio::use_awaitable); },
         asio::use_future)
         .get();
-    disk->flush();  // the file store's own wait, until it overrides kv_block_store::when_flushed
   }
 
   // Once every sequence is gone (the threads joined: no layer holds a

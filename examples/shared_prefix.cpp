@@ -185,7 +185,7 @@ int prefill(const options& o) {
     s.forward(seq, prompt);
     entries += s.cache.insert_stored_tokens(seq);
   }
-  s.store->flush();
+  s.cache.async_flush(asio::use_future).get();  // the shutdown path: completes once Redis has every entry
   const ghostlink::kv_store_stats st = s.store->stats();
   std::printf("prefill: %zu prompts, %llu new entries, %llu stored in Redis, %llu write errors, %llu dropped\n",
               o.prompts, static_cast<unsigned long long>(entries), static_cast<unsigned long long>(st.stored),

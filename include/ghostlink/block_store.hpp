@@ -204,6 +204,11 @@ class kv_file_store final : public kv_block_store {
   /// value's blocks are back with their pool). Never call it from the I/O
   /// executor's threads.
   void flush();
+  /// As `kv_block_store::when_flushed`: `done` runs on the I/O thread that
+  /// settles the last put queued before the call (each having let go of
+  /// its value), or inside this call if none is pending; puts queued later
+  /// never delay it.
+  void when_flushed(std::function<void()> done) override;
 
  private:
   std::shared_ptr<detail::file_store_state> state_;

@@ -243,6 +243,10 @@ class kv_redis_store final : public kv_block_store {
   void flush();
   /// Caps the values read (see "Read cap" above); the largest call holds.
   void limit_value_size(std::size_t bytes) noexcept override;
+  /// Calls `done` once every put queued before the call is stored, dropped
+  /// or failed (on the thread that settles the last of them, or inside
+  /// this call if none is pending); puts made later never delay it.
+  void when_flushed(std::function<void()> done) override;
 
   /// Waits until the store can serve: a connection to the server opened
   /// (TLS handshaken, authenticated, database selected), or for a cluster

@@ -41,6 +41,7 @@
 #include "ghostlink/detail/io_op.hpp"
 #include "io/file.hpp"
 #include "store/hooks.hpp"
+#include "store/pending_puts.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -128,8 +129,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
         ++stats_.dropped;
         return;
       }
-      ticket = ++issued_;
-      pending_.insert(ticket);
+      ticket = puts_.add();
       pending_bytes_ += size;
     } catch (...) {  // memory refused
       std::lock_guard lock(mutex_);
@@ -172,8 +172,16 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
 
   void flush() {
     std::unique_lock lock(mutex_);
-    const std::uint64_t last = issued_;
-    idle_.wait(lock, [&] { return pending_.empty() || *pending_.begin() > last; });
+    const pending_puts::ticket last = puts_.issued();
+    idle_.wait(lock, [&] { return puts_.settled(last); });
+  }
+
+  void when_flushed(std::function<void()> done) {
+    {
+      std::lock_guard lock(mutex_);
+      if (puts_.wait(done)) return;
+    }
+    done();
   }
 
   /// The cap rises to `bytes` (the largest call holds); indexed entries
@@ -339,17 +347,21 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     finish_put(ticket, size, ec, !fits);
   }
 
-  void finish_put(std::uint64_t ticket, std::size_t size, const error_code& ec, bool dropped) noexcept {
-    std::lock_guard lock(mutex_);
-    if (dropped)
-      ++stats_.dropped;
-    else if (ec)
-      count_write_error(ec);
-    else
-      ++stats_.stored;
-    pending_bytes_ -= size;
-    pending_.erase(ticket);
-    idle_.notify_all();
+  void finish_put(pending_puts::ticket ticket, std::size_t size, const error_code& ec, bool dropped) noexcept {
+    pending_puts::ready_list ready;
+    {
+      std::lock_guard lock(mutex_);
+      if (dropped)
+        ++stats_.dropped;
+      else if (ec)
+        count_write_error(ec);
+      else
+        ++stats_.stored;
+      pending_bytes_ -= size;
+      puts_.settle(ticket, ready);
+      idle_.notify_all();
+    }
+    run_ready(ready);
   }
 
   /// Counts a lookup's outcome (taking mutex_): a value over the cap, an
@@ -427,8 +439,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   std::uint64_t bytes_in_flight_ = 0;  // bytes reserved by the writes in progress
   std::map<kv_block_hash, std::size_t> writing_;  // writes in progress, by hash
   std::size_t pending_bytes_ = 0;
-  std::uint64_t issued_ = 0;         // puts numbered 1, 2, ...
-  std::set<std::uint64_t> pending_;  // the numbers of those not finished
+  pending_puts puts_;                // those not finished, and who waits for them
   kv_store_stats stats_;
 };
 
@@ -449,6 +460,7 @@ kv_store_stats kv_file_store::stats() const noexcept { return state_->stats(); }
 const std::filesystem::path& kv_file_store::directory() const noexcept { return state_->directory(); }
 std::filesystem::path kv_file_store::path_of(const kv_block_hash& hash) const { return state_->path_of(hash); }
 void kv_file_store::flush() { state_->flush(); }
+void kv_file_store::when_flushed(std::function<void()> done) { state_->when_flushed(std::move(done)); }
 void kv_file_store::limit_value_size(std::size_t bytes) noexcept { state_->limit_value_size(bytes); }
 
 GHOSTLINK_NAMESPACE_END

@@ -35,10 +35,7 @@ int main(int argc, char** argv) {
     sequence_kv_cache seq(threads, w::layers, w::config(), pool);
     w::fill(seq, w::tokens(0));
     if (cache.insert_stored_tokens(seq) != w::length / w::config().block_tokens) return 1;
-    cache.async_flush(asio::use_future).get();  // throws the error, if any
-    // Until kv_file_store overrides kv_block_store::when_flushed, the flush
-    // completes once the puts are queued: its own flush() waits for the files.
-    store->flush();
+    cache.async_flush(asio::use_future).get();  // throws the error, if any; completes once the files are written
     std::printf("flushed %llu\n", static_cast<unsigned long long>(cache.stats().store_puts));
     threads.join();
     return 0;

@@ -19,6 +19,7 @@
 
 #include "ghostlink/block_store.hpp"
 #include "ghostlink/error.hpp"
+#include "store/pending_puts.hpp"
 #include "store/redis/connection.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -37,28 +38,39 @@ inline bool redis_stored(const redis_reply& reply) noexcept {
   return reply.kind == redis_reply::type::status && reply.text() == "OK";
 }
 
-/// The counters, and the puts flush() waits for.
+/// The counters, and the puts flush() and when_flushed() wait for.
 class redis_counters {
  public:
   explicit redis_counters(std::size_t max_pending_bytes) : max_pending_bytes_(max_pending_bytes) {}
 
-  /// Counts a put; false if it is dropped.
-  bool begin_put(std::size_t size) noexcept {
+  /// Counts a put; its ticket, or 0 if it is dropped (over the pending
+  /// bytes, or memory refused for its ticket).
+  pending_puts::ticket begin_put(std::size_t size) noexcept {
     std::lock_guard lock(mutex_);
     ++stats_.puts;
     if (pending_bytes_ + size > max_pending_bytes_) {
       ++stats_.dropped;
-      return false;
+      return 0;
     }
-    pending_bytes_ += size;
-    ++pending_puts_;
-    return true;
+    try {
+      const pending_puts::ticket t = puts_.add();
+      pending_bytes_ += size;
+      return t;
+    } catch (...) {
+      ++stats_.dropped;
+      return 0;
+    }
   }
-  void finish_put(std::size_t size, bool stored) noexcept {
-    std::lock_guard lock(mutex_);
-    ++(stored ? stats_.stored : stats_.write_errors);
-    pending_bytes_ -= size;
-    if (--pending_puts_ == 0) idle_.notify_all();
+  void finish_put(pending_puts::ticket t, std::size_t size, bool stored) noexcept {
+    pending_puts::ready_list ready;
+    {
+      std::lock_guard lock(mutex_);
+      ++(stored ? stats_.stored : stats_.write_errors);
+      pending_bytes_ -= size;
+      puts_.settle(t, ready);
+      idle_.notify_all();
+    }
+    run_ready(ready);
   }
   void lookups(std::size_t n) noexcept {
     std::lock_guard lock(mutex_);
@@ -104,7 +116,16 @@ class redis_counters {
   }
   void flush() {
     std::unique_lock lock(mutex_);
-    idle_.wait(lock, [&] { return pending_puts_ == 0; });
+    const pending_puts::ticket last = puts_.issued();
+    idle_.wait(lock, [&] { return puts_.settled(last); });
+  }
+  /// kv_block_store::when_flushed.
+  void when_flushed(std::function<void()> done) {
+    {
+      std::lock_guard lock(mutex_);
+      if (puts_.wait(done)) return;
+    }
+    done();
   }
 
  private:
@@ -113,7 +134,7 @@ class redis_counters {
   std::condition_variable idle_;
   kv_store_stats stats_;
   std::size_t pending_bytes_ = 0;
-  std::size_t pending_puts_ = 0;
+  pending_puts puts_;
   static constexpr std::size_t no_cap = static_cast<std::size_t>(-1);
   std::atomic<std::size_t> value_cap_{no_cap};
 };

@@ -42,10 +42,11 @@ namespace detail {
 namespace {
 
 /// A put's reply, counted (an error reply recorded).
-redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, std::size_t size) {
-  return [counters = std::move(counters), size](const redis_reply& reply) {
+redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, pending_puts::ticket t,
+                                     std::size_t size) {
+  return [counters = std::move(counters), t, size](const redis_reply& reply) {
     counters->refused(reply);
-    counters->finish_put(size, redis_stored(reply));
+    counters->finish_put(t, size, redis_stored(reply));
   };
 }
 
@@ -147,14 +148,15 @@ class redis_store_state {
 
   void put(std::shared_ptr<const kv_store_value> value) noexcept {
     const std::size_t size = value->size();
-    if (!counters_->begin_put(size)) return;
+    const pending_puts::ticket t = counters_->begin_put(size);
+    if (t == 0) return;
     if (cluster_) {
-      put_in_cluster(std::move(value), size);
+      put_in_cluster(std::move(value), t, size);
       return;
     }
     try {
       std::shared_ptr<redis_connection> c = node_->pick();
-      c->run([c, counters = counters_, value = std::move(value), size, ttl = options_.ttl_seconds]() mutable {
+      c->run([c, counters = counters_, value = std::move(value), t, size, ttl = options_.ttl_seconds]() mutable {
         std::string command;
         bool encoded = false;
         if (c->accepting()) {  // else down: fails at once, without encoding
@@ -168,13 +170,13 @@ class redis_store_state {
         // flush() may return: a caller that flushed may count on them.
         value.reset();
         if (!encoded) {
-          counters->finish_put(size, false);
+          counters->finish_put(t, size, false);
           return;
         }
-        c->send_here(std::move(command), count_put(counters, size));
+        c->send_here(std::move(command), count_put(counters, t, size));
       });
     } catch (...) {  // memory refused, or the executor's own failure: not stored
-      counters_->finish_put(size, false);
+      counters_->finish_put(t, size, false);
     }
   }
 
@@ -213,16 +215,17 @@ class redis_store_state {
 
   kv_store_stats stats() const noexcept { return counters_->stats(); }
   void flush() { counters_->flush(); }
+  void when_flushed(std::function<void()> done) { counters_->when_flushed(std::move(done)); }
   void limit_value_size(std::size_t bytes) noexcept { counters_->limit_value_size(bytes); }
   void wait_ready(io_op* op) { readiness_->wait(op); }
   const asio::any_io_executor& executor() const noexcept { return io_; }
 
  private:
   /// Encodes `value` on the I/O executor, then sends it to its slot's master.
-  void put_in_cluster(std::shared_ptr<const kv_store_value> value, std::size_t size) noexcept {
+  void put_in_cluster(std::shared_ptr<const kv_store_value> value, pending_puts::ticket t, std::size_t size) noexcept {
     try {
       const std::uint16_t slot = redis_key_slot(redis_key(value->hash()));
-      asio::post(io_, [cluster = cluster_, counters = counters_, value = std::move(value), size, slot,
+      asio::post(io_, [cluster = cluster_, counters = counters_, value = std::move(value), t, size, slot,
                        ttl = options_.ttl_seconds]() mutable {
         redis_connection::shared_command command;
         try {
@@ -231,19 +234,19 @@ class redis_store_state {
         }
         value.reset();  // as above: before flush() may return
         if (!command) {
-          counters->finish_put(size, false);
+          counters->finish_put(t, size, false);
           return;
         }
         try {
           std::vector<redis_cluster::routed> one;
-          one.push_back({slot, std::move(command), count_put(counters, size)});
+          one.push_back({slot, std::move(command), count_put(counters, t, size)});
           cluster->send(std::move(one));
         } catch (...) {  // memory refused: not sent
-          counters->finish_put(size, false);
+          counters->finish_put(t, size, false);
         }
       });
     } catch (...) {  // memory refused, or the executor's own failure: not stored
-      counters_->finish_put(size, false);
+      counters_->finish_put(t, size, false);
     }
   }
 
@@ -288,6 +291,7 @@ void kv_redis_store::fetch(std::vector<kv_block_hash> hashes, fetch_handler on_v
 kv_store_stats kv_redis_store::stats() const noexcept { return state_->stats(); }
 std::string kv_redis_store::key_of(const kv_block_hash& hash) { return detail::redis_key(hash); }
 void kv_redis_store::flush() { state_->flush(); }
+void kv_redis_store::when_flushed(std::function<void()> done) { state_->when_flushed(std::move(done)); }
 void kv_redis_store::limit_value_size(std::size_t bytes) noexcept { state_->limit_value_size(bytes); }
 asio::any_io_executor kv_redis_store::executor() const noexcept { return state_->executor(); }
 void kv_redis_store::start_wait_ready(detail::io_op* op) { state_->wait_ready(op); }
