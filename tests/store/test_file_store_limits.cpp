@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <latch>
 #include <memory>
 #include <mutex>
@@ -324,6 +325,45 @@ TEST_CASE("a write error and a read error are the store's last error, with their
     CHECK(s.last_error == std::make_error_code(std::errc::invalid_argument));  // a missing file is no error
     CHECK(s.hits == 0);
   }
+  io.join();
+}
+
+}  // namespace file_store_limits_tests
+
+namespace file_store_limits_tests {
+
+TEST_CASE("when_flushed calls back once the puts queued before it settle; an idle store calls back at once") {
+  temp_dir dir;
+  asio::thread_pool io(2);
+  kv_file_store store(dir.path, {.max_bytes = 1 << 20, .io_executor = io.get_executor()});
+
+  // Idle: inside the call.
+  bool called = false;
+  store.when_flushed([&] { called = true; });
+  CHECK(called);
+
+  // Puts from 2 threads, then a wait for them; the puts made after it do
+  // not count towards it (they may or may not have settled when it runs).
+  constexpr std::size_t per_thread = 32;
+  {
+    std::vector<std::thread> putters;
+    for (std::size_t t = 0; t < 2; ++t)
+      putters.emplace_back([&, t] {
+        for (std::size_t i = 0; i < per_thread; ++i) store.put(value_of(t * per_thread + i, 512));
+      });
+    for (std::thread& p : putters) p.join();
+  }
+  std::promise<kv_store_stats> seen;
+  std::atomic<int> calls{0};
+  store.when_flushed([&] {
+    if (calls.fetch_add(1) == 0) seen.set_value(store.stats());
+  });
+  for (std::size_t i = 0; i < per_thread; ++i) store.put(value_of(1000 + i, 512));
+  const kv_store_stats at_flush = seen.get_future().get();
+  CHECK(at_flush.stored + at_flush.dropped + at_flush.write_errors >= 2 * per_thread);
+  CHECK(at_flush.stored >= 2 * per_thread);
+  store.flush();
+  CHECK(calls.load() == 1);
   io.join();
 }
 
