@@ -48,8 +48,8 @@ enum class kv_errc {
   model_mismatch,            ///< a saved sequence of another model id than expected.
   store_auth_failed,  ///< a store's server refused its credentials or its database (`AUTH`, `SELECT`, an ACL
                       ///< that forbids a command or key the store uses, or a server that wants a password).
-  store_tls_failed,   ///< a store's TLS handshake failed: a certificate not verified, a name not matched, no
-                      ///< TLS spoken by the server, or the CA, certificate or key files unreadable.
+  store_tls_failed,  ///< a store's TLS handshake failed: a certificate not verified, a name not matched, no
+                     ///< TLS spoken by the server, or the CA, certificate or key files unreadable.
   store_unavailable,  ///< a store's server did not answer in time (nothing listening, refused, unreachable).
 };
 
