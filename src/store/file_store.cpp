@@ -170,19 +170,8 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     return s;
   }
 
-  void flush() {
-    std::unique_lock lock(mutex_);
-    const pending_puts::ticket last = puts_.issued();
-    idle_.wait(lock, [&] { return puts_.settled(last); });
-  }
-
-  void when_flushed(std::function<void()> done) {
-    {
-      std::lock_guard lock(mutex_);
-      if (puts_.wait(done)) return;
-    }
-    done();
-  }
+  void flush() { wait_settled(mutex_, idle_, puts_); }
+  void when_flushed(std::function<void()> done) { call_when_settled(mutex_, puts_, std::move(done)); }
 
   /// The cap rises to `bytes` (the largest call holds); indexed entries
   /// above it leave the index, their files kept: another process, of

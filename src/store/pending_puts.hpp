@@ -7,9 +7,11 @@
 // it, however steady. Not thread-safe: the store uses it under its own
 // mutex, and runs the callbacks that settle() hands back after unlocking.
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <set>
 #include <utility>
 
@@ -56,6 +58,26 @@ class pending_puts {
   ticket issued_ = 0;
   std::multimap<ticket, std::function<void()>> waiters_;  // by the last ticket each waits for
 };
+
+/// A store's flush(): blocks until every put of `puts` (guarded by
+/// `mutex`; `settled` notified after each settle()) issued before the call
+/// has settled.
+inline void wait_settled(std::mutex& mutex, std::condition_variable& settled, const pending_puts& puts) {
+  std::unique_lock lock(mutex);
+  const pending_puts::ticket last = puts.issued();
+  settled.wait(lock, [&] { return puts.settled(last); });
+}
+
+/// A store's when_flushed(): `done` kept in `puts` (guarded by `mutex`)
+/// until the puts issued so far settle, or called now if they all have.
+/// @throws std::bad_alloc, having kept nothing.
+inline void call_when_settled(std::mutex& mutex, pending_puts& puts, std::function<void()> done) {
+  {
+    std::lock_guard lock(mutex);
+    if (puts.wait(done)) return;
+  }
+  done();
+}
 
 /// Calls every callback of `ready`, swallowing what they throw.
 inline void run_ready(pending_puts::ready_list& ready) noexcept {

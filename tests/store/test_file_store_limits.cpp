@@ -5,6 +5,7 @@
 // test_persist), a directory others can write, and the last error.
 #include "common/asio_compat.hpp"
 #include "common/files.hpp"
+#include "common/store_values.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -36,22 +37,6 @@ using ghostlink::test::write_file;
 
 namespace {
 
-/// A value of `bytes` bytes (each `fill`) under hash `h`.
-class plain_value final : public kv_store_value {
- public:
-  plain_value(const kv_block_hash& h, std::size_t bytes, std::byte fill = std::byte{7})
-      : hash_(h), bytes_(bytes, fill) {}
-  const kv_block_hash& hash() const noexcept override { return hash_; }
-  std::size_t size() const noexcept override { return bytes_.size(); }
-  void encode(std::span<std::byte> out) const noexcept override {
-    std::copy(bytes_.begin(), bytes_.end(), out.begin());
-  }
-
- private:
-  kv_block_hash hash_;
-  std::vector<std::byte> bytes_;
-};
-
 kv_block_hash hash_of(std::size_t i) {
   kv_block_hash h;
   for (std::size_t b = 0; b < 8; ++b) h.bytes[b] = static_cast<std::uint8_t>((i + 1) >> (8 * b));
@@ -59,8 +44,8 @@ kv_block_hash hash_of(std::size_t i) {
   return h;
 }
 
-std::shared_ptr<plain_value> value_of(std::size_t i, std::size_t bytes) {
-  return std::make_shared<plain_value>(hash_of(i), bytes);
+std::shared_ptr<test::bytes_value> value_of(std::size_t i, std::size_t bytes) {
+  return std::make_shared<test::bytes_value>(hash_of(i), std::vector<std::byte>(bytes, std::byte{7}));
 }
 
 /// The entry files (*.kvb) in `dir`: their count and bytes together.

@@ -306,19 +306,9 @@ void redis_connection::send_hello() {
   if (g != generation_) return;
   writing_ = true;
   with_stream([&](auto& stream) {
-    asio::async_write(stream, asio::buffer(session_->hello),
-                      [self = shared_from_this(), tls = tls_, g](const error_code& ec, std::size_t) {
-                        self->writing_ = false;
-                        if (g != self->generation_) {
-                          self->close_if_drained();
-                          return;
-                        }
-                        if (ec) {
-                          self->lost(error_of(ec));
-                          return;
-                        }
-                        self->write_more();
-                      });
+    asio::async_write(
+        stream, asio::buffer(session_->hello),
+        [self = shared_from_this(), tls = tls_, g](const error_code& ec, std::size_t) { self->written(ec, g); });
   });
 }
 
@@ -414,22 +404,24 @@ void redis_connection::write_more() {
   }
   writing_ = true;
   with_stream([&](auto& stream) {
-    asio::async_write(
-        stream, buffers,
-        [self = shared_from_this(), batch, tls = tls_, g = generation_](const error_code& ec, std::size_t) {
-          self->writing_ = false;
-          if (g != self->generation_) {
-            self->write_more();
-            self->close_if_drained();
-            return;
-          }
-          if (ec) {
-            self->lost(error_of(ec));
-            return;
-          }
-          self->write_more();
-        });
+    asio::async_write(stream, buffers,
+                      [self = shared_from_this(), batch, tls = tls_, g = generation_](
+                          const error_code& ec, std::size_t) { self->written(ec, g); });
   });
+}
+
+void redis_connection::written(const error_code& ec, std::uint64_t g) {
+  writing_ = false;
+  if (g != generation_) {  // a socket closed since: what is queued goes on the new one
+    write_more();
+    close_if_drained();
+    return;
+  }
+  if (ec) {
+    lost(error_of(ec));
+    return;
+  }
+  write_more();
 }
 
 void redis_connection::read_more() {

@@ -160,6 +160,8 @@ class redis_connection : public std::enable_shared_from_this<redis_connection> {
   }
   asio::generic::stream_protocol::socket& lowest_socket() noexcept { return tls_ ? tls_->next_layer() : socket_; }
   void write_more();
+  /// A write of socket `g` (the hello, or a batch) done: the next batch, or the connection lost.
+  void written(const error_code& ec, std::uint64_t g);
   void read_more();
   void arm_deadline();
   void check_deadlines();

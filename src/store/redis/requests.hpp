@@ -114,19 +114,9 @@ class redis_counters {
     s.pending_bytes = pending_bytes_;
     return s;
   }
-  void flush() {
-    std::unique_lock lock(mutex_);
-    const pending_puts::ticket last = puts_.issued();
-    idle_.wait(lock, [&] { return puts_.settled(last); });
-  }
+  void flush() { wait_settled(mutex_, idle_, puts_); }
   /// kv_block_store::when_flushed.
-  void when_flushed(std::function<void()> done) {
-    {
-      std::lock_guard lock(mutex_);
-      if (puts_.wait(done)) return;
-    }
-    done();
-  }
+  void when_flushed(std::function<void()> done) { call_when_settled(mutex_, puts_, std::move(done)); }
 
  private:
   const std::size_t max_pending_bytes_;

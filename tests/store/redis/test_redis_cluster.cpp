@@ -11,6 +11,7 @@
 #include "common/files.hpp"
 #include "common/prefix_support.hpp"
 #include "common/redis_process.hpp"
+#include "common/store_values.hpp"
 
 #include <netinet/in.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): SIGKILL
@@ -57,20 +58,7 @@ using bytes = std::vector<std::byte>;
 
 namespace {
 
-/// A value of given bytes, for puts straight to a store.
-class bytes_value final : public kv_store_value {
- public:
-  bytes_value(const kv_block_hash& hash, bytes b) : hash_(hash), bytes_(std::move(b)) {}
-  const kv_block_hash& hash() const noexcept override { return hash_; }
-  std::size_t size() const noexcept override { return bytes_.size(); }
-  void encode(std::span<std::byte> out) const noexcept override {
-    std::copy(bytes_.begin(), bytes_.end(), out.begin());
-  }
-
- private:
-  kv_block_hash hash_;
-  bytes bytes_;
-};
+using ghostlink::test::bytes_value;
 
 /// What a fetch delivered: by index, its bytes (a miss: empty) and how
 /// many times it was delivered.

@@ -11,6 +11,7 @@
 // process id.
 #include "common/files.hpp"
 #include "common/redis_process.hpp"
+#include "common/store_values.hpp"
 
 #include <ghostlink/error.hpp>
 #include <ghostlink/redis_store.hpp>
@@ -55,20 +56,7 @@ namespace {
 
 constexpr std::string_view password = "s3cret-Pa55";
 
-/// A value of given bytes, for puts straight to a store.
-class bytes_value final : public kv_store_value {
- public:
-  bytes_value(const kv_block_hash& hash, bytes b) : hash_(hash), bytes_(std::move(b)) {}
-  const kv_block_hash& hash() const noexcept override { return hash_; }
-  std::size_t size() const noexcept override { return bytes_.size(); }
-  void encode(std::span<std::byte> out) const noexcept override {
-    std::copy(bytes_.begin(), bytes_.end(), out.begin());
-  }
-
- private:
-  kv_block_hash hash_;
-  bytes bytes_;
-};
+using ghostlink::test::bytes_value;
 
 kv_block_hash hash_of(unsigned seed) {
   kv_block_hash h;
