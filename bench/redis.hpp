@@ -197,6 +197,7 @@ inline void command(std::string& out, std::initializer_list<std::string_view> ar
 /// to /dev/null; whether it exited with 0.
 inline bool run_quietly(std::vector<std::string> args) {
   std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   posix_spawn_file_actions_t quiet;

@@ -413,7 +413,8 @@ std::size_t restart_misses(const options& o, const ghostlink::kv_cache_config& c
     const std::vector<token_id>& t = conv.turns.back().tokens;
     const ghostlink::sequence_kv_cache seq = cache.async_attach(threads.get_executor(), t, {}, asio::use_future).get();
     const std::size_t full = std::min(t.size(), config.max_tokens_per_seq) / block_tokens * block_tokens;
-    misses += seq.size() != full || seq.snapshot().token_ids() != std::vector<token_id>(t.begin(), t.begin() + full);
+    misses += seq.size() != full || seq.snapshot().token_ids() !=
+                                        std::vector<token_id>(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(full));
   }
   const std::uint64_t from_disk = cache.stats().store_hit_tokens;
   std::printf("  restart:     %llu tokens attached from disk by a restarted server (its RAM empty); %zu "
@@ -588,7 +589,7 @@ int main(int argc, char** argv) try {
   std::printf("  recompute:   %s (max abs logit diff %.2e over %zu rows: every position every request computed); "
               "token ids %s\n",
               total.bad ? "MISMATCH" : "match", total.worst, total.rows, ids_bad ? "MISMATCH" : "match");
-  const std::size_t restart_short = disk ? restart_misses(o, config, work, disk_dir->path) : 0;
+  const std::size_t restart_short = disk && disk_dir ? restart_misses(o, config, work, disk_dir->path) : 0;
   const bool failed = total.bad || ids_bad || router_disagrees || leaked || eviction_missing || restart_short;
   return failed ? 1 : 0;
 } catch (const std::exception& e) {

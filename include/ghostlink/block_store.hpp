@@ -114,6 +114,7 @@ class kv_block_store {
   /// before the store has the entries.
   /// @throws std::bad_alloc, having kept nothing of `done`, which is then
   ///         never called.
+  // NOLINTNEXTLINE(performance-unnecessary-value-param): the interface takes it by value, for overrides that keep it
   virtual void when_flushed(std::function<void()> done) { done(); }
 };
 

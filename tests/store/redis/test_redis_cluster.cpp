@@ -11,7 +11,6 @@
 #include "common/files.hpp"
 #include "common/prefix_support.hpp"
 #include "common/redis_process.hpp"
-#include "common/store_values.hpp"
 
 #include <netinet/in.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): SIGKILL
@@ -44,21 +43,14 @@ namespace redis_cluster_tests {
 
 using namespace ghostlink;
 using namespace ghostlink::test::prefix;
-namespace fs = std::filesystem;
-using ghostlink::test::temp_dir;
 using ghostlink::test::redis::call;
 using ghostlink::test::redis::cluster_nodes;
-using ghostlink::test::redis::find_program;
-using ghostlink::test::redis::redis_server;
-using ghostlink::test::redis::run_program;
 using ghostlink::test::redis::text;
 using std::chrono::milliseconds;
 using clock_type = std::chrono::steady_clock;
 using bytes = std::vector<std::byte>;
 
 namespace {
-
-using ghostlink::test::bytes_value;
 
 /// What a fetch delivered: by index, its bytes (a miss: empty) and how
 /// many times it was delivered.

@@ -60,7 +60,8 @@ using ghostlink::test::bytes_value;
 
 kv_block_hash hash_of(unsigned seed) {
   kv_block_hash h;
-  for (std::size_t i = 0; i < h.bytes.size(); ++i) h.bytes[i] = static_cast<std::uint8_t>(seed * 131 + i * 7 + 1);
+  for (std::size_t i = 0; i < h.bytes.size(); ++i)
+    h.bytes[i] = static_cast<std::uint8_t>(std::size_t{seed} * 131 + i * 7 + 1);
   return h;
 }
 
@@ -284,7 +285,7 @@ struct certificates {
 
  private:
   static void write(const fs::path& p, std::string_view text) { std::ofstream(p) << text; }
-  void openssl(std::vector<std::string> args) const {
+  static void openssl(std::vector<std::string> args) {
     args.insert(args.begin(), "/usr/bin/openssl");
     if (!fs::exists(args.front())) args.front() = ghostlink::test::redis::find_program("openssl").string();
     const auto [status, output] = run_program(args);
