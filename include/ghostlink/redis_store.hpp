@@ -206,7 +206,7 @@ class kv_redis_store final : public kv_block_store {
   /// The largest `ttl_seconds`: 9 * 10^15 s, so that the expiry in
   /// milliseconds plus the server's clock stays within Redis's signed
   /// 64 bits (Redis refuses `EX` beyond that with `invalid expire time`).
-  static constexpr std::uint64_t max_ttl_seconds = 9'000'000'000'000'000 / 1000;
+  static constexpr std::uint64_t max_ttl_seconds = 9'000'000'000'000'000'000 / 1000;
   /// The largest `database` (Redis takes a database index as a C `int`).
   static constexpr std::uint32_t max_database = 2'147'483'647;
 
