@@ -13,6 +13,7 @@
 #include "ghostlink/detail/asio_config.hpp"
 
 #include "base/fault_countdown.hpp"
+#include "base/throw_errc.hpp"
 #include "core/mailbox.hpp"
 #include "core/working_state.hpp"
 #include "ghostlink/block_pool.hpp"
@@ -33,14 +34,12 @@ void add(std::atomic<std::uint64_t>& counter, std::uint64_t n) noexcept {
   counter.store(counter.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
 }
 
-[[noreturn]] void throw_invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
-
 /// The pool a new cache of `layout` takes blocks from: `pool`, checked
 /// against it, or a private one.
 ref_ptr<block_pool> pool_for(const kv_cache_config& config, const block_layout& layout, ref_ptr<block_pool> pool) {
   if (!pool) return ref_ptr<block_pool>::adopt(new block_pool(layout.block_bytes, config.max_blocks));
   if (pool->payload_bytes() != layout.block_bytes || config.max_blocks != kv_cache_config{}.max_blocks)
-    throw_invalid_config();
+    throw_errc(kv_errc::invalid_config);
   return pool;
 }
 

@@ -9,6 +9,7 @@
 #include <utility>
 #include "ghostlink/detail/flavour.hpp"
 
+#include "base/throw_errc.hpp"
 #include "core/actor.hpp"
 #include "ghostlink/error.hpp"
 #include "io/file.hpp"
@@ -18,11 +19,7 @@
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
-namespace {
-
-[[noreturn]] void throw_errc(kv_errc e) { throw std::system_error(make_error_code(e)); }
-
-}  // namespace
+namespace {}  // namespace
 
 std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
                                                 element_codec codec, std::uint8_t element, const kv_block_pool& pool,

@@ -9,31 +9,31 @@
 #include <utility>
 #include <vector>
 
+#include "base/throw_errc.hpp"
+
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
-
-[[noreturn]] void invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
 
 /// The TLS context of `o`: TLS 1.2 or later, its CA (else the system's),
 /// its client certificate and key if given.
 std::shared_ptr<asio::ssl::context> make_tls_context(const kv_redis_tls_options& o) {
   auto ctx = std::make_shared<asio::ssl::context>(asio::ssl::context::tls_client);
-  if (SSL_CTX_set_min_proto_version(ctx->native_handle(), TLS1_2_VERSION) != 1) invalid_config();
+  if (SSL_CTX_set_min_proto_version(ctx->native_handle(), TLS1_2_VERSION) != 1) throw_errc(kv_errc::invalid_config);
   ctx->set_options(asio::ssl::context::default_workarounds | asio::ssl::context::no_compression);
   error_code ec;
   ctx->set_verify_mode(o.verify ? asio::ssl::verify_peer : asio::ssl::verify_none, ec);
   if (!o.ca_file.empty()) ctx->load_verify_file(o.ca_file, ec);
   if (!ec && !o.ca_directory.empty()) {
     std::error_code ignored;
-    if (!std::filesystem::is_directory(o.ca_directory, ignored)) invalid_config();
+    if (!std::filesystem::is_directory(o.ca_directory, ignored)) throw_errc(kv_errc::invalid_config);
     ctx->add_verify_path(o.ca_directory, ec);
   }
   if (!ec && o.ca_file.empty() && o.ca_directory.empty()) ctx->set_default_verify_paths(ec);
-  if (o.certificate_file.empty() != o.private_key_file.empty()) invalid_config();
+  if (o.certificate_file.empty() != o.private_key_file.empty()) throw_errc(kv_errc::invalid_config);
   if (!ec && !o.certificate_file.empty()) ctx->use_certificate_chain_file(o.certificate_file, ec);
   if (!ec && !o.private_key_file.empty()) ctx->use_private_key_file(o.private_key_file, asio::ssl::context::pem, ec);
-  if (ec) invalid_config();  // the files' names stay out of the error: a path may say too much
+  if (ec) throw_errc(kv_errc::invalid_config);  // the files' names stay out of the error: a path may say too much
   return ctx;
 }
 

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/throw_errc.hpp"
 #include "ghostlink/detail/asio_config.hpp"
 #include "ghostlink/redis_store.hpp"
 #include "store/redis/cluster.hpp"
@@ -50,8 +51,6 @@ redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, p
   };
 }
 
-[[noreturn]] void invalid_config() { throw std::system_error(make_error_code(kv_errc::invalid_config)); }
-
 /// Throws what the header documents for bad endpoints or options.
 void check(const std::vector<kv_redis_endpoint>& endpoints, const kv_redis_store_options& o) {
   if (endpoints.empty()) throw std::invalid_argument("kv_redis_store: no endpoint");
@@ -62,14 +61,15 @@ void check(const std::vector<kv_redis_endpoint>& endpoints, const kv_redis_store
     for (const kv_redis_endpoint& e : endpoints)
       if (!e.unix_socket.empty()) throw std::invalid_argument("kv_redis_store: a cluster's endpoints are TCP");
   for (const kv_redis_endpoint& e : o.cluster ? endpoints : std::vector<kv_redis_endpoint>{endpoints.front()}) {
-    if (e.unix_socket.empty() && (e.host.empty() || e.port == 0)) invalid_config();
-    if (!e.unix_socket.empty() && o.tls) invalid_config();  // TLS is for TCP
+    if (e.unix_socket.empty() && (e.host.empty() || e.port == 0)) throw_errc(kv_errc::invalid_config);
+    if (!e.unix_socket.empty() && o.tls) throw_errc(kv_errc::invalid_config);  // TLS is for TCP
   }
-  if (o.ttl_seconds && (*o.ttl_seconds == 0 || *o.ttl_seconds > kv_redis_store::max_ttl_seconds)) invalid_config();
-  if (o.database > kv_redis_store::max_database || (o.cluster && o.database != 0)) invalid_config();
-  if (!o.username.empty() && o.password.empty()) invalid_config();
+  if (o.ttl_seconds && (*o.ttl_seconds == 0 || *o.ttl_seconds > kv_redis_store::max_ttl_seconds))
+    throw_errc(kv_errc::invalid_config);
+  if (o.database > kv_redis_store::max_database || (o.cluster && o.database != 0)) throw_errc(kv_errc::invalid_config);
+  if (!o.username.empty() && o.password.empty()) throw_errc(kv_errc::invalid_config);
   if (o.connect_timeout.count() <= 0 || o.request_timeout.count() <= 0 || o.reconnect_backoff.count() < 0)
-    invalid_config();
+    throw_errc(kv_errc::invalid_config);
 }
 
 }  // namespace
