@@ -24,9 +24,7 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
-#include <chrono>
 #include <condition_variable>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <new>
@@ -40,6 +38,7 @@
 #include "ghostlink/block_store.hpp"
 #include "ghostlink/detail/io_op.hpp"
 #include "io/file.hpp"
+#include "store/counting.hpp"
 #include "store/hooks.hpp"
 #include "store/pending_puts.hpp"
 
@@ -79,7 +78,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
  public:
   file_store_state(std::filesystem::path directory, kv_file_store_limits limits)
       : directory_(std::move(directory)), limits_(std::move(limits)), io_(io_pool_executor(limits_.io_executor)) {
-    if (limits_.max_value_bytes) cap_.store(*limits_.max_value_bytes, std::memory_order_relaxed);
+    if (limits_.max_value_bytes) cap_.raise(*limits_.max_value_bytes);
     if (error_code ec = make_directories(directory_, directory_mode(limits_.file_mode)))
       throw std::system_error(std::error_code(ec), "ghostlink: kv_file_store directory " + directory_.string());
     struct stat st {};
@@ -178,8 +177,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   /// another geometry, may share the directory and read them.
   void limit_value_size(std::size_t bytes) noexcept {
     std::lock_guard lock(mutex_);
-    const std::uint64_t now = cap_.load(std::memory_order_relaxed);
-    cap_.store(now == no_cap ? bytes : std::max<std::uint64_t>(now, bytes), std::memory_order_relaxed);
+    cap_.raise(bytes);
     for (auto it = entries_.begin(); it != entries_.end();) {
       const auto [h, e] = *(it++);  // a copy: forget() erases it
       if (e.bytes <= value_cap()) continue;
@@ -189,8 +187,6 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   }
 
  private:
-  static constexpr std::uint64_t no_cap = std::numeric_limits<std::uint64_t>::max();
-
   struct indexed {
     std::uint64_t bytes = 0;
     std::uint64_t tick = 0;
@@ -204,7 +200,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   };
 
   /// The largest value read or written: the cap, if any.
-  std::uint64_t value_cap() const noexcept { return cap_.load(std::memory_order_relaxed); }
+  std::uint64_t value_cap() const noexcept { return cap_.get(); }
 
   /// Makes `h` the most recently used (under mutex_).
   void touch(const kv_block_hash& h) {
@@ -285,10 +281,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
 
   /// Every error met (a write's, a read's, a value refused) is recorded
   /// here, with its time (under mutex_).
-  void note_error(const error_code& ec) noexcept {
-    stats_.last_error = std::error_code(ec);
-    stats_.last_error_time = std::chrono::system_clock::now();
-  }
+  void note_error(const error_code& ec) noexcept { record_error(stats_, std::error_code(ec)); }
   void count_write_error(const error_code& ec) noexcept {
     ++stats_.write_errors;
     note_error(ec);
@@ -412,7 +405,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   const std::filesystem::path directory_;
   const kv_file_store_limits limits_;
   const asio::any_io_executor io_;
-  std::atomic<std::uint64_t> cap_{no_cap};  // the largest value read or written; written under mutex_
+  value_size_cap cap_;  // the largest value read or written
 
   mutable std::mutex mutex_;
   std::condition_variable idle_;  // a put finished

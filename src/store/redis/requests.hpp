@@ -3,9 +3,7 @@
 // Redis Cluster (store.cpp): the keys, the SET command, the counters
 // (and the puts flush() waits for), and a fetch's delivery to its handler.
 
-#include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -19,6 +17,7 @@
 
 #include "ghostlink/block_store.hpp"
 #include "ghostlink/error.hpp"
+#include "store/counting.hpp"
 #include "store/pending_puts.hpp"
 #include "store/redis/connection.hpp"
 
@@ -85,8 +84,7 @@ class redis_counters {
     std::lock_guard lock(mutex_);
     if (e == kv_errc::store_auth_failed) ++stats_.auth_errors;
     if (e == kv_errc::store_tls_failed) ++stats_.tls_errors;
-    stats_.last_error = make_error_code(e);
-    stats_.last_error_time = std::chrono::system_clock::now();
+    record_error(stats_, make_error_code(e));
   }
   /// Records an error reply other than an auth error (the connection
   /// records those): the server refusing the request (`-OOM`, `-LOADING`,
@@ -100,14 +98,9 @@ class redis_counters {
     ++stats_.oversized;
   }
   /// The largest value read (limit_value_size()); no cap until set.
-  std::size_t value_cap() const noexcept { return value_cap_.load(std::memory_order_relaxed); }
+  std::uint64_t value_cap() const noexcept { return value_cap_.get(); }
   /// Raises the cap to `bytes` (the first call sets it; the largest holds).
-  void limit_value_size(std::size_t bytes) noexcept {
-    std::size_t now = value_cap_.load(std::memory_order_relaxed);
-    while (!value_cap_.compare_exchange_weak(now, now == no_cap ? bytes : std::max(now, bytes),
-                                             std::memory_order_relaxed)) {
-    }
-  }
+  void limit_value_size(std::size_t bytes) noexcept { value_cap_.raise(bytes); }
   kv_store_stats stats() const noexcept {
     std::lock_guard lock(mutex_);
     kv_store_stats s = stats_;
@@ -125,8 +118,7 @@ class redis_counters {
   kv_store_stats stats_;
   std::size_t pending_bytes_ = 0;
   pending_puts puts_;
-  static constexpr std::size_t no_cap = static_cast<std::size_t>(-1);
-  std::atomic<std::size_t> value_cap_{no_cap};
+  value_size_cap value_cap_;
 };
 
 /// A fetch's handler, called until it says "no more".
