@@ -4,6 +4,7 @@
 // written in one call once every argument has been checked.
 #include "ghostlink/metrics.hpp"
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <chrono>
@@ -141,13 +142,36 @@ double hit_ratio(const kv_prefix_stats& s) {
   return s.query_tokens == 0 ? 0 : static_cast<double>(s.hit_tokens) / static_cast<double>(s.query_tokens);
 }
 
-/// One gauge or counter of a pool's readings.
-struct pool_family {
+/// One gauge or counter of a reading (a pool's, a prefix cache's, a store's).
+template <class Stats>
+struct family {
   std::string_view name;
   std::string_view type;
   std::string_view help;
-  number (*value)(const kv_pool_stats&);
+  number (*value)(const Stats&);
 };
+using pool_family = family<kv_pool_stats>;
+using prefix_family = family<kv_prefix_stats>;
+using store_family = family<kv_store_stats>;
+
+/// Each of `families` (its HELP and TYPE), then a sample of it for every
+/// source whose reading `of` gives (null: the source has none).
+template <class Stats, std::size_t N, class Reading>
+void write_families(exposition& e, const std::array<family<Stats>, N>& families,
+                    std::span<const kv_metrics_source> sources, Reading of) {
+  for (const family<Stats>& f : families) {
+    e.family(f.name, f.type, f.help);
+    for (const kv_metrics_source& source : sources)
+      if (const Stats* reading = of(source)) e.sample(f.name, {{"pool", source.pool}}, f.value(*reading));
+  }
+}
+
+/// Whether some source has the optional reading `member`.
+template <class Member>
+bool any_has(std::span<const kv_metrics_source> sources, Member member) {
+  return std::any_of(sources.begin(), sources.end(),
+                     [&](const kv_metrics_source& s) { return (s.*member).has_value(); });
+}
 
 // clang-format off
 constexpr std::array pool_families{
@@ -189,14 +213,6 @@ constexpr std::array pool_families{
 };
 // clang-format on
 
-/// One gauge or counter of a prefix cache's readings.
-struct prefix_family {
-  std::string_view name;
-  std::string_view type;
-  std::string_view help;
-  number (*value)(const kv_prefix_stats&);
-};
-
 // clang-format off
 constexpr std::array prefix_families{
   prefix_family{"ghostlink_prefix_cache_queries_total", "counter",
@@ -222,14 +238,6 @@ constexpr std::array prefix_families{
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.idle_blocks}; }},
 };
 // clang-format on
-
-/// One gauge or counter of a store's readings.
-struct store_family {
-  std::string_view name;
-  std::string_view type;
-  std::string_view help;
-  number (*value)(const kv_store_stats&);
-};
 
 /// Seconds since the Unix epoch of `t` (0 for the epoch itself: no error yet).
 double unix_seconds(std::chrono::system_clock::time_point t) {
@@ -266,14 +274,8 @@ constexpr std::array store_families{
 
 /// The store's families, for the sources that have a store.
 void write_stores(exposition& e, std::span<const kv_metrics_source> sources) {
-  bool any = false;
-  for (const kv_metrics_source& source : sources) any = any || source.store.has_value();
-  if (!any) return;
-  for (const store_family& f : store_families) {
-    e.family(f.name, f.type, f.help);
-    for (const kv_metrics_source& source : sources)
-      if (source.store) e.sample(f.name, {{"pool", source.pool}}, f.value(*source.store));
-  }
+  if (!any_has(sources, &kv_metrics_source::store)) return;
+  write_families(e, store_families, sources, [](const kv_metrics_source& s) { return s.store ? &*s.store : nullptr; });
   e.family("ghostlink_store_writes_total", "counter",
            "Writes the store settled, by outcome: stored, dropped (a limit) or failed (an error).");
   for (const kv_metrics_source& source : sources) {
@@ -405,21 +407,10 @@ void write_prometheus(std::ostream& out, std::span<const kv_metrics_source> sour
   check(sources);
   exposition e;
 
-  for (const pool_family& f : pool_families) {
-    e.family(f.name, f.type, f.help);
-    for (const kv_metrics_source& source : sources)
-      e.sample(f.name, {{"pool", source.pool}}, f.value(source.pool_stats));
-  }
-
-  bool any_prefix = false;
-  for (const kv_metrics_source& source : sources) any_prefix = any_prefix || source.prefix.has_value();
-  if (any_prefix) {
-    for (const prefix_family& f : prefix_families) {
-      e.family(f.name, f.type, f.help);
-      for (const kv_metrics_source& source : sources)
-        if (source.prefix) e.sample(f.name, {{"pool", source.pool}}, f.value(*source.prefix));
-    }
-  }
+  write_families(e, pool_families, sources, [](const kv_metrics_source& s) { return &s.pool_stats; });
+  if (any_has(sources, &kv_metrics_source::prefix))
+    write_families(e, prefix_families, sources,
+                   [](const kv_metrics_source& s) { return s.prefix ? &*s.prefix : nullptr; });
 
   write_stores(e, sources);
 
