@@ -97,14 +97,9 @@ std::optional<std::vector<redis_slot_range>> parse_cluster_slots(const redis_rep
   return out;
 }
 
-redis_cluster::redis_cluster(asio::any_io_executor io, std::vector<kv_redis_endpoint> seeds, std::size_t connections,
-                             redis_timeouts timeouts, std::shared_ptr<const redis_session> session)
-    : io_(std::move(io)),
-      seeds_(std::move(seeds)),
-      connections_(connections),
-      timeouts_(timeouts),
-      session_(std::move(session)),
-      slots_(redis_slots) {
+redis_cluster::redis_cluster(asio::any_io_executor io, std::vector<kv_redis_endpoint> seeds,
+                             std::shared_ptr<const redis_session> session)
+    : io_(std::move(io)), seeds_(std::move(seeds)), session_(std::move(session)), slots_(redis_slots) {
   if (seeds_.empty()) throw std::invalid_argument("kv_redis_store: no endpoint");
   for (const kv_redis_endpoint& e : seeds_)
     if (!e.unix_socket.empty()) throw std::invalid_argument("kv_redis_store: a cluster's endpoints are TCP");
@@ -128,8 +123,7 @@ redis_cluster::node_ptr redis_cluster::node_at(const std::string& host, std::uin
   const std::string name = node_name(host, port);
   if (auto found = nodes_.find(name); found != nodes_.end()) return found->second;
   if (nodes_.size() >= max_redis_nodes) return nullptr;
-  auto node = std::make_shared<redis_node>(io_, kv_redis_endpoint{.host = host, .port = port}, connections_, timeouts_,
-                                           session_);
+  auto node = std::make_shared<redis_node>(io_, kv_redis_endpoint{.host = host, .port = port}, session_);
   nodes_.emplace(name, node);
   return node;
 }
@@ -241,7 +235,7 @@ void redis_cluster::refresh(bool urgent) noexcept {
   try {
     std::lock_guard lock(mutex_);
     const auto now = std::chrono::steady_clock::now();
-    if (refreshing_ || closed_ || (!urgent && now - last_refresh_ < timeouts_.backoff)) return;
+    if (refreshing_ || closed_ || (!urgent && now - last_refresh_ < session_->timeouts.backoff)) return;
     last_refresh_ = now;
     // The seeds, then the other nodes known: the first to answer is taken.
     candidates = std::make_shared<std::vector<kv_redis_endpoint>>(seeds_);

@@ -87,8 +87,8 @@ class redis_cluster : public std::enable_shared_from_this<redis_cluster> {
   };
 
   /// @throws std::invalid_argument if `seeds` is empty or names a unix socket.
-  redis_cluster(asio::any_io_executor io, std::vector<kv_redis_endpoint> seeds, std::size_t connections,
-                redis_timeouts timeouts, std::shared_ptr<const redis_session> session);
+  redis_cluster(asio::any_io_executor io, std::vector<kv_redis_endpoint> seeds,
+                std::shared_ptr<const redis_session> session);
   redis_cluster(const redis_cluster&) = delete;
   redis_cluster& operator=(const redis_cluster&) = delete;
   ~redis_cluster();
@@ -121,8 +121,6 @@ class redis_cluster : public std::enable_shared_from_this<redis_cluster> {
 
   const asio::any_io_executor io_;
   const std::vector<kv_redis_endpoint> seeds_;
-  const std::size_t connections_;
-  const redis_timeouts timeouts_;
   const std::shared_ptr<const redis_session> session_;  // every node's connections', and the readiness
   std::mutex mutex_;
   std::map<std::string, node_ptr> nodes_;          // by host:port

@@ -137,11 +137,10 @@ std::size_t parse_redis_reply(std::string_view in, redis_reply& out, std::size_t
   return parse_reply_at(in, out, 0, max_bulk);
 }
 
-redis_connection::redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint, redis_timeouts timeouts,
+redis_connection::redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint,
                                    std::shared_ptr<const redis_session> session)
     : strand_(asio::make_strand(ex)),
       endpoint_(std::move(endpoint)),
-      timeouts_(timeouts),
       session_(std::move(session)),
       socket_(strand_),
       resolver_(strand_),
@@ -173,7 +172,7 @@ void redis_connection::queue(request r) noexcept {
     finish_callback(r.done);
     return;
   }
-  r.deadline = std::chrono::steady_clock::now() + timeouts_.request;
+  r.deadline = std::chrono::steady_clock::now() + session_->timeouts.request;
   try {
     queued_.push_back(std::move(r));
   } catch (...) {  // memory refused: a failure
@@ -226,7 +225,7 @@ void redis_connection::connect() {
       return;
     }
   }
-  arm_connect_timer(timeouts_.connect);
+  arm_connect_timer(session_->timeouts.connect);
   if (!endpoint_.unix_socket.empty()) {
     connect_to(asio::local::stream_protocol::endpoint(endpoint_.unix_socket), g);
     return;
@@ -262,7 +261,7 @@ void redis_connection::connected() {
   in_.clear();
   in_start_ = 0;
   skipping_ = 0;
-  arm_connect_timer(timeouts_.request);  // the handshake and the hello, as a request
+  arm_connect_timer(session_->timeouts.request);  // the handshake and the hello, as a request
   if (tls_)
     handshake();
   else
@@ -363,7 +362,7 @@ void redis_connection::lost(std::optional<kv_errc> why) {
     return;
   }
   const std::uint64_t g = generation_;
-  connect_timer_.expires_after(timeouts_.backoff);
+  connect_timer_.expires_after(session_->timeouts.backoff);
   connect_timer_.async_wait([self = shared_from_this(), g](const error_code& ec) {
     if (!ec && g == self->generation_ && self->state_ == state::backoff && !self->closing_) self->connect();
   });

@@ -95,7 +95,8 @@ class redis_connection : public std::enable_shared_from_this<redis_connection> {
  public:
   using callback = std::function<void(redis_reply)>;
 
-  redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint, redis_timeouts timeouts,
+  /// A connection to `endpoint`, with `session`'s timeouts, credentials and TLS.
+  redis_connection(const asio::any_io_executor& ex, kv_redis_endpoint endpoint,
                    std::shared_ptr<const redis_session> session);
 
   /// Starts connecting (once).
@@ -171,7 +172,6 @@ class redis_connection : public std::enable_shared_from_this<redis_connection> {
 
   asio::strand<asio::any_io_executor> strand_;
   const kv_redis_endpoint endpoint_;
-  const redis_timeouts timeouts_;
   const std::shared_ptr<const redis_session> session_;
   asio::generic::stream_protocol::socket socket_;  // without TLS
   // With TLS, one a socket (a stream cannot be reused); each operation

@@ -12,18 +12,19 @@
 #include <vector>
 
 #include "store/redis/connection.hpp"
+#include "store/redis/session.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 class redis_node {
  public:
-  /// `connections` connections to `endpoint`, started (connecting in the background).
-  redis_node(const asio::any_io_executor& ex, const kv_redis_endpoint& endpoint, std::size_t connections,
-             redis_timeouts timeouts, const std::shared_ptr<const redis_session>& session) {
-    connections_.reserve(connections);
-    for (std::size_t i = 0; i < connections; ++i)
-      connections_.push_back(std::make_shared<redis_connection>(ex, endpoint, timeouts, session));
+  /// The session's number of connections to `endpoint`, started (connecting in the background).
+  redis_node(const asio::any_io_executor& ex, const kv_redis_endpoint& endpoint,
+             const std::shared_ptr<const redis_session>& session) {
+    connections_.reserve(session->connections);
+    for (std::size_t i = 0; i < session->connections; ++i)
+      connections_.push_back(std::make_shared<redis_connection>(ex, endpoint, session));
     for (const auto& c : connections_) c->start();
   }
   redis_node(const redis_node&) = delete;

@@ -42,6 +42,8 @@ std::shared_ptr<asio::ssl::context> make_tls_context(const kv_redis_tls_options&
 std::shared_ptr<redis_session> make_redis_session(const kv_redis_store_options& options,
                                                   std::shared_ptr<redis_counters> counters) {
   auto s = std::make_shared<redis_session>();
+  s->timeouts = {options.connect_timeout, options.request_timeout, options.reconnect_backoff};
+  s->connections = options.connections;
   if (!options.password.empty()) {
     s->hello += options.username.empty() ? redis_command({"AUTH", options.password})
                                          : redis_command({"AUTH", options.username, options.password});

@@ -72,6 +72,10 @@ class redis_readiness : public std::enable_shared_from_this<redis_readiness> {
 /// What the connections of one store share. Immutable once made, but for
 /// what its pointers point to (each safe from any thread).
 struct redis_session {
+  /// The connect and request timeouts and the reconnect backoff of every connection.
+  redis_timeouts timeouts{};
+  /// Connections to each server (to each master of a cluster).
+  std::size_t connections = 1;
   /// `AUTH [username] password` and `SELECT db` as the options ask, or
   /// `PING` when neither (a server that wants a password says so then,
   /// before any request is written): pipelined on each new connection.

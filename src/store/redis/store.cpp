@@ -113,15 +113,14 @@ class redis_store_state {
         }
       });
     }
-    const redis_timeouts timeouts{options_.connect_timeout, options_.request_timeout, options_.reconnect_backoff};
     readiness_ = std::make_shared<redis_readiness>(
         io_, options_.connect_timeout + 2 * options_.request_timeout + options_.reconnect_backoff);
     session->readiness = readiness_;
     if (options_.cluster) {
-      cluster_ = std::make_shared<redis_cluster>(io_, std::move(endpoints), options_.connections, timeouts, session);
+      cluster_ = std::make_shared<redis_cluster>(io_, std::move(endpoints), session);
       cluster_->start();
     } else {
-      node_ = std::make_unique<redis_node>(io_, endpoints.front(), options_.connections, timeouts, session);
+      node_ = std::make_unique<redis_node>(io_, endpoints.front(), session);
     }
   }
   redis_store_state(const redis_store_state&) = delete;
