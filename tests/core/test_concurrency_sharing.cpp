@@ -30,8 +30,11 @@ TEST_CASE("a snapshot moved to another thread is read and released there, freein
   const std::size_t n = config.max_tokens_per_seq;
   const std::size_t live_blocks = (n + config.block_tokens - 1) / config.block_tokens;
   mismatch_log log;
-  asio::thread_pool pool(2);
+  // `other` outlives `pool`: a drain on `pool` completes the coroutine's
+  // handler on `other`, and may still be letting go of its executor (work
+  // it tracked on `other`) when the coroutine's result arrives here.
   asio::thread_pool other(2);
+  asio::thread_pool pool(2);
   layer_kv_cache cache(pool, config);
   cache.async_initialize(n, asio::use_future).get();
   run(pool.get_executor(), write_batch(cache, 0, n, 1));
