@@ -52,9 +52,10 @@ ref_ptr<block_pool> pool_for(const kv_cache_config& config, const block_layout& 
 /// mailbox.
 class drain_op {
  public:
-  drain_op(std::shared_ptr<actor> a, request* carried) noexcept : actor_(std::move(a)), carried_(carried) {}
+  drain_op(std::shared_ptr<actor> a, request* carried, queueing how = queueing::defer) noexcept
+      : actor_(std::move(a)), carried_(carried), how_(how) {}
   drain_op(drain_op&& other) noexcept
-      : actor_(std::move(other.actor_)), carried_(std::exchange(other.carried_, nullptr)) {}
+      : actor_(std::move(other.actor_)), carried_(std::exchange(other.carried_, nullptr)), how_(other.how_) {}
   drain_op& operator=(drain_op&&) = delete;
   ~drain_op() {
     if (!actor_) return;
@@ -66,12 +67,13 @@ class drain_op {
   }
   void operator()() {
     const std::shared_ptr<actor> a = std::move(actor_);
-    a->drain(std::exchange(carried_, nullptr));
+    a->drain(std::exchange(carried_, nullptr), how_);
   }
 
  private:
   std::shared_ptr<actor> actor_;
   request* carried_;
+  queueing how_;  // how its completions are queued: defer on the strand, post inside an initiating call
 };
 
 std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
@@ -160,10 +162,19 @@ void actor::submit(request* r, urgency u) noexcept {
 }
 
 void actor::schedule(urgency u, request* carried) noexcept {
-  if (u == urgency::now)
-    asio::dispatch(strand_, drain_op(shared_from_this(), carried));
-  else
-    asio::post(strand_, drain_op(shared_from_this(), carried));
+  switch (u) {
+    case urgency::here:
+      try {
+        drain_op(shared_from_this(), carried, queueing::post)();
+      } catch (...) {
+        // A completion that threw (see drain()): it leaves through the
+        // strand's executor's run(), as it would from a drain run there.
+        asio::post(strand_, [e = std::current_exception()] { std::rethrow_exception(e); });
+      }
+      return;
+    case urgency::now: asio::dispatch(strand_, drain_op(shared_from_this(), carried)); return;
+    case urgency::batch: asio::post(strand_, drain_op(shared_from_this(), carried)); return;
+  }
 }
 
 void actor::apply(request* const* batch, error_code* results, std::size_t n) {
@@ -299,7 +310,7 @@ void actor::publish() {
   group_->publish(std::move(next));
 }
 
-void actor::drain(request* carried) {
+void actor::drain(request* carried, queueing how) {
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): the first n are filled, the rest is never read
   std::array<request*, drain_capacity> batch;
   // Raw storage: apply() constructs the first n results (filling all of
@@ -341,7 +352,7 @@ void actor::drain(request* carried) {
   std::exception_ptr first_error;
   for (std::size_t i = 0; i < n; ++i) {
     try {
-      batch[i]->complete(results[i], queueing::defer);
+      batch[i]->complete(results[i], how);
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
     }

@@ -7,8 +7,12 @@
 //
 // Threads:
 // - submit(), pin(), size(), stats() are safe from any thread at any time.
-// - drain() runs only on strand_; it alone touches the working states and
-//   publishes into the cells.
+// - drain() runs on strand_, or inside submit() for a request of urgency
+//   `here` that finds the actor idle; either way one drain runs at a time
+//   (pending_, below), and it alone touches the working states and
+//   publishes into the cells. Consecutive drains are ordered by pending_'s
+//   acq_rel updates: the drain's final decrement, then the next submitter's
+//   raise from zero (or the deferred drain the strand runs).
 // - A request enqueued (queued or parked for room, see mailbox.hpp) is
 //   counted in pending_ afterwards; whoever raises pending_ from zero
 //   schedules a drain, and a drain that leaves work behind defers the next,
@@ -147,8 +151,10 @@ class actor : public std::enable_shared_from_this<actor> {
   /// `carried` if not null.
   void schedule(urgency u, request* carried) noexcept;
   /// Applies `carried` (if not null), then what the mailbox holds, and
-  /// publishes.
-  void drain(request* carried);
+  /// publishes; queues the completions `how` (never defer inside an
+  /// initiating call: its caller may block the thread, and a deferred
+  /// handler would wait behind it).
+  void drain(request* carried, queueing how);
   /// Applies `n` requests, constructing their results in `results` (raw
   /// storage for n); if the next epochs cannot be prepared, applies none
   /// and fails each with capacity_exhausted.

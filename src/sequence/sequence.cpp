@@ -166,7 +166,7 @@ void start_append(const std::shared_ptr<sequence_state>& s, sequence_op* op,
   const std::optional<std::size_t> first = begin_adding(seq, op, tokens, ids);
   if (!first) return;
   const std::size_t index = *first;
-  submit_to_group(s, op, [&] {
+  submit_to_group(s, op, urgency::now, [&] {
     // Every layer's writes, layer by layer, then the token ids'.
     std::vector<float> bits;
     std::vector<kv_write> ids_part = id_writes(index, tokens, ids, bits);
@@ -187,14 +187,14 @@ void start_truncate(const std::shared_ptr<sequence_state>& s, sequence_op* op, s
     seq.end();
     return op->complete({}, queueing::post);
   }
-  submit_to_group(s, op, [&] { return new sequence_request(s, op, stage::truncate, truncate_args{n}); });
+  submit_to_group(s, op, urgency::now, [&] { return new sequence_request(s, op, stage::truncate, truncate_args{n}); });
 }
 
 void start_fork(const std::shared_ptr<sequence_state>& s, sequence_op* op) {
   sequence_state& seq = *s;
   if (!seq.try_begin()) return op->complete(kv_errc::operation_in_progress, queueing::post);
   const std::size_t size = seq.size();
-  submit_to_group(s, op, [&] { return new sequence_request(s, op, fork_args{size}); });
+  submit_to_group(s, op, urgency::now, [&] { return new sequence_request(s, op, fork_args{size}); });
 }
 
 // The rest of the untyped interface of detail/sequence_interface.hpp.

@@ -103,11 +103,18 @@ class sequence_request final : public group_request {
   std::shared_ptr<step_state> step_;  // begin_step: the step begun
 };
 
-/// Hands `r` (new, owned by the group from now on) to `seq`'s group; `op`'s
-/// completion follows from its. Fails `op` with capacity_exhausted (and
-/// clears `busy`) if `make` cannot allocate.
+/// Hands the request `make` returns (new, owned by the group from then on)
+/// to `seq`'s group; `op`'s completion follows from its. Fails `op` with
+/// capacity_exhausted (and clears `busy`) if `make` cannot allocate.
+///
+/// `u`: `here` for a step's begin, which the forward pass awaits (applied
+/// on this thread when the actor is idle, as a lock's holder does the work)
+/// unless its handler can be cancelled (so that a cancellation may still
+/// reach the request before the actor takes it); `now` for the others,
+/// whose completion, not their application, frees the sequence for the
+/// next operation (they are in progress until their handler is queued).
 template <class Make>
-void submit_to_group(const std::shared_ptr<sequence_state>& seq, sequence_op* op, Make make) {
+void submit_to_group(const std::shared_ptr<sequence_state>& seq, sequence_op* op, urgency u, Make make) {
   sequence_request* r = nullptr;
   try {
     r = make();
@@ -116,7 +123,7 @@ void submit_to_group(const std::shared_ptr<sequence_state>& seq, sequence_op* op
     return op->complete(kv_errc::capacity_exhausted, queueing::post);
   }
   r->watch(op->cancellation());
-  submit(*seq->group, r, urgency::now);
+  submit(*seq->group, r, u);
 }
 
 /// A sequence of `config` whose layer `l` starts with `blocks[l]` (full

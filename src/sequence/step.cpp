@@ -97,7 +97,7 @@ void step_state::conclude(sequence_op* op) noexcept {
   sequence_request* r = commit_.release();
   r->op = op;
   r->staged = staged_;  // into the capacity reserved when the step was made
-  submit(*seq->group, r, urgency::now);
+  submit(*seq->group, r, urgency::here);
 }
 
 bool step_state::end(sequence_op* op) noexcept {
@@ -110,7 +110,7 @@ bool step_state::end(sequence_op* op) noexcept {
   staged_.clear();
   sequence_request* r = end_.release();
   r->op = op;
-  submit(*seq->group, r, urgency::now);
+  submit(*seq->group, r, urgency::here);
   return true;
 }
 
@@ -244,7 +244,7 @@ void start_begin_step(const std::shared_ptr<sequence_state>& s, sequence_op* op,
   const std::size_t index = *first;
   // The model's layers open the step's positions; the token-id layer
   // stores the ids at once (published with the step's commit).
-  submit_to_group(s, op, [&] {
+  submit_to_group(s, op, op->cancellation() ? urgency::now : urgency::here, [&] {
     auto step = std::make_shared<step_state>(s, index, tokens);
     std::vector<float> bits;
     std::vector<kv_write> writes = id_writes(index, tokens, ids, bits);

@@ -102,8 +102,11 @@ class request : public operation {
 /// `now`: dispatched to the strand, so a caller already on the strand's
 /// executor runs the drain at once, on the strand, without a thread hop (its
 /// handler is still only queued). `batch`: posted, so requests that arrive
-/// meanwhile are applied and published together.
-enum class urgency : bool { now, batch };
+/// meanwhile are applied and published together. `here`: run by the
+/// submitting thread inside submit(), as a lock's holder would do the work
+/// (its handler is still only queued); the actor's count of pending
+/// requests, not the strand, makes it the only drain running.
+enum class urgency : unsigned char { now, batch, here };
 
 /// A new, empty cache whose actor runs on a new strand of `ex`, storing
 /// elements as `codec` says, with blocks from `pool` (a private pool with
