@@ -23,14 +23,12 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
-sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, std::size_t index,
-                                   std::size_t tokens, std::vector<kv_write> writes, std::vector<float> ids) noexcept
+sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, std::size_t tokens,
+                                   std::vector<kv_write> writes, std::vector<float> ids) noexcept
     : group_request(&finish, std::span<const kv_write>(writes), tokens),  // the buffers move with the vectors
       op(op),
       seq_(std::move(seq)),
       stage_(stage::append),
-      index_(index),
-      tokens_(tokens),
       writes_(std::move(writes)),
       ids_(std::move(ids)) {}
 
@@ -41,26 +39,19 @@ sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence
       op(op),
       seq_(std::move(seq)),
       stage_(stage::begin_step),
-      index_(a.index),
-      tokens_(a.tokens),
       writes_(std::move(writes)),
       ids_(std::move(ids)),
       step_(std::move(step)) {}
 
 sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, stage s,
                                    truncate_args a) noexcept
-    : group_request(&finish, a), op(op), seq_(std::move(seq)), stage_(s), index_(a.size), tokens_(0) {}
+    : group_request(&finish, a), op(op), seq_(std::move(seq)), stage_(s) {}
 
 sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, fork_args a) noexcept
-    : group_request(&finish, a), op(op), seq_(std::move(seq)), stage_(stage::fork), index_(a.size), tokens_(0) {}
+    : group_request(&finish, a), op(op), seq_(std::move(seq)), stage_(stage::fork) {}
 
-sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, std::size_t index, std::size_t tokens) noexcept
-    : group_request(&finish, commit_step_args{}),
-      op(nullptr),
-      seq_(std::move(seq)),
-      stage_(stage::commit_step),
-      index_(index),
-      tokens_(tokens) {}
+sequence_request::sequence_request(std::shared_ptr<sequence_state> seq) noexcept
+    : group_request(&finish, commit_step_args{}), op(nullptr), seq_(std::move(seq)), stage_(stage::commit_step) {}
 
 void sequence_request::finish(operation* base, const error_code* ec, queueing how) {
   std::unique_ptr<sequence_request> self(static_cast<sequence_request*>(base));
@@ -176,7 +167,7 @@ void start_append(const std::shared_ptr<sequence_state>& s, sequence_op* op,
       for (std::size_t t = 0; t < tokens; ++t)
         writes.push_back({index + t, keys[i].subspan(t * width, width), values[i].subspan(t * width, width)});
     writes.insert(writes.end(), ids_part.begin(), ids_part.end());
-    return new sequence_request(s, op, index, tokens, std::move(writes), std::move(bits));
+    return new sequence_request(s, op, tokens, std::move(writes), std::move(bits));
   });
 }
 

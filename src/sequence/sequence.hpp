@@ -77,7 +77,7 @@ class sequence_request final : public group_request {
  public:
   /// An append of `tokens` tokens per layer: `writes` holds them layer by
   /// layer, the token ids' last, pointing into `ids`.
-  sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, std::size_t index, std::size_t tokens,
+  sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, std::size_t tokens,
                    std::vector<kv_write> writes, std::vector<float> ids) noexcept;
   /// A step's begin, whose token-id writes are `writes` (into `ids`).
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, begin_step_args a,
@@ -85,8 +85,8 @@ class sequence_request final : public group_request {
   /// A truncate to `size` (or a step's end, `s` end_step, to its index).
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, stage s, truncate_args a) noexcept;
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, fork_args a) noexcept;
-  /// A step's commit, of tokens `[index, index + tokens)`.
-  sequence_request(std::shared_ptr<sequence_state> seq, std::size_t index, std::size_t tokens) noexcept;
+  /// A step's commit.
+  explicit sequence_request(std::shared_ptr<sequence_state> seq) noexcept;
 
   /// The operation to complete (set later for a step's commit and end).
   sequence_op* op;
@@ -96,8 +96,6 @@ class sequence_request final : public group_request {
 
   const std::shared_ptr<sequence_state> seq_;
   const stage stage_;
-  const std::size_t index_;   // append, step: the first token's index; truncate, fork: the size kept
-  const std::size_t tokens_;  // append, step: tokens per layer
   std::vector<kv_write> writes_;
   std::vector<float> ids_;             // the token ids, bit for bit
   std::shared_ptr<step_state> step_;  // begin_step: the step begun

@@ -23,7 +23,7 @@ step_state::step_state(std::shared_ptr<sequence_state> sequence, std::size_t fir
       tokens(n),
       readable_(new std::optional<epoch_cell>[seq->model_layers()]),
       written_(new std::atomic<layer_state>[seq->model_layers()]),
-      commit_(std::make_unique<sequence_request>(seq, first, n)),
+      commit_(std::make_unique<sequence_request>(seq)),
       end_(std::make_unique<sequence_request>(seq, nullptr, stage::end_step, truncate_args{first})) {
   for (std::size_t l = 0; l < seq->model_layers(); ++l) written_[l].store(layer_state::unwritten);
   commit_->staged.reserve(seq->group->layers());  // so that the commit's copy cannot fail

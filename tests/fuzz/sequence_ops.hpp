@@ -395,6 +395,7 @@ void run_step(world<T>& w, std::size_t k) {
     }
     switch (w.in.byte() % 16) {  // sometimes something that must fail first
       case 0: expect_completion(w, write(layers, keys, values), kv_errc::layer_mismatch, what + ": write"); break;
+      case 5: expect_ec(step.write(l, keys, std::span(values).first(0)), kv_errc::length_mismatch, what + ": write"); break;
       case 1:
         expect_completion(w, write(l, std::span(keys).first(keys.size() - 1), values), kv_errc::length_mismatch,
                           what + ": write");
@@ -415,7 +416,12 @@ void run_step(world<T>& w, std::size_t k) {
         break;
       default: break;
     }
-    expect_completion(w, write(l, keys, values), {}, str(what, ": write of layer ", l));
+    // Odd layers through write() on this thread, even ones through
+    // async_write (which completes with write()'s result).
+    if (l % 2 == 1)
+      expect_ec(step.write(l, keys, values), {}, str(what, ": write of layer ", l));
+    else
+      expect_completion(w, write(l, keys, values), {}, str(what, ": write of layer ", l));
     mcache& c = *q->layers[l];
     w.m.step_write(c, *staged[l], index, recipes);
     check_snapshot(step.snapshot(l), staged[l].get(), staged[l]->length, width, {"step snapshot of layer", l});

@@ -310,7 +310,8 @@ TEST_CASE("a cancelled begin completes with operation_aborted and changes nothin
   CHECK(diff_snapshot(seq.snapshot(), {2}).empty());
 }
 
-TEST_CASE("layers of a step written from two threads at once; concurrent snapshots never show an uncommitted step",
+TEST_CASE("layers of a step written with write() from two threads at once; snapshots on a third never show an "
+          "uncommitted step",
           "[step][concurrency]") {
   fixture f;  // its pool runs the actors on 2 threads
   constexpr std::size_t steps = 12;  // of 1 token: 12 of small_config's 16
@@ -342,9 +343,9 @@ TEST_CASE("layers of a step written from two threads at once; concurrent snapsho
     ghostlink::error_code other_ec;
     std::thread other([&] {
       for (std::size_t l = 1; l < layers; ++l)
-        if (ghostlink::error_code e = write_layer(open, l, st)) other_ec = e;
+        if (ghostlink::error_code e = open.write(l, st.key_spans[l], st.value_spans[l])) other_ec = e;
     });
-    const ghostlink::error_code mine = write_layer(open, 0, st);
+    const ghostlink::error_code mine = open.write(0, st.key_spans[0], st.value_spans[0]);
     other.join();
     REQUIRE_FALSE(mine);
     REQUIRE_FALSE(other_ec);
