@@ -202,7 +202,8 @@ error_code actor::apply(request& r) {
       for (const auto& l : layers_)
         if (error_code ec = l->state->initialize(r.size())) return ec;  // one layer: a layer cache's
       return {};
-    case request_kind::write_batch: return write(r);
+    case request_kind::write_batch: return layers_.front()->state->write(r.writes());  // a layer cache's
+    case request_kind::append: return append(r);
     case request_kind::truncate: return truncate(r.size());
     case request_kind::fork: return fork(r);
     case request_kind::begin_step: return begin_step(static_cast<group_request&>(r));
@@ -215,15 +216,10 @@ error_code actor::apply(request& r) {
   return {};
 }
 
-error_code actor::write(const request& r) {
-  const std::span<const kv_write> writes = r.writes();
-  if (layers_.size() == 1 || r.tokens() == 0) return layers_.front()->state->write(writes);
-  // A group's append: `tokens` writes per layer from the layers' common
-  // size. Every layer sets its blocks aside first, so that no write fails
-  // for want of one; a write can then fail only for table memory, and the
-  // layers written before it are cut back without copying anything.
-  const std::size_t tokens = r.tokens();
-  const std::size_t index = writes.front().index;
+error_code actor::open_all(std::size_t index, std::size_t tokens) {
+  // Every layer's blocks first, so that no open fails for want of one; an
+  // open can then fail only for page-table memory, and the layers opened
+  // before it are cut back without copying anything.
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     if (error_code ec = layers_[l]->state->set_aside(index, tokens)) {
       for (std::size_t k = 0; k < l; ++k) layers_[k]->state->release_set_aside();
@@ -231,12 +227,20 @@ error_code actor::write(const request& r) {
     }
   }
   for (std::size_t l = 0; l < layers_.size(); ++l) {
-    if (error_code ec = layers_[l]->state->write(writes.subspan(l * tokens, tokens))) {
+    if (error_code ec = layers_[l]->state->open(index, tokens)) {
       for (std::size_t k = 0; k < l; ++k) roll_back(*layers_[k]->state, index);
       for (std::size_t k = l; k < layers_.size(); ++k) layers_[k]->state->release_set_aside();
       return ec;
     }
   }
+  return {};
+}
+
+error_code actor::append(const request& r) {
+  const std::span<const kv_write> writes = r.writes();  // one per layer
+  const std::size_t index = writes.front().index;
+  if (error_code ec = open_all(index, r.tokens())) return ec;
+  for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l]->state->store(index, writes[l].keys, writes[l].values);
   return {};
 }
 
@@ -261,31 +265,19 @@ error_code actor::fork(request& r) noexcept {
 }
 
 error_code actor::begin_step(group_request& r) {
-  // Model layers: blocks set aside, then the step's positions opened; the
-  // last layer (the token ids) takes its writes at once. Then every layer's
-  // epoch is staged for the step, in the memory prepared for this request.
+  // Every layer opens the step's positions; the last (the token ids) takes
+  // its tokens at once, the model's layers take theirs from the step's
+  // writers. Then every layer's epoch is staged for the step, in the
+  // memory prepared for this request.
   const std::size_t index = r.size();
-  const std::size_t tokens = r.tokens();
-  const std::size_t last = layers_.size() - 1;
   try {
     r.staged.reserve(layers_.size());
   } catch (const std::bad_alloc&) {
     return kv_errc::capacity_exhausted;
   }
-  for (std::size_t l = 0; l < layers_.size(); ++l) {
-    if (error_code ec = layers_[l]->state->set_aside(index, tokens)) {
-      for (std::size_t k = 0; k < l; ++k) layers_[k]->state->release_set_aside();
-      return ec;
-    }
-  }
-  for (std::size_t l = 0; l < layers_.size(); ++l) {
-    working_state& s = *layers_[l]->state;
-    if (error_code ec = l == last ? s.write(r.writes()) : s.open(index, tokens)) {
-      for (std::size_t k = 0; k < l; ++k) roll_back(*layers_[k]->state, index);
-      for (std::size_t k = l; k < layers_.size(); ++k) layers_[k]->state->release_set_aside();
-      return ec;
-    }
-  }
+  if (error_code ec = open_all(index, r.tokens())) return ec;
+  const kv_write& ids = r.writes().front();
+  layers_.back()->state->store(index, ids.keys, ids.values);
   for (const auto& l : layers_) r.staged.push_back(l->state->publish());
   return {};
 }

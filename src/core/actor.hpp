@@ -162,7 +162,12 @@ class actor : public std::enable_shared_from_this<actor> {
   /// Applies one claimed request to every layer: the one place a request's
   /// kind decides what happens.
   error_code apply(request& r);
-  error_code write(const request& r);
+  /// Sets aside every layer's blocks for `tokens` tokens at `index` (the
+  /// layers' common size), then opens those positions in every layer; on
+  /// error no layer changed.
+  error_code open_all(std::size_t index, std::size_t tokens);
+  /// A group's append: open_all(), then every layer stores its tokens.
+  error_code append(const request& r);
   error_code truncate(std::size_t size);
   /// A fork: a new actor on a new strand of the same executor, whose first
   /// epochs are the working states, sharing their blocks; into `r.forked`.

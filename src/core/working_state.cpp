@@ -319,18 +319,41 @@ error_code working_state::open(std::size_t first, std::size_t tokens) {
   return {};
 }
 
+namespace {
+
+/// Copies tokens from `first` on (`keys.size()` / width of them), converted,
+/// into the blocks `block_at(b)` returns, one run of a block's positions at
+/// a time.
+template <class BlockAt>
+void copy_tokens(const block_layout& layout, BlockAt block_at, std::size_t first, std::span<const float> keys,
+                 std::span<const float> values) noexcept {
+  const std::size_t width = layout.token_width, bt = layout.block_tokens;
+  const std::size_t tokens = keys.size() / width;
+  for (std::size_t t = 0; t < tokens;) {
+    const std::size_t index = first + t, position = index % bt, n = std::min(bt - position, tokens - t);
+    block& blk = block_at(index / bt);
+    layout.codec.store(keys.subspan(t * width, n * width), layout.keys(blk, position));
+    layout.codec.store(values.subspan(t * width, n * width), layout.values(blk, position));
+    t += n;
+  }
+}
+
+}  // namespace
+
+void working_state::store(std::size_t first, std::span<const float> keys, std::span<const float> values) noexcept {
+  copy_tokens(*layout_, [&](std::size_t b) -> block& { return *table_->block_at(b); }, first, keys, values);
+}
+
 void working_state::store_step(const epoch& e, std::size_t first, std::span<const float> keys,
                                std::span<const float> values) noexcept {
-  const block_layout& layout = *e.layout;
-  const std::size_t width = layout.token_width;
-  const std::size_t bt = layout.block_tokens;
-  for (std::size_t t = 0; t * width < keys.size(); ++t) {
-    const std::size_t index = first + t;
-    // The step's own positions (see open()): no epoch in a cell reads them.
-    auto& blk = const_cast<block&>(e.block_of(index));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
-    layout.codec.store(keys.subspan(t * width, width), layout.keys(blk, index % bt));
-    layout.codec.store(values.subspan(t * width, width), layout.values(blk, index % bt));
-  }
+  // The step's own positions (see open()): no epoch in a cell reads them.
+  copy_tokens(
+      *e.layout,
+      [&](std::size_t b) -> block& {
+        // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the step's blocks, writable (see open())
+        return const_cast<block&>(*e.table->block_at(b));
+      },
+      first, keys, values);
 }
 
 bool working_state::prepare(std::span<const kv_write> writes, std::size_t first, std::size_t end, std::size_t stored,

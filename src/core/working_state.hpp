@@ -98,8 +98,11 @@ class working_state {
   /// (store_step) before they are published. `first` is size(), after
   /// set_aside(first, tokens). On error (capacity_exhausted) nothing changed.
   error_code open(std::size_t first, std::size_t tokens);
-  /// The step's writer: stores tokens from `first` on (`keys.size()` /
-  /// width of them), converted, into the positions an open() made the
+  /// Stores tokens from `first` on (`keys.size()` / width of them),
+  /// converted, into the positions an open() just made writable (an
+  /// append of a group).
+  void store(std::size_t first, std::span<const float> keys, std::span<const float> values) noexcept;
+  /// The step's writer: as store(), into the positions an open() made the
   /// step's, which `e` (the epoch staged after it) covers. Any thread.
   static void store_step(const epoch& e, std::size_t first, std::span<const float> keys,
                          std::span<const float> values) noexcept;

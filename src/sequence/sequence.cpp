@@ -25,7 +25,7 @@ namespace detail {
 
 sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, std::size_t tokens,
                                    std::vector<kv_write> writes, std::vector<float> ids) noexcept
-    : group_request(&finish, std::span<const kv_write>(writes), tokens),  // the buffers move with the vectors
+    : group_request(&finish, append_args{tokens}, std::span<const kv_write>(writes)),  // buffers move with vectors
       op(op),
       seq_(std::move(seq)),
       stage_(stage::append),
@@ -117,15 +117,10 @@ std::pair<error_code, std::size_t> check_append(std::size_t layers, std::size_t 
 
 }  // namespace
 
-std::vector<kv_write> id_writes(std::size_t index, std::size_t tokens, std::span<const token_id> ids,
-                                std::vector<float>& bits) {
+kv_write id_write(std::size_t index, std::size_t tokens, std::span<const token_id> ids, std::vector<float>& bits) {
   bits.resize(tokens);
-  std::vector<kv_write> writes(tokens);
-  for (std::size_t t = 0; t < tokens; ++t) {
-    bits[t] = std::bit_cast<float>(ids.empty() ? no_token_id : ids[t]);
-    writes[t] = {index + t, std::span<const float>(&bits[t], 1), std::span<const float>(&bits[t], 1)};
-  }
-  return writes;
+  for (std::size_t t = 0; t < tokens; ++t) bits[t] = std::bit_cast<float>(ids.empty() ? no_token_id : ids[t]);
+  return {index, bits, bits};
 }
 
 std::optional<std::size_t> begin_adding(sequence_state& seq, sequence_op* op, std::size_t tokens,
@@ -158,15 +153,12 @@ void start_append(const std::shared_ptr<sequence_state>& s, sequence_op* op,
   if (!first) return;
   const std::size_t index = *first;
   submit_to_group(s, op, urgency::now, [&] {
-    // Every layer's writes, layer by layer, then the token ids'.
+    // Every layer's tokens, then the token ids'.
     std::vector<float> bits;
-    std::vector<kv_write> ids_part = id_writes(index, tokens, ids, bits);
     std::vector<kv_write> writes;
-    writes.reserve((seq.model_layers() + 1) * tokens);
-    for (std::size_t i = 0; i < seq.model_layers(); ++i)
-      for (std::size_t t = 0; t < tokens; ++t)
-        writes.push_back({index + t, keys[i].subspan(t * width, width), values[i].subspan(t * width, width)});
-    writes.insert(writes.end(), ids_part.begin(), ids_part.end());
+    writes.reserve(seq.model_layers() + 1);
+    for (std::size_t i = 0; i < seq.model_layers(); ++i) writes.push_back({index, keys[i], values[i]});
+    writes.push_back(id_write(index, tokens, ids, bits));
     return new sequence_request(s, op, tokens, std::move(writes), std::move(bits));
   });
 }
@@ -209,15 +201,11 @@ std::unique_ptr<working_state> make_ids_layer(const kv_cache_config& config, std
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(ids_config, codec_of<float>));
   auto pool = pool_access::state(kv_block_pool(layout->block_bytes));
   auto state = std::make_unique<working_state>(ids_config, std::move(layout), std::move(pool), true);
-  // In runs of one block's tokens: a buffer of that size, not one per id.
-  const std::size_t run = std::min(ids.size(), ids_config.block_tokens);
   std::vector<float> bits;
-  for (std::size_t first = 0; first < ids.size(); first += run) {
-    const std::size_t n = std::min(run, ids.size() - first);
-    const std::vector<kv_write> writes = id_writes(first, n, ids.subspan(first, n), bits);
-    // The ids' own pool has no budget: only memory can fail.
-    if (state->write(writes)) throw std::bad_alloc();
-  }
+  const kv_write all = id_write(0, ids.size(), ids, bits);
+  // The ids' own pool has no budget: only memory can fail.
+  if (!ids.empty() && state->open(0, ids.size())) throw std::bad_alloc();
+  state->store(0, all.keys, all.values);
   return state;
 }
 

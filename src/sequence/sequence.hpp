@@ -75,11 +75,11 @@ enum class stage : unsigned char { append, truncate, fork, begin_step, commit_st
 /// has none). It owns what its writes point into.
 class sequence_request final : public group_request {
  public:
-  /// An append of `tokens` tokens per layer: `writes` holds them layer by
-  /// layer, the token ids' last, pointing into `ids`.
+  /// An append of `tokens` tokens per layer: `writes` holds one write per
+  /// layer of those tokens, the token ids' last, pointing into `ids`.
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, std::size_t tokens,
                    std::vector<kv_write> writes, std::vector<float> ids) noexcept;
-  /// A step's begin, whose token-id writes are `writes` (into `ids`).
+  /// A step's begin, whose token-id write is `writes`' one (into `ids`).
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, begin_step_args a,
                    std::vector<kv_write> writes, std::vector<float> ids, std::shared_ptr<step_state> step) noexcept;
   /// A truncate to `size` (or a step's end, `s` end_step, to its index).
@@ -140,11 +140,10 @@ std::shared_ptr<sequence_state> make_attached_sequence(asio::any_io_executor ex,
 std::optional<std::size_t> begin_adding(sequence_state& seq, sequence_op* op, std::size_t tokens,
                                         std::span<const token_id> ids);
 
-/// The token-id layer's writes of `tokens` tokens from `index`: their ids
-/// (none: no_token_id for each) bit for bit into `bits`, and one write per
-/// token pointing there. Throws std::bad_alloc.
-std::vector<kv_write> id_writes(std::size_t index, std::size_t tokens, std::span<const token_id> ids,
-                                std::vector<float>& bits);
+/// The token-id layer's write of `tokens` tokens from `index`: their ids
+/// (none: no_token_id for each) bit for bit into `bits`, which it points
+/// into. Throws std::bad_alloc.
+kv_write id_write(std::size_t index, std::size_t tokens, std::span<const token_id> ids, std::vector<float>& bits);
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

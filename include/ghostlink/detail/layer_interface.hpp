@@ -31,7 +31,7 @@ class mailbox;
 /// The operations an actor applies. An actor owns one layer (a layer cache)
 /// or a group of layers (a sequence's layers and its token ids); every
 /// request applies to all of its layers at once.
-enum class request_kind : unsigned char { initialize, write_batch, truncate, fork, begin_step, commit_step };
+enum class request_kind : unsigned char { initialize, write_batch, append, truncate, fork, begin_step, commit_step };
 
 /// The argument of an initialize request: the size asked for.
 struct initialize_args {
@@ -45,6 +45,11 @@ struct truncate_args {
 /// sequence's size; by default, all of them).
 struct fork_args {
   std::size_t size = static_cast<std::size_t>(-1);
+};
+/// The argument of a group's append: every layer takes `tokens` tokens at
+/// its end, layer `l` from the `l`th write's spans (`tokens` tokens each).
+struct append_args {
+  std::size_t tokens;
 };
 /// The argument of a step's begin: drop any token from `index` on, make
 /// positions `[index, index + tokens)` of every layer the step's, and stage
@@ -63,11 +68,11 @@ class request : public operation {
   request_kind kind() const noexcept { return kind_; }
   /// `initialize`, `truncate` and `fork`: the size asked for; `begin_step`: the index.
   std::size_t size() const noexcept { return size_; }
-  /// `begin_step`: the step's tokens; `write_batch`: the writes per layer
-  /// (0: every write is the first layer's).
+  /// `append`, `begin_step`: the tokens each layer takes.
   std::size_t tokens() const noexcept { return tokens_; }
-  /// `write_batch`: the writes, layer by layer, in order; `begin_step`: the
-  /// last layer's (a sequence's token ids).
+  /// `write_batch`: the writes, in order; `append`: one per layer, of
+  /// `tokens()` tokens each; `begin_step`: the last layer's (a sequence's
+  /// token ids), one of `tokens()` tokens.
   std::span<const kv_write> writes() const noexcept { return writes_; }
 
   /// `fork`: the new cache's actor, set by the actor when the fork succeeds.
@@ -82,8 +87,10 @@ class request : public operation {
   request(finish_fn finish, begin_step_args a, std::span<const kv_write> last_layer) noexcept
       : operation(finish), kind_(request_kind::begin_step), size_(a.index), tokens_(a.tokens), writes_(last_layer) {}
   request(finish_fn finish, commit_step_args) noexcept : operation(finish), kind_(request_kind::commit_step) {}
-  request(finish_fn finish, std::span<const kv_write> writes, std::size_t per_layer = 0) noexcept
-      : operation(finish), kind_(request_kind::write_batch), tokens_(per_layer), writes_(writes) {}
+  request(finish_fn finish, append_args a, std::span<const kv_write> per_layer) noexcept
+      : operation(finish), kind_(request_kind::append), tokens_(a.tokens), writes_(per_layer) {}
+  request(finish_fn finish, std::span<const kv_write> writes) noexcept
+      : operation(finish), kind_(request_kind::write_batch), writes_(writes) {}
   request(finish_fn finish, const kv_write& single) noexcept
       : operation(finish), kind_(request_kind::write_batch), single_(single), writes_(&single_, 1) {}
   ~request() = default;
