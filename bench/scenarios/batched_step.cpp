@@ -74,8 +74,8 @@ void batched_step(const options& o, report& out) {
     for (std::size_t batch : {std::size_t{16}, std::size_t{64}}) {
       const std::string b = std::to_string(batch);
       metric& one = declare(m, "B=" + b + " 1 call", "B=" + b + ", one begin and one commit call per step", "steps/s");
-      metric& each = declare(m, "B=" + b + " 2 awaits", "B=" + b + ", " + b + " begin and commit awaits per step",
-                             "steps/s");
+      metric& each =
+          declare(m, "B=" + b + " 2 awaits", "B=" + b + ", " + b + " begin and commit awaits per step", "steps/s");
       if (o.wants("ghostlink")) {
         one.values["ghostlink"] = run(o, batch, true);
         each.values["ghostlink"] = run(o, batch, false);

@@ -322,10 +322,9 @@ void run_pending(const options& o, report& out) {
     using rwlock_t = locked_cache<std::shared_mutex, T>;
     if (o.wants("rwlock_zero_copy")) add("rwlock_zero_copy", run_locked<rwlock_t>(o, data, shape::through_step, true));
   });
-  out.add_note("decode_pending", shape_note(o) +
-                                     "; ghostlink: per layer write(), attend over snapshot_before(l) with "
-                                     "the token pending; await_each_layer: decode_layer_order's ghostlink "
-                                     "(write(), then attend over snapshot(l))");
+  out.add_note("decode_pending", shape_note(o) + "; ghostlink: per layer write(), attend over snapshot_before(l) with "
+                                                 "the token pending; await_each_layer: decode_layer_order's ghostlink "
+                                                 "(write(), then attend over snapshot(l))");
 }
 
 }  // namespace

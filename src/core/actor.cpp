@@ -82,8 +82,7 @@ std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_conf
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
   ref_ptr<block_pool> checked = pool_for(config, *layout, std::move(pool));
   std::vector<std::unique_ptr<working_state>> states;
-  states.push_back(
-      std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized, prefix));
+  states.push_back(std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized, prefix));
   return std::make_shared<actor>(std::move(ex), std::move(states));
 }
 
@@ -119,7 +118,7 @@ actor::actor(asio::any_io_executor ex, std::vector<std::unique_ptr<working_state
       strand_(asio::make_strand(executor_)),
       mailbox_(std::make_unique<mailbox>(config_.max_pending)),
       layers_(slots_of(std::move(states))),
-      pool_(layers_.front()->state->pool()) ,
+      pool_(layers_.front()->state->pool()),
       group_(layers_.size() > 1 ? std::make_unique<group_cell>(ref_ptr<group_epoch>::adopt(new group_epoch()))
                                 : nullptr) {
   if (!group_) return;
@@ -163,9 +162,7 @@ void actor::submit(request* r, urgency u) noexcept {
 
 void actor::schedule(urgency u, request* carried) noexcept {
   switch (u) {
-    case urgency::here:
-      try {
-        drain_op(shared_from_this(), carried, queueing::post)();
+    case urgency::here: try { drain_op(shared_from_this(), carried, queueing::post)();
       } catch (...) {
         // A completion that threw (see drain()): it leaves through the
         // strand's executor's run(), as it would from a drain run there.
@@ -288,7 +285,8 @@ void actor::publish() {
     ref_ptr<epoch> next = std::move(l->staged);
     if (!next && l->state->has_changes()) next = l->state->publish();
     if (!next) continue;
-    const kv_event event{.what = kv_event::kind::epoch_published, .cache = l->id, .epoch = next->number, .size = next->size};
+    const kv_event event{
+        .what = kv_event::kind::epoch_published, .cache = l->id, .epoch = next->number, .size = next->size};
     l->latest = next;
     l->current.publish(std::move(next));
     l->published_size.store(l->latest->size, std::memory_order_release);

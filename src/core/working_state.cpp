@@ -341,7 +341,8 @@ void copy_tokens(const block_layout& layout, BlockAt block_at, std::size_t first
 }  // namespace
 
 void working_state::store(std::size_t first, std::span<const float> keys, std::span<const float> values) noexcept {
-  copy_tokens(*layout_, [&](std::size_t b) -> block& { return *table_->block_at(b); }, first, keys, values);
+  copy_tokens(
+      *layout_, [&](std::size_t b) -> block& { return *table_->block_at(b); }, first, keys, values);
 }
 
 void working_state::store_step(const epoch& e, std::size_t first, std::span<const float> keys,

@@ -66,9 +66,7 @@ void sequence_request::finish(operation* base, const error_code* ec, queueing ho
   switch (self->stage_) {
     case stage::append:
     case stage::commit_step:
-    case stage::truncate:
-      seq.end();
-      break;
+    case stage::truncate: seq.end(); break;
     case stage::fork:
       seq.end();
       if (!result) {

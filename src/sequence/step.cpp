@@ -257,7 +257,8 @@ void start_begin_steps(std::span<const std::shared_ptr<sequence_state>> seqs, ba
                        std::span<const std::span<const token_id>> ids) {
   if (!ids.empty() && ids.size() != seqs.size()) return op->complete(kv_errc::length_mismatch, queueing::post);
   start_batch(op, seqs.size(), [&](std::size_t i, batch_member* m) {
-    start_begin_step(seqs[i], m, ids.empty() ? tokens : ids[i].size(), ids.empty() ? std::span<const token_id>() : ids[i]);
+    start_begin_step(seqs[i], m, ids.empty() ? tokens : ids[i].size(),
+                     ids.empty() ? std::span<const token_id>() : ids[i]);
   });
 }
 

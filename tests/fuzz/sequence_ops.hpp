@@ -395,7 +395,9 @@ void run_step(world<T>& w, std::size_t k) {
     }
     switch (w.in.byte() % 16) {  // sometimes something that must fail first
       case 0: expect_completion(w, write(layers, keys, values), kv_errc::layer_mismatch, what + ": write"); break;
-      case 5: expect_ec(step.write(l, keys, std::span(values).first(0)), kv_errc::length_mismatch, what + ": write"); break;
+      case 5:
+        expect_ec(step.write(l, keys, std::span(values).first(0)), kv_errc::length_mismatch, what + ": write");
+        break;
       case 1:
         expect_completion(w, write(l, std::span(keys).first(keys.size() - 1), values), kv_errc::length_mismatch,
                           what + ": write");

@@ -308,7 +308,8 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
     for (std::size_t i = 0; i < order.size(); i += 2)
       if (ghostlink::error_code e = open.write(order[i], step.keys[order[i]], step.values[order[i]])) mine = e;
     other.join();
-    if (mine || other_ec) co_return fail(str(t.name, ": step write on two threads: ", (mine ? mine : other_ec).message()));
+    if (mine || other_ec)
+      co_return fail(str(t.name, ": step write on two threads: ", (mine ? mine : other_ec).message()));
     std::uint64_t published_tag = 0;
     const std::size_t p = publish_append(t, s, published_tag, count);
     if (published_tag != tag) co_return fail(str(t.name, ": step tag ", tag_name(tag), " is not the next state's"));

@@ -58,7 +58,8 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
-    const error_code ec = to_error_code(cache_access::adopt<Snapshot>(pin(*target, layer)).read_range(begin, end, range));
+    const error_code ec =
+        to_error_code(cache_access::adopt<Snapshot>(pin(*target, layer)).read_range(begin, end, range));
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
                     std::move(range));
   }
@@ -104,15 +105,15 @@ auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) const {
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(detail::initiate_read<snapshot_type>{state_, layer_},
-                                                                           token, index);
+  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(
+      detail::initiate_read<snapshot_type>{state_, layer_}, token, index);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(detail::initiate_read<snapshot_type>{state_, layer_},
-                                                                           token, begin, end);
+  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(
+      detail::initiate_read<snapshot_type>{state_, layer_}, token, begin, end);
 }
 
 GHOSTLINK_NAMESPACE_END

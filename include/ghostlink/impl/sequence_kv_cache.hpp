@@ -266,8 +266,8 @@ auto basic_sequence_kv_cache<T>::async_begin_steps(std::span<const basic_sequenc
 template <storage_element T>
 template <class CompletionToken>
 auto basic_sequence_step<T>::async_commit_all(std::span<const basic_sequence_step> steps, CompletionToken&& token) {
-  return asio::async_initiate<CompletionToken, void(error_code, std::vector<error_code>)>(
-      detail::initiate_commit_all{}, token, steps);
+  return asio::async_initiate<CompletionToken, void(error_code, std::vector<error_code>)>(detail::initiate_commit_all{},
+                                                                                          token, steps);
 }
 
 template <storage_element T>
