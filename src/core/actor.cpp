@@ -182,7 +182,7 @@ void actor::apply(request* const* batch, error_code* results, std::size_t n) {
       // that publishing what it changed cannot fail.
       for (const auto& l : layers_) l->state->prepare_epoch();
       if (group_ && !next_group_) {
-        next_group_.reset(new group_epoch());
+        next_group_ = std::make_unique<group_epoch>();
         next_group_->layers.reserve(layers_.size());
       }
     } catch (const std::bad_alloc&) {

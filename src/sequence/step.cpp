@@ -58,7 +58,9 @@ void step_state::stage(std::vector<ref_ptr<epoch>> staged) noexcept {
 }
 
 ref_ptr<epoch> step_state::pin(std::size_t layer) const noexcept {
-  if (written_[layer].load(std::memory_order_acquire) == layer_state::written) return readable_[layer]->pin();
+  // A written layer's cell was made by stage(), before the step was handed out.
+  if (written_[layer].load(std::memory_order_acquire) == layer_state::written)
+    return readable_[layer]->pin();  // NOLINT(bugprone-unchecked-optional-access): see above
   return seq->group->pin(layer);
 }
 
@@ -105,8 +107,10 @@ bool step_state::end(sequence_op* op) noexcept {
   if (!phase_.compare_exchange_strong(open, phase::closed, std::memory_order_acq_rel)) return false;
   // Readers of written layers see them as published from now on; the
   // step's blocks go once the group has cut them off.
-  for (std::size_t l = 0; l < seq->model_layers(); ++l)
-    if (readable_[l]) readable_[l]->publish(seq->group->pin(l));
+  for (std::size_t l = 0; l < seq->model_layers(); ++l) {
+    std::optional<epoch_cell>& cell = readable_[l];
+    if (cell.has_value()) cell->publish(seq->group->pin(l));
+  }
   staged_.clear();
   sequence_request* r = end_.release();
   r->op = op;
