@@ -11,7 +11,6 @@
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/awaitable.hpp>
-#include <asio/detached.hpp>
 #include <asio/use_awaitable.hpp>
 
 #include <algorithm>
@@ -225,7 +224,6 @@ inline asio::awaitable<std::vector<std::vector<float>>> forward(const model& m, 
 
   std::vector<std::vector<float>> x(n, std::vector<float>(d.model));
   for (std::size_t t = 0; t < n; ++t) m.embed(ids[t], x[t].data());
-  // Each layer's keys and values stay here until the commit has awaited their writes.
   std::vector<std::vector<float>> keys(d.layers, std::vector<float>(n * kvw)), values = keys;
   std::vector<float> q(n * qw), attn(n * qw);
   token_scratch s(d);
@@ -233,12 +231,12 @@ inline asio::awaitable<std::vector<std::vector<float>>> forward(const model& m, 
   for (std::size_t l = 0; l < d.layers; ++l) {
     for (std::size_t t = 0; t < n; ++t)
       m.qkv(l, x[t].data(), step.index() + t, &q[t * qw], &keys[l][t * kvw], &values[l][t * kvw], s);
-    step.async_write(l, keys[l], values[l], asio::detached);
+    if (auto ec = step.write(l, keys[l], values[l])) throw std::system_error(ec);  // on this thread
     if (auto ec = ghostlink::attend(step.snapshot_before(l), q, attn, shape, {keys[l], values[l]}))
       throw std::system_error(ec);
     for (std::size_t t = 0; t < n; ++t) m.finish_layer(l, &attn[t * qw], x[t].data(), s);
   }
-  co_await step.async_commit(asio::use_awaitable);  // every layer's write, awaited once
+  co_await step.async_commit(asio::use_awaitable);  // one request: every layer's tokens at once
 
   std::vector<std::vector<float>> logits(n, std::vector<float>(d.vocab));
   for (std::size_t t = 0; t < n; ++t) m.logits(x[t].data(), logits[t].data(), s);

@@ -8,14 +8,15 @@
 //   layer (ghostlink: one sequence_kv_cache::async_append per step);
 // - through a step (decode_layer_order, a forward pass): per layer, write
 //   its token, then attend over it (ghostlink: one sequence step per decode
-//   step, async_write and snapshot(l) per layer, async_commit at the end;
-//   the lock designs as layer by layer);
-// - with pending tokens (decode_pending): through a step, but per layer its
-//   write is started unawaited and the attention runs over the layer's
-//   tokens before the step with the new token pending (ghostlink::attend);
-//   the commit awaits every write at once.
+//   step: one begin request, write() and snapshot(l) per layer on the
+//   coroutine's thread, one commit request; the lock designs as layer by
+//   layer);
+// - with pending tokens (decode_pending): through a step, but per layer
+//   the attention runs over the layer's tokens before the step with the
+//   new token pending (ghostlink::attend over snapshot_before(l)).
 // ghostlink: one coroutine per sequence on a T-thread pool, attention from
-// snapshot blocks. Every lock baseline is driven from T threads (the
+// snapshot blocks, every cache on one block pool preallocated before the
+// clock starts (as the lock designs allocate their buffers). Every lock baseline is driven from T threads (the
 // sequences split over them): rwlock_zero_copy attends straight from the
 // buffer under the shared lock; rwlock and mutex copy the range out (the
 // seed's read_range). strand_only: coroutines as ghostlink, reads copied
@@ -24,7 +25,6 @@
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
-#include <asio/detached.hpp>
 #include <asio/thread_pool.hpp>
 #include <asio/use_awaitable.hpp>
 #include <asio/use_future.hpp>
@@ -34,6 +34,7 @@
 #include <string>
 #include <thread>
 
+#include "../arena.hpp"
 #include "../baselines/locked_cache.hpp"
 #include "../baselines/strand_cache.hpp"
 #include "../scenarios.hpp"
@@ -99,22 +100,21 @@ asio::awaitable<void> step_by_step(const options& o, basic_sequence_kv_cache<T>&
   for (std::size_t step = o.steps; step < 2 * o.steps; ++step) {
     const auto open = co_await seq.async_begin_step(1, asio::use_awaitable);
     for (std::size_t l = 0; l < o.layers; ++l) {
-      co_await open.async_write(l, data[step].keys, data[step].values, asio::use_awaitable);
+      keep(float(open.write(l, data[step].keys, data[step].values).value()));
       attend(o, open.snapshot(l));
     }
     co_await open.async_commit(asio::use_awaitable);
   }
 }
 
-/// As step_by_step, attending with each layer's token pending and awaiting
-/// the writes once, by the commit.
+/// As step_by_step, attending with each layer's token pending.
 template <storage_element T>
 asio::awaitable<void> step_pending(const options& o, basic_sequence_kv_cache<T>& seq, const std::vector<token>& data) {
   attention a(o.heads, o.head_dim);
   for (std::size_t step = o.steps; step < 2 * o.steps; ++step) {
     const auto open = co_await seq.async_begin_step(1, asio::use_awaitable);
     for (std::size_t l = 0; l < o.layers; ++l) {
-      open.async_write(l, data[step].keys, data[step].values, asio::detached);
+      keep(float(open.write(l, data[step].keys, data[step].values).value()));
       a.over(open.snapshot_before(l), {data[step].keys, data[step].values});
       keep(a.checksum());
     }
@@ -126,6 +126,11 @@ template <storage_element T>
 double run_ghostlink(const options& o, const std::vector<token>& data, shape how) {
   asio::thread_pool pool(o.threads);
   const std::vector<kv_write> batch = writes_of(data, 0, o.steps);
+  // One pool for every cache, its memory written before the clock starts,
+  // as the lock designs allocate each buffer at its longest: each lap's
+  // caches take their blocks from it, with no page fault while they decode.
+  kv_block_pool blocks = kv_block_pool::for_caches<T>(decode_config(o));
+  blocks.preallocate(preallocated_blocks(decode_config(o), o.sequences * o.layers));
   return steps_per_second(o, [&] {
     std::vector<std::vector<basic_layer_kv_cache<T>>> layered(o.sequences);
     std::vector<basic_sequence_kv_cache<T>> seqs;
@@ -133,13 +138,13 @@ double run_ghostlink(const options& o, const std::vector<token>& data, shape how
     for (std::size_t s = 0; s < o.sequences; ++s) {
       if (how == shape::layer_by_layer) {
         for (std::size_t l = 0; l < o.layers; ++l) {
-          layered[s].emplace_back(pool, decode_config(o));
+          layered[s].emplace_back(pool, decode_config(o), blocks);
           layered[s].back().async_initialize(1, asio::use_future).get();
           ready.push_back(layered[s].back().async_write_batch(batch, asio::use_future));
         }
       } else {
         seqs.reserve(o.sequences);
-        seqs.emplace_back(pool, o.layers, decode_config(o));
+        seqs.emplace_back(pool, o.layers, decode_config(o), blocks);
         ready.push_back(
             asio::co_spawn(pool, append_per_step(o, seqs.back(), data, 0, o.steps, false), asio::use_future));
       }
@@ -296,7 +301,7 @@ void run_layer_order(const options& o, report& out) {
       rate.values["rwlock_zero_copy"] = run_locked<rwlock_t>(o, data, shape::through_step, true);
   });
   out.add_note("decode_layer_order", shape_note(o) +
-                                         "; ghostlink: begin, per layer write then attend over step.snapshot(l), "
+                                         "; ghostlink: begin, per layer write() then attend over step.snapshot(l), "
                                          "commit; rwlock_zero_copy: per layer write then attend under the shared lock");
 }
 
@@ -317,10 +322,9 @@ void run_pending(const options& o, report& out) {
     using rwlock_t = locked_cache<std::shared_mutex, T>;
     if (o.wants("rwlock_zero_copy")) add("rwlock_zero_copy", run_locked<rwlock_t>(o, data, shape::through_step, true));
   });
-  out.add_note("decode_pending", shape_note(o) +
-                                     "; ghostlink: per layer start the write, attend over snapshot_before(l) with "
-                                     "the token pending, one commit awaits the writes; await_each_layer: "
-                                     "decode_layer_order's ghostlink (co_await each layer's write, then attend)");
+  out.add_note("decode_pending", shape_note(o) + "; ghostlink: per layer write(), attend over snapshot_before(l) with "
+                                                 "the token pending; await_each_layer: decode_layer_order's ghostlink "
+                                                 "(write(), then attend over snapshot(l))");
 }
 
 }  // namespace

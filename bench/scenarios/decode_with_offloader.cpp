@@ -4,7 +4,9 @@
 // every cache once per second, as an offloader or checkpointer does: a pass
 // over all caches, then a wait for the next second. The lock design copies
 // each cache out under its shared lock, then checksums the copy; ghostlink
-// checksums straight from a snapshot's blocks. Reported: decode steps/s,
+// (one sequence of L layers per sequence, decoded through steps: a begin,
+// per layer write() and an attend over snapshot(l), a commit) checksums
+// straight from each layer's snapshot's blocks. Reported: decode steps/s,
 // the p50/p99 time between two tokens of one sequence (TPOT), and the bytes
 // the offloader checksummed per second.
 #include <ghostlink/kv_cache.hpp>
@@ -84,32 +86,40 @@ void timed_phase(const options& o, std::atomic<bool>& stop, std::thread& off, co
   out.steps_per_s = double(tokens) / double(seqs.size()) / elapsed;
 }
 
-asio::awaitable<void> decode(const options& o, std::vector<layer_kv_cache>& layers, const std::vector<token>& data,
+/// Decode steps of `seq` through sequence steps: one begin request, per
+/// layer write() then attend over snapshot(l), one commit request.
+asio::awaitable<void> decode(const options& o, sequence_kv_cache& seq, const std::vector<token>& data,
                              const std::atomic<bool>& stop, progress& done) {
   for (std::size_t step = context; !stop.load(std::memory_order_relaxed) && step < context + decode_room; ++step) {
-    for (auto& cache : layers) {
-      const token& t = data[step % data.size()];
-      co_await cache.async_write(step, t.keys, t.values, asio::use_awaitable);
+    const token& t = data[step % data.size()];
+    const auto open = co_await seq.async_begin_step(1, asio::use_awaitable);
+    for (std::size_t l = 0; l < o.layers; ++l) {
+      keep(float(open.write(l, t.keys, t.values).value()));
       attention a(o.heads, o.head_dim);
-      a.over(cache.snapshot(), step + 1);
+      a.over(open.snapshot(l), step + 1);
       keep(a.checksum());
     }
+    co_await open.async_commit(asio::use_awaitable);
     done.tick();
   }
 }
 
 outcome run_ghostlink(const options& o, const std::vector<token>& data) {
   asio::thread_pool pool(o.threads);
-  const std::vector<kv_write> prefill = writes_of(data, 0, context);
-  std::vector<std::vector<layer_kv_cache>> seqs(o.sequences);
-  std::vector<std::future<void>> ready;
-  for (auto& layers : seqs)
-    for (std::size_t l = 0; l < o.layers; ++l) {
-      layers.emplace_back(pool, offload_config(o));
-      layers.back().async_initialize(1, asio::use_future).get();
-      ready.push_back(layers.back().async_write_batch(prefill, asio::use_future));
-    }
-  for (auto& f : ready) f.get();
+  // The prefill: one append of `context` tokens per sequence.
+  std::vector<float> keys, values;
+  for (std::size_t i = 0; i < context; ++i) {
+    const token& t = data[i % data.size()];
+    keys.insert(keys.end(), t.keys.begin(), t.keys.end());
+    values.insert(values.end(), t.values.begin(), t.values.end());
+  }
+  const std::vector<std::span<const float>> key_spans(o.layers, keys), value_spans(o.layers, values);
+  std::vector<sequence_kv_cache> seqs;
+  seqs.reserve(o.sequences);
+  for (std::size_t s = 0; s < o.sequences; ++s) {
+    seqs.emplace_back(pool, o.layers, offload_config(o));
+    seqs.back().async_append(key_spans, value_spans, asio::use_future).get();
+  }
 
   outcome out;
   std::atomic<bool> stop{false};
@@ -117,7 +127,7 @@ outcome run_ghostlink(const options& o, const std::vector<token>& data) {
     offloader(
         o.sequences * o.layers, stop,
         [&](std::size_t i) {
-          const kv_snapshot snap = seqs[i / o.layers][i % o.layers].snapshot();
+          const kv_snapshot snap = seqs[i / o.layers].layer(i % o.layers).snapshot();
           std::uint64_t h = 0;
           snap.for_each_block(0, snap.size(),
                               [&](std::size_t, std::size_t, auto k, auto v) { h = checksum(v, checksum(k, h)); });

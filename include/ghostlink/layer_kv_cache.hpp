@@ -121,7 +121,7 @@ class basic_layer_kv_cache {
   explicit operator bool() const noexcept { return valid(); }
   /// True when both handles share one cache.
   friend bool operator==(const basic_layer_kv_cache& a, const basic_layer_kv_cache& b) noexcept {
-    return a.state_ == b.state_;
+    return a.state_ == b.state_ && a.layer_ == b.layer_;
   }
 
   /// The config the cache was made with (a fork's: its parent's).
@@ -138,17 +138,19 @@ class basic_layer_kv_cache {
   /// whose handler has run. Unless a truncate completes in between, never
   /// ahead of a snapshot taken after it: after `n = size(); s = snapshot();`,
   /// `s.size() >= n`.
-  std::size_t size() const noexcept { return detail::size_of(*state_); }
+  std::size_t size() const noexcept { return detail::size_of(*state_, layer_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
 
   /// Pins the latest published epoch. Never blocks and never waits for the
   /// actor; includes every write whose handler has run.
-  snapshot_type snapshot() const noexcept { return detail::cache_access::adopt<snapshot_type>(detail::pin(*state_)); }
+  snapshot_type snapshot() const noexcept {
+    return detail::cache_access::adopt<snapshot_type>(detail::pin(*state_, layer_));
+  }
 
   /// The cache's counters now (see `kv_cache_stats`). Lock-free but for a
   /// short mutex over the list of epochs alive.
-  kv_cache_stats stats() const noexcept { return detail::stats_of(*state_); }
+  kv_cache_stats stats() const noexcept { return detail::stats_of(*state_, layer_); }
 
   /// Makes the first `min(seq_len, max_tokens_per_seq)` tokens valid (zeros
   /// where never written). Size never shrinks; calling it again keeps data.
@@ -310,14 +312,17 @@ class basic_layer_kv_cache {
 
   /// Prints the config and the length, never the buffers.
   friend std::ostream& operator<<(std::ostream& os, const basic_layer_kv_cache& cache) {
-    return detail::print(os, *cache.state_);
+    return detail::print(os, *cache.state_, cache.layer_);
   }
 
  private:
   friend struct detail::cache_access;
-  explicit basic_layer_kv_cache(std::shared_ptr<detail::actor> state) noexcept : state_(std::move(state)) {}
+  /// Layer `layer` of `state` (a sequence's: see basic_sequence_kv_cache::layer).
+  explicit basic_layer_kv_cache(std::shared_ptr<detail::actor> state, std::size_t layer = 0) noexcept
+      : state_(std::move(state)), layer_(layer) {}
 
   std::shared_ptr<detail::actor> state_;
+  std::size_t layer_ = 0;  // which layer of the actor's (a layer cache's actor has one)
 };
 
 /// A layer cache storing floats: the contract's `layer_kv_cache`.

@@ -172,7 +172,7 @@ class basic_sequence_kv_cache {
   /// The config the sequence was made with (for every layer).
   const kv_cache_config& config() const noexcept { return detail::config_of(*state_); }
   /// The pool every layer takes its blocks from.
-  kv_block_pool pool() const noexcept { return layer(0).pool(); }
+  kv_block_pool pool() const noexcept { return detail::pool_of(*detail::group_of(*state_)); }
   /// The executor the sequence was made from: where handlers without an
   /// associated executor run. Unlike a layer's `get_executor()`, which is
   /// that layer's strand, it is no strand: a sequence's operations run on
@@ -195,7 +195,7 @@ class basic_sequence_kv_cache {
 
   /// A read-only view of layer `i` (`i < num_layers()`).
   layer_type layer(std::size_t i) const noexcept {
-    return layer_type(detail::cache_access::adopt<basic_layer_kv_cache<T>>(detail::layer_of(*state_, i)));
+    return layer_type(detail::cache_access::adopt<basic_layer_kv_cache<T>>(detail::group_of(*state_), i));
   }
 
   /// Pins every layer's latest epoch, narrowed to the tokens all of them
@@ -293,10 +293,9 @@ class basic_sequence_kv_cache {
   template <class CompletionToken = default_completion_token>
   auto async_fork(CompletionToken&& token = default_completion_token()) const;
 
-  /// Begins a step of `n` tokens at positions `[size(), size() + n)`: every
-  /// layer sets aside the blocks they need (so that no layer's write in the
-  /// step can fail for want of a block) and drops any token it kept hidden
-  /// from there on. The step (`basic_sequence_step`) is then written layer
+  /// Begins a step of `n` tokens at positions `[size(), size() + n)`: one
+  /// request, in which every layer takes the blocks the step needs (so that
+  /// no layer's write in the step can fail for want of a block). The step (`basic_sequence_step`) is then written layer
   /// by layer and committed, or ended unchanged; until then the sequence's
   /// other operations fail with `operation_in_progress`.
   ///
@@ -305,7 +304,7 @@ class basic_sequence_kv_cache {
   /// (`n == 0`), `index_out_of_range` (`size() + n > max_tokens_per_seq`),
   /// `operation_in_progress`, `capacity_exhausted` (the pool cannot give
   /// the blocks, in any layer); `asio::error::operation_aborted` if
-  /// cancelled before every layer set its blocks aside.
+  /// cancelled before the sequence's actor took the request.
   ///
   /// Handler: queued on its associated executor (without one, the executor
   /// the sequence was made from), never run inside this call. Cancellable
@@ -323,6 +322,36 @@ class basic_sequence_kv_cache {
   /// stay valid until completion.
   template <class CompletionToken = default_completion_token>
   auto async_begin_step(std::span<const token_id> ids, CompletionToken&& token = default_completion_token()) const;
+
+  /// Begins one step of `n` tokens on each sequence of a decode batch (each
+  /// sequence once), as `seqs[i].async_begin_step(n)` would, all started at
+  /// once, and completes once when every begin has completed: one request
+  /// per sequence, one completion for the batch.
+  ///
+  /// Completion signature: `void(std::error_code, std::vector<step_type>)`:
+  /// one step per sequence, in the order of `seqs`, empty where that
+  /// sequence's begin failed; the error is the first failure in that order
+  /// (each as `async_begin_step`). `capacity_exhausted` (and no step) if the
+  /// batch's state cannot be allocated. An empty batch completes with no
+  /// error and no step. The steps of sequences that succeeded are open
+  /// whatever the error: commit or end them.
+  ///
+  /// @param seqs   the sequences, each once.
+  /// @param n      tokens per layer of every step.
+  /// @param token  the completion token; none is needed to `co_await`.
+  template <class CompletionToken = default_completion_token>
+  static auto async_begin_steps(std::span<const basic_sequence_kv_cache> seqs, std::size_t n,
+                                CompletionToken&& token = default_completion_token());
+
+  /// As above, sequence `i`'s step of `ids[i].size()` tokens whose ids are
+  /// `ids[i]` (so that a batch-decoded sequence can be inserted into a
+  /// prefix cache from its stored ids). `length_mismatch` (and no step) if
+  /// `ids` does not hold one span per sequence. The spans must stay valid
+  /// until completion.
+  template <class CompletionToken = default_completion_token>
+  static auto async_begin_steps(std::span<const basic_sequence_kv_cache> seqs,
+                                std::span<const std::span<const token_id>> ids,
+                                CompletionToken&& token = default_completion_token());
 
  private:
   friend struct detail::cache_access;

@@ -34,14 +34,15 @@ class basic_sequence_kv_cache;
 /// steps fail with `kv_errc::operation_in_progress`, and its snapshots and
 /// `size()` do not show the step's tokens. `snapshot(l)` does, for each
 /// layer `l` already written: a layer's attention reads its own new tokens
-/// (read your writes).
+/// (read your writes). A forward pass is then one begin request, per layer
+/// a `write` and an attend over `snapshot(l)`, and one commit request.
 ///
 /// A step that ends without a commit is undone: every layer drops its
 /// tokens, and the sequence is as before the step. `async_abandon()` does
 /// so and completes when the sequence is free for its next operation.
 /// Destroying an open step, moving over it, or `abandon()` do so in the
-/// background: until every layer has dropped the tokens (one drain of each
-/// layer), the sequence's operations fail with `operation_in_progress`.
+/// background: until the sequence's actor has dropped the tokens (one
+/// request), the sequence's operations fail with `operation_in_progress`.
 ///
 /// Move-only. Writes to different layers may run at once, from any threads;
 /// `snapshot()` may be called from any thread at any time. Handlers are
@@ -93,36 +94,47 @@ class basic_sequence_step {
   /// The sequence's executor.
   executor_type get_executor() const noexcept { return detail::io_executor(*detail::sequence_of(*state_)); }
 
-  /// Pins layer `layer`'s latest epoch (`layer < num_layers()`), narrowed to
-  /// the sequence's tokens plus the step's, once that layer's write has
-  /// published them: `index()` tokens before, `index() + size()` after.
-  /// Lock-free, as `basic_layer_kv_cache::snapshot()`.
+  /// Pins layer `layer` (`layer < num_layers()`) with the step's tokens once
+  /// that layer's `write` has stored them (`index() + size()` tokens), else
+  /// as the sequence last published it (`index()` tokens). Lock-free, as
+  /// `basic_layer_kv_cache::snapshot()`.
   snapshot_type snapshot(std::size_t layer) const noexcept {
-    const auto& seq = *detail::sequence_of(*state_);
-    return detail::cache_access::adopt<snapshot_type>(detail::pin(*detail::layer_of(seq, layer)))
-        .prefix(index() + size());
+    return detail::cache_access::adopt<snapshot_type>(detail::pin_step(*state_, layer)).prefix(index() + size());
   }
-
-  /// Layer `layer`'s tokens before the step (`layer < num_layers()`): its
-  /// latest epoch narrowed to `index()` tokens, whether or not the layer's
-  /// write has published the step's. What a forward pass attends with the
-  /// step's tokens pending (`ghostlink::attend`), so that it need not wait
-  /// for the write. Lock-free, as `snapshot()`.
+  /// Layer `layer`'s tokens before the step (`layer < num_layers()`),
+  /// whether or not the layer is written: what a forward pass attends with
+  /// the step's tokens pending (`ghostlink::attend`). Lock-free, as
+  /// `snapshot()`.
   snapshot_type snapshot_before(std::size_t layer) const noexcept { return snapshot(layer).prefix(index()); }
-
-  /// Writes layer `layer`'s `size()` tokens: `keys` and `values` hold
-  /// `size() * token_width()` floats each, token-major (token `index()`
-  /// first). Each layer is written once per step, as one request to its
-  /// actor; writes to different layers run in parallel. The spans must stay
-  /// valid until completion. Completion signature: `void(std::error_code)`,
-  /// once the layer has published the tokens (`snapshot(layer)` then shows
-  /// them). Errors: `layer_mismatch` (`layer >= num_layers()`),
-  /// `length_mismatch`, `width_mismatch`, `operation_in_progress` (the
-  /// layer's write is in progress or done, or a commit is waiting),
-  /// `step_closed` (after the commit),
-  /// `capacity_exhausted` only if memory for a page table was refused;
-  /// `asio::error::operation_aborted` if cancelled before the layer's actor
-  /// took it. On error the layer is as before, and may be written again.
+  /// Writes layer `layer`'s `size()` tokens on the calling thread: copies
+  /// (converting to `T`) `keys` and `values`, `size() * token_width()`
+  /// floats each, token-major (token `index()` first), into the positions
+  /// the begin set aside. No actor, no lock, no allocation. Each layer is
+  /// written once per step; different layers may be written at once from
+  /// different threads.
+  ///
+  /// It ends with a release store of the layer's "written" state, which
+  /// `snapshot(layer)` and the commit acquire: a `snapshot(layer)` that
+  /// sees the layer written shows its tokens, on any thread.
+  ///
+  /// Errors: `layer_mismatch` (`layer >= num_layers()`), `length_mismatch`
+  /// (keys and values differ in size), `width_mismatch` (not `size() *
+  /// token_width()` floats), `operation_in_progress` (the layer is written
+  /// or being written, or a commit waits), `step_closed` (committed or
+  /// ended). On error the layer is as before. Destroying or abandoning the
+  /// step while a `write` runs on another thread is the caller's error (as
+  /// destroying any object during a member call).
+  ///
+  /// @param layer  the layer, below `num_layers()`.
+  /// @param keys   `size() * token_width()` floats.
+  /// @param values `size() * token_width()` floats.
+  std::error_code write(std::size_t layer, std::span<const float> keys, std::span<const float> values) const noexcept {
+    return detail::write_step(*state_, layer, keys, values);
+  }
+  /// `write(layer, keys, values)`, then a completion with its result, for
+  /// callers that want one. Completion signature: `void(std::error_code)`,
+  /// queued as the sequence's handlers are, never run inside this call.
+  /// Errors: as `write`. The spans are read before this call returns.
   ///
   /// @param layer  the layer, below `num_layers()`.
   /// @param keys   `size() * token_width()` floats.
@@ -131,22 +143,17 @@ class basic_sequence_step {
   template <class CompletionToken = default_completion_token>
   auto async_write(std::size_t layer, std::span<const float> keys, std::span<const float> values,
                    CompletionToken&& token = default_completion_token()) const;
-
-  /// Makes the step's tokens part of the sequence: `size()` grows by
-  /// `size()` and sequence snapshots show them, all at once. The commit
-  /// first waits for every layer's write still in flight, so a forward pass
-  /// may start its writes without awaiting them (with `asio::detached`, say)
-  /// and await them all at once, here: when the commit completes, every
-  /// write started before it has finished with its spans (which may then
-  /// be released) and has its handler queued.
+  /// Makes the step's tokens part of the sequence: one request to the
+  /// sequence's actor, which publishes every layer's tokens at once, so
+  /// that `size()` grows by `size()` and sequence snapshots show them. A
+  /// commit while a `write` runs on another thread waits for it to return.
   /// Completion signature: `void(std::error_code)`. Errors:
-  /// `step_incomplete` (a layer is unwritten once those writes have
-  /// settled: never written, or its write failed; the step stays open),
-  /// `operation_in_progress` (another commit is waiting), `step_closed`
-  /// (committed or ended before). While it waits, the step's writes and
-  /// `async_abandon()` fail with `operation_in_progress`; destroying the
-  /// handle meanwhile ends the step if the commit then fails. No layer's
-  /// actor is involved: the commit needs no round trip through the layers.
+  /// `step_incomplete` (a layer is unwritten once the writes in progress
+  /// have returned; the step stays open), `operation_in_progress` (another
+  /// commit is waiting), `step_closed` (committed or ended before). While
+  /// it waits, the step's writes and `async_abandon()` fail with
+  /// `operation_in_progress`; destroying the handle meanwhile ends the step
+  /// if the commit then fails.
   ///
   /// @param token  the completion token; none is needed to `co_await`.
   template <class CompletionToken = default_completion_token>
@@ -166,19 +173,16 @@ class basic_sequence_step {
 
   /// Writes layer `layer` of every step of `steps`, one open step per
   /// sequence of a decode batch: step `i`'s tokens from `keys[i]` and
-  /// `values[i]`, as `steps[i].async_write(layer, keys[i], values[i])`
-  /// would, all started at once, and completes once when every write has
-  /// completed. The steps may belong to any sequences (each once); their
-  /// layers' actors apply the writes in parallel.
+  /// `values[i]`, as `steps[i].write(layer, keys[i], values[i])` does, on
+  /// the calling thread, and completes once.
   ///
   /// Completion signature: `void(std::error_code, std::vector<std::error_code>)`:
   /// the first step's error in order (none if every write succeeded), then
-  /// every step's own result, in the order of `steps`. Errors: as
-  /// `async_write` for each step; `length_mismatch` (and no write) if `keys`
-  /// or `values` do not hold one span per step, `capacity_exhausted` if the
-  /// results cannot be allocated. Cancellable: the handler's slot reaches
-  /// every write. The spans must stay valid until completion. An empty batch
-  /// completes with no error and no result.
+  /// every step's own result, in the order of `steps`. Errors: as `write`
+  /// for each step; `length_mismatch` (and no write) if `keys` or `values`
+  /// do not hold one span per step, `capacity_exhausted` if the results
+  /// cannot be allocated. The spans are read before this call returns. An
+  /// empty batch completes with no error and no result.
   ///
   /// @param steps  open steps, of different sequences.
   /// @param layer  the layer, below each step's `num_layers()`.
@@ -191,6 +195,18 @@ class basic_sequence_step {
                                 std::span<const std::span<const float>> values,
                                 CompletionToken&& token = default_completion_token());
 
+  /// Commits every step of `steps` (as `async_commit` each), one request
+  /// per step's sequence and one completion for the batch. Completion
+  /// signature: `void(std::error_code, std::vector<std::error_code>)`: the
+  /// first failure in order, then each commit's result in the order of
+  /// `steps` (an empty handle's: `step_closed`). `capacity_exhausted` (and
+  /// no commit) if the batch's state cannot be allocated.
+  ///
+  /// @param steps  steps of different sequences.
+  /// @param token  the completion token; none is needed to `co_await`.
+  template <class CompletionToken = default_completion_token>
+  static auto async_commit_all(std::span<const basic_sequence_step> steps,
+                               CompletionToken&& token = default_completion_token());
   /// As `async_abandon()`, in the background, and the handle is left empty.
   void abandon() noexcept {
     if (state_) detail::abandon(*state_);

@@ -27,6 +27,10 @@ std::atomic<std::size_t>& metadata_countdown() noexcept;
 /// the actor's pending_, when a test has set it (set_enqueued_hook); null
 /// otherwise.
 inline std::atomic<void (*)()> enqueued_hook{nullptr};
+/// Called by a sequence step's write() after it claimed its layer and
+/// before it stores the tokens, when a test has set it
+/// (set_step_write_hook); null otherwise.
+inline std::atomic<void (*)()> step_write_hook{nullptr};
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

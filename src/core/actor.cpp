@@ -9,6 +9,7 @@
 #include <ostream>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
 
@@ -51,9 +52,10 @@ ref_ptr<block_pool> pool_for(const kv_cache_config& config, const block_layout& 
 /// mailbox.
 class drain_op {
  public:
-  drain_op(std::shared_ptr<actor> a, request* carried) noexcept : actor_(std::move(a)), carried_(carried) {}
+  drain_op(std::shared_ptr<actor> a, request* carried, queueing how = queueing::defer) noexcept
+      : actor_(std::move(a)), carried_(carried), how_(how) {}
   drain_op(drain_op&& other) noexcept
-      : actor_(std::move(other.actor_)), carried_(std::exchange(other.carried_, nullptr)) {}
+      : actor_(std::move(other.actor_)), carried_(std::exchange(other.carried_, nullptr)), how_(other.how_) {}
   drain_op& operator=(drain_op&&) = delete;
   ~drain_op() {
     if (!actor_) return;
@@ -65,12 +67,13 @@ class drain_op {
   }
   void operator()() {
     const std::shared_ptr<actor> a = std::move(actor_);
-    a->drain(std::exchange(carried_, nullptr));
+    a->drain(std::exchange(carried_, nullptr), how_);
   }
 
  private:
   std::shared_ptr<actor> actor_;
   request* carried_;
+  queueing how_;  // how its completions are queued: defer on the strand, post inside an initiating call
 };
 
 std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
@@ -78,25 +81,57 @@ std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_conf
   validate(config, codec.size);
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
   ref_ptr<block_pool> checked = pool_for(config, *layout, std::move(pool));
-  auto state = std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized, prefix);
-  return std::make_shared<actor>(std::move(ex), std::move(state));
+  std::vector<std::unique_ptr<working_state>> states;
+  states.push_back(std::make_unique<working_state>(config, std::move(layout), std::move(checked), initialized, prefix));
+  return std::make_shared<actor>(std::move(ex), std::move(states));
 }
 
-void actor::use_account(ref_ptr<block_account> account) noexcept { state_->use_account(std::move(account)); }
+layer_slot::layer_slot(std::unique_ptr<working_state> s)
+    : state(std::move(s)),
+      registry(state->registry()),
+      id(state->owner()),
+      latest(state->initial_epoch()),
+      current(latest),
+      published_size(state->size()) {}
 
-actor::actor(asio::any_io_executor ex, std::unique_ptr<working_state> state)
-    : config_(state->config()),
+layer_slot::~layer_slot() = default;
+
+namespace {
+
+std::vector<std::unique_ptr<layer_slot>> slots_of(std::vector<std::unique_ptr<working_state>> states) {
+  std::vector<std::unique_ptr<layer_slot>> slots;
+  slots.reserve(states.size());
+  for (auto& s : states) slots.push_back(std::make_unique<layer_slot>(std::move(s)));
+  return slots;
+}
+
+/// Undoes a write or an open of tokens from `size` on that `state` applied
+/// in this drain, because another layer of the group refused its part.
+/// Nothing to copy (see working_state::cut), so it cannot fail.
+void roll_back(working_state& state, std::size_t size) noexcept { state.cut(size); }
+
+}  // namespace
+
+actor::actor(asio::any_io_executor ex, std::vector<std::unique_ptr<working_state>> states)
+    : config_(states.front()->config()),
       executor_(std::move(ex)),
       strand_(asio::make_strand(executor_)),
       mailbox_(std::make_unique<mailbox>(config_.max_pending)),
-      state_(std::move(state)),
-      pool_(state_->pool()),
-      current_(state_->initial_epoch()),
-      published_size_(state_->size()),
-      registry_(state_->registry()),
-      id_(state_->owner()) {}
+      layers_(slots_of(std::move(states))),
+      pool_(layers_.front()->state->pool()),
+      group_(layers_.size() > 1 ? std::make_unique<group_cell>(ref_ptr<group_epoch>::adopt(new group_epoch()))
+                                : nullptr) {
+  if (!group_) return;
+  // The first group state: every layer's initial epoch.
+  ref_ptr<group_epoch> first = group_->pin();
+  for (const auto& l : layers_) first->layers.push_back(l->latest);
+}
 
 actor::~actor() { discard_mailbox(); }
+
+void actor::use_account(std::size_t layer, ref_ptr<block_account> account) noexcept {
+  layers_[layer]->state->use_account(std::move(account));
+}
 
 void actor::discard_mailbox() noexcept {
   std::array<request*, drain_capacity> batch{};
@@ -126,44 +161,146 @@ void actor::submit(request* r, urgency u) noexcept {
 }
 
 void actor::schedule(urgency u, request* carried) noexcept {
-  if (u == urgency::now)
-    asio::dispatch(strand_, drain_op(shared_from_this(), carried));
-  else
-    asio::post(strand_, drain_op(shared_from_this(), carried));
+  switch (u) {
+    case urgency::here: try { drain_op(shared_from_this(), carried, queueing::post)();
+      } catch (...) {
+        // A completion that threw (see drain()): it leaves through the
+        // strand's executor's run(), as it would from a drain run there.
+        asio::post(strand_, [e = std::current_exception()] { std::rethrow_exception(e); });
+      }
+      return;
+    case urgency::now: asio::dispatch(strand_, drain_op(shared_from_this(), carried)); return;
+    case urgency::batch: asio::post(strand_, drain_op(shared_from_this(), carried)); return;
+  }
 }
 
 void actor::apply(request* const* batch, error_code* results, std::size_t n) {
-  try {
-    state_->prepare_epoch();
-  } catch (const std::bad_alloc&) {
-    for (std::size_t i = 0; i < n; ++i) ::new (results + i) error_code(kv_errc::capacity_exhausted);
-    return;
+  for (std::size_t i = 0; i < n; ++i) {
+    error_code ec;
+    try {
+      // A request applies only with the next epochs' memory at hand, so
+      // that publishing what it changed cannot fail.
+      for (const auto& l : layers_) l->state->prepare_epoch();
+      if (group_ && !next_group_) {
+        next_group_ = std::make_unique<group_epoch>();
+        next_group_->layers.reserve(layers_.size());
+      }
+    } catch (const std::bad_alloc&) {
+      ec = kv_errc::capacity_exhausted;
+    }
+    if (!ec) ec = batch[i]->claim() ? apply(*batch[i]) : error_code(asio::error::operation_aborted);
+    ::new (results + i) error_code(ec);
   }
-  for (std::size_t i = 0; i < n; ++i)
-    ::new (results + i) error_code(batch[i]->claim() ? apply(*batch[i]) : error_code(asio::error::operation_aborted));
 }
 
 error_code actor::apply(request& r) {
   switch (r.kind()) {
-    case request_kind::initialize: return state_->initialize(r.size());
-    case request_kind::write_batch: return state_->write(r.writes());
-    case request_kind::truncate: return state_->truncate(r.size());
+    case request_kind::initialize:
+      for (const auto& l : layers_)
+        if (error_code ec = l->state->initialize(r.size())) return ec;  // one layer: a layer cache's
+      return {};
+    case request_kind::write_batch: return layers_.front()->state->write(r.writes());  // a layer cache's
+    case request_kind::append: return append(r);
+    case request_kind::truncate: return truncate(r.size());
     case request_kind::fork: return fork(r);
-    case request_kind::set_aside: return state_->set_aside(r.size(), r.tokens());
+    case request_kind::begin_step: return begin_step(static_cast<group_request&>(r));
+    case request_kind::commit_step: {
+      auto& g = static_cast<group_request&>(r);
+      for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l]->staged = std::move(g.staged[l]);
+      return {};
+    }
   }
   return {};
 }
 
+error_code actor::open_all(std::size_t index, std::size_t tokens) {
+  // Every layer's blocks first, so that no open fails for want of one; an
+  // open can then fail only for page-table memory, and the layers opened
+  // before it are cut back without copying anything.
+  for (std::size_t l = 0; l < layers_.size(); ++l) {
+    if (error_code ec = layers_[l]->state->set_aside(index, tokens)) {
+      for (std::size_t k = 0; k < l; ++k) layers_[k]->state->release_set_aside();
+      return ec;
+    }
+  }
+  for (std::size_t l = 0; l < layers_.size(); ++l) {
+    if (error_code ec = layers_[l]->state->open(index, tokens)) {
+      for (std::size_t k = 0; k < l; ++k) roll_back(*layers_[k]->state, index);
+      for (std::size_t k = l; k < layers_.size(); ++k) layers_[k]->state->release_set_aside();
+      return ec;
+    }
+  }
+  return {};
+}
+
+error_code actor::append(const request& r) {
+  const std::span<const kv_write> writes = r.writes();  // one per layer
+  const std::size_t index = writes.front().index;
+  if (error_code ec = open_all(index, r.tokens())) return ec;
+  for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l]->state->store(index, writes[l].keys, writes[l].values);
+  return {};
+}
+
+error_code actor::truncate(std::size_t size) {
+  for (const auto& l : layers_)
+    if (error_code ec = l->state->prepare_truncate(size)) return ec;  // changes nothing visible
+  for (const auto& l : layers_) l->state->cut(size);
+  return {};
+}
+
 error_code actor::fork(request& r) noexcept {
+  if (error_code ec = truncate(r.size())) return ec;  // a sequence's step positions its end could not cut
   try {
-    r.forked = std::make_shared<actor>(executor_, state_->fork());
+    std::vector<std::unique_ptr<working_state>> children;
+    children.reserve(layers_.size());
+    for (const auto& l : layers_) children.push_back(l->state->fork());
+    r.forked = std::make_shared<actor>(executor_, std::move(children));
     return {};
   } catch (const std::bad_alloc&) {
-    return kv_errc::capacity_exhausted;
+    return kv_errc::capacity_exhausted;  // the layers forked so far go with `children`
   }
 }
 
-void actor::drain(request* carried) {
+error_code actor::begin_step(group_request& r) {
+  // Every layer opens the step's positions; the last (the token ids) takes
+  // its tokens at once, the model's layers take theirs from the step's
+  // writers. Then every layer's epoch is staged for the step, in the
+  // memory prepared for this request.
+  const std::size_t index = r.size();
+  try {
+    r.staged.reserve(layers_.size());
+  } catch (const std::bad_alloc&) {
+    return kv_errc::capacity_exhausted;
+  }
+  if (error_code ec = open_all(index, r.tokens())) return ec;
+  const kv_write& ids = r.writes().front();
+  layers_.back()->state->store(index, ids.keys, ids.values);
+  for (const auto& l : layers_) r.staged.push_back(l->state->publish());
+  return {};
+}
+
+void actor::publish() {
+  bool any = false;
+  for (const auto& l : layers_) {
+    ref_ptr<epoch> next = std::move(l->staged);
+    if (!next && l->state->has_changes()) next = l->state->publish();
+    if (!next) continue;
+    const kv_event event{
+        .what = kv_event::kind::epoch_published, .cache = l->id, .epoch = next->number, .size = next->size};
+    l->latest = next;
+    l->current.publish(std::move(next));
+    l->published_size.store(l->latest->size, std::memory_order_release);
+    pool_->emit(event);
+    any = true;
+  }
+  if (!any || !group_) return;
+  // next_group_ was prepared before the request that changed a layer.
+  auto next = ref_ptr<group_epoch>::adopt(next_group_.release());
+  for (const auto& l : layers_) next->layers.push_back(l->latest);
+  group_->publish(std::move(next));
+}
+
+void actor::drain(request* carried, queueing how) {
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): the first n are filled, the rest is never read
   std::array<request*, drain_capacity> batch;
   // Raw storage: apply() constructs the first n results (filling all of
@@ -183,14 +320,7 @@ void actor::drain(request* carried) {
   if (!carried || pending_.load(std::memory_order_acquire) > 1) n += mailbox_->take(batch.data() + n, batch.size() - n);
 
   apply(batch.data(), results, n);
-  if (state_->has_changes()) {
-    ref_ptr<epoch> published = state_->publish();
-    const kv_event event{
-        .what = kv_event::kind::epoch_published, .cache = id_, .epoch = published->number, .size = published->size};
-    current_.publish(std::move(published));
-    published_size_.store(state_->size(), std::memory_order_release);
-    pool_->emit(event);
-  }
+  publish();
   std::uint64_t applied = 0, cancelled = 0;
   for (std::size_t i = 0; i < n; ++i) {
     applied += results[i] ? 0 : 1;
@@ -212,7 +342,7 @@ void actor::drain(request* carried) {
   std::exception_ptr first_error;
   for (std::size_t i = 0; i < n; ++i) {
     try {
-      batch[i]->complete(results[i], queueing::defer);
+      batch[i]->complete(results[i], how);
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
     }
@@ -224,9 +354,10 @@ void actor::drain(request* carried) {
   if (first_error) std::rethrow_exception(first_error);
 }
 
-kv_cache_stats actor::stats() const noexcept {
+kv_cache_stats actor::stats(std::size_t layer) const noexcept {
+  const layer_slot& l = *layers_[layer];
   kv_cache_stats s;
-  ref_ptr<epoch> latest = pin();
+  ref_ptr<epoch> latest = l.current.pin();
   s.epoch = latest->number;
   s.size = latest->size;
   s.drains = drains_.load(std::memory_order_relaxed);
@@ -238,11 +369,11 @@ kv_cache_stats actor::stats() const noexcept {
   s.requests_delayed = mailbox_->delayed();
   for (std::size_t i = 0; i < drain_sizes_.size(); ++i)
     s.requests_per_drain[i] = drain_sizes_[i].load(std::memory_order_relaxed);
-  const epoch_registry::reading epochs = registry_->read();
+  const epoch_registry::reading epochs = l.registry->read();
   s.epochs_alive = epochs.epochs_alive;
   s.oldest_epoch_alive = epochs.oldest;
-  s.snapshots_alive = registry_->snapshots();
-  s.cache_id = id_;
+  s.snapshots_alive = l.registry->snapshots();
+  s.cache_id = l.id;
   s.blocks_in_use = pool_->blocks_in_use();
   s.bytes_in_use = s.blocks_in_use * pool_->payload_bytes();
   return s;
@@ -259,12 +390,12 @@ void submit(actor& a, request* r, urgency u) noexcept { a.submit(r, u); }
 const asio::any_io_executor& io_executor(const actor& a) noexcept { return a.executor(); }
 asio::strand<asio::any_io_executor> strand_of(const actor& a) noexcept { return a.strand(); }
 const kv_cache_config& config_of(const actor& a) noexcept { return a.config(); }
-std::size_t size_of(const actor& a) noexcept { return a.size(); }
-pinned_epoch pin(const actor& a) noexcept { return epoch_access::pin(a.pin()); }
-kv_cache_stats stats_of(const actor& a) noexcept { return a.stats(); }
+std::size_t size_of(const actor& a, std::size_t layer) noexcept { return a.size(layer); }
+pinned_epoch pin(const actor& a, std::size_t layer) noexcept { return epoch_access::pin(a.pin(layer)); }
+kv_cache_stats stats_of(const actor& a, std::size_t layer) noexcept { return a.stats(layer); }
 kv_block_pool pool_of(const actor& a) noexcept { return pool_access::handle(ref_ptr<block_pool>::share(&a.pool())); }
-std::ostream& print(std::ostream& os, const actor& a) {
-  return os << "layer_kv_cache{config=" << a.config() << ", size=" << a.size() << '}';
+std::ostream& print(std::ostream& os, const actor& a, std::size_t layer) {
+  return os << "layer_kv_cache{config=" << a.config() << ", size=" << a.size(layer) << '}';
 }
 
 }  // namespace detail

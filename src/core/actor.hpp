@@ -1,12 +1,18 @@
 #pragma once
-// The actor behind a layer_kv_cache: a mailbox of requests drained on a
-// strand, the working state they are applied to, and the cell readers pin
-// epochs from. The templates reach it through detail/layer_interface.hpp.
+// The actor behind a layer_kv_cache and behind a sequence: a mailbox of
+// requests drained on a strand, the working states of its layers (one for
+// a layer cache; a sequence's model layers and its token ids), and the
+// cells readers pin epochs from. The templates reach it through
+// detail/layer_interface.hpp and detail/sequence_interface.hpp.
 //
 // Threads:
 // - submit(), pin(), size(), stats() are safe from any thread at any time.
-// - drain() runs only on strand_; it alone touches *state_ and publishes
-//   into current_.
+// - drain() runs on strand_, or inside submit() for a request of urgency
+//   `here` that finds the actor idle; either way one drain runs at a time
+//   (pending_, below), and it alone touches the working states and
+//   publishes into the cells. Consecutive drains are ordered by pending_'s
+//   acq_rel updates: the drain's final decrement, then the next submitter's
+//   raise from zero (or the deferred drain the strand runs).
 // - A request enqueued (queued or parked for room, see mailbox.hpp) is
 //   counted in pending_ afterwards; whoever raises pending_ from zero
 //   schedules a drain, and a drain that leaves work behind defers the next,
@@ -24,6 +30,18 @@
 //   one short, an earlier request of this thread may wait in the mailbox.)
 //   Other threads' requests enqueued meanwhile are concurrent with it and
 //   drain after it.
+//
+// Invariants of a group (more than one layer):
+// - Every request applies to every layer or to none (apply_all): what can
+//   fail (blocks, table memory, epochs) is taken for every layer first, and
+//   a layer that fails after others applied is impossible by construction
+//   (see each request kind in actor.cpp).
+// - group_ holds, after every drain that published, the latest epoch of
+//   every layer: one state in which every layer shows the same tokens. A
+//   layer's own cell may run ahead of group_ only inside a drain.
+// - A step's epochs (begin_step) are staged: built by the begin's drain,
+//   held by the step, in no cell until its commit's drain publishes them.
+//   No other request reaches the group meanwhile (the sequence is busy).
 
 #include <array>
 #include <atomic>
@@ -31,6 +49,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
 
@@ -47,19 +66,49 @@ namespace detail {
 
 class working_state;
 class mailbox;
+class actor;
+
+/// One layer of an actor: its working state and the cell its readers pin.
+struct layer_slot {
+  explicit layer_slot(std::unique_ptr<working_state> s);
+  ~layer_slot();
+  layer_slot(const layer_slot&) = delete;
+  layer_slot& operator=(const layer_slot&) = delete;
+
+  const std::unique_ptr<working_state> state;  // strand only
+  const ref_ptr<epoch_registry> registry;
+  const std::uint64_t id;  // the cache id its blocks and events carry
+  ref_ptr<epoch> latest;   // strand only: what `current` holds
+  ref_ptr<epoch> staged;   // strand only: to publish at the end of this drain (a step's commit)
+  epoch_cell current;
+  std::atomic<std::size_t> published_size{0};
+};
+
+/// A request to a group that carries epochs: a step's begin stages one per
+/// layer into `staged`, and its commit publishes those in `staged`.
+class group_request : public request {
+ public:
+  std::vector<ref_ptr<epoch>> staged;
+
+ protected:
+  using request::request;
+  ~group_request() = default;
+};
 
 class actor : public std::enable_shared_from_this<actor> {
  public:
   using strand_type = asio::strand<asio::any_io_executor>;
 
-  /// See make_actor() (detail/layer_interface.hpp); `pool` null for a private one.
-  /// `prefix`: blocks of another cache the new one starts with (an attach),
-  /// moved from.
+  /// A layer cache: see make_actor() (detail/layer_interface.hpp); `pool`
+  /// null for a private one. `prefix`: blocks of another cache the new one
+  /// starts with (an attach), moved from.
   static std::shared_ptr<actor> make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
                                      ref_ptr<block_pool> pool, bool initialized, std::span<ref_ptr<block>> prefix = {});
 
-  /// Use make(); public for std::make_shared. Publishes `state`'s initial epoch.
-  actor(asio::any_io_executor ex, std::unique_ptr<working_state> state);
+  /// Use make(), or pass a group's working states (a sequence's, made in
+  /// src/sequence); public for std::make_shared. Publishes each state's
+  /// initial epoch.
+  actor(asio::any_io_executor ex, std::vector<std::unique_ptr<working_state>> states);
   /// Discards requests still in the mailbox (their handlers are destroyed
   /// unrun); only reached when no drain is queued.
   ~actor();
@@ -70,18 +119,25 @@ class actor : public std::enable_shared_from_this<actor> {
   actor(const actor&) = delete;
   actor& operator=(const actor&) = delete;
 
+  /// The first layer's config.
   const kv_cache_config& config() const noexcept { return config_; }
+  std::size_t layers() const noexcept { return layers_.size(); }
   /// See working_state::use_account: before the first request only.
-  void use_account(ref_ptr<block_account> account) noexcept;
+  void use_account(std::size_t layer, ref_ptr<block_account> account) noexcept;
+  /// The first layer's pool (a sequence's model layers share it).
   block_pool& pool() const noexcept { return *pool_; }
   const strand_type& strand() const noexcept { return strand_; }
   /// Where a handler without an associated executor completes: the
   /// executor the cache was made from, not the strand.
   const asio::any_io_executor& executor() const noexcept { return executor_; }
 
-  std::size_t size() const noexcept { return published_size_.load(std::memory_order_acquire); }
-  ref_ptr<epoch> pin() const noexcept { return current_.pin(); }
-  kv_cache_stats stats() const noexcept;
+  std::size_t size(std::size_t layer) const noexcept {
+    return layers_[layer]->published_size.load(std::memory_order_acquire);
+  }
+  ref_ptr<epoch> pin(std::size_t layer) const noexcept { return layers_[layer]->current.pin(); }
+  /// A group's latest state, every layer in it (null for one layer).
+  ref_ptr<group_epoch> pin_group() const noexcept { return group_ ? group_->pin() : ref_ptr<group_epoch>(); }
+  kv_cache_stats stats(std::size_t layer) const noexcept;
 
   /// Takes ownership of `r`; it completes after the epoch that holds its
   /// result is published, never inline. Terminates if Asio cannot allocate
@@ -95,27 +151,39 @@ class actor : public std::enable_shared_from_this<actor> {
   /// `carried` if not null.
   void schedule(urgency u, request* carried) noexcept;
   /// Applies `carried` (if not null), then what the mailbox holds, and
-  /// publishes.
-  void drain(request* carried);
+  /// publishes; queues the completions `how` (never defer inside an
+  /// initiating call: its caller may block the thread, and a deferred
+  /// handler would wait behind it).
+  void drain(request* carried, queueing how);
   /// Applies `n` requests, constructing their results in `results` (raw
-  /// storage for n); if the next epoch cannot be prepared, applies none and
-  /// fails each with capacity_exhausted.
+  /// storage for n); if the next epochs cannot be prepared, applies none
+  /// and fails each with capacity_exhausted.
   void apply(request* const* batch, error_code* results, std::size_t n);
-  /// Applies one claimed request: the one place a request's kind decides
-  /// what happens.
+  /// Applies one claimed request to every layer: the one place a request's
+  /// kind decides what happens.
   error_code apply(request& r);
+  /// Sets aside every layer's blocks for `tokens` tokens at `index` (the
+  /// layers' common size), then opens those positions in every layer; on
+  /// error no layer changed.
+  error_code open_all(std::size_t index, std::size_t tokens);
+  /// A group's append: open_all(), then every layer stores its tokens.
+  error_code append(const request& r);
+  error_code truncate(std::size_t size);
   /// A fork: a new actor on a new strand of the same executor, whose first
-  /// epoch is the working state, sharing its blocks; into `r.forked`.
+  /// epochs are the working states, sharing their blocks; into `r.forked`.
   error_code fork(request& r) noexcept;
+  error_code begin_step(group_request& r);
+  /// Publishes what changed in every layer (and the group's state).
+  void publish();
 
   const kv_cache_config config_;
   const asio::any_io_executor executor_;
   const strand_type strand_;
   const std::unique_ptr<mailbox> mailbox_;
-  const std::unique_ptr<working_state> state_;  // strand only
+  const std::vector<std::unique_ptr<layer_slot>> layers_;
   const ref_ptr<block_pool> pool_;
-  epoch_cell current_;
-  std::atomic<std::size_t> published_size_{0};
+  const std::unique_ptr<group_cell> group_;  // more than one layer only
+  std::unique_ptr<group_epoch> next_group_;  // strand only: the next group state's memory, prepared
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
   // Counters the drain alone writes (on the strand); stats() reads them.
   std::atomic<std::uint64_t> drains_{0};
@@ -123,8 +191,6 @@ class actor : public std::enable_shared_from_this<actor> {
   std::atomic<std::uint64_t> failed_{0};
   std::atomic<std::uint64_t> cancelled_{0};
   std::array<std::atomic<std::uint64_t>, kv_cache_stats::drain_histogram{}.size()> drain_sizes_{};
-  const ref_ptr<epoch_registry> registry_;
-  const std::uint64_t id_;
 };
 
 }  // namespace detail

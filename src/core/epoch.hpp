@@ -165,6 +165,17 @@ struct epoch : ref_counted<epoch> {
   epoch* newer = nullptr;
 };
 
+/// One published state of a group of layers (a sequence's layers and its
+/// token ids): the epoch of each layer as one drain left them, so that
+/// every layer shows the same tokens. What a sequence snapshot pins.
+struct group_epoch : ref_counted<group_epoch> {
+  static void destroy(group_epoch* g) noexcept { delete g; }
+  static void* operator new(std::size_t size) { return metadata_new(size); }
+  static void operator delete(void* p) noexcept { ::operator delete(p); }
+
+  std::vector<ref_ptr<epoch>> layers;  // filled by the actor before publication, never changed after
+};
+
 /// Turns an epoch reference into a reader's pin and back.
 struct epoch_access {
   /// A pin holding the reference `e` carries, counted in its registry.

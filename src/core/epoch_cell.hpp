@@ -1,6 +1,7 @@
 #pragma once
-// The cell that holds a cache's latest published epoch: readers pin it
-// without a lock and without waiting for the actor; only the actor publishes.
+// The cell that holds a layer's latest published epoch (or a group's latest
+// group_epoch): readers pin it without a lock and without waiting for the
+// actor; only the actor publishes.
 
 #include <atomic>
 #include <cstdint>
@@ -35,39 +36,40 @@ namespace detail {
 /// Limits: pointers must fit in 48 bits (x86-64 and AArch64 user space
 /// without pointer tags), and fewer than 65,536 readers may be between
 /// their load and their give-back at one instant.
-class epoch_cell {
+template <class E>
+class basic_cell {
  public:
-  explicit epoch_cell(ref_ptr<epoch> initial) noexcept : word_(pack(initial.detach())) {}
-  epoch_cell(const epoch_cell&) = delete;
-  epoch_cell& operator=(const epoch_cell&) = delete;
-  ~epoch_cell() { unpack(word_.load(std::memory_order_acquire))->release(); }
+  explicit basic_cell(ref_ptr<E> initial) noexcept : word_(pack(initial.detach())) {}
+  basic_cell(const basic_cell&) = delete;
+  basic_cell& operator=(const basic_cell&) = delete;
+  ~basic_cell() { unpack(word_.load(std::memory_order_acquire))->release(); }
 
   /// The latest published epoch, with a reference of the caller's own.
   /// Lock-free: a retry happens only when another reader or the actor
   /// changed the word between two of this reader's steps.
-  ref_ptr<epoch> pin() const noexcept {
+  ref_ptr<E> pin() const noexcept {
     // acquire: pairs with publish()'s release, so the epoch and every block
     // slot it covers are visible.
     std::uint64_t word = word_.fetch_add(one_reader, std::memory_order_acquire);
-    epoch* e = unpack(word);
+    E* e = unpack(word);
     e->add_ref();
     word += one_reader;
     while (unpack(word) == e) {
       // release: our add_ref above happens-before a publish() that no
       // longer counts us.
       if (word_.compare_exchange_weak(word, word - one_reader, std::memory_order_release, std::memory_order_relaxed))
-        return ref_ptr<epoch>::adopt(e);
+        return ref_ptr<E>::adopt(e);
     }
     // Replaced meanwhile: publish() turns our local count into a real
     // reference, so the one we added is surplus. The bias publish() added
     // before the swap keeps this release from reaching zero.
     e->release();
-    return ref_ptr<epoch>::adopt(e);
+    return ref_ptr<E>::adopt(e);
   }
 
   /// Makes `next` the latest epoch. Called by the actor only.
-  void publish(ref_ptr<epoch> next) noexcept {
-    epoch* const previous = unpack(word_.load(std::memory_order_relaxed));  // only we change the pointer
+  void publish(ref_ptr<E> next) noexcept {
+    E* const previous = unpack(word_.load(std::memory_order_relaxed));  // only we change the pointer
     previous->add_ref(bias);
     const std::uint64_t old = word_.exchange(pack(next.detach()), std::memory_order_acq_rel);
     const auto readers = static_cast<std::uint32_t>(old >> pointer_bits);
@@ -81,18 +83,23 @@ class epoch_cell {
   // More than the local count can hold (16 bits on 64-bit targets).
   static constexpr std::uint32_t bias = std::uint32_t{1} << 16;
 
-  static std::uint64_t pack(epoch* e) noexcept {
+  static std::uint64_t pack(E* e) noexcept {
     const auto bits = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(e));
     if (bits & ~pointer_mask) std::abort();  // the documented 48-bit limit
     return bits;
   }
-  static epoch* unpack(std::uint64_t word) noexcept {
-    return reinterpret_cast<epoch*>(static_cast<std::uintptr_t>(word & pointer_mask));
+  static E* unpack(std::uint64_t word) noexcept {
+    return reinterpret_cast<E*>(static_cast<std::uintptr_t>(word & pointer_mask));
   }
 
   // Pointer in the low bits, readers mid-pin in the high bits (see above).
   mutable std::atomic<std::uint64_t> word_;
 };
+
+/// A layer's cell.
+using epoch_cell = basic_cell<epoch>;
+/// A group's cell (src/core/actor.hpp).
+using group_cell = basic_cell<group_epoch>;
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -130,23 +130,39 @@ error_code working_state::initialize(std::size_t size) {
 }
 
 error_code working_state::truncate(std::size_t size) {
+  if (error_code ec = prepare_truncate(size)) return ec;
+  cut(size);
+  return {};
+}
+
+error_code working_state::prepare_truncate(std::size_t size) {
   if (size >= size_) return {};
+  const std::size_t blocks = ceil_div(std::min(stored_, size), config_.block_tokens);
+  if (blocks >= table_->blocks) return {};
+  // Copy what a published epoch reads and cut() edits: the kept part of
+  // the last kept chunk, or the list of chunks.
+  const std::size_t chunk_end = std::min(table_->blocks, ceil_div(blocks, table_chunk::size) * table_chunk::size);
+  try {
+    if (blocks < chunk_end)
+      editable_block(blocks);
+    else
+      own_table();
+  } catch (const std::bad_alloc&) {
+    return kv_errc::capacity_exhausted;
+  }
+  return {};
+}
+
+void working_state::cut(std::size_t size) noexcept {
+  if (size >= size_) return;
   const std::size_t bt = config_.block_tokens;
   const std::size_t stored = std::min(stored_, size);
   const std::size_t blocks = ceil_div(stored, bt);
   if (blocks < table_->blocks) {
     // Drop the blocks past the new end of the last kept chunk; whole
-    // chunks past it go with the list's tail. Copy what a published epoch
-    // reads first, so a failed copy changes nothing.
+    // chunks past it go with the list's tail. prepare_truncate() made both
+    // editable: nothing here allocates.
     const std::size_t chunk_end = std::min(table_->blocks, ceil_div(blocks, table_chunk::size) * table_chunk::size);
-    try {
-      if (blocks < chunk_end)
-        editable_block(blocks);
-      else
-        own_table();
-    } catch (const std::bad_alloc&) {
-      return kv_errc::capacity_exhausted;
-    }
     seal();  // touched blocks may be dropped below; none is touched again before the next seal
     for (std::size_t b = blocks; b < chunk_end; ++b) editable_block(b) = {};
     table_->chunks.resize(ceil_div(blocks, table_chunk::size));
@@ -165,7 +181,6 @@ error_code working_state::truncate(std::size_t size) {
   stored_ = stored;
   size_ = size;
   changed_ = true;
-  return {};
 }
 
 error_code working_state::set_aside(std::size_t index, std::size_t tokens) {
@@ -219,38 +234,7 @@ error_code working_state::write(std::span<const kv_write> writes) {
 
   std::size_t stored = stored_;
   for (const kv_write& w : writes) stored = std::max(stored, w.index + 1);
-
-  const std::size_t old_blocks = table_->blocks;
-  const std::size_t old_touched = touched_.size();
-  // A one-token write (a decode step) replaces at most two blocks: the old
-  // last one and its own. Its undo log is a member kept between writes, so
-  // it allocates nothing; a batch gets one of its own, freed after.
-  undo_log batch_undo;
-  undo_log& undo = writes.size() == 1 ? undo_ : batch_undo;
-  bool ok = false;
-  try {
-    // So that recording an undo step or a touched block cannot throw.
-    undo.reserve(writes.size() + 1);
-    const std::size_t touches = touched_.size() + writes.size() + 1;
-    if (touched_.capacity() < touches) touched_.reserve(std::max(touches, 2 * touched_.capacity()));
-    ok = prepare(writes, stored, undo);
-  } catch (const std::bad_alloc&) {
-    ok = false;  // a table or chunk copy failed; what prepare() did so far is undone below
-  }
-  if (!ok) {
-    // Put back what make_writable() replaced (the blocks it set are in private
-    // chunks); blocks past old_blocks may stay null or the zero block.
-    touched_.resize(old_touched);
-    for (auto& [index, old] : std::ranges::reverse_view(undo)) editable_block(index) = std::move(old);
-    if (table_->blocks != old_blocks) resize_table(old_blocks);
-    undo.clear();
-    return kv_errc::capacity_exhausted;
-  }
-  set_aside_.clear();  // a set-aside serves one write
-  // Blocks replaced by copies leave the table (and may be freed with the
-  // undo log): forget them.
-  for (const auto& replaced : undo) std::erase(touched_, replaced.second.get());
-  undo.clear();
+  if (!make_writable(writes, 0, 0, stored, writes.size())) return kv_errc::capacity_exhausted;
 
   // Phase 2: copy the data in. Cannot fail.
   const std::size_t bt = config_.block_tokens;
@@ -278,7 +262,103 @@ error_code working_state::write(std::span<const kv_write> writes) {
   return {};
 }
 
-bool working_state::prepare(std::span<const kv_write> writes, std::size_t stored, undo_log& undo) {
+bool working_state::make_writable(std::span<const kv_write> writes, std::size_t first, std::size_t end,
+                                  std::size_t stored, std::size_t count) {
+  const std::size_t old_blocks = table_->blocks;
+  const std::size_t old_touched = touched_.size();
+  // A one-token write (a decode step) or a one-block step replaces at most
+  // two blocks: the old last one and its own. Its undo log is a member kept
+  // between writes, so it allocates nothing; a batch gets one of its own,
+  // freed after.
+  undo_log batch_undo;
+  undo_log& undo = count == 1 ? undo_ : batch_undo;
+  bool ok = false;
+  try {
+    // So that recording an undo step or a touched block cannot throw.
+    undo.reserve(count + 1);
+    const std::size_t touches = touched_.size() + count + 1;
+    if (touched_.capacity() < touches) touched_.reserve(std::max(touches, 2 * touched_.capacity()));
+    ok = prepare(writes, first, end, stored, undo);
+  } catch (const std::bad_alloc&) {
+    ok = false;  // a table or chunk copy failed; what prepare() did so far is undone below
+  }
+  if (!ok) {
+    // Put back what make_writable() replaced (the blocks it set are in private
+    // chunks); blocks past old_blocks may stay null or the zero block.
+    touched_.resize(old_touched);
+    for (auto& [index, old] : std::ranges::reverse_view(undo)) editable_block(index) = std::move(old);
+    if (table_->blocks != old_blocks) resize_table(old_blocks);
+    undo.clear();
+    return false;
+  }
+  set_aside_.clear();  // a set-aside serves one write
+  // Blocks replaced by copies leave the table (and may be freed with the
+  // undo log): forget them.
+  for (const auto& replaced : undo) std::erase(touched_, replaced.second.get());
+  undo.clear();
+  return true;
+}
+
+error_code working_state::open(std::size_t first, std::size_t tokens) {
+  const std::size_t bt = config_.block_tokens;
+  const std::size_t end = first + tokens;
+  const std::size_t first_block = first / bt;
+  const std::size_t last_block = (end - 1) / bt;
+  if (!make_writable({}, first, end, std::max(stored_, end), last_block + 1 - first_block))
+    return kv_errc::capacity_exhausted;
+  // The step writes every position of [first, end) before its commit
+  // publishes them (or its end cuts them off again): count them as held.
+  for (std::size_t b = first_block; b <= last_block; ++b) {
+    block& blk = *table_->block_at(b);
+    materialize(blk, first > b * bt ? first - b * bt : 0);
+    blk.set_materialized(std::max(blk.materialized(), std::min(bt, end - b * bt)));
+  }
+  stored_ = std::max(stored_, end);
+  size_ = std::max(size_, end);
+  changed_ = true;
+  return {};
+}
+
+namespace {
+
+/// Copies tokens from `first` on (`keys.size()` / width of them), converted,
+/// into the blocks `block_at(b)` returns, one run of a block's positions at
+/// a time.
+template <class BlockAt>
+void copy_tokens(const block_layout& layout, BlockAt block_at, std::size_t first, std::span<const float> keys,
+                 std::span<const float> values) noexcept {
+  const std::size_t width = layout.token_width, bt = layout.block_tokens;
+  const std::size_t tokens = keys.size() / width;
+  for (std::size_t t = 0; t < tokens;) {
+    const std::size_t index = first + t, position = index % bt, n = std::min(bt - position, tokens - t);
+    block& blk = block_at(index / bt);
+    layout.codec.store(keys.subspan(t * width, n * width), layout.keys(blk, position));
+    layout.codec.store(values.subspan(t * width, n * width), layout.values(blk, position));
+    t += n;
+  }
+}
+
+}  // namespace
+
+void working_state::store(std::size_t first, std::span<const float> keys, std::span<const float> values) noexcept {
+  copy_tokens(
+      *layout_, [&](std::size_t b) -> block& { return *table_->block_at(b); }, first, keys, values);
+}
+
+void working_state::store_step(const epoch& e, std::size_t first, std::span<const float> keys,
+                               std::span<const float> values) noexcept {
+  // The step's own positions (see open()): no epoch in a cell reads them.
+  copy_tokens(
+      *e.layout,
+      [&](std::size_t b) -> block& {
+        // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the step's blocks, writable (see open())
+        return const_cast<block&>(*e.table->block_at(b));
+      },
+      first, keys, values);
+}
+
+bool working_state::prepare(std::span<const kv_write> writes, std::size_t first, std::size_t end, std::size_t stored,
+                            undo_log& undo) {
   const std::size_t bt = config_.block_tokens;
   const std::size_t old_blocks = table_->blocks;
   const std::size_t blocks = ceil_div(stored, bt);
@@ -290,6 +370,8 @@ bool working_state::prepare(std::span<const kv_write> writes, std::size_t stored
   }
   for (const kv_write& w : writes)
     if (!make_writable(w.index / bt, w.index, undo)) return false;
+  for (std::size_t b = first / bt; first < end && b <= (end - 1) / bt; ++b)
+    if (!make_writable(b, std::max(first, b * bt), undo)) return false;
   // New blocks not written in the old last chunk (whole new chunks start
   // as zero chunks): nothing was written there, so they read as zeros.
   const std::size_t old_chunk_end = std::min(blocks, ceil_div(old_blocks, table_chunk::size) * table_chunk::size);

@@ -36,8 +36,14 @@
 //   never shared between caches; a fork copies them.
 // - apply() changes nothing visible unless it returns success.
 // - set_aside_ holds fresh blocks of this cache that no table or epoch
-//   refers to, set aside by set_aside() for the next write; the next write
-//   that succeeds frees what it did not use.
+//   refers to, set aside by set_aside() for the next write or open(); the
+//   next one that succeeds frees what it did not use.
+// - A sequence step's positions (open()): from the open to the commit or
+//   the end, positions [first, first + tokens) belong to the step. The
+//   epoch staged right after the open (its publish()) covers them, so seal()
+//   counts them readable and nothing here writes them in place again; the
+//   step's writer alone stores into them (store_step(), on its own thread),
+//   and only the step reads them, after that store (its release).
 
 #include <cstddef>
 #include <cstdint>
@@ -77,6 +83,32 @@ class working_state {
   error_code initialize(std::size_t size);
   error_code write(std::span<const kv_write> writes);
   error_code truncate(std::size_t size);
+  /// Phase 1 of a truncate to `size`: copies what it will edit that a
+  /// published epoch reads. On error (capacity_exhausted) nothing changed;
+  /// on success, cut(size) cannot fail.
+  error_code prepare_truncate(std::size_t size);
+  /// Phase 2 of a truncate, after prepare_truncate(size). Also undoes a
+  /// write() or an open() of tokens from `size` on applied since the last
+  /// publish(): their tables and chunks are this epoch's, so nothing is
+  /// copied.
+  void cut(std::size_t size) noexcept;
+  /// A step's begin (a sequence's layers, whose tokens are all stored):
+  /// makes positions `[first, first + tokens)` the step's, in blocks
+  /// writable in place, and counts them as held; the step stores them
+  /// (store_step) before they are published. `first` is size(), after
+  /// set_aside(first, tokens). On error (capacity_exhausted) nothing changed.
+  error_code open(std::size_t first, std::size_t tokens);
+  /// Stores tokens from `first` on (`keys.size()` / width of them),
+  /// converted, into the positions an open() just made writable (an
+  /// append of a group).
+  void store(std::size_t first, std::span<const float> keys, std::span<const float> values) noexcept;
+  /// The step's writer: as store(), into the positions an open() made the
+  /// step's, which `e` (the epoch staged after it) covers. Any thread.
+  static void store_step(const epoch& e, std::size_t first, std::span<const float> keys,
+                         std::span<const float> values) noexcept;
+  /// Frees what set_aside() set aside (a group's begin that another layer
+  /// refused).
+  void release_set_aside() noexcept { set_aside_.clear(); }
   /// Drops the tokens from `index` on, frees the blocks set aside before,
   /// and sets aside every block a write of tokens `[index, index + tokens)`
   /// will need, so that it cannot fail for want of a block (a sequence
@@ -124,9 +156,15 @@ class working_state {
   /// list of chunks, unless it was born in the epoch being built).
   void own_table();
   using undo_log = std::vector<std::pair<std::size_t, ref_ptr<block>>>;
-  /// Phase 1 of a write: every block it will touch writable, gaps filled
-  /// with the zero block. Changes no token's value; false when out of blocks.
-  bool prepare(std::span<const kv_write> writes, std::size_t stored, undo_log& undo);
+  /// Phase 1 of a write or an open: every block of `writes` and of
+  /// positions `[first, end)` writable, gaps filled with the zero block,
+  /// for `count` writes or blocks. Changes no token's value; false (and
+  /// nothing changed) when out of blocks or memory.
+  bool make_writable(std::span<const kv_write> writes, std::size_t first, std::size_t end, std::size_t stored,
+                     std::size_t count);
+  /// The work of make_writable() above, recording what it replaced in `undo`.
+  bool prepare(std::span<const kv_write> writes, std::size_t first, std::size_t end, std::size_t stored,
+               undo_log& undo);
   /// Makes block `b` writable at token `index`; records what it replaced.
   bool make_writable(std::size_t b, std::size_t index, undo_log& undo);
   bool writable_in_place(std::size_t b, const block& blk, std::size_t position) const noexcept;

@@ -64,7 +64,7 @@ std::shared_ptr<sequence_state> attached_sequence(const prefix_index& p, asio::a
 namespace {
 
 /// A sequence's layers and token ids pinned as its snapshot() pins them
-/// (narrowed to one length), with that length.
+/// (one state of its group), with their length.
 struct pinned_sequence {
   std::vector<ref_ptr<epoch>> layers;
   ref_ptr<epoch> ids;
@@ -73,18 +73,10 @@ struct pinned_sequence {
 
 pinned_sequence pin_sequence(const sequence_state& seq) {
   pinned_sequence p;
-  const std::size_t n = seq.model_layers();
-  p.layers.reserve(n);
-  for (std::uint64_t removals = seq.drops.load(std::memory_order_acquire);;) {
-    for (std::size_t i = 0; i < n; ++i) p.layers.push_back(seq.layers[i]->pin());
-    p.ids = seq.layers[seq.ids_layer()]->pin();
-    p.size = std::min(seq.bound.load(std::memory_order_acquire), p.ids->size);
-    const std::uint64_t now = seq.drops.load(std::memory_order_acquire);
-    if (now == removals) break;
-    removals = now;
-    p.layers.clear();
-  }
-  for (const ref_ptr<epoch>& e : p.layers) p.size = std::min(p.size, e->size);
+  const ref_ptr<group_epoch> state = seq.group->pin_group();
+  p.layers.assign(state->layers.begin(), state->layers.end() - 1);
+  p.ids = state->layers.back();
+  p.size = p.ids->size;
   return p;
 }
 
@@ -129,7 +121,7 @@ std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std:
   if (!seq) throw_errc(kv_errc::invalid_config);
   if (seq->model_layers() != p.num_layers()) throw_errc(kv_errc::layer_mismatch);
   const kv_cache_config& c = seq->config;
-  if (&seq->layers[0]->pool() != p.pool().get() || c.num_heads != p.config().num_heads ||
+  if (&seq->group->pool() != p.pool().get() || c.num_heads != p.config().num_heads ||
       c.head_dim != p.config().head_dim || c.block_tokens != p.config().block_tokens)
     throw_errc(kv_errc::invalid_config);
 

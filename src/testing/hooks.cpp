@@ -20,6 +20,7 @@ void fail_metadata_allocation(std::size_t after) noexcept {
 bool cancel_metadata_failure() noexcept { return metadata_countdown().exchange(0, std::memory_order_relaxed) != 0; }
 
 void set_enqueued_hook(void (*hook)()) noexcept { enqueued_hook.store(hook, std::memory_order_relaxed); }
+void set_step_write_hook(void (*hook)()) noexcept { step_write_hook.store(hook, std::memory_order_relaxed); }
 
 void set_file_store_reserved_hook(void (*hook)(std::uint64_t used, std::uint64_t budget)) noexcept {
   file_store_reserved_hook.store(hook, std::memory_order_relaxed);

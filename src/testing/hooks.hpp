@@ -31,6 +31,11 @@ bool cancel_metadata_failure() noexcept;
 /// counted yet. Null removes it.
 void set_enqueued_hook(void (*hook)()) noexcept;
 
+/// Calls `hook` in every sequence step's write(), after it claimed its
+/// layer and before it stores the tokens: a test holds a writer there, so
+/// that a commit finds the write running. Null removes it.
+void set_step_write_hook(void (*hook)()) noexcept;
+
 /// Calls `hook` each time a file store reserves room (for a write, or a
 /// file a lookup found), under the store's lock, with its bytes then
 /// indexed plus reserved and its budget. Null removes it.

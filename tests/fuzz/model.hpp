@@ -439,9 +439,9 @@ class model {
     return {};
   }
 
-  /// working_state::reserve: drop the tokens from `index` on, free what was
-  /// set aside, and set aside the fresh blocks a write of `tokens` tokens
-  /// from `index` on takes (none for a block written in place).
+  /// working_state::set_aside: drop the tokens from `index` on, free what
+  /// was set aside, and set aside the fresh blocks a write of `tokens`
+  /// tokens from `index` on takes (none for a block written in place).
   ghostlink::error_code reserve(mcache& c, std::size_t index, std::size_t tokens) {
     c.set_aside.clear();
     if (tokens == 0) return truncate(c, index);
@@ -497,6 +497,39 @@ class model {
     c.length = n;
     c.changed = true;
     return {};
+  }
+
+  /// working_state::open, after reserve(): a sequence step's positions
+  /// `[index, index + tokens)`, in blocks writable in place, counted as
+  /// held; their recipes come with the step's writes (step_write).
+  ghostlink::error_code open(mcache& c, std::size_t index, std::size_t tokens) {
+    std::vector<mwrite> entries;
+    for (std::size_t t = 0; t < tokens; ++t)
+      entries.push_back({index + t, geometry_.token_width(), geometry_.token_width(), recipe{}});
+    return write(c, entries);
+  }
+
+  /// The epoch publish() would make, not made the cache's current one: a
+  /// sequence step's, which its commit publishes.
+  std::shared_ptr<mepoch> stage(mcache& c) {
+    seal(c);
+    auto e = std::make_shared<mepoch>();
+    e->owner = c.owner;
+    e->number = c.next_epoch++;
+    e->length = c.length;
+    e->stored = c.stored;
+    e->data = c.data;
+    e->blocks = c.table;
+    epochs_.push_back(e);
+    c.changed = false;
+    return e;
+  }
+
+  /// A step's write of layer `c`: `recipes` at `index` on, into the working
+  /// state and into `staged` (the epoch its begin staged, which only the
+  /// step reads until then).
+  static void step_write(mcache& c, mepoch& staged, std::size_t index, const std::vector<recipe>& recipes) {
+    for (std::size_t t = 0; t < recipes.size(); ++t) staged.data[index + t] = c.data[index + t] = recipes[t];
   }
 
   /// A fork inside a drain of `parent`: the child starts from the working
@@ -593,19 +626,7 @@ class model {
     c.touched.clear();
   }
 
-  void publish(mcache& c) {
-    seal(c);
-    auto e = std::make_shared<mepoch>();
-    e->owner = c.owner;
-    e->number = c.next_epoch++;
-    e->length = c.length;
-    e->stored = c.stored;
-    e->data = c.data;
-    e->blocks = c.table;
-    epochs_.push_back(e);
-    c.current = std::move(e);
-    c.changed = false;
-  }
+  void publish(mcache& c) { c.current = stage(c); }
 
   kv_cache_config geometry_;
   std::vector<mblock> blocks_;  // block id i is blocks_[i - 1]

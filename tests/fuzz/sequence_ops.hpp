@@ -3,10 +3,11 @@
 // started before the first completes, which must fail with
 // operation_in_progress and change nothing), snapshots, and steps (begin,
 // write layer by layer in any order, commit, abandon or drop).
-// A lone operation may be cancelled through its handler's slot before any
-// layer's actor runs (every layer's request must then abort, the operation
+// A lone operation may be cancelled through its handler's slot before the
+// sequence's actor runs (its one request must then abort, the operation
 // complete with operation_aborted and nothing change) or after it completed
-// (nothing happens).
+// (nothing happens). Each operation is one request to the sequence's actor,
+// applied to every layer in one drain, all or nothing.
 
 #include "world.hpp"
 
@@ -129,58 +130,66 @@ bool starts_busy(const world<T>& w, const seq_req<T>& r, const mseq& q) {
   }
 }
 
-/// An operation cancelled before any layer ran: every layer's request is
-/// drained unapplied, and the operation fails with operation_aborted.
+/// An operation cancelled before the actor ran: its request is drained
+/// unapplied, and the operation fails with operation_aborted.
 inline ghostlink::error_code model_cancelled(model& m, const mseq& q) {
   for (const auto& l : q.layers) m.end_drain(*l, 1, 0, 1);
   return asio::error::operation_aborted;
 }
 
+/// Every layer's drain of one sequence request, `failed` or not.
+inline void end_group_drain(model& m, const mseq& q, bool failed) {
+  for (const auto& l : q.layers) m.end_drain(*l, 1, failed ? 1 : 0);
+}
+
+/// Step 1 of a request adding tokens (an append, a begin): every layer sets
+/// aside the blocks `tokens` tokens from its end take; if one cannot, those
+/// before it let theirs go.
+inline ghostlink::error_code set_aside_all(model& m, const mseq& q, std::size_t tokens) {
+  for (std::size_t i = 0; i < q.layers.size(); ++i) {
+    if (ghostlink::error_code ec = m.reserve(*q.layers[i], q.length, tokens)) {
+      for (std::size_t k = 0; k < i; ++k) q.layers[k]->set_aside.clear();
+      return ec;
+    }
+  }
+  return {};
+}
+
 /// Applies `r` to the model; `busy`: another operation holds the sequence.
-/// Each layer's request is one drain, run in layer order (each layer's
-/// strand was posted in that order), so the budget is met layer by layer.
+/// It is one request to the sequence's actor: one drain, every layer.
 template <class T>
 ghostlink::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) {
   if (r.kind == seq_kind::append)
     if (ghostlink::error_code ec = check_append(w, r, q.layers.size())) return ec;
   if (busy) return kv_errc::operation_in_progress;
   // An append to a full sequence and a truncate to no shorter one end
-  // before any layer is asked, so a cancellation cannot reach them.
+  // before the actor is asked, so a cancellation cannot reach them.
   if (!starts_busy(w, r, q)) return r.kind == seq_kind::append ? kv_errc::index_out_of_range : ghostlink::error_code();
   if (r.cancel_early) return model_cancelled(w.m, q);
   switch (r.kind) {
     case seq_kind::append: {
       const std::size_t index = q.length, tokens = append_tokens(w, r);
-      // Each layer applies the append's tokens as one request; each token
-      // has a recipe of its own.
-      std::vector<ghostlink::error_code> errors;
+      // Every layer sets its blocks aside, then takes the tokens (each
+      // token a recipe of its own); a write that fails anyway is cut back
+      // on the layers before it.
+      ghostlink::error_code first = set_aside_all(w.m, q, tokens);
       std::vector<mwrite> writes(tokens);
-      for (std::size_t i = 0; i < q.layers.size(); ++i) {
+      for (std::size_t i = 0; !first && i < q.layers.size(); ++i) {
         for (std::size_t t = 0; t < tokens; ++t) writes[t] = {index + t, w.width(), w.width(), r.recipes[i][t]};
-        errors.push_back(w.m.write(*q.layers[i], writes));
-        w.m.end_drain(*q.layers[i], 1, errors.back() ? 1 : 0);
+        first = w.m.write(*q.layers[i], writes);
+        if (!first) continue;
+        for (std::size_t k = 0; k < i; ++k) w.m.truncate(*q.layers[k], index);
+        for (std::size_t k = i; k < q.layers.size(); ++k) q.layers[k]->set_aside.clear();
       }
-      ghostlink::error_code first;
-      for (ghostlink::error_code ec : errors)
-        if (ec && !first) first = ec;
-      if (!first) {
-        q.length = index + tokens;
-        q.ids.resize(q.length, no_token_id);  // appends here carry no ids
-        return {};
-      }
-      // The undo: layers that took the token drop it again.
-      for (std::size_t i = 0; i < q.layers.size(); ++i) {
-        if (errors[i]) continue;
-        w.m.truncate(*q.layers[i], index);
-        w.m.end_drain(*q.layers[i], 1, 0);
-      }
-      return first;
+      end_group_drain(w.m, q, bool(first));
+      if (first) return first;
+      q.length = index + tokens;
+      q.ids.resize(q.length, no_token_id);  // appends here carry no ids
+      return {};
     }
     case seq_kind::truncate:
-      for (const auto& l : q.layers) {
-        w.m.truncate(*l, r.n);
-        w.m.end_drain(*l, 1, 0);
-      }
+      for (const auto& l : q.layers) w.m.truncate(*l, r.n);
+      end_group_drain(w.m, q, false);
       q.length = r.n;
       q.ids.resize(r.n);
       return {};
@@ -189,10 +198,8 @@ ghostlink::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) 
       r.child_model->pool = q.pool;
       r.child_model->length = q.length;
       r.child_model->ids = q.ids;
-      for (const auto& l : q.layers) {
-        r.child_model->layers.push_back(w.m.fork(*l));
-        w.m.end_drain(*l, 1, 0);
-      }
+      for (const auto& l : q.layers) r.child_model->layers.push_back(w.m.fork(*l));
+      end_group_drain(w.m, q, false);
       return {};
     }
   }
@@ -300,25 +307,22 @@ void hold_seq_snapshot(world<T>& w, std::size_t k) {
   w.seq_snaps.push_back(std::move(s));
 }
 
-/// The model of a step's begin on `q`: every layer, in order, sets aside
-/// the step's blocks; if one cannot, those that did free them again.
+/// The model of a step's begin on `q`: one request in which every layer
+/// sets aside the step's blocks (if one cannot, those before it let theirs
+/// go) and opens the step's positions, and the epoch of each is staged
+/// into `staged`.
 template <class T>
-ghostlink::error_code model_begin_step(world<T>& w, mseq& q, std::size_t tokens) {
+ghostlink::error_code model_begin_step(world<T>& w, mseq& q, std::size_t tokens,
+                                       std::vector<std::shared_ptr<mepoch>>& staged) {
   if (tokens == 0) return kv_errc::zero_length;
   if (tokens > w.max_tokens() - q.length) return kv_errc::index_out_of_range;
-  std::vector<ghostlink::error_code> errors;
-  for (const auto& l : q.layers) {
-    errors.push_back(w.m.reserve(*l, q.length, tokens));
-    w.m.end_drain(*l, 1, errors.back() ? 1 : 0);
+  const ghostlink::error_code ec = set_aside_all(w.m, q, tokens);
+  for (std::size_t i = 0; !ec && i < q.layers.size(); ++i) {
+    if (w.m.open(*q.layers[i], q.length, tokens)) fail("a step's positions the model could not open after set_aside");
+    staged.push_back(w.m.stage(*q.layers[i]));
   }
-  const auto failed = std::find_if(errors.begin(), errors.end(), [](ghostlink::error_code ec) { return bool(ec); });
-  if (failed == errors.end()) return {};
-  for (std::size_t i = 0; i < q.layers.size(); ++i) {
-    if (errors[i]) continue;
-    w.m.reserve(*q.layers[i], q.length, 0);
-    w.m.end_drain(*q.layers[i], 1, 0);
-  }
-  return *failed;
+  end_group_drain(w.m, q, bool(ec));
+  return ec;
 }
 
 /// Runs `start(handler)` for an operation completing with an error code
@@ -365,7 +369,8 @@ void run_step(world<T>& w, std::size_t k) {
   else
     seq.async_begin_step(tokens, on_begun);
   if (begun) fail(what + ": begin completed inside the initiating call");
-  const ghostlink::error_code want = model_begin_step(w, *q, tokens);
+  std::vector<std::shared_ptr<mepoch>> staged;
+  const ghostlink::error_code want = model_begin_step(w, *q, tokens, staged);
   w.run_to_completion([&] { return begun.has_value(); }, "step begin");
   expect_ec(*begun, want, what + ": begin");
   if (step.valid() != !want) fail(what + (want ? ": failed begin handed out a step" : ": begin gave no step"));
@@ -390,6 +395,9 @@ void run_step(world<T>& w, std::size_t k) {
     }
     switch (w.in.byte() % 16) {  // sometimes something that must fail first
       case 0: expect_completion(w, write(layers, keys, values), kv_errc::layer_mismatch, what + ": write"); break;
+      case 5:
+        expect_ec(step.write(l, keys, std::span(values).first(0)), kv_errc::length_mismatch, what + ": write");
+        break;
       case 1:
         expect_completion(w, write(l, std::span(keys).first(keys.size() - 1), values), kv_errc::length_mismatch,
                           what + ": write");
@@ -410,37 +418,43 @@ void run_step(world<T>& w, std::size_t k) {
         break;
       default: break;
     }
-    std::vector<mwrite> entries;
-    for (std::size_t t = 0; t < tokens; ++t) entries.push_back({index + t, width, width, recipes[t]});
-    const ghostlink::error_code written = w.m.write(*q->layers[l], entries);
-    w.m.end_drain(*q->layers[l], 1, written ? 1 : 0);
-    expect_completion(w, write(l, keys, values), written, str(what, ": write of layer ", l));
-    if (written) fail(what + ": a write the model refused after the begin set its blocks aside");
-    const mcache& c = *q->layers[l];
-    check_snapshot(step.snapshot(l), c.current.get(), c.current->length, width, {"step snapshot of layer", l});
+    // Odd layers through write() on this thread, even ones through
+    // async_write (which completes with write()'s result).
+    if (l % 2 == 1)
+      expect_ec(step.write(l, keys, values), {}, str(what, ": write of layer ", l));
+    else
+      expect_completion(w, write(l, keys, values), {}, str(what, ": write of layer ", l));
+    mcache& c = *q->layers[l];
+    w.m.step_write(c, *staged[l], index, recipes);
+    check_snapshot(step.snapshot(l), staged[l].get(), staged[l]->length, width, {"step snapshot of layer", l});
+    check_snapshot(seq.layer(l).snapshot(), c.current.get(), c.current->length, width, {"layer view while open", l});
     expect_eq(seq.size(), index, what + ": size() while open");
     if (seq.snapshot().size() > index) fail(what + ": the sequence's snapshot shows the open step");
   }
+  // An end is one request cutting the step's tokens off every layer; a
+  // commit, one publishing the staged epochs.
+  const auto cut = [&] {
+    for (const auto& l : q->layers) w.m.truncate(*l, index);
+    end_group_drain(w.m, *q, false);
+  };
   switch (ending) {
     case 1:
-      for (const auto& l : q->layers) {
-        w.m.reserve(*l, index, 0);
-        w.m.end_drain(*l, 1, 0);
-      }
+      cut();
       expect_completion(
           w, [&](auto h) { step.async_abandon(std::move(h)); }, {}, what + ": abandon");
       break;
     case 2:
-      for (const auto& l : q->layers) {
-        w.m.reserve(*l, index, 0);
-        w.m.end_drain(*l, 1, 0);
-      }
+      cut();
       step = {};
       w.run_to_completion([] { return true; }, "dropped step");
       break;
     default:
       expect_completion(
           w, [&](auto h) { step.async_commit(std::move(h)); }, {}, what + ": commit");
+      for (std::size_t l = 0; l < layers; ++l) {
+        q->layers[l]->current = staged[l];
+        w.m.end_drain(*q->layers[l], 1, 0);
+      }
       q->length = index + tokens;
       q->ids.insert(q->ids.end(), ids.begin(), ids.end());
       if (ids.empty()) q->ids.resize(q->length, no_token_id);

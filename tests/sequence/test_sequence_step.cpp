@@ -4,6 +4,7 @@
 #include "common/sequence_support.hpp"
 
 #include "common/asio_compat.hpp"
+#include "testing/hooks.hpp"
 
 #ifdef GHOSTLINK_CATCH2_V3
 #include <catch2/generators/catch_generators.hpp>
@@ -218,7 +219,8 @@ TEST_CASE("destroying an open step undoes it in the background", "[step]") {
       open->async_write(l, st.key_spans[l], st.value_spans[l], [&](ghostlink::error_code ec) { failed += ec ? 1 : 0; });
     run_on_two_threads(io);
     CHECK(failed == 0);
-    CHECK(seq.layer(0).size() == 2);
+    CHECK(seq.layer(0).size() == 1);  // the layer as published: the step shows at its commit
+    CHECK(open->snapshot(0).size() == 2);
     CHECK(seq.snapshot().size() == 1);
   }  // destroyed uncommitted
   run_on_two_threads(io);  // every layer drops the step's tokens
@@ -271,7 +273,7 @@ TEST_CASE("a begin the pool cannot serve in every layer fails with capacity_exha
   f.check_contents();
 }
 
-TEST_CASE("a cancelled begin or write completes with operation_aborted and changes nothing", "[step][cancellation]") {
+TEST_CASE("a cancelled begin completes with operation_aborted and changes nothing", "[step][cancellation]") {
   asio::io_context io;
   sequence_kv_cache seq(io, layers, small_config());
   const std::size_t width = seq.config().token_width();
@@ -291,7 +293,7 @@ TEST_CASE("a cancelled begin or write completes with operation_aborted and chang
   CHECK_FALSE(open->valid());
   CHECK(observe(seq) == before);
 
-  // The sequence is free: a step begins, and a cancelled write leaves its layer unwritten.
+  // The sequence is free: a step begins, is written and commits.
   result.reset();
   open.reset();
   seq.async_begin_step(1, [&](ghostlink::error_code ec, auto s) {
@@ -300,21 +302,7 @@ TEST_CASE("a cancelled begin or write completes with operation_aborted and chang
   });
   run_on_two_threads(io);
   REQUIRE(result == ghostlink::error_code());
-  result.reset();
-  open->async_write(0, st.key_spans[0], st.value_spans[0],
-                    asio::bind_cancellation_slot(signal.slot(), [&](ghostlink::error_code ec) { result = ec; }));
-  signal.emit(asio::cancellation_type::terminal);
-  run_on_two_threads(io);
-  REQUIRE(result.has_value());
-  CHECK(*result == asio::error::operation_aborted);
-  CHECK(seq.layer(0).size() == 0);
-  CHECK(open->snapshot(0).size() == 0);
-  // Written again, and every other layer, the step commits.
-  std::atomic<int> failed{0};  // (the handlers run on two threads: no Catch2 assertion in them)
-  for (std::size_t l = 0; l < layers; ++l)
-    open->async_write(l, st.key_spans[l], st.value_spans[l], [&](ghostlink::error_code ec) { failed += ec ? 1 : 0; });
-  run_on_two_threads(io);
-  CHECK(failed == 0);
+  for (std::size_t l = 0; l < layers; ++l) CHECK_FALSE(open->write(l, st.key_spans[l], st.value_spans[l]));
   result.reset();
   open->async_commit([&](ghostlink::error_code ec) { result = ec; });
   run_on_two_threads(io);
@@ -322,7 +310,8 @@ TEST_CASE("a cancelled begin or write completes with operation_aborted and chang
   CHECK(diff_snapshot(seq.snapshot(), {2}).empty());
 }
 
-TEST_CASE("layers of a step written from two threads at once; concurrent snapshots never show an uncommitted step",
+TEST_CASE("layers of a step written with write() from two threads at once; snapshots on a third never show an "
+          "uncommitted step",
           "[step][concurrency]") {
   fixture f;  // its pool runs the actors on 2 threads
   constexpr std::size_t steps = 12;  // of 1 token: 12 of small_config's 16
@@ -354,9 +343,9 @@ TEST_CASE("layers of a step written from two threads at once; concurrent snapsho
     ghostlink::error_code other_ec;
     std::thread other([&] {
       for (std::size_t l = 1; l < layers; ++l)
-        if (ghostlink::error_code e = write_layer(open, l, st)) other_ec = e;
+        if (ghostlink::error_code e = open.write(l, st.key_spans[l], st.value_spans[l])) other_ec = e;
     });
-    const ghostlink::error_code mine = write_layer(open, 0, st);
+    const ghostlink::error_code mine = open.write(0, st.key_spans[0], st.value_spans[0]);
     other.join();
     REQUIRE_FALSE(mine);
     REQUIRE_FALSE(other_ec);
@@ -524,120 +513,103 @@ sequence_kv_cache::step_type begun(asio::io_context& io, sequence_kv_cache& seq,
   return std::move(*open);
 }
 
-/// Starts every layer's write of `st` through `open`, not awaited; layer
-/// `cancelled` (if below `layers`) is cancelled before its actor takes it.
-/// `done` counts the writes that succeeded; `signal` must outlive them.
-void start_writes(const sequence_kv_cache::step_type& open, const step& st, int& done,
-                  asio::cancellation_signal& signal, std::size_t cancelled = layers) {
-  for (std::size_t l = 0; l < layers; ++l) {
-    auto handler = [&done, l, cancelled](ghostlink::error_code ec) {
-      CHECK(ec == (l == cancelled ? ghostlink::error_code(asio::error::operation_aborted) : ghostlink::error_code()));
-      if (!ec) ++done;
-    };
-    if (l == cancelled)
-      open.async_write(l, st.key_spans[l], st.value_spans[l], asio::bind_cancellation_slot(signal.slot(), handler));
-    else
-      open.async_write(l, st.key_spans[l], st.value_spans[l], handler);
+/// Holds every step write() that reaches the test hook (after it claimed
+/// its layer, before it stores the tokens) until released: a write running
+/// on another thread, for as long as the test wants.
+struct held_writes {
+  static inline std::atomic<int> inside{0};
+  static inline std::atomic<bool> released{false};
+  static void hook() {
+    inside.fetch_add(1);
+    for (int spin = 0; !released.load() && spin < 200'000'000; ++spin) std::this_thread::yield();
   }
-  signal.emit(asio::cancellation_type::terminal);
-}
+  held_writes() {
+    inside = 0;
+    released = false;
+    ghostlink::detail::set_step_write_hook(&hook);
+  }
+  ~held_writes() {
+    released = true;
+    ghostlink::detail::set_step_write_hook(nullptr);
+  }
+  held_writes(const held_writes&) = delete;
+  held_writes& operator=(const held_writes&) = delete;
+  /// Waits (bounded) until `n` writes are held.
+  static bool wait_for(int n) {
+    for (int spin = 0; inside.load() < n && spin < 200'000'000; ++spin) std::this_thread::yield();
+    return inside.load() >= n;
+  }
+};
 
 }  // namespace
 
-TEST_CASE("a commit waits for the step's writes in flight: a forward pass awaits its writes once", "[step]") {
-  asio::io_context io;  // not run until the commit has been started
+TEST_CASE("a commit while a write runs on another thread waits for it, then commits", "[step][concurrency]") {
+  asio::io_context io;
   sequence_kv_cache seq(io, layers, small_config());
   const step st(layers, seq.config().token_width(), 0, 6, 2);
   auto open = begun(io, seq, 2);
-  int writes = 0;
-  asio::cancellation_signal signal;
-  start_writes(open, st, writes, signal);
+  for (std::size_t l = 1; l < layers; ++l) REQUIRE_FALSE(open.write(l, st.key_spans[l], st.value_spans[l]));
+  ghostlink::error_code written = kv_errc::invalid_config;
   std::optional<ghostlink::error_code> committed;
-  std::vector<std::size_t> published_at_commit;  // each layer's tokens when the commit completes
-  open.async_commit([&](ghostlink::error_code ec) {
-    committed = ec;
-    for (std::size_t l = 0; l < layers; ++l) published_at_commit.push_back(open.snapshot(l).size());
-  });
-  CHECK_FALSE(committed.has_value());
-  CHECK(open.snapshot(0).size() == 0);  // nothing ran yet: the writes are in flight
-
-  // While the commit waits, the step's writes, commits and abandons are refused.
-  std::vector<ghostlink::error_code> refused;
-  const auto note = [&](ghostlink::error_code ec) { refused.push_back(ec); };
-  open.async_write(0, st.key_spans[0], st.value_spans[0], note);
-  open.async_commit(note);
-  open.async_abandon(note);
+  {
+    held_writes hold;
+    std::thread writer([&] { written = open.write(0, st.key_spans[0], st.value_spans[0]); });
+    REQUIRE(held_writes::wait_for(1));
+    open.async_commit([&](ghostlink::error_code ec) { committed = ec; });
+    // While the commit waits, the step's writes, commits and abandons are refused.
+    CHECK(open.write(0, st.key_spans[0], st.value_spans[0]) == kv_errc::operation_in_progress);
+    std::vector<ghostlink::error_code> refused;
+    const auto note = [&](ghostlink::error_code ec) { refused.push_back(ec); };
+    open.async_commit(note);
+    open.async_abandon(note);
+    io.restart();
+    io.poll();  // everything ready runs: the commit is not, while the write is held
+    CHECK(refused == std::vector<ghostlink::error_code>(2, kv_errc::operation_in_progress));
+    CHECK_FALSE(committed.has_value());
+    CHECK(seq.size() == 0);
+    held_writes::released = true;
+    writer.join();
+  }
+  CHECK_FALSE(written);
   io.restart();
   io.run();
-  CHECK(refused == std::vector<ghostlink::error_code>(3, kv_errc::operation_in_progress));
   REQUIRE(committed == ghostlink::error_code());
-  CHECK(published_at_commit == std::vector<std::size_t>(layers, 2));  // every write was done with its spans
-  CHECK(writes == static_cast<int>(layers));
   CHECK(seq.size() == 2);
   CHECK(diff_snapshot(seq.snapshot(), {6, 6}).empty());
 }
 
-TEST_CASE("a commit whose waited-for write fails completes with step_incomplete; the step stays open", "[step]") {
+TEST_CASE("a step destroyed after some layers were written leaves the sequence as before", "[step]") {
   asio::io_context io;
   sequence_kv_cache seq(io, layers, small_config());
   const std::size_t width = seq.config().token_width();
-  const step st(layers, width, 0, 5);
-  auto open = begun(io, seq, 1);
-  int writes = 0;
-  asio::cancellation_signal signal;
-  start_writes(open, st, writes, signal, 1);
-  std::optional<ghostlink::error_code> committed;
-  open.async_commit([&](ghostlink::error_code ec) { committed = ec; });
-  io.restart();
-  io.run();
-  CHECK(writes == static_cast<int>(layers) - 1);
-  CHECK(committed == kv_errc::step_incomplete);
-  CHECK(seq.size() == 0);
-  CHECK(seq.layer(1).size() == 0);
-
-  // Layer 1 written again, the step commits.
-  open.async_write(1, st.key_spans[1], st.value_spans[1], [](ghostlink::error_code ec) { CHECK_FALSE(ec); });
-  committed.reset();
-  open.async_commit([&](ghostlink::error_code ec) { committed = ec; });
-  io.restart();
-  io.run();
-  CHECK(committed == ghostlink::error_code());
-  CHECK(diff_snapshot(seq.snapshot(), {5}).empty());
-}
-
-TEST_CASE("a step destroyed while its commit waits is committed, or ended if that commit fails", "[step]") {
-  asio::io_context io;
-  sequence_kv_cache seq(io, layers, small_config());
-  const std::size_t width = seq.config().token_width();
-  const step st(layers, width, 0, 3);
-  const bool fails = GENERATE(false, true);
-  INFO((fails ? "a write fails" : "every write succeeds"));
-  asio::cancellation_signal signal;
-  int writes = 0;  // outlives the handle: the writes complete after it is gone
-  {
-    auto open = begun(io, seq, 1);
-    start_writes(open, st, writes, signal, fails ? 0 : layers);
-    open.async_commit([fails](ghostlink::error_code ec) {
-      CHECK(ec == (fails ? ghostlink::error_code(kv_errc::step_incomplete) : ghostlink::error_code()));
-    });
-  }  // the handle goes while the commit waits
-  io.restart();
-  io.run();
-  CHECK(writes == static_cast<int>(fails ? layers - 1 : layers));
-  if (!fails) {
-    CHECK(diff_snapshot(seq.snapshot(), {3}).empty());
-    return;
-  }
-  // Ended: every layer dropped the token, and the sequence is free.
-  CHECK(seq.size() == 0);
-  for (std::size_t l = 0; l < layers; ++l) CHECK(seq.layer(l).size() == 0);
-  const step next(layers, width, 0, 4);
+  const step first(layers, width, 0, 1, 3);
   std::optional<ghostlink::error_code> appended;
+  seq.async_append(first.key_spans, first.value_spans, [&](ghostlink::error_code ec) { appended = ec; });
+  io.run();
+  REQUIRE(appended == ghostlink::error_code());
+  const observed before = observe(seq);
+  const std::size_t in_use = seq.pool().stats().blocks_in_use;
+  const std::size_t written = GENERATE(std::size_t{0}, std::size_t{1}, layers - 1);
+  INFO(written << " layers written");
+  const step st(layers, width, 3, 7, 2);  // crosses into a second block
+  {
+    auto open = begun(io, seq, 2);
+    for (std::size_t l = 0; l < written; ++l) REQUIRE_FALSE(open.write(l, st.key_spans[l], st.value_spans[l]));
+    CHECK(open.snapshot(0).size() == (written > 0 ? 5u : 3u));
+  }  // destroyed uncommitted
+  io.restart();
+  io.run();  // the sequence's actor cuts the step's tokens
+  CHECK(observe(seq) == before);
+  CHECK(seq.pool().stats().blocks_in_use == in_use);
+  for (std::size_t l = 0; l < layers; ++l) CHECK(seq.layer(l).size() == 3);
+  // Free for the next operation, which reads back only its own tokens.
+  const step next(layers, width, 3, 4);
+  appended.reset();
   seq.async_append(next.key_spans, next.value_spans, [&](ghostlink::error_code ec) { appended = ec; });
   io.restart();
   io.run();
   CHECK(appended == ghostlink::error_code());
-  CHECK(diff_snapshot(seq.snapshot(), {4}).empty());
+  CHECK(diff_snapshot(seq.snapshot(), {1, 1, 1, 4}).empty());
 }
 
 TEST_CASE("forward passes on two threads start their writes unawaited and await them once, by the commit",

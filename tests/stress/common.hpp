@@ -69,7 +69,7 @@ inline bool stopping() { return g_verdict.stop.load(std::memory_order_relaxed); 
 struct figures {
   std::atomic<std::uint64_t> requests{0}, writes{0}, batches{0}, initializes{0}, truncates{0}, forks{0}, rejected{0},
       arena_requests{0}, arena_rotations{0}, appends{0}, chunk_appends{0}, steps{0}, steps_abandoned{0},
-      steps_unawaited{0}, append_capacity_failures{0}, seq_truncates{0}, seq_forks{0}, conflicts{0},
+      steps_two_threads{0}, append_capacity_failures{0}, seq_truncates{0}, seq_forks{0}, conflicts{0},
       conflicts_rejected{0}, generations{0}, epochs{0}, layer_snapshots{0}, arena_snapshots{0}, seq_snapshots{0},
       hot_pins{0}, writer_checks{0}, retained_checks{0}, async_reads{0}, tokens_checked{0}, delayed{0},
       prefix_inserts{0}, prefix_added{0}, prefix_attaches{0}, prefix_attached_tokens{0}, prefix_adopted{0},

@@ -9,6 +9,8 @@
 
 #include "layer.hpp"
 
+#include <thread>
+
 namespace stress {
 
 struct seq_target {
@@ -277,8 +279,7 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
 /// readers must not see the tokens: nothing is published yet), then the
 /// state published pending and committed; a tenth of the time abandoned
 /// instead (nothing is published: no reader may ever see its tokens). Three
-/// times in ten the writes are started unawaited instead and the commit
-/// awaits them.
+/// times in ten the layers are written from two threads at once instead.
 inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uint64_t tag, const step_buffers& step,
                                          std::size_t count, rng& r) {
   bump(g_figures.steps);
@@ -295,26 +296,36 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
   std::vector<std::uint64_t> want = s.tags, seen;
   want.insert(want.end(), count, tag);
   if (r.percent(30)) {
-    // A forward pass's way: every write started unawaited, the commit
-    // awaits them all (and must then find every layer written).
-    bump(g_figures.steps_unawaited);
-    for (std::size_t l : order) open.async_write(l, step.keys[l], step.values[l], [](ghostlink::error_code) {});
+    // A forward pass split over two threads: every other layer written by
+    // a thread of its own while this one writes the rest, at once.
+    bump(g_figures.steps_two_threads);
+    ghostlink::error_code other_ec;
+    std::thread other([&] {
+      for (std::size_t i = 1; i < order.size(); i += 2)
+        if (ghostlink::error_code e = open.write(order[i], step.keys[order[i]], step.values[order[i]])) other_ec = e;
+    });
+    ghostlink::error_code mine;
+    for (std::size_t i = 0; i < order.size(); i += 2)
+      if (ghostlink::error_code e = open.write(order[i], step.keys[order[i]], step.values[order[i]])) mine = e;
+    other.join();
+    if (mine || other_ec)
+      co_return fail(str(t.name, ": step write on two threads: ", (mine ? mine : other_ec).message()));
     std::uint64_t published_tag = 0;
     const std::size_t p = publish_append(t, s, published_tag, count);
     if (published_tag != tag) co_return fail(str(t.name, ": step tag ", tag_name(tag), " is not the next state's"));
     auto [cec] = co_await open.async_commit(as_tuple(asio::use_awaitable));
-    settle(t, p, cec, {}, "step commit after unawaited writes");
+    settle(t, p, cec, {}, "step commit after writes on two threads");
     for (std::size_t l = 0; l < seq_world::layers && !cec; ++l) {
       const std::string error = decode_all(open.snapshot(l), l, seen);
       if (!error.empty() || seen != want)
-        co_return fail(str(t.name, ": layer ", l, " after the commit that awaited its write: ", error, seen.size(),
+        co_return fail(str(t.name, ": layer ", l, " after the commit of writes on two threads: ", error, seen.size(),
                            " tokens, ", want.size(), " expected"));
     }
     co_return;
   }
   for (std::size_t l : order) {
-    auto [wec] = co_await open.async_write(l, step.keys[l], step.values[l], as_tuple(asio::use_awaitable));
-    if (wec) co_return fail(str(t.name, ": step write of layer ", l, ": ", wec.message()));
+    if (ghostlink::error_code wec = open.write(l, step.keys[l], step.values[l]))
+      co_return fail(str(t.name, ": step write of layer ", l, ": ", wec.message()));
     const std::string error = decode_all(open.snapshot(l), l, seen);
     if (!error.empty() || seen != want)
       co_return fail(str(t.name, ": step snapshot of layer ", l, " after its write: ", error.empty() ? "" : error,

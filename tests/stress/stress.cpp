@@ -78,7 +78,7 @@ void print_figures(const options& o, double elapsed) {
             << "  arena requests: " << v(f.arena_requests) << " in " << v(f.arena_rotations) + 1 << " arenas\n"
             << "  sequence ops: appends " << v(f.appends) << " (" << v(f.chunk_appends) << " of 2-9 tokens; "
             << v(f.steps) << " through steps, " << v(f.steps_abandoned) << " of them abandoned, "
-            << v(f.steps_unawaited) << " with their writes awaited by the commit; " << v(f.append_capacity_failures)
+            << v(f.steps_two_threads) << " written from two threads at once; " << v(f.append_capacity_failures)
             << " failed for capacity), truncates " << v(f.seq_truncates) << ", forks " << v(f.seq_forks)
             << ", conflicts " << v(f.conflicts) << " (" << v(f.conflicts_rejected) << " rejected in progress)\n"
             << "  prefix cache: inserts " << v(f.prefix_inserts) << " (" << v(f.prefix_added)

@@ -11,10 +11,11 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 struct cache_access {
-  /// A handle of type `Handle` on `state` (an empty handle if null).
-  template <class Handle, class State>
-  static Handle adopt(State state) noexcept {
-    return state ? Handle(std::move(state)) : Handle();
+  /// A handle of type `Handle` on `state` (an empty handle if null), made
+  /// with `more` too (a layer's index).
+  template <class Handle, class State, class... More>
+  static Handle adopt(State state, More... more) noexcept {
+    return state ? Handle(std::move(state), more...) : Handle();
   }
   /// The state a handle holds.
   template <class Handle>

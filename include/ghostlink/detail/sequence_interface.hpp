@@ -3,8 +3,8 @@
 // src/sequence/sequence.hpp: a handle holds a `std::shared_ptr<sequence_state>` and
 // reaches it only through these functions. Each operation is one
 // sequence_op (holding the user's handler, type-erased once) that the state
-// fans out to every layer's actor and completes once, when the last layer
-// has applied its part.
+// hands to the sequence's actor as one request for every layer, and
+// completes once.
 
 #include <cstddef>
 #include <cstdint>
@@ -36,12 +36,15 @@ class sequence_op : public operation {
   ~sequence_op() = default;
 };
 
-/// One write of a layer across a batch of steps (one per sequence): it
-/// completes once every step's write has, with each one's result.
+/// One operation across a batch of sequences or steps (a layer's writes,
+/// begins, commits): it completes once, with each one's result.
 class batch_op : public operation {
  public:
-  /// Each step's result, in the order of the steps.
+  /// Each one's result, in order.
   std::vector<error_code> results;
+  /// A batch of begins: each sequence's step, in order (null where its
+  /// begin failed).
+  std::vector<std::shared_ptr<step_state>> steps;
 
  protected:
   explicit batch_op(finish_fn finish) noexcept : operation(finish) {}
@@ -73,16 +76,15 @@ const kv_cache_config& config_of(const sequence_state& s) noexcept;
 const asio::any_io_executor& io_executor(const sequence_state& s) noexcept;
 /// Tokens of the last completed append or truncate (or fork).
 std::size_t size_of(const sequence_state& s) noexcept;
-/// Layer `i`'s actor.
-const std::shared_ptr<actor>& layer_of(const sequence_state& s, std::size_t i) noexcept;
-/// The actor of the sequence's token ids: one float per token, an id's bits.
-const std::shared_ptr<actor>& ids_of(const sequence_state& s) noexcept;
-/// Completed removals of tokens (truncates, undone appends), read with
-/// acquire: a snapshot pins again if it changed while it pinned the layers.
-std::uint64_t removals(const sequence_state& s) noexcept;
-/// The most tokens a snapshot may show (acquire): an open step's first
-/// index, else no bound (the largest size_t).
-std::size_t visible_bound(const sequence_state& s) noexcept;
+/// The sequence's actor: its layer `i` is model layer `i`; one more, last,
+/// holds the token ids (one float per token, an id's bits).
+const std::shared_ptr<actor>& group_of(const sequence_state& s) noexcept;
+/// The sequence's latest published state, every layer of it (the token
+/// ids' last), all showing the same tokens: one pin of the group's state.
+/// Throws std::bad_alloc.
+std::vector<pinned_epoch> pin_all(const sequence_state& s);
+/// The first error of `results`, or none.
+error_code first_error(std::span<const error_code> results) noexcept;
 
 /// Each takes ownership of `op` and completes it exactly once, never inside
 /// this call. They throw only if queueing an early completion does.
@@ -93,14 +95,28 @@ void start_truncate(const std::shared_ptr<sequence_state>& s, sequence_op* op, s
 void start_fork(const std::shared_ptr<sequence_state>& s, sequence_op* op);
 void start_begin_step(const std::shared_ptr<sequence_state>& s, sequence_op* op, std::size_t tokens,
                       std::span<const token_id> ids);
-void start_step_write(const std::shared_ptr<step_state>& step, sequence_op* op, std::size_t layer,
-                      std::span<const float> keys, std::span<const float> values, urgency u);
+/// Begins a step of `tokens` tokens on each sequence of `seqs` (or of
+/// `ids[i].size()` tokens with those ids, if `ids` is not empty), completing
+/// `op` once, with each begin's result and step.
+void start_begin_steps(std::span<const std::shared_ptr<sequence_state>> seqs, batch_op* op, std::size_t tokens,
+                       std::span<const std::span<const token_id>> ids);
+/// Commits every step of `steps` (null: an empty handle, step_closed),
+/// completing `op` once, with each commit's result.
+void start_commit_all(std::span<step_state* const> steps, batch_op* op);
+/// A step's write on the calling thread (see basic_sequence_step::write).
+error_code write_step(step_state& step, std::size_t layer, std::span<const float> keys,
+                      std::span<const float> values) noexcept;
+/// write_step(), then `op` completes with its result.
+void start_step_write(step_state& step, sequence_op* op, std::size_t layer, std::span<const float> keys,
+                      std::span<const float> values);
+/// Layer `layer` with the step's tokens once its write has stored them,
+/// else as the sequence last published it.
+pinned_epoch pin_step(const step_state& step, std::size_t layer) noexcept;
 void start_commit(const std::shared_ptr<step_state>& step, sequence_op* op);
 /// Writes layer `layer` of every step of `steps` (step `i` from `keys[i]`,
-/// `values[i]`), completing `op` once, when every write has completed.
+/// `values[i]`) on the calling thread, completing `op` once.
 void start_write_layer(std::span<step_state* const> steps, batch_op* op, std::size_t layer,
-                       std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values,
-                       urgency u);
+                       std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values);
 void start_abandon(const std::shared_ptr<step_state>& step, sequence_op* op);
 
 /// Ends an open step unchanged (its tokens dropped from every layer, in the

@@ -41,6 +41,7 @@ using initiate_request = initiate_request_with<>;
 template <class Snapshot>
 struct initiate_read {
   std::shared_ptr<actor> target;
+  std::size_t layer = 0;
 
   /// The executor the cache was made from, as Asio's initiations expose theirs.
   using executor_type = asio::any_io_executor;
@@ -49,7 +50,7 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t index) const {
     kv_entry entry;
-    const error_code ec = to_error_code(cache_access::adopt<Snapshot>(pin(*target)).read_kv(index, entry));
+    const error_code ec = to_error_code(cache_access::adopt<Snapshot>(pin(*target, layer)).read_kv(index, entry));
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
                     std::move(entry));
   }
@@ -57,7 +58,8 @@ struct initiate_read {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t begin, std::size_t end) const {
     kv_range range;
-    const error_code ec = to_error_code(cache_access::adopt<Snapshot>(pin(*target)).read_range(begin, end, range));
+    const error_code ec =
+        to_error_code(cache_access::adopt<Snapshot>(pin(*target, layer)).read_range(begin, end, range));
     post_completion(queueing::post, std::decay_t<Handler>(std::forward<Handler>(handler)), io_executor(*target), ec,
                     std::move(range));
   }
@@ -103,15 +105,15 @@ auto basic_layer_kv_cache<T>::async_fork(CompletionToken&& token) const {
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_kv(std::size_t index, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(detail::initiate_read<snapshot_type>{state_},
-                                                                           token, index);
+  return asio::async_initiate<CompletionToken, void(error_code, kv_entry)>(
+      detail::initiate_read<snapshot_type>{state_, layer_}, token, index);
 }
 
 template <storage_element T>
 template <class CompletionToken>
 auto basic_layer_kv_cache<T>::async_read_range(std::size_t begin, std::size_t end, CompletionToken&& token) const {
-  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(detail::initiate_read<snapshot_type>{state_},
-                                                                           token, begin, end);
+  return asio::async_initiate<CompletionToken, void(error_code, kv_range)>(
+      detail::initiate_read<snapshot_type>{state_, layer_}, token, begin, end);
 }
 
 GHOSTLINK_NAMESPACE_END

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <optional>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -65,9 +66,7 @@ struct initiate_sequence_op {
   template <class Handler>
   void operator()(Handler&& handler, std::size_t layer, std::span<const float> keys,
                   std::span<const float> values) const {
-    // As a layer's write: a coroutine's drain is best started at once.
-    const urgency u = resumes_coroutine<std::decay_t<Handler>>::value ? urgency::now : urgency::batch;
-    start_step_write(step, make(std::forward<Handler>(handler)), layer, keys, values, u);
+    start_step_write(*step, make(std::forward<Handler>(handler)), layer, keys, values);
   }
   template <class Handler>
   void operator()(Handler&& handler, commit_t) const {
@@ -79,27 +78,99 @@ struct initiate_sequence_op {
   }
 };
 
+/// The executor of the first step's (or sequence's) sequence, or the system
+/// executor for an empty batch.
+template <class Get, class Item>
+asio::any_io_executor batch_executor(std::span<const Item> items, Get get) {
+  return items.empty() ? asio::any_io_executor(asio::system_executor()) : io_executor(*get(items[0]));
+}
+
+/// Starts an operation across a batch: stores the handler once in a
+/// batch_op, whose result `MakeResult` makes, and hands it to `start`.
+template <class MakeResult, class Handler, class Start>
+void start_batch_op(Handler&& handler, const asio::any_io_executor& ex, Start start) {
+  using handler_type = std::decay_t<Handler>;
+  using op = handler_op<batch_op, handler_type, asio::any_io_executor, MakeResult>;
+  handler_type h(std::forward<Handler>(handler));
+  start(op::make(std::move(h), ex));
+}
+
+/// The step states of a batch of step handles (null for an empty handle),
+/// or, failing `op` with capacity_exhausted, nothing.
+template <class Step>
+std::optional<std::vector<step_state*>> step_states(std::span<const Step> steps, batch_op* op) {
+  std::vector<step_state*> states;
+  try {
+    states.reserve(steps.size());
+  } catch (const std::bad_alloc&) {
+    op->complete(kv_errc::capacity_exhausted, queueing::post);
+    return std::nullopt;
+  }
+  for (const Step& s : steps) states.push_back(cache_access::state_of(s).get());
+  return states;
+}
+
 /// Starts a write of one layer across a batch of steps.
 struct initiate_write_layer {
   template <class Handler, class Step>
   void operator()(Handler&& handler, std::span<const Step> steps, std::size_t layer,
                   std::span<const std::span<const float>> keys, std::span<const std::span<const float>> values) const {
-    using handler_type = std::decay_t<Handler>;
-    using op = handler_op<batch_op, handler_type, asio::any_io_executor, take_results>;
-    const asio::any_io_executor io_ex = steps.empty() ? asio::any_io_executor(asio::system_executor())
-                                                      : io_executor(*sequence_of(*cache_access::state_of(steps[0])));
-    handler_type h(std::forward<Handler>(handler));
-    batch_op* started = op::make(std::move(h), io_ex);
-    std::vector<step_state*> states;
+    auto seq_of = [](const Step& s) { return sequence_of(*cache_access::state_of(s)); };
+    start_batch_op<take_results>(std::forward<Handler>(handler), batch_executor(steps, seq_of), [&](batch_op* op) {
+      if (auto states = step_states(steps, op)) start_write_layer(*states, op, layer, keys, values);
+    });
+  }
+};
+
+/// Starts a commit of every step of a batch.
+struct initiate_commit_all {
+  template <class Handler, class Step>
+  void operator()(Handler&& handler, std::span<const Step> steps) const {
+    auto seq_of = [](const Step& s) { return s ? sequence_of(*cache_access::state_of(s)) : nullptr; };
+    asio::any_io_executor ex = asio::system_executor();
+    for (const Step& s : steps)
+      if (s) {
+        ex = io_executor(*seq_of(s));
+        break;
+      }
+    start_batch_op<take_results>(std::forward<Handler>(handler), ex, [&](batch_op* op) {
+      if (auto states = step_states(steps, op)) start_commit_all(*states, op);
+    });
+  }
+};
+
+/// Turns a finished batch of begins into the handler's step handles.
+template <class Step>
+struct take_steps {
+  std::vector<Step> operator()(batch_op& op) const noexcept {
+    std::vector<Step> out;
     try {
-      states.reserve(steps.size());
+      out.reserve(op.steps.size());
     } catch (const std::bad_alloc&) {
-      return started->complete(kv_errc::capacity_exhausted, queueing::post);
+      return out;  // the steps end with the operation
     }
-    for (const Step& s : steps) states.push_back(cache_access::state_of(s).get());
-    // Posted, not dispatched: the layers' drains run in parallel on the
-    // executor's threads instead of one by one inside this call.
-    start_write_layer(states, started, layer, keys, values, urgency::batch);
+    for (auto& s : op.steps) out.push_back(cache_access::adopt<Step>(std::move(s)));
+    return out;
+  }
+};
+
+/// Starts a step on each sequence of a batch.
+template <class Step>
+struct initiate_begin_steps {
+  template <class Handler, class Sequence>
+  void operator()(Handler&& handler, std::span<const Sequence> seqs, std::size_t n,
+                  std::span<const std::span<const token_id>> ids) const {
+    auto state = [](const Sequence& s) { return cache_access::state_of(s); };
+    start_batch_op<take_steps<Step>>(std::forward<Handler>(handler), batch_executor(seqs, state), [&](batch_op* op) {
+      std::vector<std::shared_ptr<sequence_state>> states;
+      try {
+        states.reserve(seqs.size());
+        for (const Sequence& s : seqs) states.push_back(state(s));
+      } catch (const std::bad_alloc&) {
+        return op->complete(kv_errc::capacity_exhausted, queueing::post);
+      }
+      start_begin_steps(states, op, n, ids);
+    });
   }
 };
 
@@ -117,23 +188,14 @@ basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, st
 
 template <storage_element T>
 auto basic_sequence_kv_cache<T>::snapshot() const -> snapshot_type {
-  const std::size_t n = detail::num_layers(*state_);
+  // One pin of the sequence's latest state: every layer shows its tokens.
+  std::vector<detail::pinned_epoch> pins = detail::pin_all(*state_);
   std::vector<basic_kv_snapshot<T>> layers;
-  layers.reserve(n);
-  std::size_t bound = 0;
-  basic_kv_snapshot<float> ids;
-  // Lock-free: a retry means a removal completed meanwhile (see removals()).
-  for (std::uint64_t removals = detail::removals(*state_);;) {
-    for (std::size_t i = 0; i < n; ++i)
-      layers.push_back(detail::cache_access::adopt<basic_kv_snapshot<T>>(detail::pin(*detail::layer_of(*state_, i))));
-    ids = detail::cache_access::adopt<basic_kv_snapshot<float>>(detail::pin(*detail::ids_of(*state_)));
-    bound = detail::visible_bound(*state_);
-    const std::uint64_t now = detail::removals(*state_);
-    if (now == removals) break;
-    removals = now;
-    layers.clear();
-  }
-  return snapshot_type(std::move(layers), bound, std::move(ids));
+  layers.reserve(pins.size() - 1);
+  for (std::size_t i = 0; i + 1 < pins.size(); ++i)
+    layers.push_back(detail::cache_access::adopt<basic_kv_snapshot<T>>(std::move(pins[i])));
+  auto ids = detail::cache_access::adopt<basic_kv_snapshot<float>>(std::move(pins.back()));
+  return snapshot_type(std::move(layers), static_cast<std::size_t>(-1), std::move(ids));
 }
 
 template <storage_element T>
@@ -182,6 +244,30 @@ auto basic_sequence_kv_cache<T>::async_begin_step(std::span<const token_id> ids,
   return asio::async_initiate<CompletionToken, void(error_code, step_type)>(
       detail::initiate_sequence_op<detail::adopt_step<step_type>>{state_}, token, detail::begin_step_t{}, ids.size(),
       ids);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_begin_steps(std::span<const basic_sequence_kv_cache> seqs, std::size_t n,
+                                                   CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(error_code, std::vector<step_type>)>(
+      detail::initiate_begin_steps<step_type>{}, token, seqs, n, std::span<const std::span<const token_id>>());
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_kv_cache<T>::async_begin_steps(std::span<const basic_sequence_kv_cache> seqs,
+                                                   std::span<const std::span<const token_id>> ids,
+                                                   CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(error_code, std::vector<step_type>)>(
+      detail::initiate_begin_steps<step_type>{}, token, seqs, std::size_t{0}, ids);
+}
+
+template <storage_element T>
+template <class CompletionToken>
+auto basic_sequence_step<T>::async_commit_all(std::span<const basic_sequence_step> steps, CompletionToken&& token) {
+  return asio::async_initiate<CompletionToken, void(error_code, std::vector<error_code>)>(detail::initiate_commit_all{},
+                                                                                          token, steps);
 }
 
 template <storage_element T>
