@@ -86,12 +86,13 @@ class basic_sequence_snapshot {
 };
 
 /// One sequence's key/value cache across `num_layers` layers of a model:
-/// one actor per layer (each layer a `basic_layer_kv_cache<T>`, so the layers
-/// of a step are applied in parallel on a multi-threaded executor), all
-/// taking blocks from one `kv_block_pool`. An operation hands each layer's
-/// actor its part directly and completes the handler once, when the last
-/// layer has applied it: one executor hop per operation, whatever the number
-/// of layers.
+/// one actor owns every layer and the token ids (one strand, one mailbox,
+/// one drain), all layers taking blocks from one `kv_block_pool`. Each
+/// operation (an append, a truncate, a fork, a step's begin, commit and
+/// end) is one request, applied to every layer in one drain, all or
+/// nothing, and published once; `snapshot()` pins that one state. The
+/// requests, executor hops and completions of an operation do not grow
+/// with the number of layers.
 ///
 /// A handle: copies share one sequence, as copies of a `std::shared_ptr`
 /// share one object, so every operation is `const`. Appends, truncates and forks of one
@@ -101,14 +102,12 @@ class basic_sequence_snapshot {
 /// and changes nothing. Snapshots, `size()` and reads may be used from any
 /// thread at any time.
 ///
-/// Cancellation: appends, truncates and forks honour the handler's
-/// associated cancellation slot (any type), passing it on to every layer's
-/// request. Layers whose actor had not taken the request yet skip it; if
-/// any did, an append undoes the layers that applied and completes with
-/// `asio::error::operation_aborted` (the sequence is as before), a fork
-/// completes with it and an empty handle, and a truncate completes with it
-/// only if no layer truncated (one is enough, as with a failure). Cancelled
-/// once every layer has applied, the operation completes normally.
+/// Cancellation: appends, truncates, forks and a step's begin honour the
+/// handler's associated cancellation slot (any type), passing it on to the
+/// operation's one request. Cancelled before the sequence's actor took the
+/// request, the operation completes with `asio::error::operation_aborted`
+/// and changes nothing (a fork's handle is empty); cancelled once the actor
+/// took it, the operation completes normally.
 ///
 /// Layers accept writes from the start (no initialize is needed), and only
 /// through the sequence: `layer(i)` is a read-only view.

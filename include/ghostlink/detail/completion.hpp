@@ -1,7 +1,7 @@
 #pragma once
 // How an operation stores its completion handler and runs it: the one piece
 // of work tracking plus completion that every asynchronous operation of
-// ghostlink (a layer's request, a sequence's fan-out) is built on.
+// ghostlink (a layer's request, a sequence's operation) is built on.
 //
 // Lifetime: the initiating function allocates an operation with the
 // handler's associated allocator (handler_op::make) and hands it to the

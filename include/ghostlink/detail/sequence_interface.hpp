@@ -15,7 +15,7 @@
 #include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/block_pool.hpp"
-#include "ghostlink/detail/layer_interface.hpp"  // the layers' actors, the pool, the completion piece
+#include "ghostlink/detail/layer_interface.hpp"  // the actor, the pool, the completion piece
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
