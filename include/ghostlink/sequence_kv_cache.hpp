@@ -29,9 +29,10 @@ GHOSTLINK_NAMESPACE_BEGIN
 
 /// Per-layer snapshots of one sequence, all of one length.
 ///
-/// Each layer's snapshot is narrowed to `size()`: the tokens every layer
-/// held when they were pinned (and no open step's). Move-only; safe to read
-/// from many threads.
+/// A sequence's `snapshot()` is one published state, so every layer shows
+/// `size()` tokens (and no open step's). Made from layer snapshots by hand,
+/// each is narrowed to the shortest. Move-only; safe to read from many
+/// threads.
 template <storage_element T>
 class basic_sequence_snapshot {
  public:
@@ -177,8 +178,11 @@ class basic_sequence_kv_cache {
   /// that layer's strand, it is no strand: a sequence's operations run on
   /// every layer's strand, and its handler on this executor.
   executor_type get_executor() const noexcept { return detail::io_executor(*state_); }
-  /// Tokens the sequence holds: those of its last completed append,
-  /// truncate or step commit (or fork).
+  /// Tokens the sequence holds: those of its latest published state (its
+  /// last append, truncate or step commit applied, possibly just before
+  /// that operation's handler runs; or its fork). Lock-free. A snapshot
+  /// never shows fewer tokens than `size()` read before it, nor (while
+  /// tokens are only added) more than `size()` read after it.
   std::size_t size() const noexcept { return detail::size_of(*state_); }
   /// True when `size() == 0`.
   bool empty() const noexcept { return size() == 0; }
@@ -197,12 +201,12 @@ class basic_sequence_kv_cache {
     return layer_type(detail::cache_access::adopt<basic_layer_kv_cache<T>>(detail::group_of(*state_), i));
   }
 
-  /// Pins every layer's latest epoch, narrowed to the tokens all of them
-  /// hold: every token it shows is from one append, and an append shows
-  /// once every layer has published it (possibly just before its handler
-  /// runs and `size()` grows). An open step's tokens show from its commit. Lock-free: never blocks or waits for an
-  /// actor; pins again only if a truncate or a failed append's undo
-  /// completed meanwhile.
+  /// Pins the sequence's latest published state: one state in which every
+  /// layer (and the token ids) shows the same tokens, each layer as one
+  /// drain of the sequence's actor left it. An operation shows once its
+  /// drain published it (possibly just before its handler runs); an open
+  /// step's tokens show from its commit. Lock-free: one pin, no retry,
+  /// never blocks or waits for the actor.
   snapshot_type snapshot() const;
 
   /// Appends one token, or `n` of them (a prefill chunk), to every layer
