@@ -121,7 +121,10 @@ actor::actor(asio::any_io_executor ex, std::vector<std::unique_ptr<working_state
       pool_(layers_.front()->state->pool()),
       group_(layers_.size() > 1 ? std::make_unique<group_cell>(ref_ptr<group_epoch>::adopt(new group_epoch()))
                                 : nullptr) {
-  if (!group_) return;
+  if (!group_) {
+    layers_.front()->latest = {};  // a lone layer keeps no second reference to its latest epoch
+    return;
+  }
   // The first group state: every layer's initial epoch.
   ref_ptr<group_epoch> first = group_->pin();
   for (const auto& l : layers_) first->layers.push_back(l->latest);
@@ -287,9 +290,10 @@ void actor::publish() {
     if (!next) continue;
     const kv_event event{
         .what = kv_event::kind::epoch_published, .cache = l->id, .epoch = next->number, .size = next->size};
-    l->latest = next;
+    const std::size_t size = next->size;
+    if (group_) l->latest = next;  // what the group's next state holds
     l->current.publish(std::move(next));
-    l->published_size.store(l->latest->size, std::memory_order_release);
+    l->published_size.store(size, std::memory_order_release);
     pool_->emit(event);
     any = true;
   }

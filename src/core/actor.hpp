@@ -78,7 +78,7 @@ struct layer_slot {
   const std::unique_ptr<working_state> state;  // strand only
   const ref_ptr<epoch_registry> registry;
   const std::uint64_t id;  // the cache id its blocks and events carry
-  ref_ptr<epoch> latest;   // strand only: what `current` holds
+  ref_ptr<epoch> latest;   // strand only: what `current` holds (a group's layers; null for a lone layer)
   ref_ptr<epoch> staged;   // strand only: to publish at the end of this drain (a step's commit)
   epoch_cell current;
   std::atomic<std::size_t> published_size{0};

@@ -174,6 +174,9 @@ int dump(const char* readings_path) {
     prefix.insert(seq, ids);
     seq.async_truncate(0, asio::use_future).get();
   }
+  // The write-through puts hold their entries' blocks until written: let
+  // them finish, so that the evictions below free what they evict.
+  store->flush();
   gl::sequence_kv_cache attached = prefix.attach(threads, run(1000, 10));  // 2 full blocks hit
   append(attached, run(50, 3));
   gl::sequence_kv_cache other(threads, layers, config, pool1);
