@@ -105,11 +105,6 @@ std::vector<std::unique_ptr<layer_slot>> slots_of(std::vector<std::unique_ptr<wo
   return slots;
 }
 
-/// Undoes a write or an open of tokens from `size` on that `state` applied
-/// in this drain, because another layer of the group refused its part.
-/// Nothing to copy (see working_state::cut), so it cannot fail.
-void roll_back(working_state& state, std::size_t size) noexcept { state.cut(size); }
-
 }  // namespace
 
 actor::actor(asio::any_io_executor ex, std::vector<std::unique_ptr<working_state>> states)
@@ -228,7 +223,9 @@ error_code actor::open_all(std::size_t index, std::size_t tokens) {
   }
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     if (error_code ec = layers_[l]->state->open(index, tokens)) {
-      for (std::size_t k = 0; k < l; ++k) roll_back(*layers_[k]->state, index);
+      // Opened in this drain: their tables and chunks are this epoch's, so
+      // cutting them back copies nothing and cannot fail.
+      for (std::size_t k = 0; k < l; ++k) layers_[k]->state->cut(index);
       for (std::size_t k = l; k < layers_.size(); ++k) layers_[k]->state->release_set_aside();
       return ec;
     }

@@ -185,7 +185,6 @@ void working_state::cut(std::size_t size) noexcept {
 
 error_code working_state::set_aside(std::size_t index, std::size_t tokens) {
   set_aside_.clear();
-  if (tokens == 0) return truncate(index);
   const std::size_t bt = config_.block_tokens;
   // A block that already holds position `index` and takes the write in
   // place needs no fresh one; every other block of [index, index + tokens)

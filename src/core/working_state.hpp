@@ -111,9 +111,9 @@ class working_state {
   void release_set_aside() noexcept { set_aside_.clear(); }
   /// Drops the tokens from `index` on, frees the blocks set aside before,
   /// and sets aside every block a write of tokens `[index, index + tokens)`
-  /// will need, so that it cannot fail for want of a block (a sequence
-  /// step's begin; with `tokens` 0, its undo). On error (capacity_exhausted)
-  /// nothing is set aside and nothing changed.
+  /// (`tokens` > 0) will need, so that it cannot fail for want of a block
+  /// (a group's append or step begin, before open()). On error
+  /// (capacity_exhausted) nothing is set aside and nothing changed.
   error_code set_aside(std::size_t index, std::size_t tokens);
   /// A new working state equal to this one, sharing every block
   /// (copy-on-write on both sides). Throws std::bad_alloc, changing nothing.

@@ -444,7 +444,6 @@ class model {
   /// tokens from `index` on takes (none for a block written in place).
   ghostlink::error_code reserve(mcache& c, std::size_t index, std::size_t tokens) {
     c.set_aside.clear();
-    if (tokens == 0) return truncate(c, index);
     const std::size_t bt = geometry_.block_tokens;
     std::size_t first = index / bt;
     const std::size_t last = (index + tokens - 1) / bt;
