@@ -33,13 +33,12 @@ sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence
       ids_(std::move(ids)) {}
 
 sequence_request::sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, begin_step_args a,
-                                   std::vector<kv_write> writes, std::vector<float> ids,
+                                   const kv_write& ids_write, std::vector<float> ids,
                                    std::shared_ptr<step_state> step) noexcept
-    : group_request(&finish, a, std::span<const kv_write>(writes)),
+    : group_request(&finish, a, ids_write),  // its spans point into `ids`, whose buffer moves with it
       op(op),
       seq_(std::move(seq)),
       stage_(stage::begin_step),
-      writes_(std::move(writes)),
       ids_(std::move(ids)),
       step_(std::move(step)) {}
 

@@ -79,9 +79,9 @@ class sequence_request final : public group_request {
   /// layer of those tokens, the token ids' last, pointing into `ids`.
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, std::size_t tokens,
                    std::vector<kv_write> writes, std::vector<float> ids) noexcept;
-  /// A step's begin, whose token-id write is `writes`' one (into `ids`).
-  sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, begin_step_args a,
-                   std::vector<kv_write> writes, std::vector<float> ids, std::shared_ptr<step_state> step) noexcept;
+  /// A step's begin, whose token-id write is `ids_write` (into `ids`).
+  sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, begin_step_args a, const kv_write& ids_write,
+                   std::vector<float> ids, std::shared_ptr<step_state> step) noexcept;
   /// A truncate to `size` (or a step's end, `s` end_step, to its index).
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, stage s, truncate_args a) noexcept;
   sequence_request(std::shared_ptr<sequence_state> seq, sequence_op* op, fork_args a) noexcept;

@@ -251,9 +251,8 @@ void start_begin_step(const std::shared_ptr<sequence_state>& s, sequence_op* op,
   submit_to_group(s, op, op->cancellation() ? urgency::now : urgency::here, [&] {
     auto step = std::make_shared<step_state>(s, index, tokens);
     std::vector<float> bits;
-    std::vector<kv_write> writes{id_write(index, tokens, ids, bits)};
-    return new sequence_request(s, op, begin_step_args{index, tokens}, std::move(writes), std::move(bits),
-                                std::move(step));
+    const kv_write ids_write = id_write(index, tokens, ids, bits);
+    return new sequence_request(s, op, begin_step_args{index, tokens}, ids_write, std::move(bits), std::move(step));
   });
 }
 

@@ -72,7 +72,7 @@ class request : public operation {
   std::size_t tokens() const noexcept { return tokens_; }
   /// `write_batch`: the writes, in order; `append`: one per layer, of
   /// `tokens()` tokens each; `begin_step`: the last layer's (a sequence's
-  /// token ids), one of `tokens()` tokens.
+  /// token ids), one of `tokens()` tokens, held in the request.
   std::span<const kv_write> writes() const noexcept { return writes_; }
 
   /// `fork`: the new cache's actor, set by the actor when the fork succeeds.
@@ -84,8 +84,13 @@ class request : public operation {
   request(finish_fn finish, truncate_args a) noexcept
       : operation(finish), kind_(request_kind::truncate), size_(a.size) {}
   request(finish_fn finish, fork_args a) noexcept : operation(finish), kind_(request_kind::fork), size_(a.size) {}
-  request(finish_fn finish, begin_step_args a, std::span<const kv_write> last_layer) noexcept
-      : operation(finish), kind_(request_kind::begin_step), size_(a.index), tokens_(a.tokens), writes_(last_layer) {}
+  request(finish_fn finish, begin_step_args a, const kv_write& last_layer) noexcept
+      : operation(finish),
+        kind_(request_kind::begin_step),
+        size_(a.index),
+        tokens_(a.tokens),
+        single_(last_layer),
+        writes_(&single_, 1) {}
   request(finish_fn finish, commit_step_args) noexcept : operation(finish), kind_(request_kind::commit_step) {}
   request(finish_fn finish, append_args a, std::span<const kv_write> per_layer) noexcept
       : operation(finish), kind_(request_kind::append), tokens_(a.tokens), writes_(per_layer) {}
