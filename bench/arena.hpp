@@ -51,9 +51,10 @@ class arena {
 /// Blocks a ghostlink pool preallocates for `caches` caches of `c`, as the
 /// lock baseline allocates each buffer at its longest before the clock
 /// starts: every cache's blocks at `max_tokens_per_seq`, plus the extent
-/// each one fills.
-inline std::size_t preallocated_blocks(const kv_cache_config& c, std::size_t caches) {
-  return caches * ((c.max_tokens_per_seq + c.block_tokens - 1) / c.block_tokens + kv_block_pool::extent_blocks);
+/// each one fills (of `extent_blocks`: the pool's blocks_per_extent()).
+inline std::size_t preallocated_blocks(const kv_cache_config& c, std::size_t caches,
+                                       std::size_t extent_blocks = kv_block_pool::extent_blocks) {
+  return caches * ((c.max_tokens_per_seq + c.block_tokens - 1) / c.block_tokens + extent_blocks);
 }
 
 /// Bytes of an arena that holds either side in turn: ghostlink's pool of

@@ -3,17 +3,21 @@
 // of keys and values at 4 x 64 floats, far beyond any processor cache),
 // every one attended once per lap, one after another on one thread, as a
 // decode thread reads them; tokens attended per second:
-// - ghostlink: layer_kv_caches of one preallocated pool, attended over
-//   their snapshots (a cache's blocks lie in 16-block extents: runs of 256
-//   tokens' keys, then of their values, the next run elsewhere);
+// - ghostlink: layer_kv_caches of one preallocated pool without a memory
+//   resource, attended over their snapshots (a cache's blocks lie in
+//   64-block reserved extents: runs of 1,024 tokens' keys at 16-token
+//   blocks, then of their values, the next run elsewhere);
+// - ghostlink_resource: the same on a pool whose memory resource is the
+//   arena below (16-block extents: runs of 256 tokens);
 // - rwlock_zero_copy: the lock baseline's caches (bench/baselines/
 //   locked_cache.hpp: all of a cache's keys in one buffer, its values in
 //   another), attended straight from the buffers under the shared lock.
 // No writes and no actor between the attentions: what differs is where the
 // bytes are and the snapshot's walk over the block table.
-// Both take their memory from one arena (bench/arena.hpp) in turn, the
-// order alternating run by run, each filled and then attended for three
-// laps (the median counts). Then the baseline fills and attends the same
+// ghostlink_resource and the baseline take their memory from one arena
+// (bench/arena.hpp) in turn, the order alternating run by run, each filled
+// and then attended for three laps (the median counts); ghostlink's own
+// pool preallocates its pages before its caches fill. Then the baseline fills and attends the same
 // memory a second time: "control" is that lap against its first, the same
 // code on the same bytes, so its distance from 1 is this machine's noise
 // at this scale.
@@ -60,13 +64,12 @@ double tokens_per_second(const options& o, std::size_t caches, AttendAll attend_
   return double(caches * context(o)) / seconds[laps / 2];
 }
 
-double run_ghostlink(const options& o, const token_rows& prompt, arena& memory) {
+/// Over caches on `pool`'s blocks.
+double run_ghostlink(const options& o, const token_rows& prompt, kv_block_pool pool) {
   const std::size_t caches = o.layers * o.sequences;
   const kv_cache_config config = memory_config(o);
-  arena::resource resource(memory);  // outlives the pool
   asio::thread_pool threads(1);
-  auto pool = kv_block_pool::for_caches(config, {.memory = &resource});
-  pool.preallocate(preallocated_blocks(config, caches));
+  pool.preallocate(preallocated_blocks(config, caches, pool.blocks_per_extent()));
   std::vector<kv_write> prefill;
   for (std::size_t i = 0; i < context(o); ++i) prefill.push_back({i, prompt.keys_of(i, 1), prompt.values_of(i, 1)});
   std::vector<layer_kv_cache> layers;
@@ -86,6 +89,15 @@ double run_ghostlink(const options& o, const token_rows& prompt, arena& memory) 
   layers.clear();
   threads.join();
   return rate;
+}
+
+double run_ghostlink(const options& o, const token_rows& prompt) {
+  return run_ghostlink(o, prompt, kv_block_pool::for_caches(memory_config(o)));
+}
+
+double run_ghostlink(const options& o, const token_rows& prompt, arena& memory) {
+  arena::resource resource(memory);  // outlives the pool: the caches are gone when run_ghostlink returns
+  return run_ghostlink(o, prompt, kv_block_pool::for_caches(memory_config(o), {.memory = &resource}));
 }
 
 double run_locked(const options& o, const token_rows& prompt, arena& memory) {
@@ -117,18 +129,24 @@ void attend_memory(const options& o, report& out) {
     metric& rate = declare(m, "1 tokens", "attention over every cache, one thread", "tokens/s");
     metric& control = declare(m, "2 control", "control: the baseline's second lap / its first", "x");
     const bool ghostlink_first = runs++ % 2 == 0;
-    if (ghostlink_first && o.wants("ghostlink")) rate.values["ghostlink"] = run_ghostlink(o, prompt, memory);
+    const auto ghostlink = [&] {
+      rate.values["ghostlink"] = run_ghostlink(o, prompt);
+      rate.values["ghostlink_resource"] = run_ghostlink(o, prompt, memory);
+    };
+    if (ghostlink_first && o.wants("ghostlink")) ghostlink();
     if (o.wants("rwlock_zero_copy")) {
       const double first = run_locked(o, prompt, memory);
       rate.values["rwlock_zero_copy"] = first;
       control.values["rwlock_zero_copy"] = run_locked(o, prompt, memory) / first;
     }
-    if (!ghostlink_first && o.wants("ghostlink")) rate.values["ghostlink"] = run_ghostlink(o, prompt, memory);
+    if (!ghostlink_first && o.wants("ghostlink")) ghostlink();
   });
   out.add_note("attend_memory",
                std::to_string(o.layers * o.sequences) + " caches of " + std::to_string(context(o)) +
-                   " tokens, each attended once per lap on one thread, no writes; both on one arena in turn. "
-                   "ghostlink: layer_kv_caches of a preallocated pool, over snapshots; zero_copy: two buffers "
+                   " tokens, each attended once per lap on one thread, no writes. ghostlink: layer_kv_caches of "
+                   "a preallocated pool (64-block reserved extents), over snapshots; ghostlink_resource: the same "
+                   "on the arena as a memory resource (16-block extents), in turn with the baseline; zero_copy: two "
+                   "buffers "
                    "per cache, under the shared lock. control: the baseline filled and attended again on the "
                    "same memory, against its first time (the noise floor)");
 }

@@ -1,7 +1,9 @@
-// memory: bytes the allocator holds for L layer caches after writing 1, 100
-// and N tokens to each, ghostlink against the seed's preallocated buffers.
-// Counted with glibc's mallinfo2 (heap in use plus mmapped chunks), as the
-// difference from before the caches existed.
+// memory: bytes held for L layer caches after writing 1, 100 and N tokens
+// to each, ghostlink against the seed's preallocated buffers. Counted with
+// glibc's mallinfo2 (heap in use plus mmapped chunks), as the difference
+// from before the caches existed, plus what ghostlink's pools hold in pages
+// they reserve themselves (kv_pool_stats::bytes_allocated: committed
+// blocks and extent headers), which the heap does not see.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/io_context.hpp>
@@ -34,7 +36,9 @@ double ghostlink_bytes(const options& o, std::size_t tokens, const std::vector<t
     layers.back().async_write_batch(batch, [](std::error_code) {});
   }
   io.run();
-  return held_bytes() - before - double(batch.capacity() * sizeof(kv_write));
+  double pages = 0;
+  for (const layer_kv_cache& layer : layers) pages += double(layer.pool().stats().bytes_allocated);
+  return held_bytes() - before - double(batch.capacity() * sizeof(kv_write)) + pages;
 }
 
 double rwlock_bytes(const options& o, std::size_t tokens, const std::vector<token>& data) {

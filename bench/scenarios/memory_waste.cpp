@@ -2,7 +2,9 @@
 // pool; waste = bytes of storage held - bytes of the valid tokens' keys and
 // values, as a share of the bytes held. Storage is counted twice: the
 // pool's blocks, and everything the heap holds for the caches (page tables,
-// epochs, actors included), from glibc's mallinfo2. The seed's design
+// epochs, actors included), from glibc's mallinfo2, plus what the pool
+// holds in pages it reserves itself (kv_pool_stats::bytes_allocated),
+// which the heap does not see. The seed's design
 // preallocates N tokens per sequence.
 #include <ghostlink/kv_cache.hpp>
 
@@ -65,7 +67,7 @@ void memory_waste(const options& o, report& out) {
       io.run();
       const double held = double(pool.stats().bytes_in_use());
       blocks.values["ghostlink"] = 100.0 * (held - valid) / held;
-      const double all = heap_bytes() - before;
+      const double all = heap_bytes() - before + double(pool.stats().bytes_allocated);
       heap.values["ghostlink"] = 100.0 * (all - valid) / all;
     }
     if (o.wants("rwlock")) {

@@ -94,18 +94,45 @@ class kv_block_reservation {
 /// released, a cache destroyed) and their memory is reused, not returned
 /// to the system; `trim()` returns what no block uses.
 ///
-/// Memory comes in extents of 16 blocks (`extent_blocks`), each laid out as
-/// the keys of all 16, then the values of all 16. Each cache fills an extent of its own,
-/// slot after slot, so the blocks it fills one after another (a prefill,
-/// a decode) lie next to each other, keys after keys and values after
-/// values; a snapshot's `for_each_block` hands such blocks over as one run,
-/// and `attend` reads them as it reads one buffer. A cache that has used up
-/// its extent takes one no block uses, else a new one, else any free slot:
-/// the pool grows by a new extent only while fewer than 16 free slots per
-/// cache filling one are spread over the others, and never past its budget
-/// rounded up to whole extents. So memory holds the blocks in use plus at
-/// most about one extent per cache that is writing. `stats()` counts
-/// `blocks_allocated` in whole extents (plus each cache's block of zeros).
+/// **Where blocks lie.** Memory comes in extents: slots of blocks laid out
+/// as the keys of every slot, then the values of every slot. Each cache
+/// fills an extent of its own, slot after slot, so the blocks it fills one
+/// after another (a prefill, a decode) lie next to each other, keys after
+/// keys and values after values; a snapshot's `for_each_block` hands such
+/// blocks over as one run, and `attend` reads them as it reads one buffer.
+///
+/// - **Without a memory resource** (the default, on Linux), an extent is
+///   `reserved_extent_blocks` (64) blocks of address space, which becomes
+///   memory page by page as blocks are written: a cache's runs are 1,024
+///   tokens long at `block_tokens` 16, and hold no memory ahead of its
+///   tokens. A freed block's memory is kept for reuse while the pool keeps
+///   fewer than `reserved_extent_blocks` freed blocks (or what `preallocate`
+///   asked for); past that it goes back to the system at once. The pool's
+///   blocks of zeros are address space only.
+/// - **With a memory resource** (`kv_pool_limits::memory`, or a system
+///   without Linux's reserved pages), an extent is `extent_blocks` (16)
+///   blocks allocated whole. A cache that has used up its extent takes one
+///   no block uses, else a new one, else any free slot: the pool grows by
+///   a new extent only while fewer than 16 free slots per cache filling one
+///   are spread over the others, and never past its budget rounded up to
+///   whole extents.
+///
+/// **What memory a cache costs**, for capacity planning, with `B =
+/// block_bytes()` and `T = block_tokens`:
+///
+/// - without a memory resource: `ceil(tokens / T) * B` (the last block is
+///   memory only as far as its pages are written), plus 8 KiB of extent
+///   headers per 64 blocks or part of them, plus its share of the pool's
+///   kept free blocks: `max(64, preallocated) * B` at most, for the whole
+///   pool;
+/// - with a memory resource: `ceil(tokens / T) * B`, plus the rest of the
+///   extent it fills (up to `15 * B`), plus its block of zeros (`B`, once
+///   it has skipped positions or is read past its stored tokens);
+/// - either way, about 1 KiB of block table and epoch per 1,024 tokens, and
+///   its actor (a few KiB).
+///
+/// `stats().bytes_allocated` is what the pool holds now; `blocks_free`,
+/// what of it no block uses.
 ///
 /// A destroyed cache's blocks come back once its actor has finished its last
 /// drain, which may be just after the last write's handler has run.
@@ -120,8 +147,12 @@ class kv_block_reservation {
 /// All members are safe from any thread.
 class kv_block_pool {
  public:
-  /// Blocks of one extent: the pool's unit of memory (see the class comment).
+  /// Blocks of one extent of a pool with a memory resource: its unit of
+  /// memory (see the class comment).
   static constexpr std::size_t extent_blocks = 16;
+  /// Blocks of one extent of a pool without a memory resource: its unit of
+  /// address space, and a cache's longest run (see the class comment).
+  static constexpr std::size_t reserved_extent_blocks = 64;
 
   /// A pool of blocks of `block_bytes` payload bytes each.
   /// @throws std::system_error with `kv_errc::invalid_config` if
@@ -158,6 +189,9 @@ class kv_block_pool {
 
   /// Payload bytes of one block: its keys and its values.
   std::size_t block_bytes() const noexcept;
+  /// Blocks of one of this pool's extents: `reserved_extent_blocks`, or
+  /// `extent_blocks` with a memory resource (see the class comment).
+  std::size_t blocks_per_extent() const noexcept;
   /// The pool's counters now (see `kv_pool_stats`). Lock-free.
   kv_pool_stats stats() const noexcept;
   /// Blocks a request could have now: the budget left, plus the blocks
@@ -179,12 +213,13 @@ class kv_block_pool {
   /// Allocates the pool's memory now, as a server that commits its KV
   /// memory when it starts: grows the pool in whole extents, writing every
   /// page of them, until it holds memory for at least `blocks` blocks
-  /// (memory it holds already counts). Caches then take their blocks from
-  /// that memory, with no call to the system's allocator and no page fault
-  /// while they serve, until they need more than it holds; then the pool
-  /// grows as before. To cover `n` caches holding up to `b` blocks each,
-  /// ask for `n * (b + extent_blocks)`: each cache fills an extent of its
-  /// own. Nothing is counted against the budget: the memory is free blocks
+  /// (memory it holds already counts), and keeps at least that much while
+  /// blocks are freed. Caches then take their blocks from that memory, with
+  /// no call to the system's allocator and no page fault while they serve,
+  /// until they need more than it holds; then the pool grows as before. To
+  /// cover `n` caches holding up to `b` blocks each, ask for `n * (b +
+  /// blocks_per_extent())`: each cache fills an extent of its own. Nothing
+  /// is counted against the budget: the memory is free blocks
   /// (`stats().blocks_free`), which `trim()` returns while no block uses
   /// them. Safe from any thread; the pages are written outside the pool's
   /// locks.
@@ -197,8 +232,11 @@ class kv_block_pool {
   /// As above, setting `ec` instead of throwing (`std::errc::not_enough_memory`
   /// for the system's memory).
   void preallocate(std::size_t blocks, std::error_code& ec) noexcept;
-  /// Returns to the system every extent no block uses and no cache is
-  /// filling (a cache keeps the extent it fills while it lives).
+  /// Returns to the system the memory no block uses: every free block's
+  /// (without a memory resource; the address space stays the pool's), or
+  /// every extent no block uses and no cache is filling (with one: a cache
+  /// keeps the extent it fills while it lives). It also ends what
+  /// `preallocate` asked the pool to keep.
   void trim() noexcept;
   /// Reports every later block allocation and free of this pool, and every
   /// epoch a cache on it publishes, to `handler` (see `kv_event_handler`

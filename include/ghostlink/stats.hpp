@@ -53,18 +53,23 @@ struct kv_pool_stats {
   std::size_t block_bytes = 0;         ///< Payload bytes of one block (keys and values).
   std::size_t max_blocks = 0;          ///< The budget, in blocks.
   std::size_t blocks_in_use = 0;       ///< Blocks some cache, epoch, snapshot, prefix cache or reservation holds.
-  /// Block slots of the pool's extents that hold no block: freed, or not
-  /// yet used (see `kv_block_pool::trim`).
+  /// Blocks' memory the pool holds that no block uses: slots freed and kept
+  /// for reuse, or allocated ahead (see `kv_block_pool::trim`).
   std::size_t blocks_free = 0;
   std::size_t peak_blocks_in_use = 0;  ///< The most blocks in use at once so far.
   /// Blocks referenced from more than one place: shared by forks, or by two
   /// epochs of one cache while a snapshot pins the older.
   std::size_t blocks_shared = 0;
   std::uint64_t cow_copies = 0;  ///< Blocks copied because a write hit a shared one.
-  /// Blocks' memory obtained from the system and not yet returned: the
-  /// slots of every extent (in use and free), and each cache's one block
-  /// of zeros, which the budget exempts.
+  /// Blocks' memory obtained from the system (or the pool's memory
+  /// resource) and not yet returned: the slots that hold blocks, and
+  /// `blocks_free`; and with a memory resource each cache's one block of zeros, which the
+  /// budget exempts (without one, the zeros are address space that is no
+  /// memory). See `kv_block_pool` for what memory a cache costs.
   std::uint64_t blocks_allocated = 0;
+  /// Bytes of memory the pool holds: `blocks_allocated * block_bytes`, and
+  /// its extents' headers (a few KiB per extent).
+  std::uint64_t bytes_allocated = 0;
 
   /// Of `blocks_in_use`, the distinct blocks a prefix cache references
   /// (shared with sequences or idle).

@@ -67,9 +67,11 @@ struct block_layout : ref_counted<block_layout> {
 };
 
 /// Where a block's header, keys and values go: a slot of one of a pool's
-/// extents, or memory of its own (`slot == standalone`).
+/// extents, memory of its own (`slot == standalone`), or the pool's
+/// mapping of zeros that no one writes (`slot == zeros`).
 struct block_memory {
   static constexpr std::uint8_t standalone = 0xff;
+  static constexpr std::uint8_t zeros = 0xfe;
   void* header = nullptr;  // block::header_bytes, 64-byte aligned
   std::byte* keys = nullptr;
   std::byte* values = nullptr;
@@ -111,12 +113,13 @@ class block {
   std::byte* values() noexcept { return values_; }
   const std::byte* keys() const noexcept { return keys_; }
   const std::byte* values() const noexcept { return values_; }
-  /// Its slot in its pool's extent, or block_memory::standalone.
+  /// Its slot in its pool's extent, or block_memory::standalone or zeros.
   std::uint8_t slot() const noexcept { return slot_; }
   /// Whether `next` is in the slot after this one's in the same extent, so
   /// that its keys and values lie right after this block's: the only
   /// block whose header is the next 64 bytes (an extent's headers are an
-  /// array followed by no block; a standalone block's by its payload).
+  /// array followed by no block; a standalone block's by its payload; a
+  /// block of the pool's zeros' by the rest of its own allocation).
   bool followed_by(const block& next) const noexcept {
     return reinterpret_cast<const std::byte*>(&next) == reinterpret_cast<const std::byte*>(this) + header_bytes;
   }

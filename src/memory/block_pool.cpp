@@ -13,6 +13,7 @@
 #include "base/fault_countdown.hpp"
 #include "ghostlink/error.hpp"
 #include "memory/block.hpp"
+#include "memory/pages.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -26,23 +27,35 @@ std::atomic<std::size_t> unbalanced_pools{0};
 
 }  // namespace
 
-/// `extent_slots` blocks' memory in one allocation: their headers (first,
-/// so a header's address and slot give the extent), then the keys of every
-/// slot, then the values of every slot. Which slots are free is one atomic
-/// mask: a cursor claims its next slot with a compare-exchange, a freed
-/// block sets its bit from whatever thread frees it; the pool's lock is
-/// taken only when a slot frees up in a full extent or leaves it unused,
-/// and when a cursor needs another extent.
+/// An extent: up to 64 blocks' memory, their headers first (so a header's
+/// address and slot give the extent), then the keys of every slot, then
+/// the values of every slot. Which slots are free is one atomic mask: a
+/// cursor claims its next slot with a compare-exchange, a freed block sets
+/// its bit from whatever thread frees it; the pool's lock is taken only
+/// when a slot frees up in a full extent or leaves it unused, and when a
+/// cursor needs another extent. Which slots are committed (their pages may
+/// be memory) is another mask, whose bit only the slot's holder changes:
+/// the claimer of a slot not committed, or whoever releases the pages of a
+/// slot it has claimed for that (block_pool::release_free_slots).
 struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw storage, blocks built in it
   using mask = std::uint64_t;
-  static_assert(block_pool::extent_slots < 64);
-  static constexpr mask all_free = (mask{1} << block_pool::extent_slots) - 1;
+  static constexpr unsigned max_slots = 64;
+  static_assert(block_pool::reserved_extent_slots <= max_slots && block_pool::allocated_extent_slots <= max_slots);
 
-  alignas(block_alignment) std::byte headers[block_pool::extent_slots][block::header_bytes];
-  std::atomic<mask> free_mask{all_free};  // bit i: slot i holds no block
+  extent(unsigned slots, bool committed) noexcept
+      : all_free(slots == max_slots ? ~mask{0} : (mask{1} << slots) - 1),
+        slots(slots),
+        free_mask(all_free),
+        committed_mask(committed ? all_free : 0) {}
+
+  alignas(block_alignment) std::byte headers[max_slots][block::header_bytes];
+  const mask all_free;  // a bit per slot
+  const unsigned slots;
+  std::atomic<mask> free_mask;            // bit i: slot i holds no block
+  std::atomic<mask> committed_mask;       // bit i: slot i's pages may be memory
   std::atomic<unsigned> freeing{0};       // frees between setting their bit and putting it on its stack
-  std::byte* keys = nullptr;                       // slot i's at keys + i * half
-  std::byte* values = nullptr;                     // slot i's at values + i * half
+  std::byte* keys = nullptr;              // slot i's at keys + i * half
+  std::byte* values = nullptr;            // slot i's at values + i * half
   // The pool's, under its extents_mutex_.
   unsigned cursors = 0;  // cursors filling it
   bool on_unused = false, on_partial = false;
@@ -56,7 +69,7 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   }
   /// Claims the lowest free slot from `from` on; false when there is none.
   bool claim(unsigned from, unsigned& slot) noexcept {
-    if (from >= block_pool::extent_slots) return false;
+    if (from >= slots) return false;
     mask m = free_mask.load(std::memory_order_relaxed);
     for (;;) {
       const mask open = m & ~((mask{1} << from) - 1);
@@ -79,13 +92,44 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   }
 };
 
+/// A mapping of reserved address space that extents are carved from, in
+/// order; unmapped with the pool.
+struct block_pool::region {
+  region* next = nullptr;
+  std::byte* base = nullptr;
+  std::size_t bytes = 0, extents = 0, carved = 0;
+};
+
+namespace {
+
+std::size_t round_up(std::size_t n, std::size_t to) noexcept { return (n + to - 1) / to * to; }
+
+/// The address space mapped at once for extents of `stride` bytes: about
+/// 256 MiB, so that a server's pools hold a few mappings, not one per
+/// extent (the system limits mappings per process).
+std::size_t region_extents(std::size_t stride) noexcept {
+  constexpr std::size_t region_bytes = std::size_t{256} << 20, most = 64;
+  return std::clamp<std::size_t>(region_bytes / stride, 1, most);
+}
+
+}  // namespace
+
 block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory)
     : payload_bytes_(payload_bytes),
       max_blocks_(max_blocks),
-      max_slots_(max_blocks > std::numeric_limits<std::size_t>::max() - extent_slots
+      memory_(memory),
+      reserved_(memory == nullptr && pages::supported()),
+      extent_slots_(reserved_ ? reserved_extent_slots : allocated_extent_slots),
+      max_slots_(max_blocks > std::numeric_limits<std::size_t>::max() - extent_slots_
                      ? std::numeric_limits<std::size_t>::max()
-                     : (max_blocks + extent_slots - 1) / extent_slots * extent_slots),
-      memory_(memory) {
+                     : (max_blocks + extent_slots_ - 1) / extent_slots_ * extent_slots_),
+      whole_pages_(reserved_ && (payload_bytes / 2) % pages::size() == 0) {
+  if (reserved_) {
+    header_area_ = round_up(sizeof(extent), pages::size());
+    stride_ = header_area_ + round_up(extent_slots_ * payload_bytes_, pages::size());
+    zeros_ = pages::reserve_zeros(round_up(payload_bytes_, pages::size()));
+  }
+  keep_.store(extent_slots_, std::memory_order_relaxed);
   live_pools.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -93,7 +137,17 @@ block_pool::~block_pool() {
   if (blocks_in_use() != 0) unbalanced_pools.fetch_add(1, std::memory_order_relaxed);
   // Every block and every cursor holds the pool: none is left.
   const std::lock_guard lock(extents_mutex_);
-  while (all_) free_extent(*all_);
+  if (reserved_) {
+    for (extent* e = all_; e;) std::exchange(e, e->next_all)->~extent();
+    while (regions_) {
+      region* const r = std::exchange(regions_, regions_->next);
+      pages::unreserve(r->base, r->bytes);
+      delete r;
+    }
+    if (zeros_) pages::unreserve(zeros_, round_up(payload_bytes_, pages::size()));
+  } else {
+    while (all_) free_extent(*all_);
+  }
   live_pools.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -181,20 +235,58 @@ void block_pool::leave(block_cursor& cursor) noexcept {
 
 void block_pool::classify(extent& e) noexcept {
   if (e.unused()) {
+    // Reserved: an unused extent's pages go back once the pool keeps
+    // enough free slots without them.
+    if (reserved_ && free_count_.load(std::memory_order_relaxed) > keep_.load(std::memory_order_relaxed))
+      release_extent(e);
     if (!std::exchange(e.on_unused, true)) e.next_unused = std::exchange(unused_, &e);
   } else if (e.free_mask.load(std::memory_order_relaxed) != 0) {
     if (!std::exchange(e.on_partial, true)) e.next_partial = std::exchange(partial_, &e);
   }
 }
 
+std::size_t block_pool::slot_cap() const noexcept {
+  if (!reserved_) return max_slots_;
+  // Address space alone: the budget, and an extent per cursor besides.
+  const std::size_t extra = std::size_t{extent_slots_} * (cursors_ + 1);
+  return max_slots_ > std::numeric_limits<std::size_t>::max() - extra ? std::numeric_limits<std::size_t>::max()
+                                                                       : max_slots_ + extra;
+}
+
 extent* block_pool::grow() noexcept {
-  if (slots_ > max_slots_ - extent_slots) return nullptr;
-  extent* const e = new_extent();
+  if (slots_ > slot_cap() - extent_slots_) return nullptr;
+  extent* const e = reserved_ ? carve() : new_extent();
   if (e) adopt(*e);
   return e;
 }
 
-std::size_t block_pool::extent_bytes() const noexcept { return sizeof(extent) + extent_slots * payload_bytes_; }
+extent* block_pool::carve() noexcept {
+  if (!regions_ || regions_->carved == regions_->extents) {
+    auto* r = new (std::nothrow) region;
+    if (!r) return nullptr;
+    // The usual mapping, else one extent's (less address space at once).
+    for (std::size_t n : {region_extents(stride_), std::size_t{1}}) {
+      r->base = static_cast<std::byte*>(pages::reserve(n * stride_));
+      if (r->base) {
+        r->bytes = n * stride_;
+        r->extents = n;
+        break;
+      }
+    }
+    if (!r->base) {
+      delete r;
+      return nullptr;
+    }
+    r->next = std::exchange(regions_, r);
+  }
+  std::byte* const at = regions_->base + regions_->carved++ * stride_;
+  auto* e = ::new (at) extent(extent_slots_, false);
+  e->keys = at + header_area_;
+  e->values = e->keys + extent_slots_ * (payload_bytes_ / 2);
+  return e;
+}
+
+std::size_t block_pool::extent_bytes() const noexcept { return sizeof(extent) + extent_slots_ * payload_bytes_; }
 std::size_t block_pool::standalone_bytes() const noexcept { return block::header_bytes + payload_bytes_; }
 
 void* block_pool::allocate(std::size_t bytes) const noexcept {
@@ -216,35 +308,54 @@ void block_pool::deallocate(void* p, std::size_t bytes) const noexcept {
 extent* block_pool::new_extent() const noexcept {
   void* memory = allocate(extent_bytes());
   if (!memory) return nullptr;
-  auto* e = ::new (memory) extent;
+  auto* e = ::new (memory) extent(extent_slots_, true);
   e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
-  e->values = e->keys + extent_slots * (payload_bytes_ / 2);
+  e->values = e->keys + extent_slots_ * (payload_bytes_ / 2);
   return e;
 }
 
 void block_pool::adopt(extent& e) noexcept {
   e.next_all = std::exchange(all_, &e);
   if (e.next_all) e.next_all->prev_all = &e;
-  slots_ += extent_slots;
-  allocated_.fetch_add(extent_slots, std::memory_order_relaxed);
-  free_count_.fetch_add(extent_slots, std::memory_order_relaxed);
+  slots_ += extent_slots_;
+  const std::size_t committed = static_cast<std::size_t>(std::popcount(e.committed_mask.load(std::memory_order_relaxed)));
+  allocated_.fetch_add(committed, std::memory_order_relaxed);
+  free_count_.fetch_add(committed, std::memory_order_relaxed);
+  overhead_.fetch_add(reserved_ ? header_area_ : sizeof(extent), std::memory_order_relaxed);
 }
 
 std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
   if (blocks > max_slots_) return kv_errc::capacity_exhausted;
+  if (reserved_) {  // kept committed while free, from now on
+    std::size_t keep = keep_.load(std::memory_order_relaxed);
+    while (keep < blocks && !keep_.compare_exchange_weak(keep, blocks, std::memory_order_relaxed)) {
+    }
+  }
   for (;;) {
+    extent* e = nullptr;
     {
       const std::lock_guard lock(extents_mutex_);
-      if (slots_ >= blocks) return {};
+      if ((reserved_ ? allocated_.load(std::memory_order_relaxed) : slots_) >= blocks) return {};
+      if (count_down(failures_) > 0) return std::make_error_code(std::errc::not_enough_memory);
+      if (reserved_ && !(e = carve())) return std::make_error_code(std::errc::not_enough_memory);
     }
-    if (count_down(failures_) > 0) return std::make_error_code(std::errc::not_enough_memory);
-    extent* const e = new_extent();
-    if (!e) return std::make_error_code(std::errc::not_enough_memory);
+    if (!reserved_ && !(e = new_extent())) return std::make_error_code(std::errc::not_enough_memory);
     // Written outside the lock, before any cursor can take a slot of it:
     // every page is the process's now, not at a first write while serving.
-    std::memset(e->keys, 0, extent_slots * payload_bytes_);
+    // Reserved: the slots missing alone, the extent's first ones.
+    const std::size_t held = allocated_.load(std::memory_order_relaxed);
+    const std::size_t n = reserved_ ? std::min<std::size_t>(extent_slots_, blocks - std::min(blocks, held)) : 0;
+    if (reserved_ && n > 0) {
+      const std::size_t half = payload_bytes_ / 2;
+      std::memset(e->keys, 0, n * half);
+      std::memset(e->values, 0, n * half);
+      e->committed_mask.store(n == extent::max_slots ? ~extent::mask{0} : (extent::mask{1} << n) - 1,
+                              std::memory_order_relaxed);
+    } else if (!reserved_) {
+      std::memset(e->keys, 0, extent_slots_ * payload_bytes_);
+    }
     const std::lock_guard lock(extents_mutex_);
-    if (slots_ > max_slots_ - extent_slots) {  // others grew it meanwhile: full
+    if (!reserved_ && slots_ > max_slots_ - extent_slots_) {  // others grew it meanwhile: full
       delete_extent(*e);
       return slots_ >= blocks ? std::error_code{} : make_error_code(kv_errc::capacity_exhausted);
     }
@@ -256,9 +367,10 @@ std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
 void block_pool::free_extent(extent& e) noexcept {
   (e.prev_all ? e.prev_all->next_all : all_) = e.next_all;
   if (e.next_all) e.next_all->prev_all = e.prev_all;
-  slots_ -= extent_slots;
-  allocated_.fetch_sub(extent_slots, std::memory_order_relaxed);
-  free_count_.fetch_sub(extent_slots, std::memory_order_relaxed);
+  slots_ -= extent_slots_;
+  allocated_.fetch_sub(extent_slots_, std::memory_order_relaxed);
+  free_count_.fetch_sub(extent_slots_, std::memory_order_relaxed);
+  overhead_.fetch_sub(sizeof(extent), std::memory_order_relaxed);
   delete_extent(e);
 }
 
@@ -267,22 +379,72 @@ void block_pool::delete_extent(extent& e) const noexcept {
   deallocate(&e, extent_bytes());
 }
 
+void block_pool::release_slot(extent& e, unsigned slot) noexcept {
+  const std::size_t half = payload_bytes_ / 2;
+  pages::release(e.keys + slot * half, half);
+  pages::release(e.values + slot * half, half);
+  e.committed_mask.fetch_and(~(extent::mask{1} << slot), std::memory_order_relaxed);
+  allocated_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void block_pool::release_extent(extent& e) noexcept {
+  const extent::mask committed = e.committed_mask.exchange(0, std::memory_order_relaxed);
+  if (committed == 0) return;
+  const auto n = static_cast<std::size_t>(std::popcount(committed));
+  pages::release(e.keys, extent_slots_ * payload_bytes_);  // keys and values: one stretch
+  allocated_.fetch_sub(n, std::memory_order_relaxed);
+  free_count_.fetch_sub(n, std::memory_order_relaxed);
+}
+
+void block_pool::release_free_slots(extent& e) noexcept {
+  extent::mask candidates =
+      e.free_mask.load(std::memory_order_relaxed) & e.committed_mask.load(std::memory_order_relaxed);
+  while (candidates != 0) {
+    const auto slot = static_cast<unsigned>(std::countr_zero(candidates));
+    candidates &= candidates - 1;
+    const extent::mask bit = extent::mask{1} << slot;
+    // Taken as a claim takes it, so that no cursor claims it meanwhile.
+    extent::mask m = e.free_mask.load(std::memory_order_relaxed);
+    bool taken = false;
+    while ((m & bit) != 0 &&
+           !(taken = e.free_mask.compare_exchange_weak(m, m & ~bit, std::memory_order_acquire,
+                                                       std::memory_order_relaxed))) {
+    }
+    if (!taken) continue;
+    if ((e.committed_mask.load(std::memory_order_relaxed) & bit) != 0) {
+      release_slot(e, slot);
+      free_count_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    e.free_mask.fetch_or(bit, std::memory_order_release);
+  }
+}
+
+block_memory block_pool::use_slot(extent& e, unsigned slot) noexcept {
+  const extent::mask bit = extent::mask{1} << slot;
+  if ((e.committed_mask.load(std::memory_order_relaxed) & bit) != 0) {
+    free_count_.fetch_sub(1, std::memory_order_relaxed);
+  } else {
+    e.committed_mask.fetch_or(bit, std::memory_order_relaxed);
+    allocated_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return e.memory(slot, payload_bytes_ / 2);
+}
+
 block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
   if (count_down(failures_) > 0) return {};  // the next `failures_` fail
-  const std::size_t half = payload_bytes_ / 2;
   unsigned slot = 0;
   // The slot after the cursor's last: no lock.
   if (cursor.extent_ && cursor.extent_->claim(cursor.next_, slot)) {
     cursor.next_ = slot + 1;
-    free_count_.fetch_sub(1, std::memory_order_relaxed);
-    return cursor.extent_->memory(slot, half);
+    return use_slot(*cursor.extent_, slot);
   }
   const std::lock_guard lock(extents_mutex_);
   leave(cursor);
-  // An unused extent; else a new one, while the free slots spread over the
-  // others are fewer than an extent per cursor; else any free slot; else a
-  // new extent after all, within the budget; else a slot freed while its
-  // extent waits for this lock to go on a stack.
+  // An unused extent; else a new one (reserved: address space alone;
+  // allocated: while the free slots spread over the others are fewer than
+  // an extent per cursor); else any free slot; else a new extent after
+  // all, within the cap; else a slot freed while its extent waits for this
+  // lock to go on a stack.
   extent* e = nullptr;
   const auto take = [&](extent* candidate) {
     if (candidate && candidate->claim(0, slot)) e = candidate;
@@ -293,7 +455,8 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
     top->on_unused = false;
     if (top->unused()) take(top);
   }
-  if (!e && free_count_.load(std::memory_order_relaxed) < extent_slots * (cursors_ + 1)) take(grow());
+  if (!e && (reserved_ || free_count_.load(std::memory_order_relaxed) < std::size_t{extent_slots_} * (cursors_ + 1)))
+    take(grow());
   while (!e && partial_) {
     extent* const top = partial_;
     if (!take(top) || top->free_mask.load(std::memory_order_relaxed) == 0) {  // full: off the stack
@@ -309,34 +472,55 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
   ++e->cursors;
   ++cursors_;
   classify(*e);  // its other free slots stay within anyone's reach
-  free_count_.fetch_sub(1, std::memory_order_relaxed);
-  return e->memory(slot, half);
+  return use_slot(*e, slot);
 }
 
-block_memory block_pool::take_standalone() noexcept {
+block_memory block_pool::take_zeros() noexcept {
   if (count_down(failures_) > 0) return {};
+  if (zeros_) {
+    // A header of its own, in an allocation twice its size: no other
+    // block's header is ever the next 64 bytes (block::followed_by).
+    void* header = ::operator new(2 * block::header_bytes, std::align_val_t{block_alignment}, std::nothrow);
+    if (!header) return {};
+    overhead_.fetch_add(2 * block::header_bytes, std::memory_order_relaxed);
+    auto* const keys = static_cast<std::byte*>(zeros_);
+    return {header, keys, keys + payload_bytes_ / 2, block_memory::zeros};
+  }
   void* memory = allocate(standalone_bytes());
   if (!memory) return {};
   allocated_.fetch_add(1, std::memory_order_relaxed);
+  overhead_.fetch_add(block::header_bytes, std::memory_order_relaxed);
   std::byte* const keys = static_cast<std::byte*>(memory) + block::header_bytes;
+  std::memset(keys, 0, payload_bytes_);
   return {memory, keys, keys + payload_bytes_ / 2, block_memory::standalone};
 }
 
 void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
+  if (slot == block_memory::zeros) {
+    overhead_.fetch_sub(2 * block::header_bytes, std::memory_order_relaxed);
+    ::operator delete(header, std::align_val_t{block_alignment});
+    return;
+  }
   if (slot == block_memory::standalone) {
     allocated_.fetch_sub(1, std::memory_order_relaxed);
+    overhead_.fetch_sub(block::header_bytes, std::memory_order_relaxed);
     deallocate(header, standalone_bytes());
     return;
   }
   extent& e = extent::of(header, slot);
-  free_count_.fetch_add(1, std::memory_order_relaxed);
   // Counted until done with `e`, so that no trim() frees it before this
   // free has put it on its stack.
   e.freeing.fetch_add(1, std::memory_order_relaxed);
+  // Reserved: the slot's pages go back when the pool keeps enough free
+  // slots without them (still this free's to do: the slot is not free yet).
+  if (whole_pages_ && free_count_.load(std::memory_order_relaxed) >= keep_.load(std::memory_order_relaxed))
+    release_slot(e, slot);
+  else
+    free_count_.fetch_add(1, std::memory_order_relaxed);
   // release: this block's use of the slot happens-before the next claim.
   const extent::mask bit = extent::mask{1} << slot;
   const extent::mask before = e.free_mask.fetch_or(bit, std::memory_order_acq_rel);
-  if (before == 0 || (before | bit) == extent::all_free) {  // was full, or now unused: its stack changes
+  if (before == 0 || (before | bit) == e.all_free) {  // was full, or now unused: its stack changes
     const std::lock_guard lock(extents_mutex_);
     e.freeing.fetch_sub(1, std::memory_order_release);
     classify(e);
@@ -356,15 +540,21 @@ void block_pool::set_event_handler(kv_event_handler handler) {
 }
 
 void block_pool::trim() noexcept {
+  keep_.store(extent_slots_, std::memory_order_relaxed);  // what preallocate() asked to keep: given back too
   const std::lock_guard lock(extents_mutex_);
   unused_ = partial_ = nullptr;
   for (extent* e = all_; e;) {
     extent* const next = e->next_all;
     e->on_unused = e->on_partial = false;
-    if (e->unused())
+    if (e->unused() && !reserved_) {
       free_extent(*e);
-    else
+    } else {
+      if (e->unused())
+        release_extent(*e);
+      else if (whole_pages_)
+        release_free_slots(*e);
       classify(*e);
+    }
     e = next;
   }
 }
@@ -373,10 +563,18 @@ extent_census block_pool::census() const noexcept {
   const std::lock_guard lock(extents_mutex_);
   extent_census c;
   for (const extent* e = all_; e; e = e->next_all) {
+    if (e->committed_mask.load(std::memory_order_relaxed) == 0) continue;  // address space alone
     ++c.extents;
     if (e->unused()) ++c.unused;
   }
   return c;
+}
+
+std::size_t block_pool::resident_bytes() const noexcept {
+  const std::lock_guard lock(extents_mutex_);
+  std::size_t bytes = 0;
+  for (const region* r = regions_; r; r = r->next) bytes += pages::resident(r->base, r->bytes);
+  return bytes;
 }
 
 std::size_t block_pool::blocks_shared() const noexcept {
@@ -427,11 +625,9 @@ ref_ptr<block> block::make(block_pool& pool, block_cursor& cursor, std::uint64_t
 }
 
 ref_ptr<block> block::make_zeros(block_pool& pool, std::size_t block_tokens) noexcept {
-  const block_memory memory = pool.take_standalone();
+  const block_memory memory = pool.take_zeros();
   if (!memory) return {};
   auto zeros = ref_ptr<block>::adopt(::new (memory.header) block(pool, 0, budget::exempt, memory));
-  std::memset(zeros->keys(), 0, pool.payload_bytes() / 2);
-  std::memset(zeros->values(), 0, pool.payload_bytes() / 2);
   zeros->set_filled(block_tokens);
   return zeros;
 }
@@ -506,6 +702,7 @@ kv_block_pool::~kv_block_pool() {
 }
 
 std::size_t kv_block_pool::block_bytes() const noexcept { return state_->payload_bytes(); }
+std::size_t kv_block_pool::blocks_per_extent() const noexcept { return state_->extent_slots(); }
 void kv_block_pool::trim() noexcept { state_->trim(); }
 void kv_block_pool::set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }
 
@@ -574,6 +771,7 @@ kv_pool_stats kv_block_pool::stats() const noexcept {
   s.blocks_shared = p.blocks_shared();
   s.cow_copies = p.cow_copies();
   s.blocks_allocated = p.blocks_allocated();
+  s.bytes_allocated = p.bytes_allocated();
   const detail::kept_blocks kept = p.kept();
   s.blocks_cached = kept.cached;
   s.blocks_cached_idle = kept.idle;

@@ -82,16 +82,33 @@ struct block_account : ref_counted<block_account> {
 
 /// Hands out fixed-size blocks of memory under a budget.
 ///
-/// Memory: extents of `extent_slots` blocks, each laid out [headers][keys
-/// of every slot][values of every slot]. A cursor takes the slots of one
-/// extent in order; when it has none left it takes an extent no block uses,
-/// else a new one while the pool may grow, else any free slot. The pool may
-/// grow while fewer than `extent_slots` free slots per cursor (plus one
-/// extent) are spread over its extents, and never past its budget rounded
-/// up to whole extents: memory stays within one extent per cache that is
-/// filling one (plus one) of the blocks in use. A freed block's slot is
-/// free at once; an extent goes back to the system on trim() once no block
-/// uses it and no cursor fills it.
+/// Memory: extents of slots, each laid out [headers][keys of every
+/// slot][values of every slot]. A cursor takes the slots of one extent in
+/// order, so a cache's blocks lie in runs of an extent's length.
+///
+/// - **Reserved extents** (a pool with no memory resource, on Linux):
+///   `reserved_extent_slots` slots of address space (src/memory/pages.hpp),
+///   carved from regions mapped a few hundred MiB at a time. A slot's pages
+///   become memory when its first block is written: a slot is *committed*
+///   from its first claim until its pages are released. Freed slots stay
+///   committed, for reuse, while the pool keeps fewer than `keep_` of them
+///   (an extent's worth, or what preallocate() asked); past that a freed
+///   slot's pages go back to the system at once (whole pages of it: a slot
+///   smaller than a page goes back with its extent, once no block uses
+///   that). A cursor that has used up its extent takes one no block uses,
+///   else a new one (address space alone): memory is the committed slots,
+///   which follow the blocks in use.
+/// - **Allocated extents** (a memory resource, or no reserved pages):
+///   `allocated_extent_slots` slots in one allocation, all committed. A
+///   cursor that has used up its extent takes one no block uses, else a new
+///   one while fewer than an extent's slots per cursor (plus one extent)
+///   are free over the others, else any free slot, and the pool never grows
+///   past its budget rounded up to whole extents: memory stays within one
+///   extent per filling cache (plus one) of the blocks in use.
+///
+/// A freed block's slot is free at once. trim() gives back every committed
+/// slot no block uses (reserved), or every extent no block uses and no
+/// cursor fills (allocated).
 ///
 /// Layout: what a cache reads on every allocation (the block size, the
 /// budget, the event sink) comes first and never changes; the counters that
@@ -145,30 +162,45 @@ class block_pool : public ref_counted<block_pool> {
   /// holds it.
   void kept_block_idle(const block* b) noexcept;
   /// Blocks of budget held by reservations and accounts, not yet allocated.
-  std::size_t blocks_reserved() const noexcept { return reserved_.load(std::memory_order_relaxed); }
+  std::size_t blocks_reserved() const noexcept { return reserved_blocks_.load(std::memory_order_relaxed); }
   void count_reserved(std::int64_t delta) noexcept {
-    reserved_.fetch_add(static_cast<std::size_t>(delta), std::memory_order_relaxed);
+    reserved_blocks_.fetch_add(static_cast<std::size_t>(delta), std::memory_order_relaxed);
   }
-  /// Slots of one extent.
-  static constexpr unsigned extent_slots = kv_block_pool::extent_blocks;
+  /// Slots of one extent: reserved (address space, committed as blocks
+  /// fill), or allocated whole.
+  static constexpr unsigned reserved_extent_slots = kv_block_pool::reserved_extent_blocks;
+  static constexpr unsigned allocated_extent_slots = kv_block_pool::extent_blocks;
+  /// Whether this pool's extents are reserved address space.
+  bool reserved() const noexcept { return reserved_; }
+  /// Slots of each of this pool's extents.
+  unsigned extent_slots() const noexcept { return extent_slots_; }
   /// Memory for one counted block: the slot of `cursor`'s extent after the
   /// one it gave last if that is free, else as the class comment says;
   /// empty when the system has none.
   block_memory take_memory(block_cursor& cursor) noexcept;
-  /// Memory of its own for one block outside the budget (a zero block).
-  block_memory take_standalone() noexcept;
+  /// Memory for one block outside the budget that only ever holds zeros:
+  /// the pool's one page-less mapping of zeros (reserved), or memory of
+  /// its own (allocated, written with zeros by the caller).
+  block_memory take_zeros() noexcept;
   /// Frees the memory of a block (its header at `header`, in `slot`).
   void give_memory(void* header, std::uint8_t slot) noexcept;
-  /// Grows the pool, in whole extents with every page written, until its
-  /// extents hold at least `blocks` slots. Returns `kv_errc::capacity_exhausted`
+  /// Grows the pool, in whole extents with every page written, until it
+  /// holds at least `blocks` committed slots, and keeps that many committed
+  /// while they are free. Returns `kv_errc::capacity_exhausted`
   /// (nothing added) when `blocks` is past the budget rounded up to whole
   /// extents, `std::errc::not_enough_memory` when the system runs out (the
   /// extents added before stay, unused: trim() returns them).
   std::error_code preallocate(std::size_t blocks) noexcept;
-  /// Returns to the system every extent no block uses and no cursor fills.
+  /// Returns to the system the memory of every slot no block uses (of
+  /// reserved extents; of an allocated extent when no block uses it and no
+  /// cursor fills it).
   void trim() noexcept;
-  /// Extents now, and of them the unused (a test hook: src/testing/hooks.hpp).
+  /// Extents holding memory now, and of them the unused (a test hook:
+  /// src/testing/hooks.hpp).
   extent_census census() const noexcept;
+  /// Bytes of the pool's reserved extents that are memory now, by the
+  /// kernel's count (a test hook; 0 for allocated extents).
+  std::size_t resident_bytes() const noexcept;
   /// Installs `handler` (an empty one: none) for every later event. Free
   /// when none is installed: one atomic load per event site. Handlers
   /// replaced stay alive until the pool dies, as a call may still run them.
@@ -189,6 +221,11 @@ class block_pool : public ref_counted<block_pool> {
   std::size_t blocks_shared() const noexcept;
   std::uint64_t cow_copies() const noexcept { return cow_copies_.load(std::memory_order_relaxed); }
   std::uint64_t blocks_allocated() const noexcept { return allocated_.load(std::memory_order_relaxed); }
+  /// Bytes held: the committed slots' payloads, and the extents' headers
+  /// (and blocks of zeros of their own).
+  std::uint64_t bytes_allocated() const noexcept {
+    return allocated_.load(std::memory_order_relaxed) * payload_bytes_ + overhead_.load(std::memory_order_relaxed);
+  }
   void count_cow_copy() noexcept { cow_copies_.fetch_add(1, std::memory_order_relaxed); }
   void count_shared(std::int64_t delta) noexcept { shared_.fetch_add(delta, std::memory_order_relaxed); }
 
@@ -207,13 +244,30 @@ class block_pool : public ref_counted<block_pool> {
   };
 
   friend class block_cursor;
+  struct region;
+  /// Claims of a slot of `e` (the caller has just claimed it): counts it,
+  /// committing it if it was not, and returns its memory.
+  block_memory use_slot(extent& e, unsigned slot) noexcept;
+  /// Under extents_mutex_: gives back the pages of every committed slot of
+  /// `e`, which no block uses and no cursor fills.
+  void release_extent(extent& e) noexcept;
+  /// Under extents_mutex_: gives back the pages of every free committed
+  /// slot of `e`, taking each first so that no cursor claims it meanwhile.
+  void release_free_slots(extent& e) noexcept;
+  /// The pages of slot `slot` of `e`, held by the caller.
+  void release_slot(extent& e, unsigned slot) noexcept;
+  /// Under extents_mutex_: a reserved extent's address space, from the
+  /// newest region (or a new one), or null.
+  extent* carve() noexcept;
+  /// Slots the pool may have in its extents (saturating).
+  std::size_t slot_cap() const noexcept;
   /// Under extents_mutex_: the cursor lets go of its extent.
   void leave(block_cursor& cursor) noexcept;
   /// Under extents_mutex_: puts `e` on the stack its state calls for.
   void classify(extent& e) noexcept;
   /// Under extents_mutex_: a new extent (counted in slots_), or null.
   extent* grow() noexcept;
-  /// A new extent's memory, not yet the pool's (no lock), or null.
+  /// An allocated extent's memory, not yet the pool's (no lock), or null.
   extent* new_extent() const noexcept;
   /// Under extents_mutex_: counts `e` (from new_extent) as the pool's.
   void adopt(extent& e) noexcept;
@@ -232,8 +286,14 @@ class block_pool : public ref_counted<block_pool> {
   // Read-mostly.
   const std::size_t payload_bytes_;
   const std::size_t max_blocks_;
-  const std::size_t max_slots_;  // max_blocks_ rounded up to whole extents
-  std::pmr::memory_resource* const memory_;  // null: operator new
+  std::pmr::memory_resource* const memory_;  // null: reserved pages (or operator new)
+  const bool reserved_;                      // extents of reserved pages
+  const unsigned extent_slots_;              // reserved_ or allocated_extent_slots
+  const std::size_t max_slots_;              // max_blocks_ rounded up to whole extents
+  const bool whole_pages_;                   // a reserved slot's keys (and values) are whole pages
+  std::size_t header_area_ = 0;              // reserved: an extent's headers, in whole pages
+  std::size_t stride_ = 0;                   // reserved: an extent's address space
+  void* zeros_ = nullptr;                    // reserved: payload_bytes_ of zeros, never written
   std::atomic<const event_sink*> sink_{nullptr};  // null: no handler
   std::atomic<std::size_t> failures_{0};          // see fail_next_allocations
   // Written by every allocation and free.
@@ -243,7 +303,9 @@ class block_pool : public ref_counted<block_pool> {
   std::atomic<std::int64_t> shared_{0};
   std::atomic<std::uint64_t> cow_copies_{0};
   std::atomic<std::uint64_t> allocated_{0};
-  std::atomic<std::size_t> reserved_{0};
+  std::atomic<std::size_t> reserved_blocks_{0};
+  std::atomic<std::size_t> keep_{0};          // committed free slots kept (reserved extents)
+  std::atomic<std::uint64_t> overhead_{0};    // bytes_allocated() beyond the slots' payloads
   // What the reclaimer keeps (set_kept), written under its lock.
   std::atomic<std::size_t> kept_cached_{0};
   std::atomic<std::size_t> kept_idle_{0};
@@ -256,6 +318,7 @@ class block_pool : public ref_counted<block_pool> {
   extent* all_ = nullptr;      // extents_mutex_; every extent (extent::next_all, prev_all)
   extent* unused_ = nullptr;   // extents_mutex_; a stack (extent::next_unused), checked when popped
   extent* partial_ = nullptr;  // extents_mutex_; a stack (extent::next_partial), checked when popped
+  region* regions_ = nullptr;  // extents_mutex_; reserved: the mappings extents are carved from, newest first
   std::size_t slots_ = 0;      // extents_mutex_; slots of every extent
   std::size_t cursors_ = 0;    // extents_mutex_; cursors filling an extent
   alignas(64) std::mutex sink_mutex_;   // serialises set_event_handler

@@ -30,6 +30,10 @@ extent_census census(const kv_block_pool& pool) noexcept {
   const ref_ptr<block_pool> state = pool_access::state(pool);
   return state ? state->census() : extent_census{};
 }
+std::size_t resident_bytes(const kv_block_pool& pool) noexcept {
+  const ref_ptr<block_pool> state = pool_access::state(pool);
+  return state ? state->resident_bytes() : 0;
+}
 std::size_t pools_alive() noexcept { return block_pool::pools_alive(); }
 std::size_t pools_destroyed_unbalanced() noexcept { return block_pool::pools_destroyed_unbalanced(); }
 std::uint64_t mailbox_bytes_allocated() noexcept { return mailbox::bytes_allocated(); }

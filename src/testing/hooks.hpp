@@ -16,9 +16,12 @@ namespace detail {
 /// The next `n` requests of `pool` for a block's memory, or for an extent's
 /// in `preallocate`, fail as if the system had none.
 void fail_next_allocations(const kv_block_pool& pool, std::size_t n) noexcept;
-/// Extents of `pool` now, and of them those no block uses and no cursor
-/// fills (what trim() returns to the system).
+/// Extents of `pool` holding memory now, and of them those no block uses
+/// and no cursor fills (what trim() returns to the system).
 extent_census census(const kv_block_pool& pool) noexcept;
+/// Bytes of `pool`'s reserved extents that are memory now, by the kernel's
+/// count (mincore); 0 for a pool with a memory resource.
+std::size_t resident_bytes(const kv_block_pool& pool) noexcept;
 /// Of the allocations of block tables, table chunks and epochs (by any
 /// cache) from now on, `after` succeed and the next throws std::bad_alloc.
 void fail_metadata_allocation(std::size_t after) noexcept;

@@ -13,6 +13,7 @@
 #include <functional>
 #include <future>
 #include <latch>
+#include <memory_resource>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -34,11 +35,29 @@ using concurrency::token_data;
 /// What a cache should hold (see reference_cache).
 using model = reference_cache<int>;
 
-/// Each cache keeps one block of zeros outside the budget, in memory of its
-/// own; it is counted in blocks_allocated while its cache lives.
+/// With a memory resource, each cache keeps one block of zeros outside the
+/// budget, in memory of its own; it is counted in blocks_allocated while
+/// its cache lives. Without one (reserved extents), the zeros are address
+/// space that is no memory, counted nowhere.
 inline constexpr std::size_t zero_blocks_per_cache = 1;
-/// Blocks per extent: the slots a cursor fills one after another.
+/// Blocks per extent of a pool with a memory resource: the slots a cursor
+/// fills one after another.
 inline constexpr std::size_t slots = kv_block_pool::extent_blocks;
+
+/// Whether `pool` keeps its blocks in reserved extents (no memory
+/// resource): memory is the slots committed, not whole extents.
+inline bool reserved(const kv_block_pool& pool) {
+  return pool.blocks_per_extent() == kv_block_pool::reserved_extent_blocks;
+}
+/// The blocks of zeros each cache of `pool` counts in blocks_allocated.
+inline std::size_t zero_blocks(const kv_block_pool& pool) { return reserved(pool) ? 0 : zero_blocks_per_cache; }
+
+/// A pool for caches of `config`, without a memory resource (reserved
+/// extents) or with the default one (extents allocated whole).
+inline kv_block_pool pool_for(const kv_cache_config& config, bool with_resource, kv_pool_limits limits = {}) {
+  if (with_resource) limits.memory = std::pmr::new_delete_resource();
+  return kv_block_pool::for_caches(config, limits);
+}
 
 /// The error `make` throws as std::system_error; {} if none.
 inline ghostlink::error_code thrown_by(const std::function<void()>& make) {

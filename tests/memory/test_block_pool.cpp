@@ -6,6 +6,8 @@
 #include "memory/block.hpp"
 #include "testing/hooks.hpp"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <latch>
 #include <thread>
@@ -175,44 +177,53 @@ TEST_CASE("stats count blocks in use, free and allocated; freed slots are reused
           "[block_pool]") {
   const kv_cache_config config = small_config();
   const std::size_t bt = config.block_tokens;
-  kv_block_pool pool = kv_block_pool::for_caches(config);
+  const bool with_resource = GENERATE(false, true);
+  INFO((with_resource ? "with a memory resource" : "reserved extents"));
+  kv_block_pool pool = pool_for(config, with_resource);
+  const std::size_t slots = pool.blocks_per_extent(), zeros = zero_blocks(pool);
   asio::thread_pool io(2);
   tracked c{layer_kv_cache(io, config, pool), {}};
   c.initialize(1);
   std::size_t peak = 0;
   // After each step: in use is what the model holds (no step below copies a
-  // block); memory is whole extents plus the cache's zero block, and every
-  // slot not in use is free.
-  auto check = [&](const char* step, std::size_t extents) {
+  // block); memory is whole extents plus the cache's zero block (with a
+  // resource) or the slots ever claimed (reserved: blocks smaller than a
+  // page go back with their extent), and every slot of it not in use is
+  // free.
+  auto check = [&](const char* step, std::size_t extents, std::size_t claimed) {
     const kv_pool_stats s = pool.stats();
     const std::size_t in_use = blocks_for(c.expected.stored, bt);
+    const std::size_t memory = with_resource ? extents * slots : claimed;
     peak = std::max(peak, in_use);
     INFO(step << ": in use " << s.blocks_in_use << ", free " << s.blocks_free << ", peak " << s.peak_blocks_in_use
               << ", allocated " << s.blocks_allocated << "; expected in use " << in_use << ", peak " << peak
-              << ", extents " << extents);
+              << ", extents " << extents << ", slots " << memory);
     CHECK(s.blocks_in_use == in_use);
     CHECK(s.peak_blocks_in_use == peak);
-    CHECK(s.blocks_allocated == extents * slots + zero_blocks_per_cache);
-    CHECK(s.blocks_free == extents * slots - in_use);
+    CHECK(s.blocks_allocated == memory + zeros);
+    CHECK(s.blocks_free == memory - in_use);
     CHECK(ghostlink::detail::census(pool).extents == extents);
     CHECK(c.cache.stats().bytes_in_use == in_use * pool.block_bytes());
     CHECK(c.diff() == "");
   };
-  check("initialized", 0);
+  check("initialized", 0, 0);
   c.write(0, 3 * bt, 1);
-  check("three blocks written: one extent", 1);
+  check("three blocks written: one extent", 1, 3);
   c.truncate(0);
-  check("truncated to 0: the extent stays the cache's", 1);
+  check("truncated to 0: the extent stays the cache's", 1, 3);
   c.write(0, 2 * bt, 2);
-  check("two blocks written again, in the same extent", 1);
+  check("two blocks written again, in the same extent (the next slots of it)", 1, 5);
   pool.trim();
-  check("trimmed: the extent holds blocks", 1);
+  check("trimmed: the extent holds blocks", 1, 5);
   c.cache = layer_kv_cache{};
   io.join();  // the actor's last drain has let go of the cache's blocks and its cursor
   pool.trim();
   CHECK(pool.stats().blocks_in_use == 0);
   CHECK(pool.stats().blocks_allocated == 0);
   CHECK(pool.stats().blocks_free == 0);
+  // Reserved: the address space stays the pool's, with the extent's
+  // headers (two pages).
+  CHECK(pool.stats().bytes_allocated <= (with_resource ? 0 : 2 * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE))));
   CHECK(ghostlink::detail::census(pool).extents == 0);
 }
 
@@ -247,10 +258,13 @@ TEST_CASE("the blocks a cache fills one after another are one run of keys and on
 
 TEST_CASE("caches filled at once from two threads each find their blocks in runs of whole extents", "[block_pool]") {
   kv_cache_config config = small_config();
-  config.max_tokens_per_seq = 4096;
+  config.max_tokens_per_seq = 8192;
   const std::size_t bt = config.block_tokens;
+  const bool with_resource = GENERATE(false, true);
+  INFO((with_resource ? "with a memory resource" : "reserved extents"));
+  kv_block_pool pool = pool_for(config, with_resource);
+  const std::size_t slots = pool.blocks_per_extent();
   const std::size_t blocks = 5 * slots + 3;  // 5 whole extents and part of one
-  kv_block_pool pool = kv_block_pool::for_caches(config);
   asio::thread_pool io(2);
   constexpr std::size_t caches = 6;
   std::vector<tracked> t;
@@ -279,16 +293,23 @@ TEST_CASE("caches filled at once from two threads each find their blocks in runs
     CHECK(runs == blocks_for(blocks, slots));
     CHECK(t[i].diff() == "");
   }
-  // Memory: the blocks in whole extents (each cache's last one part used).
-  CHECK(pool.stats().blocks_allocated == caches * blocks_for(blocks, slots) * slots + caches);
+  // Memory: the blocks in whole extents (each cache's last one part used)
+  // and the zero blocks; reserved, the blocks alone.
+  if (with_resource)
+    CHECK(pool.stats().blocks_allocated == caches * blocks_for(blocks, slots) * slots + caches);
+  else
+    CHECK(pool.stats().blocks_allocated == caches * blocks);
 }
 
 TEST_CASE("a budget not a multiple of an extent is reached exactly, from slots any cache freed", "[block_pool]") {
   kv_cache_config config = small_config();
   config.max_tokens_per_seq = 4096;
   const std::size_t bt = config.block_tokens;
+  const bool with_resource = GENERATE(false, true);
+  INFO((with_resource ? "with a memory resource" : "reserved extents"));
+  const std::size_t slots = with_resource ? kv_block_pool::extent_blocks : kv_block_pool::reserved_extent_blocks;
   const std::size_t budget = slots + slots / 2 + 1;
-  kv_block_pool pool = kv_block_pool::for_caches(config, {.max_blocks = budget});
+  kv_block_pool pool = pool_for(config, with_resource, {.max_blocks = budget});
   asio::thread_pool io(2);
   tracked a{layer_kv_cache(io, config, pool), {}}, b{layer_kv_cache(io, config, pool), {}};
   a.initialize(1);
@@ -303,13 +324,18 @@ TEST_CASE("a budget not a multiple of an extent is reached exactly, from slots a
   CHECK(pool.stats().blocks_in_use == budget);
   CHECK(write(a.cache, a.expected.stored, a.expected.stored + 1, 99) == kv_errc::capacity_exhausted);
   CHECK(pool.stats().blocks_allocated <= blocks_for(budget, slots) * slots + 2);  // + the zero blocks
-  // b's blocks, freed, are a's to take: no more memory.
+  // b's blocks, freed, are a's to take: no more memory (with a resource);
+  // reserved, a fills fresh slots of its extents while the pool keeps up
+  // to an extent's worth of freed slots.
   const std::uint64_t allocated = pool.stats().blocks_allocated;
   const std::size_t freed = blocks_for(b.expected.stored, bt);
   b.truncate(0);
   for (std::size_t i = 0; i < freed; ++i) a.write(a.expected.stored, a.expected.stored + bt, 100 + static_cast<int>(i));
   CHECK(pool.stats().blocks_in_use == budget);
-  CHECK(pool.stats().blocks_allocated == allocated);
+  if (with_resource)
+    CHECK(pool.stats().blocks_allocated == allocated);
+  else
+    CHECK(pool.stats().blocks_allocated <= budget + slots);
   CHECK(write(a.cache, a.expected.stored, a.expected.stored + 1, 99) == kv_errc::capacity_exhausted);
   CHECK(a.diff() == "");
   CHECK(b.diff() == "");
@@ -328,6 +354,7 @@ TEST_CASE("a cache that appends and rolls back again and again holds at most two
     c.truncate(bt);
   }
   INFO("allocated " << pool.stats().blocks_allocated << ", free " << pool.stats().blocks_free);
+  const std::size_t slots = pool.blocks_per_extent();
   CHECK(pool.stats().blocks_allocated <= 2 * slots + 1);
   CHECK(c.diff() == "");
 }
