@@ -57,7 +57,7 @@ double run(const options& o, std::size_t batch, bool batched) {
   // One pool for every sequence, its memory written before the clock
   // starts: the figure is the cache's cost, not the system's page faults.
   kv_block_pool blocks = kv_block_pool::for_caches<float>(config);
-  blocks.preallocate(preallocated_blocks(config, batch * o.layers));
+  blocks.preallocate(preallocated_blocks(config, batch * o.layers, blocks.blocks_per_extent()));
   const double laps = laps_per_second(o.seconds, [&] {
     std::vector<sequence_kv_cache> seqs;
     for (std::size_t b = 0; b < batch; ++b) seqs.emplace_back(threads, o.layers, config, blocks);

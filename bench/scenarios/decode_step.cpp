@@ -130,7 +130,7 @@ double run_ghostlink(const options& o, const std::vector<token>& data, shape how
   // as the lock designs allocate each buffer at its longest: each lap's
   // caches take their blocks from it, with no page fault while they decode.
   kv_block_pool blocks = kv_block_pool::for_caches<T>(decode_config(o));
-  blocks.preallocate(preallocated_blocks(decode_config(o), o.sequences * o.layers));
+  blocks.preallocate(preallocated_blocks(decode_config(o), o.sequences * o.layers, blocks.blocks_per_extent()));
   return steps_per_second(o, [&] {
     std::vector<std::vector<basic_layer_kv_cache<T>>> layered(o.sequences);
     std::vector<basic_sequence_kv_cache<T>> seqs;

@@ -104,11 +104,12 @@ class kv_block_reservation {
 /// - **Without a memory resource** (the default, on Linux), an extent is
 ///   `reserved_extent_blocks` (64) blocks of address space, which becomes
 ///   memory page by page as blocks are written: a cache's runs are 1,024
-///   tokens long at `block_tokens` 16, and hold no memory ahead of its
-///   tokens. A freed block's memory is kept for reuse while the pool keeps
-///   fewer than `reserved_extent_blocks` freed blocks (or what `preallocate`
-///   asked for); past that it goes back to the system at once. The pool's
-///   blocks of zeros are address space only.
+///   tokens long at `block_tokens` 16, and it holds no memory ahead of its
+///   tokens. A freed block's memory is kept for reuse, and growth takes it
+///   before new memory once the pool keeps more than 64 free blocks (or
+///   what `preallocate` asked for); an extent left with no block gives its
+///   memory back to the system then, in one call. The pool's blocks of
+///   zeros are address space only.
 /// - **With a memory resource** (`kv_pool_limits::memory`, or a system
 ///   without Linux's reserved pages), an extent is `extent_blocks` (16)
 ///   blocks allocated whole. A cache that has used up its extent takes one
@@ -121,15 +122,21 @@ class kv_block_reservation {
 /// block_bytes()` and `T = block_tokens`:
 ///
 /// - without a memory resource: `ceil(tokens / T) * B` (the last block is
-///   memory only as far as its pages are written), plus 8 KiB of extent
-///   headers per 64 blocks or part of them, plus its share of the pool's
-///   kept free blocks: `max(64, preallocated) * B` at most, for the whole
-///   pool;
+///   memory only as far as its pages are written), plus two pages of
+///   extent headers per 64 blocks or part of them;
 /// - with a memory resource: `ceil(tokens / T) * B`, plus the rest of the
 ///   extent it fills (up to `15 * B`), plus its block of zeros (`B`, once
 ///   it has skipped positions or is read past its stored tokens);
 /// - either way, about 1 KiB of block table and epoch per 1,024 tokens, and
 ///   its actor (a few KiB).
+///
+/// Besides, the pool keeps the blocks caches freed, for reuse: at most the
+/// most blocks in use at once, less those in use now. Without a memory
+/// resource, 64 of them (or what `preallocate` asked for) are kept always,
+/// and beyond that each extent whose blocks are all free is given back;
+/// `trim()` gives back all of them. A pool's memory never passes its most
+/// blocks in use at once, in whole extents, plus one extent per cache
+/// filling one.
 ///
 /// `stats().bytes_allocated` is what the pool holds now; `blocks_free`,
 /// what of it no block uses.

@@ -81,6 +81,18 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
         return true;
     }
   }
+  /// Claims the lowest free slot that holds memory; false when none does.
+  bool claim_committed(unsigned& slot) noexcept {
+    mask m = free_mask.load(std::memory_order_relaxed);
+    for (;;) {
+      const mask open = m & committed_mask.load(std::memory_order_relaxed);
+      if (open == 0) return false;
+      slot = static_cast<unsigned>(std::countr_zero(open));
+      if (free_mask.compare_exchange_weak(m, m & ~(mask{1} << slot), std::memory_order_acquire,
+                                          std::memory_order_relaxed))
+        return true;
+    }
+  }
   block_memory memory(unsigned slot, std::size_t half) noexcept {
     return {headers[slot], keys + slot * half, values + slot * half, static_cast<std::uint8_t>(slot)};
   }
@@ -433,29 +445,46 @@ block_memory block_pool::use_slot(extent& e, unsigned slot) noexcept {
 block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
   if (count_down(failures_) > 0) return {};  // the next `failures_` fail
   unsigned slot = 0;
-  // The slot after the cursor's last: no lock.
-  if (cursor.extent_ && cursor.extent_->claim(cursor.next_, slot)) {
-    cursor.next_ = slot + 1;
-    return use_slot(*cursor.extent_, slot);
+  // A slot of the cursor's extent, no lock: one freed there that still
+  // holds memory (after a truncate, the slot after the cache's last block
+  // again), else the next one from the cursor's last on; but memory is
+  // committed only while the pool keeps no more free slots than it may
+  // (reserved): past that, free memory elsewhere is taken first.
+  if (extent* const own = cursor.extent_) {
+    if (own->claim_committed(slot) ||
+        ((!reserved_ || free_count_.load(std::memory_order_relaxed) <= keep_.load(std::memory_order_relaxed)) &&
+         own->claim(cursor.next_, slot))) {
+      cursor.next_ = slot + 1;
+      return use_slot(*own, slot);
+    }
   }
   const std::lock_guard lock(extents_mutex_);
   leave(cursor);
-  // An unused extent; else a new one (reserved: address space alone;
-  // allocated: while the free slots spread over the others are fewer than
-  // an extent per cursor); else any free slot; else a new extent after
-  // all, within the cap; else a slot freed while its extent waits for this
-  // lock to go on a stack.
+  // An unused extent; else a new one while the free slots spread over the
+  // others are few (reserved: no more than the pool keeps; allocated: fewer
+  // than an extent per cursor); else a free slot of another extent (one
+  // holding memory first); else a new extent after all, within the cap;
+  // else a slot freed while its extent waits for this lock to go on a
+  // stack.
   extent* e = nullptr;
   const auto take = [&](extent* candidate) {
-    if (candidate && candidate->claim(0, slot)) e = candidate;
+    if (candidate && (candidate->claim_committed(slot) || candidate->claim(0, slot))) e = candidate;
     return e != nullptr;
   };
+  // Reserved, with more free memory than the pool keeps: a slot holding
+  // memory, wherever it is, before any that would take more. A scan, but
+  // only until the pool's free memory is down to what it keeps.
+  if (reserved_ && free_count_.load(std::memory_order_relaxed) > keep_.load(std::memory_order_relaxed))
+    for (extent* x = all_; !e && x; x = x->next_all)
+      if (x->claim_committed(slot)) e = x;
   while (!e && unused_) {
     extent* const top = std::exchange(unused_, unused_->next_unused);
     top->on_unused = false;
     if (top->unused()) take(top);
   }
-  if (!e && (reserved_ || free_count_.load(std::memory_order_relaxed) < std::size_t{extent_slots_} * (cursors_ + 1)))
+  const std::size_t free = free_count_.load(std::memory_order_relaxed);
+  if (!e && (reserved_ ? free <= keep_.load(std::memory_order_relaxed)
+                       : free < std::size_t{extent_slots_} * (cursors_ + 1)))
     take(grow());
   while (!e && partial_) {
     extent* const top = partial_;
@@ -511,12 +540,7 @@ void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
   // Counted until done with `e`, so that no trim() frees it before this
   // free has put it on its stack.
   e.freeing.fetch_add(1, std::memory_order_relaxed);
-  // Reserved: the slot's pages go back when the pool keeps enough free
-  // slots without them (still this free's to do: the slot is not free yet).
-  if (whole_pages_ && free_count_.load(std::memory_order_relaxed) >= keep_.load(std::memory_order_relaxed))
-    release_slot(e, slot);
-  else
-    free_count_.fetch_add(1, std::memory_order_relaxed);
+  free_count_.fetch_add(1, std::memory_order_relaxed);
   // release: this block's use of the slot happens-before the next claim.
   const extent::mask bit = extent::mask{1} << slot;
   const extent::mask before = e.free_mask.fetch_or(bit, std::memory_order_acq_rel);

@@ -91,13 +91,15 @@ struct block_account : ref_counted<block_account> {
 ///   carved from regions mapped a few hundred MiB at a time. A slot's pages
 ///   become memory when its first block is written: a slot is *committed*
 ///   from its first claim until its pages are released. Freed slots stay
-///   committed, for reuse, while the pool keeps fewer than `keep_` of them
-///   (an extent's worth, or what preallocate() asked); past that a freed
-///   slot's pages go back to the system at once (whole pages of it: a slot
-///   smaller than a page goes back with its extent, once no block uses
-///   that). A cursor that has used up its extent takes one no block uses,
-///   else a new one (address space alone): memory is the committed slots,
-///   which follow the blocks in use.
+///   committed, for reuse: a cursor that has used up its extent takes one
+///   no block uses, else a new one (address space alone) while the pool
+///   keeps no more than `keep_` free committed slots (an extent's worth, or
+///   what preallocate() asked), else a free committed slot of another
+///   extent. An extent left with no block and no cursor gives its pages
+///   back at once while the pool keeps more than `keep_` free slots: one
+///   system call per 64 blocks freed, never one per block (a call flushes
+///   every processor's TLB). So memory is the blocks in use, plus free
+///   blocks up to the most in use at once, which growth reuses first.
 /// - **Allocated extents** (a memory resource, or no reserved pages):
 ///   `allocated_extent_slots` slots in one allocation, all committed. A
 ///   cursor that has used up its extent takes one no block uses, else a new
@@ -107,7 +109,8 @@ struct block_account : ref_counted<block_account> {
 ///   extent per filling cache (plus one) of the blocks in use.
 ///
 /// A freed block's slot is free at once. trim() gives back every committed
-/// slot no block uses (reserved), or every extent no block uses and no
+/// slot no block uses (reserved: whole pages of it; a slot smaller than a
+/// page goes back with its extent), or every extent no block uses and no
 /// cursor fills (allocated).
 ///
 /// Layout: what a cache reads on every allocation (the block size, the
