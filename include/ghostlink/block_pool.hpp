@@ -101,7 +101,9 @@ class kv_block_reservation {
 /// keys and values after values; a snapshot's `for_each_block` hands such
 /// blocks over as one run, and `attend` reads them as it reads one buffer.
 ///
-/// - **Without a memory resource** (the default, on Linux), an extent is
+/// - **Without a memory resource** (the default, on Linux, for blocks whose
+///   keys fill a page or more: 4 KiB, 16 tokens of 128 elements of
+///   `half`), an extent is
 ///   `reserved_extent_blocks` (64) blocks of address space, which becomes
 ///   memory page by page as blocks are written: a cache's runs are 1,024
 ///   tokens long at `block_tokens` 16, and it holds no memory ahead of its
@@ -110,8 +112,9 @@ class kv_block_reservation {
 ///   what `preallocate` asked for); an extent left with no block gives its
 ///   memory back to the system then, in one call. The pool's blocks of
 ///   zeros are address space only.
-/// - **With a memory resource** (`kv_pool_limits::memory`, or a system
-///   without Linux's reserved pages), an extent is `extent_blocks` (16)
+/// - **With a memory resource** (`kv_pool_limits::memory`), on a system
+///   without Linux's reserved pages, or for smaller blocks (an extent of
+///   them is at most 128 KiB), an extent is `extent_blocks` (16)
 ///   blocks allocated whole. A cache that has used up its extent takes one
 ///   no block uses, else a new one, else any free slot: the pool grows by
 ///   a new extent only while fewer than 16 free slots per cache filling one
@@ -124,15 +127,15 @@ class kv_block_reservation {
 /// - without a memory resource: `ceil(tokens / T) * B` (the last block is
 ///   memory only as far as its pages are written), plus two pages of
 ///   extent headers per 64 blocks or part of them;
-/// - with a memory resource: `ceil(tokens / T) * B`, plus the rest of the
+/// - otherwise: `ceil(tokens / T) * B`, plus the rest of the
 ///   extent it fills (up to `15 * B`), plus its block of zeros (`B`, once
 ///   it has skipped positions or is read past its stored tokens);
 /// - either way, about 1 KiB of block table and epoch per 1,024 tokens, and
 ///   its actor (a few KiB).
 ///
 /// Besides, the pool keeps the blocks caches freed, for reuse: at most the
-/// most blocks in use at once, less those in use now. Without a memory
-/// resource, 64 of them (or what `preallocate` asked for) are kept always,
+/// most blocks in use at once, less those in use now. With reserved
+/// extents, 64 of them (or what `preallocate` asked for) are kept always,
 /// and beyond that each extent whose blocks are all free is given back;
 /// `trim()` gives back all of them. A pool's memory never passes its most
 /// blocks in use at once, in whole extents, plus one extent per cache

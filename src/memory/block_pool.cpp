@@ -130,7 +130,7 @@ block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::p
     : payload_bytes_(payload_bytes),
       max_blocks_(max_blocks),
       memory_(memory),
-      reserved_(memory == nullptr && pages::supported()),
+      reserved_(memory == nullptr && pages::supported() && payload_bytes / 2 >= pages::size()),
       extent_slots_(reserved_ ? reserved_extent_slots : allocated_extent_slots),
       max_slots_(max_blocks > std::numeric_limits<std::size_t>::max() - extent_slots_
                      ? std::numeric_limits<std::size_t>::max()

@@ -86,7 +86,8 @@ struct block_account : ref_counted<block_account> {
 /// slot][values of every slot]. A cursor takes the slots of one extent in
 /// order, so a cache's blocks lie in runs of an extent's length.
 ///
-/// - **Reserved extents** (a pool with no memory resource, on Linux):
+/// - **Reserved extents** (a pool with no memory resource, on Linux, whose
+///   blocks' keys are a page or more: smaller blocks gain nothing by it):
 ///   `reserved_extent_slots` slots of address space (src/memory/pages.hpp),
 ///   carved from regions mapped a few hundred MiB at a time. A slot's pages
 ///   become memory when its first block is written: a slot is *committed*
@@ -100,7 +101,8 @@ struct block_account : ref_counted<block_account> {
 ///   system call per 64 blocks freed, never one per block (a call flushes
 ///   every processor's TLB). So memory is the blocks in use, plus free
 ///   blocks up to the most in use at once, which growth reuses first.
-/// - **Allocated extents** (a memory resource, or no reserved pages):
+/// - **Allocated extents** (a memory resource, no reserved pages, or
+///   blocks whose keys are less than a page):
 ///   `allocated_extent_slots` slots in one allocation, all committed. A
 ///   cursor that has used up its extent takes one no block uses, else a new
 ///   one while fewer than an extent's slots per cursor (plus one extent)

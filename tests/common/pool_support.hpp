@@ -52,8 +52,18 @@ inline bool reserved(const kv_block_pool& pool) {
 /// The blocks of zeros each cache of `pool` counts in blocks_allocated.
 inline std::size_t zero_blocks(const kv_block_pool& pool) { return reserved(pool) ? 0 : zero_blocks_per_cache; }
 
+/// `c` with tokens of 256 floats: a block's keys fill a page (4 KiB) at 4
+/// tokens a block, so that a pool without a memory resource reserves its
+/// extents (smaller blocks take extents allocated whole).
+inline kv_cache_config paged(kv_cache_config c) {
+  c.num_heads = 4;
+  c.head_dim = 64;
+  return c;
+}
+
 /// A pool for caches of `config`, without a memory resource (reserved
-/// extents) or with the default one (extents allocated whole).
+/// extents, for blocks of a page or more) or with the default one (extents
+/// allocated whole).
 inline kv_block_pool pool_for(const kv_cache_config& config, bool with_resource, kv_pool_limits limits = {}) {
   if (with_resource) limits.memory = std::pmr::new_delete_resource();
   return kv_block_pool::for_caches(config, limits);

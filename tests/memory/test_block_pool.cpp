@@ -175,11 +175,12 @@ TEST_CASE("two caches on one pool draw on one budget: blocks one holds the other
 
 TEST_CASE("stats count blocks in use, free and allocated; freed slots are reused and trim releases unused extents",
           "[block_pool]") {
-  const kv_cache_config config = small_config();
-  const std::size_t bt = config.block_tokens;
   const bool with_resource = GENERATE(false, true);
   INFO((with_resource ? "with a memory resource" : "reserved extents"));
+  const kv_cache_config config = with_resource ? small_config() : paged(small_config());
+  const std::size_t bt = config.block_tokens;
   kv_block_pool pool = pool_for(config, with_resource);
+  REQUIRE(reserved(pool) == !with_resource);
   const std::size_t slots = pool.blocks_per_extent(), zeros = zero_blocks(pool);
   asio::thread_pool io(2);
   tracked c{layer_kv_cache(io, config, pool), {}};
@@ -187,9 +188,8 @@ TEST_CASE("stats count blocks in use, free and allocated; freed slots are reused
   std::size_t peak = 0;
   // After each step: in use is what the model holds (no step below copies a
   // block); memory is whole extents plus the cache's zero block (with a
-  // resource) or the slots ever claimed (reserved: blocks smaller than a
-  // page go back with their extent), and every slot of it not in use is
-  // free.
+  // resource) or the slots holding memory (reserved), and every slot of it
+  // not in use is free.
   auto check = [&](const char* step, std::size_t extents, std::size_t claimed) {
     const kv_pool_stats s = pool.stats();
     const std::size_t in_use = blocks_for(c.expected.stored, bt);
@@ -214,7 +214,7 @@ TEST_CASE("stats count blocks in use, free and allocated; freed slots are reused
   c.write(0, 2 * bt, 2);
   check("two blocks written again, into slots freed (they hold memory)", 1, 3);
   pool.trim();
-  check("trimmed: the extent holds blocks", 1, 3);
+  check("trimmed: the extent holds blocks (reserved: the free slot's pages went back)", 1, 2);
   c.cache = layer_kv_cache{};
   io.join();  // the actor's last drain has let go of the cache's blocks and its cursor
   pool.trim();
@@ -257,12 +257,13 @@ TEST_CASE("the blocks a cache fills one after another are one run of keys and on
 }
 
 TEST_CASE("caches filled at once from two threads each find their blocks in runs of whole extents", "[block_pool]") {
-  kv_cache_config config = small_config();
-  config.max_tokens_per_seq = 8192;
-  const std::size_t bt = config.block_tokens;
   const bool with_resource = GENERATE(false, true);
   INFO((with_resource ? "with a memory resource" : "reserved extents"));
+  kv_cache_config config = with_resource ? small_config() : paged(small_config());
+  config.max_tokens_per_seq = 8192;
+  const std::size_t bt = config.block_tokens;
   kv_block_pool pool = pool_for(config, with_resource);
+  REQUIRE(reserved(pool) == !with_resource);
   const std::size_t slots = pool.blocks_per_extent();
   const std::size_t blocks = 5 * slots + 3;  // 5 whole extents and part of one
   asio::thread_pool io(2);
@@ -302,14 +303,15 @@ TEST_CASE("caches filled at once from two threads each find their blocks in runs
 }
 
 TEST_CASE("a budget not a multiple of an extent is reached exactly, from slots any cache freed", "[block_pool]") {
-  kv_cache_config config = small_config();
-  config.max_tokens_per_seq = 4096;
-  const std::size_t bt = config.block_tokens;
   const bool with_resource = GENERATE(false, true);
   INFO((with_resource ? "with a memory resource" : "reserved extents"));
+  kv_cache_config config = with_resource ? small_config() : paged(small_config());
+  config.max_tokens_per_seq = 4096;
+  const std::size_t bt = config.block_tokens;
   const std::size_t slots = with_resource ? kv_block_pool::extent_blocks : kv_block_pool::reserved_extent_blocks;
   const std::size_t budget = slots + slots / 2 + 1;
   kv_block_pool pool = pool_for(config, with_resource, {.max_blocks = budget});
+  REQUIRE(reserved(pool) == !with_resource);
   asio::thread_pool io(2);
   tracked a{layer_kv_cache(io, config, pool), {}}, b{layer_kv_cache(io, config, pool), {}};
   a.initialize(1);
