@@ -48,6 +48,7 @@ def pool_series(p):
         'ghostlink_kv_blocks_shared': p['blocks_shared'],
         'ghostlink_kv_blocks_free': p['blocks_free'],
         'ghostlink_kv_blocks_allocated': p['blocks_allocated'],
+        'ghostlink_kv_allocated_bytes': p['bytes_allocated'],
         'ghostlink_kv_block_size_bytes': p['block_bytes'],
         'ghostlink_kv_in_use_bytes': p['blocks_in_use'] * p['block_bytes'],
         'ghostlink_kv_block_copies_total': p['cow_copies'],

@@ -85,6 +85,7 @@ void json(std::ostream& out, const std::vector<gl::kv_metrics_source>& sources) 
     field(out, "blocks_shared", p.blocks_shared);
     field(out, "cow_copies", p.cow_copies);
     field(out, "blocks_allocated", p.blocks_allocated);
+    field(out, "bytes_allocated", p.bytes_allocated);
     field(out, "blocks_cached", p.blocks_cached);
     field(out, "blocks_cached_idle", p.blocks_cached_idle);
     field(out, "blocks_reserved", p.blocks_reserved);

@@ -62,6 +62,7 @@ kv_pool_stats some_pool() {
   p.blocks_shared = 2;
   p.cow_copies = 7;
   p.blocks_allocated = 45;
+  p.bytes_allocated = 45 * 256 + 8192;  // the blocks and two extents' headers
   p.blocks_cached = 20;
   p.blocks_cached_idle = 15;
   p.blocks_reserved = 5;
@@ -101,6 +102,7 @@ TEST_CASE("a pool's readings become gauges and a counter with HELP, TYPE and the
   CHECK(value_of(text, R"(ghostlink_kv_blocks_shared{pool="m"})") == "2");
   CHECK(value_of(text, R"(ghostlink_kv_blocks_free{pool="m"})") == "3");
   CHECK(value_of(text, R"(ghostlink_kv_blocks_allocated{pool="m"})") == "45");
+  CHECK(value_of(text, R"(ghostlink_kv_allocated_bytes{pool="m"})") == "19712");
   CHECK(value_of(text, R"(ghostlink_kv_block_size_bytes{pool="m"})") == "256");
   CHECK(value_of(text, R"(ghostlink_kv_in_use_bytes{pool="m"})") == "10240");
   CHECK(value_of(text, R"(ghostlink_kv_block_copies_total{pool="m"})") == "7");
