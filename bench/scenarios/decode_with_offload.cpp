@@ -138,8 +138,8 @@ outcome run_ghostlink(const options& o, const token_rows& prompt, const std::vec
   asio::thread_pool threads(o.threads);
   const kv_cache_config config = offload_config(o);
   auto pool = kv_block_pool::for_caches(config, {.memory = &resource});
-  pool.preallocate(
-      preallocated_blocks(config, o.sequences * o.layers, pool.blocks_per_extent()));  // as the baseline's buffers, before the clock starts
+  pool.preallocate(preallocated_blocks(
+      config, o.sequences * o.layers, pool.blocks_per_extent()));  // as the baseline's buffers, before the clock starts
   asio::thread_pool io(offload_threads);  // outlives the store
   const auto store = std::make_shared<kv_file_store>(dir.path, kv_file_store_limits{.io_executor = io.get_executor()});
   kv_prefix_cache cache(o.layers, config, pool,

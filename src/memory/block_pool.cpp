@@ -42,7 +42,7 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   static constexpr unsigned max_slots = 64;
   static_assert(block_pool::reserved_extent_slots <= max_slots && block_pool::allocated_extent_slots <= max_slots);
 
-  extent(unsigned slots, bool committed) noexcept
+  extent(unsigned slots, bool committed) noexcept  // NOLINT(cppcoreguidelines-pro-type-member-init): headers
       : all_free(slots == max_slots ? ~mask{0} : (mask{1} << slots) - 1),
         slots(slots),
         free_mask(all_free),
@@ -80,6 +80,15 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
                                           std::memory_order_relaxed))
         return true;
     }
+  }
+  /// Claims `slot` if it is free.
+  bool claim_exactly(unsigned slot) noexcept {
+    const mask bit = mask{1} << slot;
+    mask m = free_mask.load(std::memory_order_relaxed);
+    while ((m & bit) != 0)
+      if (free_mask.compare_exchange_weak(m, m & ~bit, std::memory_order_acquire, std::memory_order_relaxed))
+        return true;
+    return false;
   }
   /// Claims the lowest free slot that holds memory; false when none does.
   bool claim_committed(unsigned& slot) noexcept {
@@ -262,7 +271,7 @@ std::size_t block_pool::slot_cap() const noexcept {
   // Address space alone: the budget, and an extent per cursor besides.
   const std::size_t extra = std::size_t{extent_slots_} * (cursors_ + 1);
   return max_slots_ > std::numeric_limits<std::size_t>::max() - extra ? std::numeric_limits<std::size_t>::max()
-                                                                       : max_slots_ + extra;
+                                                                      : max_slots_ + extra;
 }
 
 extent* block_pool::grow() noexcept {
@@ -330,7 +339,8 @@ void block_pool::adopt(extent& e) noexcept {
   e.next_all = std::exchange(all_, &e);
   if (e.next_all) e.next_all->prev_all = &e;
   slots_ += extent_slots_;
-  const std::size_t committed = static_cast<std::size_t>(std::popcount(e.committed_mask.load(std::memory_order_relaxed)));
+  const std::size_t committed =
+      static_cast<std::size_t>(std::popcount(e.committed_mask.load(std::memory_order_relaxed)));
   allocated_.fetch_add(committed, std::memory_order_relaxed);
   free_count_.fetch_add(committed, std::memory_order_relaxed);
   overhead_.fetch_add(reserved_ ? header_area_ : sizeof(extent), std::memory_order_relaxed);
@@ -349,9 +359,10 @@ std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
       const std::lock_guard lock(extents_mutex_);
       if ((reserved_ ? allocated_.load(std::memory_order_relaxed) : slots_) >= blocks) return {};
       if (count_down(failures_) > 0) return std::make_error_code(std::errc::not_enough_memory);
-      if (reserved_ && !(e = carve())) return std::make_error_code(std::errc::not_enough_memory);
+      if (reserved_) e = carve();  // under the lock: the regions are the lock's
     }
-    if (!reserved_ && !(e = new_extent())) return std::make_error_code(std::errc::not_enough_memory);
+    if (!reserved_) e = new_extent();
+    if (!e) return std::make_error_code(std::errc::not_enough_memory);
     // Written outside the lock, before any cursor can take a slot of it:
     // every page is the process's now, not at a first write while serving.
     // Reserved: the slots missing alone, the extent's first ones.
@@ -414,15 +425,9 @@ void block_pool::release_free_slots(extent& e) noexcept {
   while (candidates != 0) {
     const auto slot = static_cast<unsigned>(std::countr_zero(candidates));
     candidates &= candidates - 1;
-    const extent::mask bit = extent::mask{1} << slot;
     // Taken as a claim takes it, so that no cursor claims it meanwhile.
-    extent::mask m = e.free_mask.load(std::memory_order_relaxed);
-    bool taken = false;
-    while ((m & bit) != 0 &&
-           !(taken = e.free_mask.compare_exchange_weak(m, m & ~bit, std::memory_order_acquire,
-                                                       std::memory_order_relaxed))) {
-    }
-    if (!taken) continue;
+    if (!e.claim_exactly(slot)) continue;
+    const extent::mask bit = extent::mask{1} << slot;
     if ((e.committed_mask.load(std::memory_order_relaxed) & bit) != 0) {
       release_slot(e, slot);
       free_count_.fetch_sub(1, std::memory_order_relaxed);
@@ -483,8 +488,8 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
     if (top->unused()) take(top);
   }
   const std::size_t free = free_count_.load(std::memory_order_relaxed);
-  if (!e && (reserved_ ? free <= keep_.load(std::memory_order_relaxed)
-                       : free < std::size_t{extent_slots_} * (cursors_ + 1)))
+  if (!e &&
+      (reserved_ ? free <= keep_.load(std::memory_order_relaxed) : free < std::size_t{extent_slots_} * (cursors_ + 1)))
     take(grow());
   while (!e && partial_) {
     extent* const top = partial_;

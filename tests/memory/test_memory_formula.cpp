@@ -39,8 +39,7 @@ constexpr std::size_t zero_header_bytes = 128;
 
 }  // namespace
 
-TEST_CASE("one token in each of 64 caches costs one block each, and pages only as far as written",
-          "[memory_formula]") {
+TEST_CASE("one token in each of 64 caches costs one block each, and pages only as far as written", "[memory_formula]") {
   const kv_cache_config config = paged_config();
   constexpr std::size_t caches = 64;
   counting_resource counted;

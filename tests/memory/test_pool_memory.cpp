@@ -22,8 +22,8 @@ namespace pool_memory_tests {
 
 using namespace ghostlink;
 using namespace ghostlink::test::pool;
-using ghostlink::test::small_config;
 using ghostlink::test::counting_resource;
+using ghostlink::test::small_config;
 
 namespace {
 
