@@ -91,8 +91,9 @@ class kv_block_reservation {
 /// write that needs a block fails with
 /// `kv_errc::capacity_exhausted` and stores nothing. Blocks come back when no
 /// epoch needs them any more (a truncate, the last snapshot of an old epoch
-/// released, a cache destroyed) and their memory is reused, not returned
-/// to the system; `trim()` returns what no block uses.
+/// released, a cache destroyed) and their memory is reused before new
+/// memory is taken (what is kept, and what goes back to the system, is
+/// below); `trim()` returns what no block uses.
 ///
 /// **Where blocks lie.** Memory comes in extents: slots of blocks laid out
 /// as the keys of every slot, then the values of every slot. Each cache
@@ -110,7 +111,8 @@ class kv_block_reservation {
 ///   tokens. A freed block's memory is kept for reuse, and growth takes it
 ///   before new memory once the pool keeps more than 64 free blocks (or
 ///   what `preallocate` asked for); an extent left with no block gives its
-///   memory back to the system then, in one call. The pool's blocks of
+///   memory back to the system, in one call, once the pool keeps more free
+///   blocks than that and than it has in use. The pool's blocks of
 ///   zeros are address space only.
 /// - **With a memory resource** (`kv_pool_limits::memory`), on a system
 ///   without Linux's reserved pages, or for smaller blocks (an extent of
@@ -124,10 +126,10 @@ class kv_block_reservation {
 /// **What memory a cache costs**, for capacity planning, with `B =
 /// block_bytes()` and `T = block_tokens`:
 ///
-/// - without a memory resource: `ceil(tokens / T) * B` (the last block is
+/// - reserved extents: `ceil(tokens / T) * B` (the last block is
 ///   memory only as far as its pages are written), plus two pages of
 ///   extent headers per 64 blocks or part of them;
-/// - otherwise: `ceil(tokens / T) * B`, plus the rest of the
+/// - extents allocated whole: `ceil(tokens / T) * B`, plus the rest of the
 ///   extent it fills (up to `15 * B`), plus its block of zeros (`B`, once
 ///   it has skipped positions or is read past its stored tokens);
 /// - either way, about 1 KiB of block table and epoch per 1,024 tokens, and
@@ -136,10 +138,12 @@ class kv_block_reservation {
 /// Besides, the pool keeps the blocks caches freed, for reuse: at most the
 /// most blocks in use at once, less those in use now. With reserved
 /// extents, 64 of them (or what `preallocate` asked for) are kept always,
-/// and beyond that each extent whose blocks are all free is given back;
-/// `trim()` gives back all of them. A pool's memory never passes its most
-/// blocks in use at once, in whole extents, plus one extent per cache
-/// filling one.
+/// and beyond that and beyond the blocks in use, each extent whose blocks
+/// are all free is given back;
+/// `trim()` gives back all of them. So a pool's memory stays within the
+/// most blocks it had in use at once, plus 64 blocks (reserved extents; or
+/// what `preallocate` asked), or plus an extent per cache filling one, in
+/// whole extents (extents allocated whole).
 ///
 /// `stats().bytes_allocated` is what the pool holds now; `blocks_free`,
 /// what of it no block uses.
@@ -150,9 +154,11 @@ class kv_block_reservation {
 /// Cost: taking a block is a compare-exchange on its extent's mask of free
 /// slots and a few atomic operations on the counters; a mutex is taken once
 /// per extent a cache fills, and when a freed block leaves its extent
-/// unused or frees its first slot. Extents come from `operator new` (or
-/// `kv_pool_limits::memory`), when
-/// a cache first needs them or all at once (`preallocate`). The
+/// unused or frees its first slot; with reserved extents, also for each
+/// block taken while the pool keeps more free blocks than it may (it then
+/// looks for one holding memory). Extents are reserved from the system
+/// (or come from `operator new`, or `kv_pool_limits::memory`) when a cache
+/// first needs them, or all at once (`preallocate`). The
 /// pool lives until its last block is freed, even if every handle is gone.
 /// All members are safe from any thread.
 class kv_block_pool {

@@ -256,9 +256,11 @@ void block_pool::leave(block_cursor& cursor) noexcept {
 
 void block_pool::classify(extent& e) noexcept {
   if (e.unused()) {
-    // Reserved: an unused extent's pages go back once the pool keeps
-    // enough free slots without them.
-    if (reserved_ && free_count_.load(std::memory_order_relaxed) > keep_.load(std::memory_order_relaxed))
+    // Reserved: an unused extent's pages go back once the pool's free
+    // memory is more than it keeps and more than the blocks in use: a pool
+    // that shrinks gives memory back, one that serves steadily reuses it.
+    const std::size_t free = free_count_.load(std::memory_order_relaxed);
+    if (reserved_ && free > keep_.load(std::memory_order_relaxed) && free > in_use_.load(std::memory_order_relaxed))
       release_extent(e);
     if (!std::exchange(e.on_unused, true)) e.next_unused = std::exchange(unused_, &e);
   } else if (e.free_mask.load(std::memory_order_relaxed) != 0) {
