@@ -256,13 +256,19 @@ void block_pool::leave(block_cursor& cursor) noexcept {
 
 void block_pool::classify(extent& e) noexcept {
   if (e.unused()) {
-    // Reserved: an unused extent's pages go back once the pool's free
-    // memory is more than it keeps and more than the blocks in use: a pool
-    // that shrinks gives memory back, one that serves steadily reuses it.
+    // Reserved: an unused extent's pages go back when the pool's free
+    // memory is more than the blocks in use, and still what it keeps
+    // without them: a pool that shrinks gives memory back, one that serves
+    // steadily reuses it, and preallocated memory stays.
     const std::size_t free = free_count_.load(std::memory_order_relaxed);
-    if (reserved_ && free > keep_.load(std::memory_order_relaxed) && free > in_use_.load(std::memory_order_relaxed))
+    const auto held = static_cast<std::size_t>(std::popcount(e.committed_mask.load(std::memory_order_relaxed)));
+    if (reserved_ && free > in_use_.load(std::memory_order_relaxed) && free >= held &&
+        free - held >= keep_.load(std::memory_order_relaxed))
       release_extent(e);
-    if (!std::exchange(e.on_unused, true)) e.next_unused = std::exchange(unused_, &e);
+    // Those holding memory apart from those that are address space alone:
+    // a cursor takes the first kind first.
+    extent*& stack = e.committed_mask.load(std::memory_order_relaxed) != 0 ? unused_ : empty_;
+    if (!std::exchange(e.on_unused, true)) e.next_unused = std::exchange(stack, &e);
   } else if (e.free_mask.load(std::memory_order_relaxed) != 0) {
     if (!std::exchange(e.on_partial, true)) e.next_partial = std::exchange(partial_, &e);
   }
@@ -484,15 +490,23 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
   if (reserved_ && free_count_.load(std::memory_order_relaxed) > keep_.load(std::memory_order_relaxed))
     for (extent* x = all_; !e && x; x = x->next_all)
       if (x->claim_committed(slot)) e = x;
-  while (!e && unused_) {
-    extent* const top = std::exchange(unused_, unused_->next_unused);
-    top->on_unused = false;
-    if (top->unused()) take(top);
-  }
+  const auto pop = [&](extent*& stack) {
+    while (!e && stack) {
+      extent* const top = std::exchange(stack, stack->next_unused);
+      top->on_unused = false;
+      if (top->unused()) take(top);
+    }
+  };
+  // A new extent: one that is address space alone, else a new one.
+  const auto take_new = [&] {
+    pop(empty_);
+    if (!e) take(grow());
+  };
+  pop(unused_);
   const std::size_t free = free_count_.load(std::memory_order_relaxed);
   if (!e &&
       (reserved_ ? free <= keep_.load(std::memory_order_relaxed) : free < std::size_t{extent_slots_} * (cursors_ + 1)))
-    take(grow());
+    take_new();
   while (!e && partial_) {
     extent* const top = partial_;
     if (!take(top) || top->free_mask.load(std::memory_order_relaxed) == 0) {  // full: off the stack
@@ -500,7 +514,7 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
       top->on_partial = false;
     }
   }
-  if (!e) take(grow());
+  if (!e) take_new();
   for (extent* x = all_; !e && x; x = x->next_all) take(x);
   if (!e) return {};
   cursor.extent_ = e;
@@ -573,7 +587,7 @@ void block_pool::set_event_handler(kv_event_handler handler) {
 void block_pool::trim() noexcept {
   keep_.store(extent_slots_, std::memory_order_relaxed);  // what preallocate() asked to keep: given back too
   const std::lock_guard lock(extents_mutex_);
-  unused_ = partial_ = nullptr;
+  unused_ = empty_ = partial_ = nullptr;
   for (extent* e = all_; e;) {
     extent* const next = e->next_all;
     e->on_unused = e->on_partial = false;

@@ -322,6 +322,7 @@ class block_pool : public ref_counted<block_pool> {
   alignas(64) mutable std::mutex extents_mutex_;
   extent* all_ = nullptr;      // extents_mutex_; every extent (extent::next_all, prev_all)
   extent* unused_ = nullptr;   // extents_mutex_; a stack (extent::next_unused), checked when popped
+  extent* empty_ = nullptr;    // extents_mutex_; as unused_, for those holding no memory (reserved)
   extent* partial_ = nullptr;  // extents_mutex_; a stack (extent::next_partial), checked when popped
   region* regions_ = nullptr;  // extents_mutex_; reserved: the mappings extents are carved from, newest first
   std::size_t slots_ = 0;      // extents_mutex_; slots of every extent

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <latch>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -177,6 +178,54 @@ TEST_CASE("trim gives back the pages of every free block of reserved extents, an
   a.truncate(5);
   CHECK(a.diff() == "");
   CHECK(b.diff() == "");
+}
+
+TEST_CASE("a pool that shrinks gives back extents left with no block; one that serves steadily reuses their memory",
+          "[memory_formula]") {
+  const kv_cache_config config = paged_config();
+  const std::size_t bt = config.block_tokens;
+  kv_block_pool pool = kv_block_pool::for_caches(config);
+  REQUIRE(reserved(pool));
+  const std::size_t extent = pool.blocks_per_extent();
+  // Three caches of one whole extent each, each on a thread of its own so
+  // that destroying one and joining its thread frees its blocks.
+  struct one {
+    std::unique_ptr<asio::thread_pool> io = std::make_unique<asio::thread_pool>(1);
+    tracked t;
+  };
+  std::vector<one> caches;
+  for (int i = 0; i < 3; ++i) {
+    auto io = std::make_unique<asio::thread_pool>(1);
+    tracked t = make_written(*io, pool, extent * bt, config);
+    caches.push_back({std::move(io), std::move(t)});
+  }
+  const auto destroy = [&](std::size_t i) {
+    caches[i].t.cache = layer_kv_cache{};
+    caches[i].io->join();
+  };
+  CHECK(pool.stats().blocks_allocated == 3 * extent);
+  // One destroyed: its extent's blocks are the 64 free blocks the pool
+  // keeps, no more than it has in use.
+  destroy(0);
+  CHECK(pool.stats().blocks_in_use == 2 * extent);
+  CHECK(pool.stats().blocks_allocated == 3 * extent);
+  // Another: free blocks would outnumber those in use, so the extent left
+  // with no block gives its memory back.
+  destroy(1);
+  kv_pool_stats s = pool.stats();
+  CHECK(s.blocks_in_use == extent);
+  CHECK(s.blocks_free == extent);
+  CHECK(s.blocks_allocated == 2 * extent);
+  CHECK(ghostlink::detail::resident_bytes(pool) <= s.bytes_allocated);
+  // A new cache of the same size takes the kept memory: nothing new.
+  asio::thread_pool io(1);
+  tracked fresh = make_written(io, pool, extent * bt, config);
+  s = pool.stats();
+  CHECK(s.blocks_in_use == 2 * extent);
+  CHECK(s.blocks_allocated == 2 * extent);
+  CHECK(s.blocks_free == 0);
+  CHECK(fresh.diff() == "");
+  CHECK(caches[2].t.diff() == "");
 }
 
 }  // namespace memory_formula_tests
