@@ -111,8 +111,8 @@ class kv_block_reservation {
 ///   tokens. A freed block's memory is kept for reuse, and growth takes it
 ///   before new memory once the pool keeps more than 64 free blocks (or
 ///   what `preallocate` asked for); an extent left with no block gives its
-///   memory back to the system, in one call, once the pool keeps more free
-///   blocks than that and than it has in use. The pool's blocks of
+///   memory back to the system, in one call, once the pool's free blocks
+///   outnumber those in use and it keeps that many without the extent's. The pool's blocks of
 ///   zeros are address space only.
 /// - **With a memory resource** (`kv_pool_limits::memory`), on a system
 ///   without Linux's reserved pages, or for smaller blocks (an extent of

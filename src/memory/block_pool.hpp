@@ -97,8 +97,9 @@ struct block_account : ref_counted<block_account> {
 ///   keeps no more than `keep_` free committed slots (an extent's worth, or
 ///   what preallocate() asked), else a free committed slot of another
 ///   extent. An extent left with no block and no cursor gives its pages
-///   back at once while the pool keeps more than `keep_` free slots and
-///   more than the blocks in use: one system call per 64 blocks freed,
+///   back at once while the pool's free slots outnumber the blocks in use
+///   and, without the extent's, are still `keep_`: one system call per 64
+///   blocks freed,
 ///   never one per block (a call flushes every processor's TLB). So memory is the blocks in use, plus free
 ///   blocks up to the most in use at once, which growth reuses first.
 /// - **Allocated extents** (a memory resource, no reserved pages, or
