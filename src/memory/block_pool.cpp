@@ -42,11 +42,11 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   static constexpr unsigned max_slots = 64;
   static_assert(block_pool::reserved_extent_slots <= max_slots && block_pool::allocated_extent_slots <= max_slots);
 
+  /// The lowest `n` bits (n <= max_slots).
+  static constexpr mask low_bits(unsigned n) noexcept { return n == max_slots ? ~mask{0} : (mask{1} << n) - 1; }
+
   extent(unsigned slots, bool committed) noexcept  // NOLINT(cppcoreguidelines-pro-type-member-init): headers
-      : all_free(slots == max_slots ? ~mask{0} : (mask{1} << slots) - 1),
-        slots(slots),
-        free_mask(all_free),
-        committed_mask(committed ? all_free : 0) {}
+      : all_free(low_bits(slots)), slots(slots), free_mask(all_free), committed_mask(committed ? all_free : 0) {}
 
   alignas(block_alignment) std::byte headers[max_slots][block::header_bytes];
   const mask all_free;  // a bit per slot
@@ -67,12 +67,23 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   static extent& of(void* header, std::uint8_t slot) noexcept {
     return *reinterpret_cast<extent*>(static_cast<std::byte*>(header) - std::size_t{slot} * block::header_bytes);
   }
-  /// Claims the lowest free slot from `from` on; false when there is none.
+  /// Claims the lowest free slot that holds memory, else the lowest free
+  /// slot from `from` on (none if `from >= slots`); false when there is
+  /// none. A slot's committed bit read stale only orders the choice: the
+  /// claimer reads it again once the slot is its own (block_pool::use_slot).
   bool claim(unsigned from, unsigned& slot) noexcept {
-    if (from >= slots) return false;
+    return claim_lowest(committed_mask.load(std::memory_order_relaxed), from >= slots ? 0 : ~low_bits(from), slot);
+  }
+  /// Claims the lowest free slot that holds memory; false when none does.
+  bool claim_committed(unsigned& slot) noexcept { return claim(slots, slot); }
+  /// Claims `slot` if it is free.
+  bool claim_exactly(unsigned slot) noexcept { return claim_lowest(mask{1} << slot, 0, slot); }
+  /// Claims the lowest free slot of `first`, else of `then`.
+  bool claim_lowest(mask first, mask then, unsigned& slot) noexcept {
     mask m = free_mask.load(std::memory_order_relaxed);
     for (;;) {
-      const mask open = m & ~((mask{1} << from) - 1);
+      mask open = m & first;
+      if (open == 0) open = m & then;
       if (open == 0) return false;
       slot = static_cast<unsigned>(std::countr_zero(open));
       // acquire: the last holder's use of the slot happens-before ours.
@@ -81,26 +92,9 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
         return true;
     }
   }
-  /// Claims `slot` if it is free.
-  bool claim_exactly(unsigned slot) noexcept {
-    const mask bit = mask{1} << slot;
-    mask m = free_mask.load(std::memory_order_relaxed);
-    while ((m & bit) != 0)
-      if (free_mask.compare_exchange_weak(m, m & ~bit, std::memory_order_acquire, std::memory_order_relaxed))
-        return true;
-    return false;
-  }
-  /// Claims the lowest free slot that holds memory; false when none does.
-  bool claim_committed(unsigned& slot) noexcept {
-    mask m = free_mask.load(std::memory_order_relaxed);
-    for (;;) {
-      const mask open = m & committed_mask.load(std::memory_order_relaxed);
-      if (open == 0) return false;
-      slot = static_cast<unsigned>(std::countr_zero(open));
-      if (free_mask.compare_exchange_weak(m, m & ~(mask{1} << slot), std::memory_order_acquire,
-                                          std::memory_order_relaxed))
-        return true;
-    }
+  /// Slots that hold memory.
+  std::size_t committed_slots() const noexcept {
+    return static_cast<std::size_t>(std::popcount(committed_mask.load(std::memory_order_relaxed)));
   }
   block_memory memory(unsigned slot, std::size_t half) noexcept {
     return {headers[slot], keys + slot * half, values + slot * half, static_cast<std::uint8_t>(slot)};
@@ -118,7 +112,7 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
 struct block_pool::region {
   region* next = nullptr;
   std::byte* base = nullptr;
-  std::size_t bytes = 0, extents = 0, carved = 0;
+  std::size_t extents = 0, carved = 0;  // its bytes: extents * stride_
 };
 
 namespace {
@@ -162,7 +156,7 @@ block_pool::~block_pool() {
     for (extent* e = all_; e;) std::exchange(e, e->next_all)->~extent();
     while (regions_) {
       region* const r = std::exchange(regions_, regions_->next);
-      pages::unreserve(r->base, r->bytes);
+      pages::unreserve(r->base, r->extents * stride_);
       delete r;
     }
     if (zeros_) pages::unreserve(zeros_, round_up(payload_bytes_, pages::size()));
@@ -261,7 +255,7 @@ void block_pool::classify(extent& e) noexcept {
     // without them: a pool that shrinks gives memory back, one that serves
     // steadily reuses it, and preallocated memory stays.
     const std::size_t free = free_count_.load(std::memory_order_relaxed);
-    const auto held = static_cast<std::size_t>(std::popcount(e.committed_mask.load(std::memory_order_relaxed)));
+    const std::size_t held = e.committed_slots();
     if (reserved_ && free > in_use_.load(std::memory_order_relaxed) && free >= held &&
         free - held >= keep_.load(std::memory_order_relaxed))
       release_extent(e);
@@ -297,7 +291,6 @@ extent* block_pool::carve() noexcept {
     for (std::size_t n : {region_extents(stride_), std::size_t{1}}) {
       r->base = static_cast<std::byte*>(pages::reserve(n * stride_));
       if (r->base) {
-        r->bytes = n * stride_;
         r->extents = n;
         break;
       }
@@ -347,8 +340,7 @@ void block_pool::adopt(extent& e) noexcept {
   e.next_all = std::exchange(all_, &e);
   if (e.next_all) e.next_all->prev_all = &e;
   slots_ += extent_slots_;
-  const std::size_t committed =
-      static_cast<std::size_t>(std::popcount(e.committed_mask.load(std::memory_order_relaxed)));
+  const std::size_t committed = e.committed_slots();
   allocated_.fetch_add(committed, std::memory_order_relaxed);
   free_count_.fetch_add(committed, std::memory_order_relaxed);
   overhead_.fetch_add(reserved_ ? header_area_ : sizeof(extent), std::memory_order_relaxed);
@@ -380,8 +372,7 @@ std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
       const std::size_t half = payload_bytes_ / 2;
       std::memset(e->keys, 0, n * half);
       std::memset(e->values, 0, n * half);
-      e->committed_mask.store(n == extent::max_slots ? ~extent::mask{0} : (extent::mask{1} << n) - 1,
-                              std::memory_order_relaxed);
+      e->committed_mask.store(extent::low_bits(static_cast<unsigned>(n)), std::memory_order_relaxed);
     } else if (!reserved_) {
       std::memset(e->keys, 0, extent_slots_ * payload_bytes_);
     }
@@ -464,9 +455,9 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
   // committed only while the pool keeps no more free slots than it may
   // (reserved): past that, free memory elsewhere is taken first.
   if (extent* const own = cursor.extent_) {
-    if (own->claim_committed(slot) ||
-        ((!reserved_ || free_count_.load(std::memory_order_relaxed) <= keep_.load(std::memory_order_relaxed)) &&
-         own->claim(cursor.next_, slot))) {
+    const bool fresh =
+        !reserved_ || free_count_.load(std::memory_order_relaxed) <= keep_.load(std::memory_order_relaxed);
+    if (own->claim(fresh ? cursor.next_ : own->slots, slot)) {
       cursor.next_ = slot + 1;
       return use_slot(*own, slot);
     }
@@ -481,7 +472,7 @@ block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
   // stack.
   extent* e = nullptr;
   const auto take = [&](extent* candidate) {
-    if (candidate && (candidate->claim_committed(slot) || candidate->claim(0, slot))) e = candidate;
+    if (candidate && candidate->claim(0, slot)) e = candidate;
     return e != nullptr;
   };
   // Reserved, with more free memory than the pool keeps: a slot holding
@@ -618,7 +609,7 @@ extent_census block_pool::census() const noexcept {
 std::size_t block_pool::resident_bytes() const noexcept {
   const std::lock_guard lock(extents_mutex_);
   std::size_t bytes = 0;
-  for (const region* r = regions_; r; r = r->next) bytes += pages::resident(r->base, r->bytes);
+  for (const region* r = regions_; r; r = r->next) bytes += pages::resident(r->base, r->extents * stride_);
   return bytes;
 }
 
