@@ -61,12 +61,26 @@ inline kv_cache_config paged(kv_cache_config c) {
   return c;
 }
 
-/// A pool for caches of `config`, without a memory resource (reserved
-/// extents, for blocks of a page or more) or with the default one (extents
-/// allocated whole).
+/// What a case that runs on both kinds of pool (`GENERATE(false, true)`
+/// picks `with_resource`) says of the kind in its messages.
+inline const char* kind_name(bool with_resource) {
+  return with_resource ? "with a memory resource" : "reserved extents";
+}
+
+/// `c` for a pool of that kind: `c` itself with a memory resource; without
+/// one, paged(c), so that the pool reserves its extents.
+inline kv_cache_config config_for(bool with_resource, const kv_cache_config& c = small_config()) {
+  return with_resource ? c : paged(c);
+}
+
+/// A pool of that kind for caches of `config` (from config_for): without a
+/// memory resource, reserving its extents; or with `limits.memory` (the
+/// default resource if none), extents allocated whole.
 inline kv_block_pool pool_for(const kv_cache_config& config, bool with_resource, kv_pool_limits limits = {}) {
-  if (with_resource) limits.memory = std::pmr::new_delete_resource();
-  return kv_block_pool::for_caches(config, limits);
+  if (with_resource && !limits.memory) limits.memory = std::pmr::new_delete_resource();
+  kv_block_pool pool = kv_block_pool::for_caches(config, limits);
+  REQUIRE(reserved(pool) == !with_resource);
+  return pool;
 }
 
 /// The error `make` throws as std::system_error; {} if none.
@@ -172,6 +186,18 @@ struct tracked {
   std::string diff() const { return pool::diff(cache, expected); }
 };
 
+/// `n` caches of `config` on `pool`, run by `io`, each initialized to one
+/// token.
+inline std::vector<tracked> make_caches(asio::thread_pool& io, const kv_block_pool& pool, const kv_cache_config& config,
+                                        std::size_t n) {
+  std::vector<tracked> t;
+  for (std::size_t i = 0; i < n; ++i) {
+    t.push_back({layer_kv_cache(io, config, pool), {}});
+    t.back().initialize(1);
+  }
+  return t;
+}
+
 /// `caches` caches of `config` on `pool`, each round filled to `blocks`
 /// blocks (the writes started together, so the actors allocate on both of
 /// a 2-thread pool's threads), checked against their models and cut back to
@@ -183,11 +209,7 @@ void rounds_beside(kv_block_pool& pool, const kv_cache_config& config, std::size
                    std::size_t blocks, Beside beside, AfterRound after_round, AtEnd at_end) {
   const std::size_t bt = config.block_tokens;
   asio::thread_pool io(2);
-  std::vector<tracked> t;
-  for (std::size_t i = 0; i < caches; ++i) {
-    t.push_back({layer_kv_cache(io, config, pool), {}});
-    t.back().initialize(1);
-  }
+  std::vector<tracked> t = make_caches(io, pool, config, caches);
   std::latch start(2);
   std::thread other([&] {
     start.arrive_and_wait();

@@ -176,11 +176,10 @@ TEST_CASE("two caches on one pool draw on one budget: blocks one holds the other
 TEST_CASE("stats count blocks in use, free and allocated; freed slots are reused and trim releases unused extents",
           "[block_pool]") {
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  const kv_cache_config config = with_resource ? small_config() : paged(small_config());
+  INFO(kind_name(with_resource));
+  const kv_cache_config config = config_for(with_resource);
   const std::size_t bt = config.block_tokens;
   kv_block_pool pool = pool_for(config, with_resource);
-  REQUIRE(reserved(pool) == !with_resource);
   const std::size_t slots = pool.blocks_per_extent(), zeros = zero_blocks(pool);
   asio::thread_pool io(2);
   tracked c{layer_kv_cache(io, config, pool), {}};
@@ -258,21 +257,16 @@ TEST_CASE("the blocks a cache fills one after another are one run of keys and on
 
 TEST_CASE("caches filled at once from two threads each find their blocks in runs of whole extents", "[block_pool]") {
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  kv_cache_config config = with_resource ? small_config() : paged(small_config());
+  INFO(kind_name(with_resource));
+  kv_cache_config config = config_for(with_resource);
   config.max_tokens_per_seq = 8192;
   const std::size_t bt = config.block_tokens;
   kv_block_pool pool = pool_for(config, with_resource);
-  REQUIRE(reserved(pool) == !with_resource);
   const std::size_t slots = pool.blocks_per_extent();
   const std::size_t blocks = 5 * slots + 3;  // 5 whole extents and part of one
   asio::thread_pool io(2);
   constexpr std::size_t caches = 6;
-  std::vector<tracked> t;
-  for (std::size_t i = 0; i < caches; ++i) {
-    t.push_back({layer_kv_cache(io, config, pool), {}});
-    t.back().initialize(1);
-  }
+  std::vector<tracked> t = make_caches(io, pool, config, caches);
   // Token by token, every cache's write started before any is awaited: the
   // actors allocate on both threads at once, interleaved.
   for (std::size_t token = 0; token < blocks * bt; ++token) {
@@ -304,14 +298,13 @@ TEST_CASE("caches filled at once from two threads each find their blocks in runs
 
 TEST_CASE("a budget not a multiple of an extent is reached exactly, from slots any cache freed", "[block_pool]") {
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  kv_cache_config config = with_resource ? small_config() : paged(small_config());
+  INFO(kind_name(with_resource));
+  kv_cache_config config = config_for(with_resource);
   config.max_tokens_per_seq = 4096;
   const std::size_t bt = config.block_tokens;
   const std::size_t slots = with_resource ? kv_block_pool::extent_blocks : kv_block_pool::reserved_extent_blocks;
   const std::size_t budget = slots + slots / 2 + 1;
   kv_block_pool pool = pool_for(config, with_resource, {.max_blocks = budget});
-  REQUIRE(reserved(pool) == !with_resource);
   asio::thread_pool io(2);
   tracked a{layer_kv_cache(io, config, pool), {}}, b{layer_kv_cache(io, config, pool), {}};
   a.initialize(1);

@@ -45,17 +45,13 @@ TEST_CASE("one token in each of 64 caches costs one block each, and pages only a
   constexpr std::size_t caches = 64;
   counting_resource counted;
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  kv_block_pool pool = kv_block_pool::for_caches(config, {.memory = with_resource ? &counted : nullptr});
+  INFO(kind_name(with_resource));
+  kv_block_pool pool = pool_for(config, with_resource, {.memory = with_resource ? &counted : nullptr});
   const std::size_t block = pool.block_bytes();
   {
     asio::thread_pool io(2);
-    std::vector<tracked> t;
-    for (std::size_t i = 0; i < caches; ++i) {
-      t.push_back({layer_kv_cache(io, config, pool), {}});
-      t.back().initialize(1);
-      t.back().write(0, static_cast<int>(i + 1));
-    }
+    std::vector<tracked> t = make_caches(io, pool, config, caches);
+    for (std::size_t i = 0; i < caches; ++i) t[i].write(0, static_cast<int>(i + 1));
     const kv_pool_stats s = pool.stats();
     INFO("allocated " << s.blocks_allocated << " blocks, " << s.bytes_allocated << " bytes; block " << block);
     CHECK(s.blocks_in_use == caches);
@@ -91,15 +87,11 @@ TEST_CASE("memory stays within the formula through random appends and truncates 
   constexpr std::size_t caches = 16, rounds = 24, ops = 12;
   counting_resource counted;
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  kv_block_pool pool = kv_block_pool::for_caches(config, {.memory = with_resource ? &counted : nullptr});
+  INFO(kind_name(with_resource));
+  kv_block_pool pool = pool_for(config, with_resource, {.memory = with_resource ? &counted : nullptr});
   const std::size_t extent = pool.blocks_per_extent();
   asio::thread_pool io(2);
-  std::vector<tracked> t;
-  for (std::size_t i = 0; i < caches; ++i) {
-    t.push_back({layer_kv_cache(io, config, pool), {}});
-    t.back().initialize(1);
-  }
+  std::vector<tracked> t = make_caches(io, pool, config, caches);
   for (std::size_t round = 0; round < rounds; ++round) {
     // Two threads, each appending to and truncating half of the caches
     // (Catch2 asserts on this thread alone: the other counts its errors).
@@ -158,8 +150,7 @@ TEST_CASE("trim gives back the pages of every free block of reserved extents, an
           "[memory_formula]") {
   const kv_cache_config config = paged_config();
   const std::size_t bt = config.block_tokens;
-  kv_block_pool pool = kv_block_pool::for_caches(config);
-  REQUIRE(reserved(pool));
+  kv_block_pool pool = pool_for(config, false);
   asio::thread_pool io(2);
   tracked a = make_written(io, pool, 40 * bt, config), b = make_written(io, pool, 30 * bt, config);
   b.truncate(3 * bt + 1);  // 26 blocks freed: kept, fewer than an extent's worth
@@ -184,8 +175,7 @@ TEST_CASE("a pool that shrinks gives back extents left with no block; one that s
           "[memory_formula]") {
   const kv_cache_config config = paged_config();
   const std::size_t bt = config.block_tokens;
-  kv_block_pool pool = kv_block_pool::for_caches(config);
-  REQUIRE(reserved(pool));
+  kv_block_pool pool = pool_for(config, false);
   const std::size_t extent = pool.blocks_per_extent();
   // Three caches of one whole extent each, each on a thread of its own so
   // that destroying one and joining its thread frees its blocks.

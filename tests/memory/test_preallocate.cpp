@@ -39,10 +39,8 @@ long thread_page_faults() {
 TEST_CASE("preallocate makes free memory for at least the blocks asked, in whole extents, with no budget taken",
           "[preallocate]") {
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  kv_block_pool pool =
-      pool_for(with_resource ? small_config() : paged(small_config()), with_resource, {.max_blocks = 1000});
-  REQUIRE(reserved(pool) == !with_resource);
+  INFO(kind_name(with_resource));
+  kv_block_pool pool = pool_for(config_for(with_resource), with_resource, {.max_blocks = 1000});
   const std::size_t slots = pool.blocks_per_extent();
   // Memory for `asked` blocks: whole extents with a resource; reserved,
   // the slots asked for alone (in as many extents).
@@ -71,12 +69,11 @@ TEST_CASE("preallocate makes free memory for at least the blocks asked, in whole
 
 TEST_CASE("caches take their blocks from preallocated memory, and the pool grows only past it", "[preallocate]") {
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  kv_cache_config config = with_resource ? small_config() : paged(small_config());
+  INFO(kind_name(with_resource));
+  kv_cache_config config = config_for(with_resource);
   config.max_tokens_per_seq = 8192;
   const std::size_t bt = config.block_tokens;
   kv_block_pool pool = pool_for(config, with_resource);
-  REQUIRE(reserved(pool) == !with_resource);
   const std::size_t slots = pool.blocks_per_extent(), zeros = zero_blocks(pool);
   pool.preallocate(3 * slots);
   asio::thread_pool io(2);
@@ -106,10 +103,8 @@ TEST_CASE("preallocate past the pool's limits throws capacity_exhausted and allo
   // A budget of 20 blocks: the pool grows to one extent's worth past it at
   // most (with a resource, 2 extents of 16; reserved, one of 64).
   const bool with_resource = GENERATE(false, true);
-  INFO((with_resource ? "with a memory resource" : "reserved extents"));
-  kv_block_pool pool =
-      pool_for(with_resource ? small_config() : paged(small_config()), with_resource, {.max_blocks = 20});
-  REQUIRE(reserved(pool) == !with_resource);
+  INFO(kind_name(with_resource));
+  kv_block_pool pool = pool_for(config_for(with_resource), with_resource, {.max_blocks = 20});
   const std::size_t slots = pool.blocks_per_extent(), most = blocks_for(20, slots) * slots;
   CHECK(thrown_by([&] { pool.preallocate(most + 1); }) == kv_errc::capacity_exhausted);
   std::error_code ec;
@@ -126,8 +121,7 @@ TEST_CASE("preallocate past the pool's limits throws capacity_exhausted and allo
 
 TEST_CASE("when the system has no memory preallocate throws bad_alloc, keeps what it added free, and trim returns it",
           "[preallocate]") {
-  kv_block_pool pool = kv_block_pool::for_caches(paged(small_config()));
-  REQUIRE(reserved(pool));
+  kv_block_pool pool = pool_for(config_for(false), false);
   const std::size_t slots = pool.blocks_per_extent();
   pool.preallocate(slots);
   ghostlink::detail::fail_next_allocations(pool, 1);
