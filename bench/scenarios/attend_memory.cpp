@@ -17,10 +17,10 @@
 // ghostlink_resource and the baseline take their memory from one arena
 // (bench/arena.hpp) in turn, the order alternating run by run, each filled
 // and then attended for three laps (the median counts); ghostlink's own
-// pool preallocates its pages before its caches fill. Then the baseline fills and attends the same
-// memory a second time: "control" is that lap against its first, the same
-// code on the same bytes, so its distance from 1 is this machine's noise
-// at this scale.
+// pool preallocates its pages before its caches fill. Then the baseline
+// fills and attends the same memory a second time: "control" is that lap
+// against its first, the same code on the same bytes, so its distance
+// from 1 is this machine's noise at this scale.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/thread_pool.hpp>

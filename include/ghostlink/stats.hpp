@@ -63,9 +63,10 @@ struct kv_pool_stats {
   std::uint64_t cow_copies = 0;  ///< Blocks copied because a write hit a shared one.
   /// Blocks' memory obtained from the system (or the pool's memory
   /// resource) and not yet returned: the slots that hold blocks, and
-  /// `blocks_free`; and with a memory resource each cache's one block of zeros, which the
-  /// budget exempts (without one, the zeros are address space that is no
-  /// memory). See `kv_block_pool` for what memory a cache costs.
+  /// `blocks_free`; and with extents allocated whole, each cache's one
+  /// block of zeros, which the budget exempts (with reserved extents the
+  /// zeros are address space that is no memory). See `kv_block_pool` for
+  /// what memory a cache costs.
   std::uint64_t blocks_allocated = 0;
   /// Bytes of memory the pool holds: `blocks_allocated * block_bytes`, and
   /// its extents' headers (a few KiB per extent).

@@ -99,9 +99,9 @@ struct block_account : ref_counted<block_account> {
 ///   extent. An extent left with no block and no cursor gives its pages
 ///   back at once while the pool's free slots outnumber the blocks in use
 ///   and, without the extent's, are still `keep_`: one system call per 64
-///   blocks freed,
-///   never one per block (a call flushes every processor's TLB). So memory is the blocks in use, plus free
-///   blocks up to the most in use at once, which growth reuses first.
+///   blocks freed, never one per block (a call flushes every processor's
+///   TLB). So memory is the blocks in use, plus free blocks up to the most
+///   in use at once, which growth reuses first.
 /// - **Allocated extents** (a memory resource, no reserved pages, or
 ///   blocks whose keys are less than a page):
 ///   `allocated_extent_slots` slots in one allocation, all committed. A
@@ -176,8 +176,6 @@ class block_pool : public ref_counted<block_pool> {
   /// fill), or allocated whole.
   static constexpr unsigned reserved_extent_slots = kv_block_pool::reserved_extent_blocks;
   static constexpr unsigned allocated_extent_slots = kv_block_pool::extent_blocks;
-  /// Whether this pool's extents are reserved address space.
-  bool reserved() const noexcept { return reserved_; }
   /// Slots of each of this pool's extents.
   unsigned extent_slots() const noexcept { return extent_slots_; }
   /// Memory for one counted block: the slot of `cursor`'s extent after the
