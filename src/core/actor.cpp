@@ -66,9 +66,10 @@ class drain_op {
     actor_->discard_mailbox();
   }
   void operator()() {
-    const std::shared_ptr<actor> a = std::move(actor_);
-    a->drain(std::exchange(carried_, nullptr), how_);
+    actor* const a = actor_.get();
+    a->drain(std::move(actor_), std::exchange(carried_, nullptr), how_);
   }
+  const actor::strand_type& strand() const noexcept { return actor_->strand_; }
 
  private:
   std::shared_ptr<actor> actor_;
@@ -158,17 +159,42 @@ void actor::submit(request* r, urgency u) noexcept {
   schedule(u, nullptr);
 }
 
+namespace {
+
+/// Takes a drain from the actor's executor onto its strand. A submitter on
+/// a thread outside the executor's context hands the drain to the executor
+/// alone (no strand, whose copies count references to its implementation):
+/// once the drain is queued there, that thread touches nothing of the
+/// context, so the drain's completions may let the user destroy the cache
+/// and then the context while it is still returning.
+struct to_strand {
+  drain_op op;
+  void operator()() {
+    const actor::strand_type strand = op.strand();
+    asio::dispatch(strand, std::move(op));
+  }
+};
+
+}  // namespace
+
 void actor::schedule(urgency u, request* carried) noexcept {
   switch (u) {
-    case urgency::here: try { drain_op(shared_from_this(), carried, queueing::post)();
+    case urgency::here: {
+      // The drain may drop the last reference to this actor.
+      asio::any_io_executor ex = executor_;
+      try {
+        drain_op(shared_from_this(), carried, queueing::post)();
       } catch (...) {
         // A completion that threw (see drain()): it leaves through the
-        // strand's executor's run(), as it would from a drain run there.
-        asio::post(strand_, [e = std::current_exception()] { std::rethrow_exception(e); });
+        // executor's run(), as it would from a drain run there.
+        asio::post(ex, [e = std::current_exception()] { std::rethrow_exception(e); });
       }
       return;
-    case urgency::now: asio::dispatch(strand_, drain_op(shared_from_this(), carried)); return;
-    case urgency::batch: asio::post(strand_, drain_op(shared_from_this(), carried)); return;
+    }
+    // Inline on a thread of the executor's (then onto the strand: inline too
+    // if it is idle), else queued there.
+    case urgency::now: asio::dispatch(executor_, to_strand{drain_op(shared_from_this(), carried)}); return;
+    case urgency::batch: asio::post(executor_, to_strand{drain_op(shared_from_this(), carried)}); return;
   }
 }
 
@@ -301,7 +327,7 @@ void actor::publish() {
   group_->publish(std::move(next));
 }
 
-void actor::drain(request* carried, queueing how) {
+void actor::drain(std::shared_ptr<actor> self, request* carried, queueing how) {
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): the first n are filled, the rest is never read
   std::array<request*, drain_capacity> batch;
   // Raw storage: apply() constructs the first n results (filling all of
@@ -335,11 +361,20 @@ void actor::drain(request* carried, queueing how) {
     add(cancelled_, cancelled);
   }
 
+  const auto taken = static_cast<std::int64_t>(n);
+  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0)
+    asio::defer(strand_, drain_op(self, nullptr));  // runs right after this drain, on the strand
+  // The last use of this actor: a completion may let its user destroy the
+  // cache and then its execution context, so nothing of either is touched
+  // once a handler is queued (this drain may run outside the context's
+  // threads, see schedule()). The actor may be destroyed here.
+  self.reset();
+
   // Handlers are queued only now, after the epoch holding their results is
   // published: that is what makes read-your-writes hold. A completion that
   // throws (an executor that could not allocate) loses that one handler; the
-  // rest of the drain and the mailbox's bookkeeping still happen, then the
-  // first exception propagates out of the executor's run(), as in Asio.
+  // rest still complete, then the first exception propagates out of the
+  // executor's run(), as in Asio.
   std::exception_ptr first_error;
   for (std::size_t i = 0; i < n; ++i) {
     try {
@@ -348,10 +383,6 @@ void actor::drain(request* carried, queueing how) {
       if (!first_error) first_error = std::current_exception();
     }
   }
-
-  const auto taken = static_cast<std::int64_t>(n);
-  if (pending_.fetch_sub(taken, std::memory_order_acq_rel) - taken > 0)
-    asio::defer(strand_, drain_op(shared_from_this(), nullptr));  // runs right after this drain
   if (first_error) std::rethrow_exception(first_error);
 }
 

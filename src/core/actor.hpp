@@ -13,6 +13,10 @@
 //   publishes into the cells. Consecutive drains are ordered by pending_'s
 //   acq_rel updates: the drain's final decrement, then the next submitter's
 //   raise from zero (or the deferred drain the strand runs).
+// - A drain's completions are queued last, after its decrement of pending_
+//   and its release of the actor: a completion may let the user destroy the
+//   cache and then its execution context at once, while the drain's thread
+//   (maybe outside the context, see schedule()) is still returning.
 // - A request enqueued (queued or parked for room, see mailbox.hpp) is
 //   counted in pending_ afterwards; whoever raises pending_ from zero
 //   schedules a drain, and a drain that leaves work behind defers the next,
@@ -153,8 +157,9 @@ class actor : public std::enable_shared_from_this<actor> {
   /// Applies `carried` (if not null), then what the mailbox holds, and
   /// publishes; queues the completions `how` (never defer inside an
   /// initiating call: its caller may block the thread, and a deferred
-  /// handler would wait behind it).
-  void drain(request* carried, queueing how);
+  /// handler would wait behind it). `self` (this actor) is released before
+  /// the first completion is queued: nothing of the actor is touched after.
+  void drain(std::shared_ptr<actor> self, request* carried, queueing how);
   /// Applies `n` requests, constructing their results in `results` (raw
   /// storage for n); if the next epochs cannot be prepared, applies none
   /// and fails each with capacity_exhausted.

@@ -40,6 +40,27 @@ TEST_CASE("a pool thread that blocks on its own write still sees it complete", "
   CHECK(f.cache.size() == 1);
 }
 
+TEST_CASE("a cache and its context may go as soon as a write awaited on another context completes", "[lifetime]") {
+  // The write is submitted from a thread of `other`; its completion resumes
+  // the coroutine on `other` while that thread may still be returning from
+  // the submission. Nothing it still holds may reach the cache's context,
+  // which goes right after (once, under CI, a strand reference did and
+  // hung the process). A race: many rounds, each a chance to lose it.
+  constexpr int rounds = 200;
+  asio::thread_pool other(2);
+  int completed = 0;
+  for (int round = 0; round < rounds; ++round) {
+    asio::thread_pool pool(1);
+    layer_kv_cache cache(pool, small_config());
+    cache.async_initialize(1, asio::use_future).get();
+    const auto v = filled(small_config().token_width(), static_cast<float>(round));
+    auto write = [&]() -> asio::awaitable<void> { co_await cache.async_write(0, v, v, asio::use_awaitable); };
+    asio::co_spawn(other, write(), asio::use_future).get();
+    completed += cache.size() == 1 ? 1 : 0;
+  }  // each round: the cache, then its context
+  CHECK(completed == rounds);
+}
+
 TEST_CASE("destroying the context with requests queued frees the cache and the handlers", "[lifetime]") {
   std::weak_ptr<int> handler_state;
   bool ran = false;
