@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #include "ghostlink/detail/flavour.hpp"
 
@@ -181,10 +182,27 @@ bool use_avx2(std::size_t dim) {
 }
 #endif
 
+/// The positions row `r` of `rows` (of `total` tokens) attends, as at most
+/// two ranges `[begin, end)`: everything up to its own position, or with a
+/// window its sinks and its window. Returns how many ranges.
+std::size_t attended(const window_view& w, std::size_t rows, std::size_t total, std::size_t r,
+                     std::pair<std::size_t, std::size_t> (&out)[2]) noexcept {
+  const std::size_t end = total - rows + r + 1;  // row r sees positions below it
+  const std::size_t from = w.window != 0 && end > w.window ? end - w.window : 0;
+  if (from <= w.sinks) {
+    out[0] = {0, end};
+    return 1;
+  }
+  out[0] = {0, w.sinks};
+  out[1] = {from, end};
+  return w.sinks != 0 ? 2 : (out[0] = out[1], 1);
+}
+
 /// Every chunk of `count` tokens from position `first` that each row sees.
 template <class T>
-void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, const float* queries, float* out,
-             std::size_t first, std::size_t count, const T* keys, const T* values, const stored_run& ahead) {
+void add_run(const attention_shape& shape, const window_view& window, std::size_t rows, std::size_t total,
+             const float* queries, float* out, std::size_t first, std::size_t count, const T* keys, const T* values,
+             const stored_run& ahead) {
   const std::size_t width = shape.kv_heads * shape.head_dim;
   const pass_args a{shape.kv_heads,   shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale,
                     width * sizeof(T)};
@@ -195,43 +213,47 @@ void add_run(const attention_shape& shape, std::size_t rows, std::size_t total, 
   scratch& s = tls;
   stored_run fetch = ahead;  // by the first row that reads the run
   for (std::size_t r = 0; r < rows; ++r) {
-    const std::size_t limit = total - rows + r + 1;  // row r sees positions below it
-    if (first >= limit) continue;
-    const std::size_t n = std::min(count, limit - first);
     const float* q = queries + r * row_width;
     float* o = out + r * row_width;
     float* max = s.max.data() + r * shape.query_heads;
     float* sum = s.sum.data() + r * shape.query_heads;
-    // While prefetching, chunks of about 1 KiB of keys: measured faster
-    // over scattered blocks than whole chunks (bench: attend, float).
-    const std::size_t step = fetch.count != 0 ? std::max<std::size_t>(1, 1024 / a.token_bytes) : chunk_tokens;
-    for (std::size_t c = 0; c < n; c += step) {
-      const std::size_t cn = std::min(step, n - c);
-      const T* k = keys + c * a.width;
-      const T* v = values + c * a.width;
+    std::pair<std::size_t, std::size_t> ranges[2];
+    const std::size_t n_ranges = attended(window, rows, total, r, ranges);
+    for (std::size_t i = 0; i < n_ranges; ++i) {
+      const std::size_t begin = std::max(first, ranges[i].first), end = std::min(first + count, ranges[i].second);
+      if (begin >= end) continue;
+      const std::size_t n = end - begin, skip = begin - first;
+      // While prefetching, chunks of about 1 KiB of keys: measured faster
+      // over scattered blocks than whole chunks (bench: attend, float).
+      const std::size_t step = fetch.count != 0 ? std::max<std::size_t>(1, 1024 / a.token_bytes) : chunk_tokens;
+      for (std::size_t c = 0; c < n; c += step) {
+        const std::size_t cn = std::min(step, n - c);
+        const T* k = keys + (skip + c) * a.width;
+        const T* v = values + (skip + c) * a.width;
 #if GHOSTLINK_ATTEND_AVX2
-      if (simd) {
-        chunk_avx2(a, k, v, cn, q, o, max, sum, fetch, c);
-        continue;
-      }
+        if (simd) {
+          chunk_avx2(a, k, v, cn, q, o, max, sum, fetch, c);
+          continue;
+        }
 #endif
-      if constexpr (std::is_same_v<T, float>) {
-        chunk_portable(a, k, v, cn, q, o, max, sum, fetch, c);
-      } else {
-        widen(k, cn * a.width, s.wide_k.data());
-        widen(v, cn * a.width, s.wide_v.data());
-        chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum, fetch, c);
+        if constexpr (std::is_same_v<T, float>) {
+          chunk_portable(a, k, v, cn, q, o, max, sum, fetch, c);
+        } else {
+          widen(k, cn * a.width, s.wide_k.data());
+          widen(v, cn * a.width, s.wide_v.data());
+          chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum, fetch, c);
+        }
       }
+      fetch = {};
     }
-    fetch = {};
   }
 }
 
 }  // namespace
 
 std::error_code attention_pass::begin(const attention_shape& shape, std::size_t width, std::size_t stored,
-                                      pending_tokens pending, std::span<const float> queries,
-                                      std::span<float> out) noexcept {
+                                      pending_tokens pending, std::span<const float> queries, std::span<float> out,
+                                      const window_view& window) noexcept {
   if (shape.query_heads == 0 || shape.kv_heads == 0 || shape.head_dim == 0 || shape.query_heads % shape.kv_heads != 0)
     return kv_errc::invalid_shape;
   const std::size_t kv_width = shape.kv_heads * shape.head_dim, row_width = shape.query_heads * shape.head_dim;
@@ -242,6 +264,13 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
   const std::size_t rows = queries.size() / row_width, total = stored + pending.keys.size() / kv_width;
   if (rows > total) return kv_errc::index_out_of_range;
   if (out.size() < queries.size()) return kv_errc::buffer_too_small;
+  // The stored positions past the sinks that the first row attends (later
+  // rows attend later ones): none of them dropped.
+  const std::size_t first_row_end = total - rows + 1;
+  const std::size_t from = window.window != 0 && first_row_end > window.window ? first_row_end - window.window : 0;
+  first_attended_ = window.window != 0 ? std::max(from, window.sinks) : 0;
+  if (window.sinks < window.kept_from && first_attended_ < std::min(window.kept_from, stored))
+    return kv_errc::outside_window;
   try {
     scratch& s = tls;
     const std::size_t heads = rows * shape.query_heads;
@@ -255,6 +284,7 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
     return kv_errc::capacity_exhausted;
   }
   shape_ = shape;
+  window_ = window;
   if (shape_.scale == 0.0f) shape_.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   held_ = 0;
   rows_ = rows;
@@ -281,7 +311,7 @@ void attention_pass::attend_held(const stored_run& ahead) noexcept {
   const stored_run r = held_runs_[0];
   std::copy(held_runs_ + 1, held_runs_ + held_, held_runs_);
   --held_;
-  add_run(shape_, rows_, total_, queries_, out_, r.first, r.count, reinterpret_cast<const T*>(r.keys),
+  add_run(shape_, window_, rows_, total_, queries_, out_, r.first, r.count, reinterpret_cast<const T*>(r.keys),
           reinterpret_cast<const T*>(r.values), ahead);
 }
 
@@ -301,8 +331,8 @@ void attention_pass::finish() noexcept {
   const std::size_t kv_width = shape_.kv_heads * shape_.head_dim, pending = pending_.keys.size() / kv_width;
   if (pending != 0) {
     if constexpr (std::is_same_v<T, float>) {
-      add_run(shape_, rows_, total_, queries_, out_, stored_, pending, pending_.keys.data(), pending_.values.data(),
-              {});
+      add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, pending_.keys.data(),
+              pending_.values.data(), {});
     } else {
       // Rounded as a write to a T cache stores them (a 16-bit T is a
       // trivial 2-byte value, held in the scratch's 16-bit words).
@@ -312,7 +342,7 @@ void attention_pass::finish() noexcept {
       T* v = reinterpret_cast<T*>(s.pending_v.data());
       convert<T, float>(pending_.keys, k);
       convert<T, float>(pending_.values, v);
-      add_run(shape_, rows_, total_, queries_, out_, stored_, pending, k, v, {});
+      add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, k, v, {});
     }
   }
   const scratch& s = tls;

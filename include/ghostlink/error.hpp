@@ -51,6 +51,8 @@ enum class kv_errc {
   store_tls_failed,  ///< a store's TLS handshake failed: a certificate not verified, a name not matched, no
                      ///< TLS spoken by the server, or the CA, certificate or key files unreadable.
   store_unavailable,  ///< a store's server did not answer in time (nothing listening, refused, unreachable).
+  outside_window,  ///< a read of a position a windowed layer no longer keeps, or a truncate that would need one.
+  layout_mismatch,  ///< a saved sequence of another model layout than expected.
 };
 
 /// The category of `kv_errc`; its name is `"ghostlink.kv"`. In the Boost

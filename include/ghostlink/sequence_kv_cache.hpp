@@ -22,6 +22,7 @@
 #include "ghostlink/detail/sequence_interface.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/layer_kv_view.hpp"
+#include "ghostlink/layout.hpp"
 #include "ghostlink/sequence_step.hpp"
 #include "ghostlink/snapshot.hpp"
 
@@ -158,6 +159,25 @@ class basic_sequence_kv_cache {
                           const Pool&... pool)
       : basic_sequence_kv_cache(asio::any_io_executor(ctx.get_executor()), num_layers, config, pool...) {}
 
+  /// The layers of `layout` (`kv_model_layout::full(n)` is what the
+  /// constructors above make): windowed layers keep and attend only their
+  /// window and sinks (see `kv_model_layout`), taking blocks from `pool`
+  /// under its budget.
+  /// @throws std::system_error with `kv_errc::invalid_config` for a layout
+  ///         without layers, with sink tokens on a layer without a window,
+  ///         or with `keys_only`; or as `basic_layer_kv_cache`'s constructor.
+  basic_sequence_kv_cache(asio::any_io_executor ex, const kv_model_layout& layout, kv_cache_config config,
+                          const kv_block_pool& pool);
+  /// As above, with a pool of its own whose budget is `config.max_blocks`
+  /// for all layers together.
+  basic_sequence_kv_cache(asio::any_io_executor ex, const kv_model_layout& layout, kv_cache_config config = {});
+  /// As above, on `ctx.get_executor()`.
+  template <class ExecutionContext, class... Pool>
+    requires std::is_convertible_v<ExecutionContext&, asio::execution_context&>
+  basic_sequence_kv_cache(ExecutionContext& ctx, const kv_model_layout& layout, kv_cache_config config = {},
+                          const Pool&... pool)
+      : basic_sequence_kv_cache(asio::any_io_executor(ctx.get_executor()), layout, config, pool...) {}
+
   /// An empty handle, as a failed `async_fork` hands out: only `valid()`,
   /// assignment and destruction may be used on it.
   basic_sequence_kv_cache() noexcept = default;
@@ -171,6 +191,9 @@ class basic_sequence_kv_cache {
   std::size_t num_layers() const noexcept { return detail::num_layers(*state_); }
   /// The config the sequence was made with (for every layer).
   const kv_cache_config& config() const noexcept { return detail::config_of(*state_); }
+  /// The layout the sequence was made with (`kv_model_layout::full(num_layers())`
+  /// unless one was given); a fork's is its parent's.
+  const kv_model_layout& layout() const noexcept { return detail::layout_of(*state_); }
   /// The pool every layer takes its blocks from.
   kv_block_pool pool() const noexcept { return detail::pool_of(*detail::group_of(*state_)); }
   /// The executor the sequence was made from: where handlers without an
@@ -178,7 +201,8 @@ class basic_sequence_kv_cache {
   /// that layer's strand, it is no strand: a sequence's operations run on
   /// every layer's strand, and its handler on this executor.
   executor_type get_executor() const noexcept { return detail::io_executor(*state_); }
-  /// Tokens the sequence holds: those of its latest published state (its
+  /// Tokens the sequence holds (windows never narrow it: it counts every
+  /// token, dropped or not): those of its latest published state (its
   /// last append, truncate or step commit applied, possibly just before
   /// that operation's handler runs; or its fork). Lock-free. A snapshot
   /// never shows fewer tokens than `size()` read before it, nor (while

@@ -60,6 +60,18 @@ class basic_kv_snapshot {
   /// True when it covers no token (`size() == 0`).
   bool empty() const noexcept { return size() == 0; }
 
+  /// The window of its layer (`kv_layer_layout::window`): 0 for a full
+  /// layer or a layer cache.
+  std::size_t window() const noexcept { return epoch_ ? epoch_.window().window : 0; }
+  /// Its layer's attention sinks (`kv_layer_layout::sink_tokens`).
+  std::size_t sink_tokens() const noexcept { return epoch_ ? epoch_.window().sinks : 0; }
+  /// The first position past the sinks that it holds: a windowed layer
+  /// dropped positions `[sink_tokens(), kept_from())`, and reading one of
+  /// them (`read_kv`, `read_range`, `for_each_block`) fails with
+  /// `kv_errc::outside_window`. `sink_tokens()` when it dropped none (0
+  /// for a full layer). Windows never narrow `size()`.
+  std::size_t kept_from() const noexcept { return epoch_ ? epoch_.window().kept_from : 0; }
+
   /// This snapshot (moved) narrowed to its first `min(n, size())` tokens:
   /// same epoch, reads past the new size fail as past any snapshot's end.
   basic_kv_snapshot prefix(std::size_t n) && noexcept {
@@ -70,9 +82,9 @@ class basic_kv_snapshot {
 
   /// Copies token `index`'s keys and values into the first `token_width()`
   /// floats of each output span.
-  /// @return `index_out_of_range` if `index >= size()`, `buffer_too_small`
-  ///         if an output span is shorter than a token; nothing is written
-  ///         on error.
+  /// @return `index_out_of_range` if `index >= size()`, `outside_window` if
+  ///         its layer's window dropped it, `buffer_too_small` if an output
+  ///         span is shorter than a token; nothing is written on error.
   std::error_code read_kv(std::size_t index, std::span<float> keys_out, std::span<float> values_out) const {
     if (index >= size()) return kv_errc::index_out_of_range;
     return read_range(index, index + 1, keys_out, values_out);
@@ -80,8 +92,10 @@ class basic_kv_snapshot {
 
   /// Copies tokens `[begin, end)` token-major into the output spans.
   /// @return `invalid_range` if `begin > end`, `range_out_of_bounds` if
-  ///         `end > size()`, `buffer_too_small` if an output span holds fewer
-  ///         than `(end - begin) * token_width()` floats.
+  ///         `end > size()`, `outside_window` if the range holds a position
+  ///         its layer's window dropped, `buffer_too_small` if an output
+  ///         span holds fewer than `(end - begin) * token_width()` floats.
+  ///         Nothing is written on error.
   std::error_code read_range(std::size_t begin, std::size_t end, std::span<float> keys_out,
                              std::span<float> values_out) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
@@ -100,6 +114,7 @@ class basic_kv_snapshot {
   std::error_code read_kv(std::size_t index, kv_entry& out) const {
     out = {};
     if (index >= size()) return kv_errc::index_out_of_range;
+    if (std::error_code ec = check_range(index, index + 1)) return ec;
     out.keys.resize(token_width());
     out.values.resize(token_width());
     return read_kv(index, out.keys, out.values);
@@ -121,8 +136,8 @@ class basic_kv_snapshot {
   /// to each other in the pool's memory); the spans
   /// (`std::span<const T>`, `count * token_width()` elements each) point
   /// into the cache's blocks and stay valid while this snapshot lives.
-  /// @return `invalid_range` or `range_out_of_bounds` as `read_range`; `f`
-  ///         is not called on error.
+  /// @return `invalid_range`, `range_out_of_bounds` or `outside_window` as
+  ///         `read_range`; `f` is not called on error.
   template <class F>
   std::error_code for_each_block(std::size_t begin, std::size_t end, F&& f) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
@@ -151,6 +166,9 @@ class basic_kv_snapshot {
   std::error_code check_range(std::size_t begin, std::size_t end) const noexcept {
     if (begin > end) return kv_errc::invalid_range;
     if (end > size()) return kv_errc::range_out_of_bounds;
+    // The positions a window dropped: [sink_tokens(), kept_from()).
+    if (begin < end && sink_tokens() < kept_from() && begin < kept_from() && end > sink_tokens())
+      return kv_errc::outside_window;
     return {};
   }
 

@@ -52,6 +52,8 @@ class kv_category_impl final : public category_base {
       case kv_errc::store_auth_failed: return "the store's server refused its credentials or database";
       case kv_errc::store_tls_failed: return "the store's TLS handshake failed";
       case kv_errc::store_unavailable: return "the store's server did not answer";
+      case kv_errc::outside_window: return "the position is outside what the layer's window keeps";
+      case kv_errc::layout_mismatch: return "the saved sequence has another model layout";
     }
     return "unknown ghostlink.kv error " + std::to_string(ev);
   }

@@ -132,6 +132,19 @@ void actor::use_account(std::size_t layer, ref_ptr<block_account> account) noexc
   layers_[layer]->state->use_account(std::move(account));
 }
 
+void actor::use_rollback(std::size_t rollback) noexcept {
+  rollback_ = rollback;
+  high_water_ = layers_.front()->state->size();
+}
+
+void actor::advance(std::size_t size) noexcept {
+  high_water_ = std::max(high_water_, size);
+  for (const auto& l : layers_) {
+    const std::size_t reach = l->state->layer_layout().window + rollback_;  // validated: no overflow
+    if (high_water_ + 1 > reach) l->state->drop_before(high_water_ + 1 - reach);
+  }
+}
+
 void actor::discard_mailbox() noexcept {
   std::array<request*, drain_capacity> batch{};
   while (const std::size_t n = mailbox_->take(batch.data(), batch.size()))
@@ -231,6 +244,11 @@ error_code actor::apply(request& r) {
     case request_kind::commit_step: {
       auto& g = static_cast<group_request&>(r);
       for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l]->staged = std::move(g.staged[l]);
+      // The step's epochs showed every token of it; a windowed layer drops
+      // now what no later token attends, in an epoch after the staged one.
+      advance(layers_.front()->state->size());
+      for (const auto& l : layers_)
+        if (l->state->has_changes()) l->staged = l->state->publish();  // memory prepared by apply()
       return {};
     }
   }
@@ -264,13 +282,29 @@ error_code actor::append(const request& r) {
   const std::size_t index = writes.front().index;
   if (error_code ec = open_all(index, r.tokens())) return ec;
   for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l]->state->store(index, writes[l].keys, writes[l].values);
+  advance(index + r.tokens());
   return {};
 }
 
 error_code actor::truncate(std::size_t size) {
+  // Below h - rollback, a window may have dropped what the next token needs.
+  const bool rewinds = high_water_ > rollback_ && size < high_water_ - rollback_;
+  for (const auto& l : layers_)
+    if (rewinds && !l->state->can_truncate(size)) return kv_errc::outside_window;
   for (const auto& l : layers_)
     if (error_code ec = l->state->prepare_truncate(size)) return ec;  // changes nothing visible
   for (const auto& l : layers_) l->state->cut(size);
+  if (rewinds) {
+    // h becomes the size, or more where a window dropped positions that a
+    // later truncate within rollback_tokens of it would need: every
+    // truncate to h - rollback or more must then still find its window.
+    high_water_ = size;
+    for (const auto& l : layers_) {
+      const kv_layer_layout& w = l->state->layer_layout();
+      if (l->state->kept_from() > w.sink_tokens)
+        high_water_ = std::max(high_water_, l->state->kept_from() + w.window + rollback_ - 1);
+    }
+  }
   return {};
 }
 
@@ -281,6 +315,8 @@ error_code actor::fork(request& r) noexcept {
     children.reserve(layers_.size());
     for (const auto& l : layers_) children.push_back(l->state->fork());
     r.forked = std::make_shared<actor>(executor_, std::move(children));
+    r.forked->high_water_ = high_water_;
+    r.forked->rollback_ = rollback_;
     return {};
   } catch (const std::bad_alloc&) {
     return kv_errc::capacity_exhausted;  // the layers forked so far go with `children`

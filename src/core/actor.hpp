@@ -128,6 +128,11 @@ class actor : public std::enable_shared_from_this<actor> {
   std::size_t layers() const noexcept { return layers_.size(); }
   /// See working_state::use_account: before the first request only.
   void use_account(std::size_t layer, ref_ptr<block_account> account) noexcept;
+  /// A sequence's windows: truncates may take back `rollback` tokens below
+  /// the high-water mark (see kv_model_layout), which starts at the first
+  /// layer's size. Before the first request only; the layers' windows are
+  /// their working states' (working_state::use_layer_layout).
+  void use_rollback(std::size_t rollback) noexcept;
   /// The first layer's pool (a sequence's model layers share it).
   block_pool& pool() const noexcept { return *pool_; }
   const strand_type& strand() const noexcept { return strand_; }
@@ -178,6 +183,9 @@ class actor : public std::enable_shared_from_this<actor> {
   /// epochs are the working states, sharing their blocks; into `r.forked`.
   error_code fork(request& r) noexcept;
   error_code begin_step(group_request& r);
+  /// The sequence now holds `size` tokens: raises the high-water mark, and
+  /// each windowed layer drops what no later token attends.
+  void advance(std::size_t size) noexcept;
   /// Publishes what changed in every layer (and the group's state).
   void publish();
 
@@ -189,6 +197,10 @@ class actor : public std::enable_shared_from_this<actor> {
   const ref_ptr<block_pool> pool_;
   const std::unique_ptr<group_cell> group_;  // more than one layer only
   std::unique_ptr<group_epoch> next_group_;  // strand only: the next group state's memory, prepared
+  // Strand only: the high-water mark h and the rollback of a sequence's
+  // windows (kv_model_layout); 0 for a layer cache, whose truncates ignore them.
+  std::size_t high_water_ = 0;
+  std::size_t rollback_ = 0;
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
   // Counters the drain alone writes (on the strand); stats() reads them.
   std::atomic<std::uint64_t> drains_{0};

@@ -52,12 +52,19 @@ struct block_table : ref_counted<block_table> {
   static void* operator new(std::size_t size) { return metadata_new(size); }
   static void operator delete(void* p) noexcept { ::operator delete(p); }
 
+  /// Entry `b` (`b < blocks`): null where a windowed layer dropped it (its
+  /// chunk may be gone too).
   const ref_ptr<block>& block_at(std::size_t b) const noexcept {
-    return chunks[b / table_chunk::size]->blocks[b % table_chunk::size];
+    const ref_ptr<table_chunk>& chunk = chunks[b / table_chunk::size];
+    return chunk ? chunk->blocks[b % table_chunk::size] : dropped();
+  }
+  static const ref_ptr<block>& dropped() noexcept {
+    static const ref_ptr<block> none;
+    return none;
   }
 
   const std::uint64_t born_epoch;  // the first epoch of its cache that can see it
-  std::vector<ref_ptr<table_chunk>> chunks;
+  std::vector<ref_ptr<table_chunk>> chunks;  // null: every block of it dropped (a windowed layer)
   std::size_t blocks = 0;  // blocks in use; later ones are null or the zero block
 };
 
@@ -124,13 +131,14 @@ class epoch_registry : public ref_counted<epoch_registry> {
 /// those positions of any block.
 struct epoch : ref_counted<epoch> {
   epoch(std::uint64_t number, std::size_t size, std::size_t stored, ref_ptr<block_table> table, const block* zeros,
-        const block_layout& layout, ref_ptr<epoch_registry> registry = {}) noexcept
+        const block_layout& layout, ref_ptr<epoch_registry> registry = {}, window_view window = {}) noexcept
       : number(number),
         size(size),
         stored(stored),
         table(std::move(table)),
         zeros(zeros),
         layout(&layout),
+        window(window),
         registry(std::move(registry)) {
     if (this->registry) this->registry->add(this);
   }
@@ -160,6 +168,7 @@ struct epoch : ref_counted<epoch> {
   const ref_ptr<block_table> table;
   const block* const zeros;  // the registry's (or, without one, a test's): read only past `stored`
   const block_layout* const layout;        // its registry's (or, without one, a test's)
+  const window_view window;                // a windowed layer's: positions [sinks, kept_from) are dropped
   ref_ptr<epoch_registry> registry;        // null only in tests of epochs alone; set once
   epoch* older = nullptr;                  // the registry's list, under its mutex
   epoch* newer = nullptr;
@@ -182,7 +191,7 @@ struct epoch_access {
   static pinned_epoch pin(ref_ptr<epoch> e) noexcept {
     if (e->registry) e->registry->snapshot_opened();
     const epoch* raw = e.detach();
-    return {raw, raw->number, raw->size, raw->layout->token_width};
+    return {raw, raw->number, raw->size, raw->layout->token_width, raw->window};
   }
 };
 

@@ -50,6 +50,9 @@ working_state::working_state(const working_state& parent, std::uint64_t next_epo
       owner_(block_pool::new_owner_id()),
       table_(ref_ptr<block_table>::adopt(new block_table(next_epoch))),
       zero_block_(parent.zero_block_),
+      layer_(parent.layer_),
+      kept_from_(parent.kept_from_),
+      dropped_to_(parent.dropped_to_),
       size_(parent.size_),
       stored_(parent.stored_),
       next_epoch_(next_epoch),
@@ -61,6 +64,10 @@ working_state::working_state(const working_state& parent, std::uint64_t next_epo
   const block_table& from = *parent.table_;
   table_->chunks.reserve(from.chunks.size());
   for (const ref_ptr<table_chunk>& chunk : from.chunks) {
+    if (!chunk) {  // dropped
+      table_->chunks.emplace_back();
+      continue;
+    }
     if (chunk == parent.zero_chunk_ && zero_chunk()) {
       table_->chunks.push_back(zero_chunk_);
       continue;
@@ -94,8 +101,9 @@ ref_ptr<epoch> working_state::publish() {
   // registry by an earlier epoch (epoch::destroy).
   prepare_epoch();
   void* memory = std::exchange(spare_epoch_, nullptr);
+  const window_view window{layer_.window, layer_.sink_tokens, kept_from_};
   auto e = ref_ptr<epoch>::adopt(
-      ::new (memory) epoch(next_epoch_, size_, stored_, table_, zero_block_.get(), *layout_, registry_));
+      ::new (memory) epoch(next_epoch_, size_, stored_, table_, zero_block_.get(), *layout_, registry_, window));
   ++next_epoch_;
   changed_ = false;
   return e;
@@ -172,15 +180,70 @@ void working_state::cut(std::size_t size) noexcept {
   // cache's tokens: make skipped positions there read as zeros if written
   // again.
   if (stored % bt != 0) {
-    block& last = *table_->block_at(blocks - 1);
-    if (last.owner() == owner_ && last.materialized() > stored % bt) {
-      last.set_materialized(stored % bt);
-      last.set_rewound_epoch(next_epoch_);
+    block* last = table_->block_at(blocks - 1).get();  // null: dropped (a window of 1 cut inside what it dropped)
+    if (last && last->owner() == owner_ && last->materialized() > stored % bt) {
+      last->set_materialized(stored % bt);
+      last->set_rewound_epoch(next_epoch_);
+    }
+  }
+  if (layer_.window != 0 && kept_from_ > size) {
+    // Cut inside what the window dropped: the positions it dropped below
+    // `size` stay dropped, the rest are gone; or, cut into the sinks,
+    // nothing past them is held.
+    dropped_to_ = std::min(dropped_to_, size / bt);
+    kept_from_ = std::max(size, layer_.sink_tokens);
+    if (size <= layer_.sink_tokens) {
+      dropped_to_ = first_droppable();
+      kept_from_ = layer_.sink_tokens;
     }
   }
   stored_ = stored;
   size_ = size;
   changed_ = true;
+}
+
+void working_state::use_layer_layout(const kv_layer_layout& l) noexcept {
+  layer_ = l;
+  kept_from_ = l.sink_tokens;
+  dropped_to_ = first_droppable();
+}
+
+std::size_t working_state::first_droppable() const noexcept {
+  return ceil_div(layer_.sink_tokens, config_.block_tokens);
+}
+
+bool working_state::can_truncate(std::size_t n) const noexcept {
+  if (layer_.window == 0) return true;
+  // The positions past the sinks that a token at `n` attends: [need, n).
+  const std::size_t need = std::max(layer_.sink_tokens, n + 1 > layer_.window ? n + 1 - layer_.window : 0);
+  return need >= n || kept_from_ <= need;
+}
+
+void working_state::drop_before(std::size_t keep) noexcept {
+  if (layer_.window == 0) return;
+  const std::size_t bt = config_.block_tokens;
+  const std::size_t end = std::min(keep / bt, table_->blocks);
+  std::size_t b = std::max(dropped_to_, first_droppable());
+  if (b >= end) return;
+  try {
+    seal();  // blocks touched since the last seal may go below
+    own_table();
+    while (b < end) {
+      const std::size_t c = b / table_chunk::size, chunk_first = c * table_chunk::size;
+      if (b == chunk_first && end >= chunk_first + table_chunk::size) {
+        table_->chunks[c] = {};  // every block of it
+        b += table_chunk::size;
+      } else {
+        if (table_->chunks[c]) editable_block(b) = {};
+        ++b;
+      }
+      dropped_to_ = b;
+      kept_from_ = std::max(kept_from_, b * bt);
+      changed_ = true;
+    }
+  } catch (const std::bad_alloc&) {
+    // Kept until a later publication drops them: nothing read changed.
+  }
 }
 
 error_code working_state::set_aside(std::size_t index, std::size_t tokens) {
@@ -412,9 +475,9 @@ const ref_ptr<table_chunk>& working_state::zero_chunk() {
 ref_ptr<block>& working_state::editable_block(std::size_t b) {
   own_table();
   ref_ptr<table_chunk>& chunk = table_->chunks[b / table_chunk::size];
-  if (chunk->born_epoch != next_epoch_ || chunk == zero_chunk_) {
+  if (!chunk || chunk->born_epoch != next_epoch_ || chunk == zero_chunk_) {
     auto copy = ref_ptr<table_chunk>::adopt(new table_chunk(next_epoch_));
-    copy->blocks = chunk->blocks;
+    if (chunk) copy->blocks = chunk->blocks;  // none: a chunk a window dropped whole
     chunk = std::move(copy);
   }
   return chunk->blocks[b % table_chunk::size];
@@ -437,7 +500,7 @@ bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& un
     std::memcpy(layout_->values(*fresh), layout_->values(*current), held * layout_->token_bytes);
     pool_->count_cow_copy();
   }
-  fresh->set_materialized(current == zero_block_ ? 0 : held);
+  fresh->set_materialized(!current || current == zero_block_ ? 0 : held);  // null: dropped, zero-filled
   touched_.push_back(fresh.get());
   ref_ptr<block>& target = editable_block(b);
   undo.emplace_back(b, std::exchange(target, std::move(fresh)));

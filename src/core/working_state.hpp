@@ -44,6 +44,12 @@
 //   counts them readable and nothing here writes them in place again; the
 //   step's writer alone stores into them (store_step(), on its own thread),
 //   and only the step reads them, after that store (its release).
+// - A windowed layer (layer_.window > 0): table entries
+//   [first_droppable(), dropped_to_) are null (dropped), a chunk wholly in
+//   that range may be null itself, and positions [sink_tokens, kept_from_)
+//   are never read (the epochs say so: window_view). kept_from_ <= size_
+//   unless the layer holds no position past its sinks. Everything past
+//   kept_from_ below stored_ is held.
 
 #include <cstddef>
 #include <cstdint>
@@ -57,6 +63,7 @@
 #include "core/epoch.hpp"
 #include "ghostlink/config.hpp"
 #include "ghostlink/element.hpp"
+#include "ghostlink/layout.hpp"
 #include "ghostlink/types.hpp"
 #include "memory/block.hpp"
 
@@ -136,6 +143,18 @@ class working_state {
   /// New blocks draw their budget from `account` first (its sequence's);
   /// set before the first request reaches the actor.
   void use_account(ref_ptr<block_account> account) noexcept { account_ = std::move(account); }
+  /// Makes this a layer of `l` (a window, sinks); before the first request.
+  void use_layer_layout(const kv_layer_layout& l) noexcept;
+  const kv_layer_layout& layer_layout() const noexcept { return layer_; }
+  /// The first position past the sinks this layer holds.
+  std::size_t kept_from() const noexcept { return kept_from_; }
+  /// Whether a truncate to `n` leaves this layer every position the window
+  /// of a token at `n` attends (always, without a window).
+  bool can_truncate(std::size_t n) const noexcept;
+  /// A windowed layer drops the blocks past its sinks that hold no position
+  /// at or after `keep`; none without a window. Never fails: without memory
+  /// for a table copy it keeps them until a later call.
+  void drop_before(std::size_t keep) noexcept;
 
  private:
   working_state(const working_state& parent, std::uint64_t next_epoch);
@@ -174,6 +193,8 @@ class working_state {
   /// A fresh block of this cache: one set aside by set_aside(), else a new one
   /// (null when the pool has none to give).
   ref_ptr<block> fresh_block() noexcept;
+  /// The first block a window may drop: past every sink.
+  std::size_t first_droppable() const noexcept;
   /// Zero-fills `blk`'s positions from its materialized count up to `positions`.
   void materialize(block& blk, std::size_t positions) noexcept;
   /// Raises readable() of every block touched since the last seal to what
@@ -194,6 +215,9 @@ class working_state {
   std::vector<block*> touched_;  // owned blocks written since the last seal (all in table_)
   std::vector<ref_ptr<block>> set_aside_;  // set aside by set_aside() for the next write
   ref_ptr<block_account> account_;        // its sequence's (none for a layer cache)
+  kv_layer_layout layer_{};                // a sequence's layer: its window (none for a layer cache)
+  std::size_t kept_from_ = 0;              // see the invariants
+  std::size_t dropped_to_ = 0;             // see the invariants
   std::size_t size_ = 0;
   std::size_t stored_ = 0;
   std::uint64_t next_epoch_ = 0;

@@ -169,8 +169,8 @@ class load_job : public std::enable_shared_from_this<load_job> {
       if (error_code ec = check_layer_padding(file_, header_, l)) return ec;
     }
     const std::span<const token_id> ids(ids_);
-    seq_ = make_attached_sequence(ex_, expected_.config, expected_.element.codec, pool, std::move(blocks),
-                                  ids.first(header_.tokens - tail()));
+    seq_ = make_attached_sequence(ex_, expected_.config, kv_model_layout::full(expected_.num_layers),
+                                  expected_.element.codec, pool, std::move(blocks), ids.first(header_.tokens - tail()));
     // The tail's blocks are the sequence's to take.
     seq_->account->left.fetch_add(account->left.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
     return {};

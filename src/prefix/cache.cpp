@@ -57,8 +57,8 @@ std::shared_ptr<sequence_state> prefix_attach(prefix_index& p, asio::any_io_exec
 std::shared_ptr<sequence_state> attached_sequence(const prefix_index& p, asio::any_io_executor ex,
                                                   std::vector<std::vector<ref_ptr<block>>> blocks,
                                                   std::span<const token_id> tokens, std::size_t attached) {
-  return make_attached_sequence(std::move(ex), p.config(), p.codec(), p.pool(), std::move(blocks),
-                                tokens.first(attached * p.config().block_tokens));
+  return make_attached_sequence(std::move(ex), p.config(), kv_model_layout::full(p.num_layers()), p.codec(), p.pool(),
+                                std::move(blocks), tokens.first(attached * p.config().block_tokens));
 }
 
 namespace {

@@ -70,7 +70,7 @@ void sequence_request::finish(operation* base, const error_code* ec, queueing ho
       seq.end();
       if (!result) {
         try {
-          op->forked = std::make_shared<sequence_state>(seq.executor, seq.config, std::move(self->forked));
+          op->forked = std::make_shared<sequence_state>(seq.executor, seq.config, seq.layout, std::move(self->forked));
         } catch (const std::bad_alloc&) {
           result = kv_errc::capacity_exhausted;  // the forked group goes with the request
         }
@@ -179,9 +179,11 @@ void start_fork(const std::shared_ptr<sequence_state>& s, sequence_op* op) {
 
 // The rest of the untyped interface of detail/sequence_interface.hpp.
 
-sequence_state::sequence_state(asio::any_io_executor ex, const kv_cache_config& config, std::shared_ptr<actor> group)
+sequence_state::sequence_state(asio::any_io_executor ex, const kv_cache_config& config, kv_model_layout layout,
+                               std::shared_ptr<actor> group)
     : executor(std::move(ex)),
       config(config),
+      layout(std::move(layout)),
       group(std::move(group)),
       account(ref_ptr<block_account>::adopt(new block_account(ref_ptr<block_pool>::share(&this->group->pool())))) {
   for (std::size_t i = 0; i < model_layers(); ++i) this->group->use_account(i, account);
@@ -206,27 +208,31 @@ std::unique_ptr<working_state> make_ids_layer(const kv_cache_config& config, std
   return state;
 }
 
-/// A group of `blocks.size()` model layers (layer `l` starting with
+/// A group of the model layers of `model` (layer `l` starting with
 /// `blocks[l]`, or empty without blocks) and the token ids'.
-std::shared_ptr<actor> make_group(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
-                                  const ref_ptr<block_pool>& pool, std::size_t layers,
+std::shared_ptr<actor> make_group(asio::any_io_executor ex, const kv_cache_config& config, const kv_model_layout& model,
+                                  element_codec codec, const ref_ptr<block_pool>& pool,
                                   std::vector<std::vector<ref_ptr<block>>> blocks, std::span<const token_id> ids) {
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
   std::vector<std::unique_ptr<working_state>> states;
-  states.reserve(layers + 1);
-  for (std::size_t l = 0; l < layers; ++l)
+  states.reserve(model.num_layers() + 1);
+  for (std::size_t l = 0; l < model.num_layers(); ++l) {
     states.push_back(std::make_unique<working_state>(config, layout, pool, true,
                                                      blocks.empty() ? std::span<ref_ptr<block>>() : blocks[l]));
+    states.back()->use_layer_layout(model.layers[l]);  // before the actor publishes its first epochs
+  }
   states.push_back(make_ids_layer(config, ids));
-  return std::make_shared<actor>(std::move(ex), std::move(states));
+  auto group = std::make_shared<actor>(std::move(ex), std::move(states));
+  group->use_rollback(model.rollback_tokens);
+  return group;
 }
 
 }  // namespace
 
-std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, std::size_t num_layers,
+std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv_model_layout& model,
                                               const kv_cache_config& config, element_codec codec,
                                               const kv_block_pool* pool) {
-  if (num_layers == 0) throw std::system_error(make_error_code(kv_errc::invalid_config));
+  validate(model);
   validate(config, codec.size);
   // A private pool holds the whole sequence's budget; layers on a pool leave
   // the budget to it.
@@ -242,17 +248,17 @@ std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, std::siz
         pool_access::state(kv_block_pool(block_layout(config, codec).block_bytes, {.max_blocks = config.max_blocks}));
     layer_config.max_blocks = kv_cache_config{}.max_blocks;
   }
-  auto group = make_group(ex, layer_config, codec, shared, num_layers, {}, {});
-  return std::make_shared<sequence_state>(std::move(ex), config, std::move(group));
+  auto group = make_group(ex, layer_config, model, codec, shared, {}, {});
+  return std::make_shared<sequence_state>(std::move(ex), config, model, std::move(group));
 }
 
 std::shared_ptr<sequence_state> make_attached_sequence(asio::any_io_executor ex, const kv_cache_config& config,
-                                                       element_codec codec, const ref_ptr<block_pool>& pool,
+                                                       const kv_model_layout& layout, element_codec codec,
+                                                       const ref_ptr<block_pool>& pool,
                                                        std::vector<std::vector<ref_ptr<block>>> blocks,
                                                        std::span<const token_id> ids) {
-  const std::size_t layers = blocks.size();
-  auto group = make_group(ex, config, codec, pool, layers, std::move(blocks), ids);
-  return std::make_shared<sequence_state>(std::move(ex), config, std::move(group));
+  auto group = make_group(ex, config, layout, codec, pool, std::move(blocks), ids);
+  return std::make_shared<sequence_state>(std::move(ex), config, layout, std::move(group));
 }
 
 void use_reservation(const sequence_state& s, kv_block_reservation& r) {
@@ -264,6 +270,7 @@ void use_reservation(const sequence_state& s, kv_block_reservation& r) {
 
 std::size_t num_layers(const sequence_state& s) noexcept { return s.model_layers(); }
 const kv_cache_config& config_of(const sequence_state& s) noexcept { return s.config; }
+const kv_model_layout& layout_of(const sequence_state& s) noexcept { return s.layout; }
 const asio::any_io_executor& io_executor(const sequence_state& s) noexcept { return s.executor; }
 std::size_t size_of(const sequence_state& s) noexcept { return s.size(); }
 const std::shared_ptr<actor>& group_of(const sequence_state& s) noexcept { return s.group; }

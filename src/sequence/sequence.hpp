@@ -35,6 +35,7 @@
 #include "ghostlink/detail/sequence_interface.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
+#include "ghostlink/layout.hpp"
 #include "memory/block.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -43,7 +44,8 @@ namespace detail {
 class sequence_state {
  public:
   /// Gives every model layer the sequence's budget account.
-  sequence_state(asio::any_io_executor ex, const kv_cache_config& config, std::shared_ptr<actor> group);
+  sequence_state(asio::any_io_executor ex, const kv_cache_config& config, kv_model_layout layout,
+                 std::shared_ptr<actor> group);
 
   /// The model's layers; the group holds one more, last: the token ids'.
   std::size_t model_layers() const noexcept { return group->layers() - 1; }
@@ -57,6 +59,7 @@ class sequence_state {
 
   const asio::any_io_executor executor;
   const kv_cache_config config;  // as the user gave it (the layers' may leave the budget to the pool)
+  const kv_model_layout layout;  // one entry per model layer (the group's working states hold their windows)
   // The model's layers, then one layer of token ids (one float per token,
   // an id's bits), which every request treats as one more layer.
   const std::shared_ptr<actor> group;
@@ -124,11 +127,13 @@ void submit_to_group(const std::shared_ptr<sequence_state>& seq, sequence_op* op
   submit(*seq->group, r, u);
 }
 
-/// A sequence of `config` whose layer `l` starts with `blocks[l]` (full
-/// blocks of another owner, the same number in every layer) and whose
-/// token ids are `ids` (one per token of those blocks). Throws std::bad_alloc.
+/// A sequence of `config` and `layout` whose layer `l` starts with
+/// `blocks[l]` (full blocks of another owner, the same number in every
+/// layer) and whose token ids are `ids` (one per token of those blocks).
+/// Throws std::bad_alloc.
 std::shared_ptr<sequence_state> make_attached_sequence(asio::any_io_executor ex, const kv_cache_config& config,
-                                                       element_codec codec, const ref_ptr<block_pool>& pool,
+                                                       const kv_model_layout& layout, element_codec codec,
+                                                       const ref_ptr<block_pool>& pool,
                                                        std::vector<std::vector<ref_ptr<block>>> blocks,
                                                        std::span<const token_id> ids);
 

@@ -4,6 +4,7 @@
 
 #include <ghostlink/kv_cache.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <ostream>
@@ -13,24 +14,30 @@
 
 namespace ghostlink::test {
 
-/// A snapshot's epoch, size and every token's keys and values (widened to
-/// float).
+/// A snapshot's epoch, size, what its window dropped, and the keys and
+/// values of every token it still holds (widened to float).
 struct observed {
   std::uint64_t epoch = 0;
   std::size_t size = 0;
+  std::size_t kept_from = 0;
   std::vector<float> keys, values;
   bool operator==(const observed&) const = default;
 };
 
 /// What `snap` shows, its epoch left 0 (for caches whose epochs may
-/// legitimately move while their contents do not).
+/// legitimately move while their contents do not): its sinks' tokens and
+/// those from kept_from() on (every token, without a window).
 template <storage_element T>
 observed contents(const basic_kv_snapshot<T>& snap) {
-  observed o{0, snap.size(), {}, {}};
-  kv_range all;
-  if (snap.read_range(0, snap.size(), all)) throw std::logic_error("read_range of a whole snapshot failed");
-  o.keys = std::move(all.keys);
-  o.values = std::move(all.values);
+  observed o{0, snap.size(), snap.kept_from(), {}, {}};
+  const std::size_t sinks = std::min(snap.sink_tokens(), snap.size());
+  for (auto [begin, end] :
+       {std::pair(std::size_t{0}, sinks), std::pair(std::max(sinks, snap.kept_from()), snap.size())}) {
+    kv_range part;
+    if (snap.read_range(begin, end, part)) throw std::logic_error("read_range of what a snapshot holds failed");
+    o.keys.insert(o.keys.end(), part.keys.begin(), part.keys.end());
+    o.values.insert(o.values.end(), part.values.begin(), part.values.end());
+  }
   return o;
 }
 

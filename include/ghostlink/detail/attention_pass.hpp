@@ -23,9 +23,15 @@ namespace detail {
 class attention_pass {
  public:
   /// Checks the arguments against `width` (the snapshot's token width, 0
-  /// for an empty snapshot) and `stored` tokens; then clears `out`.
+  /// for an empty snapshot), `stored` tokens and the layer's `window`
+  /// (`outside_window` if a row attends a position it dropped); then
+  /// clears `out`.
   std::error_code begin(const attention_shape& shape, std::size_t width, std::size_t stored, pending_tokens pending,
-                        std::span<const float> queries, std::span<float> out) noexcept;
+                        std::span<const float> queries, std::span<float> out, const window_view& window = {}) noexcept;
+  /// After begin(): the first stored position past the sinks that a row
+  /// attends (0 without a window). Positions in `[sinks, first_attended())`
+  /// are attended by no row: they need not be added.
+  std::size_t first_attended() const noexcept { return first_attended_; }
   /// Attends `count` stored tokens from position `first`, now or (runs
   /// being held `runs_behind`) by a later `add` or `finish`: the memory must
   /// stay valid until `finish`.
@@ -50,6 +56,8 @@ class attention_pass {
   void attend_held(const stored_run& ahead) noexcept;
 
   attention_shape shape_{};
+  window_view window_{};
+  std::size_t first_attended_ = 0;
   stored_run held_runs_[runs_behind]{};
   std::size_t held_ = 0;
   std::size_t rows_ = 0, stored_ = 0, total_ = 0;

@@ -26,6 +26,14 @@ struct stored_run {
   const std::byte* values;
 };
 
+/// What a windowed layer's epoch holds: positions `[sinks, kept_from)` are
+/// dropped (none for a full layer: every field 0).
+struct window_view {
+  std::size_t window = 0;
+  std::size_t sinks = 0;
+  std::size_t kept_from = 0;
+};
+
 /// Asks the processor for the first cache lines of a run's keys and values,
 /// so the next block's streams are under way while the current one is
 /// read (a block starts two streams the hardware prefetcher has not seen).
@@ -59,7 +67,8 @@ class pinned_epoch {
       : epoch_(std::exchange(other.epoch_, nullptr)),
         number_(other.number_),
         size_(other.size_),
-        width_(other.width_) {}
+        width_(other.width_),
+        window_(other.window_) {}
   pinned_epoch& operator=(pinned_epoch&& other) noexcept {
     if (this != &other) {
       close();
@@ -67,6 +76,7 @@ class pinned_epoch {
       number_ = other.number_;
       size_ = other.size_;
       width_ = other.width_;
+      window_ = other.window_;
     }
     return *this;
   }
@@ -79,6 +89,8 @@ class pinned_epoch {
   std::size_t size() const noexcept { return size_; }
   /// Elements per token's keys (or values).
   std::size_t width() const noexcept { return width_; }
+  /// The layer's window and what it dropped.
+  const window_view& window() const noexcept { return window_; }
   /// See stored_runs(); the epoch must be pinned.
   std::size_t runs(std::size_t first, std::size_t end, std::span<stored_run> out) const noexcept {
     return stored_runs(*epoch_, first, end, out);
@@ -86,8 +98,8 @@ class pinned_epoch {
 
  private:
   friend struct epoch_access;
-  pinned_epoch(const epoch* e, std::uint64_t number, std::size_t size, std::size_t width) noexcept
-      : epoch_(e), number_(number), size_(size), width_(width) {}
+  pinned_epoch(const epoch* e, std::uint64_t number, std::size_t size, std::size_t width, window_view w) noexcept
+      : epoch_(e), number_(number), size_(size), width_(width), window_(w) {}
   void close() noexcept {
     if (epoch_) unpin(*std::exchange(epoch_, nullptr));
   }
@@ -96,6 +108,7 @@ class pinned_epoch {
   std::uint64_t number_ = 0;
   std::size_t size_ = 0;
   std::size_t width_ = 0;
+  window_view window_{};
 };
 
 }  // namespace detail

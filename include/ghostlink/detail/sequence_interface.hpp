@@ -16,6 +16,7 @@
 
 #include "ghostlink/block_pool.hpp"
 #include "ghostlink/detail/layer_interface.hpp"  // the actor, the pool, the completion piece
+#include "ghostlink/layout.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
@@ -56,12 +57,12 @@ struct take_results {
   std::vector<error_code> operator()(batch_op& op) const noexcept { return std::move(op.results); }
 };
 
-/// `num_layers` empty layers of `config` on strands of `ex`, accepting
+/// The empty layers of `layout`, of `config`, on strands of `ex`, accepting
 /// writes without an initialize, with blocks from `pool` (a private pool
 /// whose budget is `config.max_blocks` for every layer together if null).
-/// @throws std::system_error(kv_errc::invalid_config) if `num_layers` is 0
-///         or as make_actor().
-std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, std::size_t num_layers,
+/// @throws std::system_error(kv_errc::invalid_config) for a bad layout
+///         (see validate(const kv_model_layout&)) or as make_actor().
+std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv_model_layout& layout,
                                               const kv_cache_config& config, element_codec codec,
                                               const kv_block_pool* pool);
 
@@ -72,6 +73,8 @@ void use_reservation(const sequence_state& s, kv_block_reservation& r);
 std::size_t num_layers(const sequence_state& s) noexcept;
 /// The config the sequence was made with.
 const kv_cache_config& config_of(const sequence_state& s) noexcept;
+/// The layout the sequence was made with.
+const kv_model_layout& layout_of(const sequence_state& s) noexcept;
 /// The executor the sequence was made from.
 const asio::any_io_executor& io_executor(const sequence_state& s) noexcept;
 /// Tokens of the last completed append or truncate (or fork).

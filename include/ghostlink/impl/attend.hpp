@@ -16,10 +16,16 @@ template <storage_element T>
 std::error_code attend(const basic_kv_snapshot<T>& snapshot, std::span<const float> queries, std::span<float> out,
                        const attention_shape& shape, pending_tokens pending) noexcept {
   detail::attention_pass pass;
-  if (auto ec = pass.begin(shape, snapshot.token_width(), snapshot.size(), pending, queries, out)) return ec;
-  (void)snapshot.for_each_block(0, snapshot.size(),
-                                [&](std::size_t first, std::size_t count, std::span<const T> keys,
-                                    std::span<const T> values) { pass.add(first, count, keys.data(), values.data()); });
+  const detail::window_view window{snapshot.window(), snapshot.sink_tokens(), snapshot.kept_from()};
+  if (auto ec = pass.begin(shape, snapshot.token_width(), snapshot.size(), pending, queries, out, window)) return ec;
+  const auto add = [&](std::size_t first, std::size_t count, std::span<const T> keys, std::span<const T> values) {
+    pass.add(first, count, keys.data(), values.data());
+  };
+  // A windowed layer's sinks, then what its rows' windows reach; all else.
+  const std::size_t size = snapshot.size(), from = std::min(pass.first_attended(), size);
+  const std::size_t sinks = window.window != 0 ? std::min(window.sinks, from) : 0;
+  (void)snapshot.for_each_block(0, sinks, add);
+  (void)snapshot.for_each_block(std::max(sinks, from), size, add);
   pass.finish<T>();
   return {};
 }

@@ -179,12 +179,22 @@ struct initiate_begin_steps {
 template <storage_element T>
 basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers,
                                                     kv_cache_config config, const kv_block_pool& pool)
-    : state_(detail::make_sequence(std::move(ex), num_layers, config, detail::codec_of<T>, &pool)) {}
+    : basic_sequence_kv_cache(std::move(ex), kv_model_layout::full(num_layers), config, pool) {}
 
 template <storage_element T>
 basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, std::size_t num_layers,
                                                     kv_cache_config config)
-    : state_(detail::make_sequence(std::move(ex), num_layers, config, detail::codec_of<T>, nullptr)) {}
+    : basic_sequence_kv_cache(std::move(ex), kv_model_layout::full(num_layers), config) {}
+
+template <storage_element T>
+basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, const kv_model_layout& layout,
+                                                    kv_cache_config config, const kv_block_pool& pool)
+    : state_(detail::make_sequence(std::move(ex), layout, config, detail::codec_of<T>, &pool)) {}
+
+template <storage_element T>
+basic_sequence_kv_cache<T>::basic_sequence_kv_cache(asio::any_io_executor ex, const kv_model_layout& layout,
+                                                    kv_cache_config config)
+    : state_(detail::make_sequence(std::move(ex), layout, config, detail::codec_of<T>, nullptr)) {}
 
 template <storage_element T>
 auto basic_sequence_kv_cache<T>::snapshot() const -> snapshot_type {
