@@ -19,6 +19,7 @@
 #include "ghostlink/events.hpp"
 #include "ghostlink/layer_kv_cache.hpp"
 #include "ghostlink/layer_kv_view.hpp"
+#include "ghostlink/layout.hpp"
 #include "ghostlink/metrics.hpp"
 #include "ghostlink/persist.hpp"
 #include "ghostlink/prefix_cache.hpp"

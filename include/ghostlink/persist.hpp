@@ -98,7 +98,8 @@ struct kv_sequence_expectation {
 ///
 /// Completion signature: `void(error_code)`. Errors: `layer_mismatch` (an
 /// empty snapshot: no layers), `invalid_config` (a zero field in
-/// `options.config`, or a model id over 65536 bytes), `width_mismatch`
+/// `options.config`, a model id over 65536 bytes, or a snapshot of a
+/// sequence with a windowed layer: not in the format yet), `width_mismatch`
 /// (`options.config.token_width()` not the snapshot's), all before any
 /// I/O; the operating system's (`errno` in the generic category, e.g.
 /// `ENOENT`, `ENOTDIR`, `EACCES`, `ENOSPC`; after the rename, only the

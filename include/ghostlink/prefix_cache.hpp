@@ -221,8 +221,9 @@ class basic_kv_prefix_cache {
   /// `insert_stored_tokens()` cannot be wrong that way.
   /// @throws std::system_error with `kv_errc::layer_mismatch` for a `seq`
   ///         of another number of layers, with `kv_errc::invalid_config`
-  ///         for one on another pool or of another geometry (`num_heads`,
-  ///         `head_dim`, `block_tokens`); nothing is inserted then.
+  ///         for one on another pool, of another geometry (`num_heads`,
+  ///         `head_dim`, `block_tokens`), or with a windowed layer (not
+  ///         reused yet); nothing is inserted then.
   ///         std::bad_alloc, inserting nothing.
   std::size_t insert(const sequence_type& seq, std::span<const token_id> tokens, std::string_view salt = {}) {
     return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), &tokens, salt);

@@ -121,6 +121,7 @@ void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path 
                 const asio::any_io_executor& io, io_op* op) {
   unstarted_op pending(op);
   if (snapshot->num_layers() == 0) return pending.complete(kv_errc::layer_mismatch);
+  if (snapshot->windowed()) return pending.complete(kv_errc::invalid_config);  // not in the format yet
   try {
     validate(config, element.codec.size);
   } catch (const std::system_error&) {

@@ -119,6 +119,7 @@ token_id stored_id(const epoch& ids, std::size_t i) {
 std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std::span<const token_id>* tokens,
                           std::string_view salt) {
   if (!seq) throw_errc(kv_errc::invalid_config);
+  if (seq->layout.windowed()) throw_errc(kv_errc::invalid_config);  // not reused yet: never half a layer's blocks
   if (seq->model_layers() != p.num_layers()) throw_errc(kv_errc::layer_mismatch);
   const kv_cache_config& c = seq->config;
   if (&seq->group->pool() != p.pool().get() || c.num_heads != p.config().num_heads ||

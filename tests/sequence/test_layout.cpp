@@ -4,6 +4,8 @@
 
 #include "common/sequence_support.hpp"
 
+#include "common/files.hpp"
+
 #include "common/asio_compat.hpp"
 
 #ifdef GHOSTLINK_CATCH2_V3
@@ -20,6 +22,7 @@ namespace layout_tests {
 using namespace ghostlink;
 using namespace ghostlink::test::seq;
 using ghostlink::test::small_config;
+using ghostlink::test::wait_ec;
 
 namespace {
 
@@ -483,6 +486,33 @@ TEST_CASE("two threads append to windowed sequences while snapshots are taken, r
   CHECK(a.size() == rounds);
   CHECK(b.size() == rounds);
   CHECK(pool.stats().blocks_in_use <= 2 * (kept_bound(layout.layers[0], 0) + ceil_div(rounds, B)));
+}
+
+TEST_CASE("prefix caches and saves refuse a windowed sequence: invalid_config, never part of its blocks", "[layout]") {
+  windowed w(kv_model_layout::interleaved(2, 2, 8), 256);
+  for (int tag = 1; tag <= 10; ++tag) w.append_ok(4, tag);
+  kv_prefix_cache prefix(2, config_for(256), w.pool);
+  std::vector<token_id> ids(w.seq.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<token_id>(i);
+  const auto refused = [&](const auto& insert) {
+    try {
+      insert();
+    } catch (const std::system_error& e) {
+      return e.code() == kv_errc::invalid_config;
+    }
+    return false;
+  };
+  CHECK(refused([&] { (void)prefix.insert(w.seq, ids); }));
+  CHECK(refused([&] { (void)prefix.insert_stored_tokens(w.seq); }));
+  CHECK(prefix.stats().cached_blocks == 0);
+  CHECK(prefix.match(ids) == 0);
+
+  const ghostlink::test::temp_dir dir;
+  const auto path = dir.path / "windowed.kv";
+  const ghostlink::error_code ec = wait_ec(
+      [&](auto token) { return async_save(w.seq.snapshot(), path, kv_save_options{.config = w.seq.config()}, token); });
+  CHECK(ec == kv_errc::invalid_config);
+  CHECK_FALSE(std::filesystem::exists(path));
 }
 
 }  // namespace layout_tests

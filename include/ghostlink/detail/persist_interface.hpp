@@ -69,6 +69,9 @@ class saved_sequence {
   /// Elements per token of every layer (0 with no layer).
   virtual std::size_t token_width() const noexcept = 0;
   virtual std::vector<token_id> token_ids() const = 0;
+  /// True when a layer has a window (not saved yet: the format has no place
+  /// for what it dropped).
+  virtual bool windowed() const noexcept = 0;
   /// Calls `to(context, run)` for every stored run of layer `layer`'s keys
   /// (or values), token 0 first.
   virtual void for_each_run(std::size_t layer, bool values, sink to, void* context) const = 0;
@@ -86,6 +89,11 @@ class typed_saved_sequence final : public saved_sequence {
     return snapshot_.num_layers() == 0 ? 0 : snapshot_.layer(0).token_width();
   }
   std::vector<token_id> token_ids() const override { return snapshot_.token_ids(); }
+  bool windowed() const noexcept override {
+    for (std::size_t l = 0; l < snapshot_.num_layers(); ++l)
+      if (snapshot_.layer(l).window() != 0) return true;
+    return false;
+  }
   void for_each_run(std::size_t layer, bool values, sink to, void* context) const override {
     (void)snapshot_.layer(layer).for_each_block(
         0, snapshot_.size(),
