@@ -65,6 +65,12 @@ struct pending_tokens {
 /// step's query over everything up to its own token; a prefill step's `n`
 /// rows over its `n` pending tokens are the causal prefill.
 ///
+/// A windowed layer's snapshot (`snapshot.window()` not 0, see
+/// `kv_model_layout`) masks each row by its layer's layout: row `r` at
+/// position `p` attends the positions `j <= p` with
+/// `j < snapshot.sink_tokens()` or `j > p - snapshot.window()`, stored or
+/// pending, and no other position is read.
+///
 /// Pending tokens are rounded to `T` first, as the step's write will store
 /// them, so the result is what attending after the write would give (up to
 /// the order of the sums). A forward pass can thus start layer `l`'s write
@@ -81,8 +87,11 @@ struct pending_tokens {
 ///         pending tokens are not whole tokens, or `queries` is not whole
 ///         rows (or empty); `length_mismatch` if the pending keys and values
 ///         differ in size; `index_out_of_range` if there are more rows than
-///         tokens; `buffer_too_small` if `out` is shorter than `queries`.
-///         On error `out` is unchanged.
+///         tokens; `buffer_too_small` if `out` is shorter than `queries`;
+///         `outside_window` if a row of a windowed layer attends a
+///         position the layer dropped (`[sink_tokens(), kept_from())`:
+///         the next token's row, and a step's, never do). On error `out`
+///         is unchanged.
 template <storage_element T>
 std::error_code attend(const basic_kv_snapshot<T>& snapshot, std::span<const float> queries, std::span<float> out,
                        const attention_shape& shape, pending_tokens pending = {}) noexcept;

@@ -38,7 +38,9 @@ struct kv_model_layout {
   bool keys_only = false;
   /// Tokens a truncate may take back without the windows refusing it (a
   /// speculative decoder's draft length): windowed layers keep that many
-  /// more positions.
+  /// more positions. Set it when truncating: with 0, whether a rollback
+  /// finds its window depends on where block boundaries fall (it may work
+  /// for one prompt length and fail with `outside_window` for another).
   std::size_t rollback_tokens = 0;
 
   /// `num_layers` layers that keep and attend every token (what the

@@ -46,6 +46,7 @@
 #include "ghostlink/config.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
+#include "ghostlink/layout.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/types.hpp"
 
@@ -86,6 +87,12 @@ struct kv_sequence_expectation {
   kv_cache_config config;
   /// The model id the file was saved with (`model_mismatch` otherwise).
   std::string model{};
+  /// The layout the sequence was saved with (`layout_mismatch` otherwise:
+  /// each layer's window and sinks, and `rollback_tokens`). None:
+  /// `kv_model_layout::full(num_layers)`, which files of format version 1
+  /// always are. Given, its `num_layers()` must be `num_layers`
+  /// (`invalid_config` otherwise).
+  std::optional<kv_model_layout> layout{};
 };
 
 /// Saves the tokens `snapshot` shows, with their token ids, to `path`: a

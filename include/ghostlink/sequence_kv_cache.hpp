@@ -41,11 +41,12 @@ class basic_sequence_snapshot {
   basic_sequence_snapshot() = default;
   /// Narrows `layers` (and the token ids' snapshot, if any: one float per
   /// token, an id's bits) to the shortest of them, and to at most `bound`
-  /// tokens.
+  /// tokens. `rollback_tokens`: the sequence layout's (what a save records).
   explicit basic_sequence_snapshot(std::vector<basic_kv_snapshot<T>> layers,
                                    std::size_t bound = static_cast<std::size_t>(-1),
-                                   std::optional<basic_kv_snapshot<float>> ids = std::nullopt) noexcept
-      : layers_(std::move(layers)), ids_(std::move(ids)) {
+                                   std::optional<basic_kv_snapshot<float>> ids = std::nullopt,
+                                   std::size_t rollback_tokens = 0) noexcept
+      : layers_(std::move(layers)), ids_(std::move(ids)), rollback_(rollback_tokens) {
     if (layers_.empty()) return;
     size_ = bound;
     for (const auto& l : layers_) size_ = std::min(size_, l.size());
@@ -61,8 +62,13 @@ class basic_sequence_snapshot {
   /// The layers pinned: the sequence's `num_layers()`, or 0 for an empty
   /// (default-constructed or moved-from) snapshot.
   std::size_t num_layers() const noexcept { return layers_.size(); }
-  /// Layer `i`'s snapshot (`i < num_layers()`), narrowed to `size()`.
+  /// Layer `i`'s snapshot (`i < num_layers()`), narrowed to `size()`; a
+  /// windowed layer's says what it holds (`kept_from()`).
   const basic_kv_snapshot<T>& layer(std::size_t i) const noexcept { return layers_[i]; }
+  /// The `kv_model_layout::rollback_tokens` of the sequence it was taken
+  /// from (0 for one made by hand): with each layer's `window()` and
+  /// `sink_tokens()`, its layout.
+  std::size_t rollback_tokens() const noexcept { return rollback_; }
 
   /// Token `i`'s id (`i < size()`): the one its append or step was given,
   /// else `no_token_id`. `no_token_id` too past `size()`.
@@ -85,6 +91,7 @@ class basic_sequence_snapshot {
   std::vector<basic_kv_snapshot<T>> layers_;
   std::optional<basic_kv_snapshot<float>> ids_;  // the token ids (a sequence's snapshots have them)
   std::size_t size_ = 0;  // meaningful while layers_ is not empty
+  std::size_t rollback_ = 0;
 };
 
 /// One sequence's key/value cache across `num_layers` layers of a model:

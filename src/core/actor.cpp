@@ -134,7 +134,16 @@ void actor::use_account(std::size_t layer, ref_ptr<block_account> account) noexc
 
 void actor::use_rollback(std::size_t rollback) noexcept {
   rollback_ = rollback;
-  high_water_ = layers_.front()->state->size();
+  high_water_ = least_high_water(layers_.front()->state->size());  // a loaded layer may have dropped some
+}
+
+std::size_t actor::least_high_water(std::size_t size) const noexcept {
+  std::size_t h = size;
+  for (const auto& l : layers_) {
+    const kv_layer_layout& w = l->state->layer_layout();
+    if (l->state->kept_from() > w.sink_tokens) h = std::max(h, l->state->kept_from() + w.window + rollback_ - 1);
+  }
+  return h;
 }
 
 void actor::advance(std::size_t size) noexcept {
@@ -294,17 +303,10 @@ error_code actor::truncate(std::size_t size) {
   for (const auto& l : layers_)
     if (error_code ec = l->state->prepare_truncate(size)) return ec;  // changes nothing visible
   for (const auto& l : layers_) l->state->cut(size);
-  if (rewinds) {
-    // h becomes the size, or more where a window dropped positions that a
-    // later truncate within rollback_tokens of it would need: every
-    // truncate to h - rollback or more must then still find its window.
-    high_water_ = size;
-    for (const auto& l : layers_) {
-      const kv_layer_layout& w = l->state->layer_layout();
-      if (l->state->kept_from() > w.sink_tokens)
-        high_water_ = std::max(high_water_, l->state->kept_from() + w.window + rollback_ - 1);
-    }
-  }
+  // h becomes the size, or more where a window dropped positions that a
+  // later truncate within rollback_tokens of it would need: every truncate
+  // to h - rollback or more must then still find its window.
+  if (rewinds) high_water_ = least_high_water(size);
   return {};
 }
 

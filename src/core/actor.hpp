@@ -183,6 +183,11 @@ class actor : public std::enable_shared_from_this<actor> {
   /// epochs are the working states, sharing their blocks; into `r.forked`.
   error_code fork(request& r) noexcept;
   error_code begin_step(group_request& r);
+  /// The least high-water mark for a sequence of `size` tokens whose
+  /// windowed layers hold what they hold now: `size`, or more where a
+  /// window dropped a position that a truncate within rollback_ of a lower
+  /// mark would need.
+  std::size_t least_high_water(std::size_t size) const noexcept;
   /// The sequence now holds `size` tokens: raises the high-water mark, and
   /// each windowed layer drops what no later token attends.
   void advance(std::size_t size) noexcept;

@@ -208,6 +208,12 @@ void working_state::use_layer_layout(const kv_layer_layout& l) noexcept {
   dropped_to_ = first_droppable();
 }
 
+void working_state::restore_kept_from(std::size_t kept_from) noexcept {
+  if (layer_.window == 0 || kept_from <= layer_.sink_tokens) return;
+  kept_from_ = kept_from;
+  dropped_to_ = std::max(first_droppable(), kept_from / config_.block_tokens);
+}
+
 std::size_t working_state::first_droppable() const noexcept {
   return ceil_div(layer_.sink_tokens, config_.block_tokens);
 }

@@ -148,6 +148,9 @@ class working_state {
   const kv_layer_layout& layer_layout() const noexcept { return layer_; }
   /// The first position past the sinks this layer holds.
   std::size_t kept_from() const noexcept { return kept_from_; }
+  /// A loaded windowed layer, made with null blocks where what it held
+  /// (from `kept_from` on, and its sinks) left none: before the first epoch.
+  void restore_kept_from(std::size_t kept_from) noexcept;
   /// Whether a truncate to `n` leaves this layer every position the window
   /// of a token at `n` attends (always, without a window).
   bool can_truncate(std::size_t n) const noexcept;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <limits>
+#include <new>
 #include <utility>
 
 #include "ghostlink/error.hpp"
@@ -35,7 +37,9 @@ enum header_field : std::size_t {
   at_reserved = 92,
 };
 constexpr std::size_t checksum_bytes = 8;
-constexpr std::size_t record_bytes = 24;
+constexpr std::size_t record_bytes = 24;  // a layer table's record, and a layout section's
+constexpr std::size_t layout_fixed_bytes = 16;  // the layout section's rollback_tokens and flags
+constexpr std::uint64_t keys_only_flag = 1;
 
 // Checked arithmetic on what a file says: false on overflow.
 bool mul(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept { return !__builtin_mul_overflow(a, b, &out); }
@@ -56,43 +60,110 @@ std::uint32_t element_bytes_of(std::uint32_t element) noexcept {
   }
 }
 
-/// The layout the header's geometry implies; false on overflow.
-bool lay_out(file_header& h) noexcept {
+/// Offsets up to layer 0's payload, as the header's fields imply them;
+/// false on overflow.
+bool lay_out_front(file_header& h) noexcept {
   file_layout& l = h.layout;
-  std::uint64_t width = 0, elements = 0, ids = 0, table = 0, end = 0, strides = 0;
+  std::uint64_t ids = 0, table = 0, section = 0, end = 0;
   l.header_bytes = fixed_header_bytes + h.model.size() + checksum_bytes;
-  // The payload of a layer: keys and values, `tokens * width` elements each.
-  if (!mul(h.num_heads, h.head_dim, width) || !mul(width, h.tokens, elements) ||
-      !mul(elements, 2 * std::uint64_t{h.element_bytes}, l.layer_bytes))
-    return false;
   // The token ids and their checksum, 8-aligned after the header.
   if (!align(l.header_bytes, 8, l.tokens_offset) || !mul(h.tokens, sizeof(token_id), ids) ||
       !add(l.tokens_offset, ids, end) || !add(end, checksum_bytes, end))
     return false;
+  // Version 2: the layout section and its checksum, 8-aligned after them.
+  if (h.version >= 2) {
+    if (!align(end, 8, l.layout_offset) || !mul(h.num_layers, record_bytes, section) ||
+        !add(section, layout_fixed_bytes + checksum_bytes, section) || !add(l.layout_offset, section, end))
+      return false;
+  }
   // The layer table and its checksum, 8-aligned after them.
   if (!align(end, 8, l.table_offset) || !mul(h.num_layers, record_bytes, table) || !add(l.table_offset, table, end) ||
       !add(end, checksum_bytes, end))
     return false;
-  // The layers, each 64-aligned.
-  return align(end, layer_alignment, l.first_layer) && align(l.layer_bytes, layer_alignment, l.layer_stride) &&
-         mul(h.num_layers - 1, l.layer_stride, strides) && add(l.first_layer, strides, end) &&
-         add(end, l.layer_bytes, l.file_bytes);
+  return align(end, layer_alignment, l.first_layer);
+}
+
+/// Each layer's payload (its saved tokens' keys and values), 64-aligned one
+/// after another from layer 0's, and the file's length; false on overflow.
+bool lay_out_layers(file_header& h) noexcept {
+  file_layout& l = h.layout;
+  std::uint64_t width = 0, at = l.first_layer;
+  if (!mul(h.num_heads, h.head_dim, width)) return false;
+  l.layer_offsets.assign(h.num_layers, 0);
+  l.layer_sizes.assign(h.num_layers, 0);
+  for (std::size_t i = 0; i < h.num_layers; ++i) {
+    std::uint64_t elements = 0, end = 0;
+    if (!mul(width, h.saved_tokens(i), elements) ||
+        !mul(elements, 2 * std::uint64_t{h.element_bytes}, l.layer_sizes[i]))
+      return false;
+    l.layer_offsets[i] = at;
+    if (!add(at, l.layer_sizes[i], end)) return false;
+    l.file_bytes = end;
+    if (!align(end, layer_alignment, at)) return false;
+  }
+  return true;
+}
+
+/// Whether `layers` and `rollback` are a layout a sequence can have held.
+bool valid_layers(const std::vector<saved_layer>& layers, std::uint64_t rollback, std::uint64_t tokens) noexcept {
+  for (const saved_layer& l : layers) {
+    if (l.window == 0) {
+      if (l.sink_tokens != 0 || l.kept_from != 0) return false;
+    } else if (l.window > std::numeric_limits<std::uint64_t>::max() - rollback || l.kept_from < l.sink_tokens ||
+               l.kept_from > std::max(l.sink_tokens, tokens)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
 
-error_code make_header(std::size_t num_layers, const kv_cache_config& config, std::size_t tokens,
-                       file_element_type element, std::string model, file_header& out) {
+namespace {
+
+/// Lays out the layers, then checks the stored length against it and the
+/// file's.
+error_code check_length(file_header& h, std::uint64_t file_bytes) {
+  const std::uint64_t stored = h.layout.file_bytes;
+  if (!lay_out_layers(h) || stored != h.layout.file_bytes) return kv_errc::file_corrupt;
+  if (file_bytes < h.layout.file_bytes) return kv_errc::file_truncated;
+  if (file_bytes > h.layout.file_bytes) return kv_errc::file_corrupt;
+  return {};
+}
+
+}  // namespace
+
+std::uint64_t file_header::sinks_end(std::size_t l) const noexcept {
+  return layers[l].window != 0 ? std::min(layers[l].sink_tokens, tokens) : 0;
+}
+
+std::uint64_t file_header::kept_begin(std::size_t l) const noexcept {
+  return layers[l].window != 0 ? std::min(std::max(layers[l].kept_from, sinks_end(l)), tokens) : 0;
+}
+
+kv_model_layout file_header::model_layout() const {
+  kv_model_layout m;
+  m.rollback_tokens = rollback_tokens;
+  for (const saved_layer& l : layers) m.layers.push_back({l.window, l.sink_tokens});
+  return m;
+}
+
+error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tokens, const kv_cache_config& config,
+                       std::size_t tokens, file_element_type element, std::string model, file_header& out) {
   out = {};
   out.element = element.code;
   out.element_bytes = static_cast<std::uint32_t>(element.codec.size);
-  out.num_layers = num_layers;
+  out.num_layers = layers.size();
+  out.layers = std::move(layers);
+  out.rollback_tokens = rollback_tokens;
   out.num_heads = config.num_heads;
   out.head_dim = config.head_dim;
   out.block_tokens = config.block_tokens;
   out.tokens = tokens;
   out.model = std::move(model);
-  if (num_layers == 0 || !lay_out(out)) return kv_errc::file_corrupt;
+  if (out.num_layers == 0 || !valid_layers(out.layers, rollback_tokens, tokens) || !lay_out_front(out) ||
+      !lay_out_layers(out))
+    return kv_errc::file_corrupt;
   return {};
 }
 
@@ -123,6 +194,18 @@ std::vector<std::byte> encode_front(const file_header& h, std::span<const token_
   for (std::size_t i = 0; i < ids.size(); ++i) put_le<std::uint32_t>(t + 4 * i, std::bit_cast<std::uint32_t>(ids[i]));
   put_le<std::uint64_t>(t + 4 * ids.size(), xxh3_64(std::span(out).subspan(l.tokens_offset, 4 * ids.size())));
 
+  std::byte* y = p + l.layout_offset;
+  put_le<std::uint64_t>(y, h.rollback_tokens);
+  put_le<std::uint64_t>(y + 8, 0);  // flags: keys_only (not written yet)
+  for (std::size_t i = 0; i < h.layers.size(); ++i) {
+    std::byte* r = y + layout_fixed_bytes + record_bytes * i;
+    put_le<std::uint64_t>(r, h.layers[i].window);
+    put_le<std::uint64_t>(r + 8, h.layers[i].sink_tokens);
+    put_le<std::uint64_t>(r + 16, h.layers[i].kept_from);
+  }
+  const std::size_t section = layout_fixed_bytes + record_bytes * h.layers.size();
+  put_le<std::uint64_t>(y + section, xxh3_64(std::span(out).subspan(l.layout_offset, section)));
+
   std::byte* e = p + l.table_offset;
   for (std::size_t i = 0; i < table.size(); ++i) {
     put_le<std::uint64_t>(e + record_bytes * i, table[i].offset);
@@ -140,7 +223,8 @@ error_code header_length(std::span<const std::byte> start, std::uint64_t file_by
   // (An empty file has no data pointer to compare: memcmp must not see it.)
   if (magic != 0 && std::memcmp(start.data(), file_magic.data(), magic) != 0) return kv_errc::file_corrupt;
   if (have < at_version + 4) return kv_errc::file_truncated;
-  if (get_le<std::uint32_t>(start.data() + at_version) != file_version) return kv_errc::file_version_unsupported;
+  const std::uint32_t version = get_le<std::uint32_t>(start.data() + at_version);
+  if (version != 1 && version != file_version) return kv_errc::file_version_unsupported;
   if (have < fixed_header_bytes) return kv_errc::file_truncated;
   const std::uint32_t model = get_le<std::uint32_t>(start.data() + at_model_bytes);
   header_bytes = get_le<std::uint32_t>(start.data() + at_header_bytes);
@@ -155,6 +239,7 @@ error_code decode_header(std::span<const std::byte> bytes, std::uint64_t file_by
   const std::byte* p = bytes.data();
   const std::size_t hashed = bytes.size() - checksum_bytes;
   if (get_le<std::uint64_t>(p + hashed) != xxh3_64(bytes.first(hashed))) return kv_errc::file_corrupt;
+  out.version = get_le<std::uint32_t>(p + at_version);
   out.element = get_le<std::uint32_t>(p + at_element);
   out.element_bytes = get_le<std::uint32_t>(p + at_element_bytes);
   out.num_layers = get_le<std::uint64_t>(p + at_num_layers);
@@ -165,16 +250,45 @@ error_code decode_header(std::span<const std::byte> bytes, std::uint64_t file_by
   out.model.assign(reinterpret_cast<const char*>(p + fixed_header_bytes), hashed - fixed_header_bytes);
   if (out.element_bytes == 0 || out.element_bytes != element_bytes_of(out.element) || out.num_layers == 0 ||
       out.num_heads == 0 || out.head_dim == 0 || out.block_tokens == 0 || get_le<std::uint32_t>(p + at_reserved) != 0 ||
-      !lay_out(out))
+      !lay_out_front(out))
     return kv_errc::file_corrupt;
   const file_layout& l = out.layout;
   if (get_le<std::uint64_t>(p + at_tokens_offset) != l.tokens_offset ||
-      get_le<std::uint64_t>(p + at_table_offset) != l.table_offset ||
-      get_le<std::uint64_t>(p + at_file_bytes) != l.file_bytes)
+      get_le<std::uint64_t>(p + at_table_offset) != l.table_offset)
     return kv_errc::file_corrupt;
-  if (file_bytes < l.file_bytes) return kv_errc::file_truncated;
-  if (file_bytes > l.file_bytes) return kv_errc::file_corrupt;
-  return {};
+  out.layout.file_bytes = get_le<std::uint64_t>(p + at_file_bytes);  // as stored: decode_layout() checks it
+  if (l.first_layer > file_bytes) return kv_errc::file_truncated;  // bounds the layers' records below
+  // Version 1: every layer full, and what follows from that alone.
+  if (out.version == 1) {
+    try {
+      out.layers.assign(out.num_layers, saved_layer{});
+    } catch (const std::bad_alloc&) {
+      return kv_errc::file_corrupt;  // a layer count no file of this length can hold
+    }
+    return check_length(out, file_bytes);
+  }
+  return {};  // version 2: decode_layout() lays out the layers
+}
+
+std::uint64_t layout_section_bytes(const file_header& h) noexcept {
+  return layout_fixed_bytes + record_bytes * h.num_layers + checksum_bytes;
+}
+
+error_code decode_layout(file_header& h, std::span<const std::byte> bytes, std::uint64_t file_bytes) {
+  if (h.version == 1) return {};
+  const std::size_t section = bytes.size() - checksum_bytes;
+  if (get_le<std::uint64_t>(bytes.data() + section) != xxh3_64(bytes.first(section))) return kv_errc::file_corrupt;
+  h.rollback_tokens = get_le<std::uint64_t>(bytes.data());
+  const std::uint64_t flags = get_le<std::uint64_t>(bytes.data() + 8);
+  if (flags != 0)
+    return flags & ~keys_only_flag ? kv_errc::file_corrupt : kv_errc::layout_mismatch;  // keys only: not read yet
+  h.layers.resize(h.num_layers);
+  for (std::size_t i = 0; i < h.num_layers; ++i) {
+    const std::byte* r = bytes.data() + layout_fixed_bytes + record_bytes * i;
+    h.layers[i] = {get_le<std::uint64_t>(r), get_le<std::uint64_t>(r + 8), get_le<std::uint64_t>(r + 16)};
+  }
+  if (!valid_layers(h.layers, h.rollback_tokens, h.tokens)) return kv_errc::file_corrupt;
+  return check_length(h, file_bytes);
 }
 
 error_code check_expected(const file_header& h, const file_expectation& expected) {
@@ -183,6 +297,11 @@ error_code check_expected(const file_header& h, const file_expectation& expected
       h.head_dim != expected.config.head_dim || h.block_tokens != expected.config.block_tokens)
     return kv_errc::geometry_mismatch;
   if (h.model != expected.model) return kv_errc::model_mismatch;
+  const kv_model_layout want = expected.layout.value_or(kv_model_layout::full(expected.num_layers));
+  if (h.rollback_tokens != want.rollback_tokens || want.keys_only) return kv_errc::layout_mismatch;
+  for (std::size_t i = 0; i < h.num_layers; ++i)
+    if (h.layers[i].window != want.layers[i].window || h.layers[i].sink_tokens != want.layers[i].sink_tokens)
+      return kv_errc::layout_mismatch;
   return {};
 }
 
@@ -208,7 +327,8 @@ error_code decode_table(const file_header& h, std::span<const std::byte> bytes, 
   for (std::size_t i = 0; i < out.size(); ++i) {
     const std::byte* e = bytes.data() + record_bytes * i;
     out[i] = {get_le<std::uint64_t>(e), get_le<std::uint64_t>(e + 8), get_le<std::uint64_t>(e + 16)};
-    if (out[i].offset != h.layout.layer_offset(i) || out[i].bytes != h.layout.layer_bytes) return kv_errc::file_corrupt;
+    if (out[i].offset != h.layout.layer_offset(i) || out[i].bytes != h.layout.layer_bytes(i))
+      return kv_errc::file_corrupt;
   }
   return {};
 }

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <utility>
@@ -45,7 +46,7 @@ error_code check_padding(const file_descriptor& file, std::uint64_t from, std::u
 /// The padding after layer `layer`'s payload, up to the next layer's.
 error_code check_layer_padding(const file_descriptor& file, const file_header& header, std::size_t layer) {
   if (layer + 1 >= header.num_layers) return {};  // the file ends right after the last layer
-  const std::uint64_t end = header.layout.layer_offset(layer) + header.layout.layer_bytes;
+  const std::uint64_t end = header.layout.layer_offset(layer) + header.layout.layer_bytes(layer);
   return check_padding(file, end, header.layout.layer_offset(layer + 1));
 }
 
@@ -64,9 +65,14 @@ error_code open_checked(const std::filesystem::path& path, const file_expectatio
   bytes.resize(header_bytes);
   if (error_code ec = read_at(file, 0, bytes)) return ec;
   if (error_code ec = decode_header(bytes, file_bytes, header)) return ec;
+  const file_layout& layout = header.layout;
+  if (header.version >= 2) {  // the layout section, which lays out the layers
+    bytes.resize(layout_section_bytes(header));
+    if (error_code ec = read_at(file, layout.layout_offset, bytes)) return ec;
+    if (error_code ec = decode_layout(header, bytes, file_bytes)) return ec;
+  }
   if (error_code ec = check_expected(header, expected)) return ec;
   if (header.tokens > expected.config.max_tokens_per_seq) return kv_errc::index_out_of_range;
-  const file_layout& layout = header.layout;
   if (ids) {
     bytes.resize(token_section_bytes(header));
     if (error_code ec = read_at(file, layout.tokens_offset, bytes)) return ec;
@@ -76,16 +82,36 @@ error_code open_checked(const std::filesystem::path& path, const file_expectatio
   if (error_code ec = read_at(file, layout.table_offset, bytes)) return ec;
   if (error_code ec = decode_table(header, bytes, table)) return ec;
   if (error_code ec = check_padding(file, layout.header_bytes, layout.tokens_offset)) return ec;
-  if (error_code ec = check_padding(file, layout.tokens_offset + token_section_bytes(header), layout.table_offset))
+  const std::uint64_t tokens_end = layout.tokens_offset + token_section_bytes(header);
+  if (header.version >= 2) {
+    if (error_code ec = check_padding(file, tokens_end, layout.layout_offset)) return ec;
+    if (error_code ec = check_padding(file, layout.layout_offset + layout_section_bytes(header), layout.table_offset))
+      return ec;
+  } else if (error_code ec = check_padding(file, tokens_end, layout.table_offset)) {
     return ec;
+  }
   return check_padding(file, layout.table_offset + table_bytes(header), layout.first_layer);
+}
+
+/// Makes `expected.layout` the layout expected (`full(num_layers)` if none
+/// was given); `invalid_config` for one that is not a sequence's or not of
+/// `num_layers` layers.
+error_code resolve_layout(file_expectation& expected) {
+  try {
+    if (!expected.layout) expected.layout = kv_model_layout::full(expected.num_layers);
+    validate(*expected.layout);
+  } catch (const std::system_error&) {
+    return kv_errc::invalid_config;
+  }
+  return expected.layout->num_layers() == expected.num_layers ? error_code() : error_code(kv_errc::invalid_config);
 }
 
 /// `invalid_config` unless a sequence of `expected` can be made on `pool`
 /// (what make_sequence() would throw), checked before any I/O.
-error_code check_fits(const file_expectation& expected, const kv_block_pool& pool) {
+error_code check_fits(file_expectation& expected, const kv_block_pool& pool) {
   if (expected.num_layers == 0 || expected.config.max_blocks != kv_cache_config{}.max_blocks)
     return kv_errc::invalid_config;
+  if (error_code ec = resolve_layout(expected)) return ec;
   try {
     validate(expected.config, expected.element.codec.size);
   } catch (const std::system_error&) {
@@ -169,8 +195,10 @@ class load_job : public std::enable_shared_from_this<load_job> {
       if (error_code ec = check_layer_padding(file_, header_, l)) return ec;
     }
     const std::span<const token_id> ids(ids_);
-    seq_ = make_attached_sequence(ex_, expected_.config, kv_model_layout::full(expected_.num_layers),
-                                  expected_.element.codec, pool, std::move(blocks), ids.first(header_.tokens - tail()));
+    std::vector<std::size_t> kept_from;
+    for (const saved_layer& l : header_.layers) kept_from.push_back(l.kept_from);
+    seq_ = make_attached_sequence(ex_, expected_.config, *expected_.layout, expected_.element.codec, pool,
+                                  std::move(blocks), ids.first(header_.tokens - tail()), kept_from);
     // The tail's blocks are the sequence's to take.
     seq_->account->left.fetch_add(account->left.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
     return {};
@@ -180,6 +208,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
   /// block, then the tail), hashed as they arrive.
   error_code read_layer(std::size_t l, const layer_record& record, block_pool& pool, block_account& account,
                         std::vector<ref_ptr<block>>& out) {
+    if (header_.kept_begin(l) > header_.sinks_end(l)) return read_windowed_layer(l, record, pool, account, out);
     const std::size_t full = full_blocks();
     const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
     const std::size_t run = header_.block_tokens * token_bytes;  // a block's keys (or values)
@@ -196,7 +225,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
     parts.reserve(std::min(per_read, full));
     xxh3_stream hash;
     for (const bool values : {false, true}) {
-      const std::uint64_t base = record.offset + (values ? header_.half_layer_bytes() : 0);
+      const std::uint64_t base = record.offset + (values ? header_.half_layer_bytes(l) : 0);
       for (std::size_t first = 0; first < full; first += per_read) {
         parts.clear();
         for (std::size_t i = first; i < std::min(full, first + per_read); ++i)
@@ -213,6 +242,60 @@ class load_job : public std::enable_shared_from_this<load_job> {
     }
     if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
     for (const ref_ptr<block>& b : out) b->set_filled(header_.block_tokens);
+    return {};
+  }
+
+  /// A windowed layer that dropped positions: its saved tokens (its sinks,
+  /// then from its first kept position on) read whole, checked, then copied
+  /// into the blocks that hold any of them (zeros at the positions it
+  /// dropped) and its tail; null for the blocks that hold none.
+  error_code read_windowed_layer(std::size_t l, const layer_record& record, block_pool& pool, block_account& account,
+                                 std::vector<ref_ptr<block>>& out) {
+    std::vector<std::byte> bytes(record.bytes);
+    if (error_code ec = read_at(file_, record.offset, bytes)) return ec;
+    xxh3_stream hash;
+    hash.update(bytes);
+    if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
+    const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
+    const std::size_t bt = header_.block_tokens, sinks = header_.sinks_end(l), kept = header_.kept_begin(l);
+    // Where position p's keys are in `bytes`, if the layer saved it.
+    const auto saved_at = [&](std::size_t p) -> const std::byte* {
+      if (p < sinks) return bytes.data() + p * token_bytes;
+      if (p >= kept) return bytes.data() + (sinks + p - kept) * token_bytes;
+      return nullptr;
+    };
+    const std::size_t half = header_.half_layer_bytes(l);
+    block_cursor cursor(pool);
+    out.reserve(full_blocks());
+    for (std::size_t b = 0; b < full_blocks(); ++b) {
+      if (b * bt >= sinks && (b + 1) * bt <= kept) {  // holds none of them
+        out.emplace_back();
+        continue;
+      }
+      ref_ptr<block> blk = block::make(pool, cursor, owner_, &account);
+      if (!blk) return kv_errc::capacity_exhausted;
+      for (std::size_t t = 0; t < bt; ++t) {
+        const std::byte* from = saved_at(b * bt + t);
+        std::byte* keys = blk->keys() + t * token_bytes;
+        std::byte* values = blk->values() + t * token_bytes;
+        if (from) {
+          std::memcpy(keys, from, token_bytes);
+          std::memcpy(values, from + half, token_bytes);
+        } else {
+          std::memset(keys, 0, token_bytes);
+          std::memset(values, 0, token_bytes);
+        }
+      }
+      blk->set_filled(bt);
+      out.push_back(std::move(blk));
+    }
+    const std::size_t width = header_.token_width();
+    for (std::size_t t = 0; t < tail(); ++t) {
+      const std::byte* from = saved_at(full_blocks() * bt + t);
+      if (!from) continue;  // dropped: zeros (the vectors start so)
+      widen_stored(header_.element, from, width, keys_[l].data() + t * width);
+      widen_stored(header_.element, from + half, width, values_[l].data() + t * width);
+    }
     return {};
   }
 
@@ -299,6 +382,8 @@ class read_layer_job {
     std::vector<layer_record> table;
     if (error_code ec = open_checked(path_, expected_, file, header, table, nullptr)) return ec;
     const layer_record& record = table[layer_];
+    // A window's dropped positions are not in the file: no whole layer.
+    if (header.kept_begin(layer_) > header.sinks_end(layer_)) return kv_errc::outside_window;
     std::vector<std::byte> bytes(record.bytes);
     if (error_code ec = read_at(file, record.offset, bytes)) return ec;
     xxh3_stream hash;
@@ -312,7 +397,7 @@ class read_layer_job {
     out.keys.resize(elements);
     out.values.resize(elements);
     widen_stored(header.element, bytes.data(), elements, out.keys.data());
-    widen_stored(header.element, bytes.data() + header.half_layer_bytes(), elements, out.values.data());
+    widen_stored(header.element, bytes.data() + header.half_layer_bytes(layer_), elements, out.values.data());
     return {};
   }
 
@@ -337,6 +422,7 @@ void start_read_layer(std::filesystem::path path, std::size_t layer, file_expect
                       const asio::any_io_executor& io, io_op* op) {
   unstarted_op pending(op);
   if (layer >= expected.num_layers) return pending.complete(kv_errc::layer_mismatch);
+  if (error_code ec = resolve_layout(expected)) return pending.complete(ec);
   auto job = std::make_shared<read_layer_job>(std::move(path), layer, std::move(expected), pending);
   asio::post(io, [job = std::move(job)] { job->run(); });
 }

@@ -95,11 +95,15 @@ class save_job {
     table.reserve(header_.num_layers);
     for (std::size_t l = 0; l < header_.num_layers; ++l) {
       layer_writer out(file.file(), header_.layout.layer_offset(l));
-      snapshot_->for_each_run(l, false, &layer_writer::sink, &out);
-      snapshot_->for_each_run(l, true, &layer_writer::sink, &out);
+      // What the layer holds: its sinks, then from its first kept position
+      // on (every token of a full layer).
+      for (const bool values : {false, true}) {
+        snapshot_->for_each_run(l, values, 0, header_.sinks_end(l), &layer_writer::sink, &out);
+        snapshot_->for_each_run(l, values, header_.kept_begin(l), header_.tokens, &layer_writer::sink, &out);
+      }
       if (error_code ec = out.flush()) return ec;
-      if (out.end() != header_.layout.layer_offset(l) + header_.layout.layer_bytes) return kv_errc::file_corrupt;
-      table.push_back({header_.layout.layer_offset(l), header_.layout.layer_bytes, out.digest()});
+      if (out.end() != header_.layout.layer_offset(l) + header_.layout.layer_bytes(l)) return kv_errc::file_corrupt;
+      table.push_back({header_.layout.layer_offset(l), header_.layout.layer_bytes(l), out.digest()});
       if (!op_->claim()) return asio::error::operation_aborted;
     }
     if (error_code ec = write_at(file.file(), 0, encode_front(header_, ids, table))) return ec;
@@ -121,7 +125,6 @@ void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path 
                 const asio::any_io_executor& io, io_op* op) {
   unstarted_op pending(op);
   if (snapshot->num_layers() == 0) return pending.complete(kv_errc::layer_mismatch);
-  if (snapshot->windowed()) return pending.complete(kv_errc::invalid_config);  // not in the format yet
   try {
     validate(config, element.codec.size);
   } catch (const std::system_error&) {
@@ -129,8 +132,15 @@ void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path 
   }
   if (model.size() > max_model_bytes) return pending.complete(kv_errc::invalid_config);
   if (snapshot->token_width() != config.token_width()) return pending.complete(kv_errc::width_mismatch);
+  std::vector<saved_layer> layers(snapshot->num_layers());
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const window_view w = snapshot->window(l);
+    // (A snapshot narrowed by hand may show fewer tokens than it kept.)
+    if (w.window != 0) layers[l] = {w.window, w.sinks, std::min(w.kept_from, std::max(w.sinks, snapshot->size()))};
+  }
   file_header header;
-  if (error_code ec = make_header(snapshot->num_layers(), config, snapshot->size(), element, std::move(model), header))
+  if (error_code ec = make_header(std::move(layers), snapshot->rollback_tokens(), config, snapshot->size(), element,
+                                  std::move(model), header))
     return pending.complete(ec);
   auto job = std::make_shared<save_job>(std::move(snapshot), std::move(path), std::move(header), mode, pending);
   // From here the job owns the operation: a throwing post destroys it, and

@@ -212,7 +212,8 @@ std::unique_ptr<working_state> make_ids_layer(const kv_cache_config& config, std
 /// `blocks[l]`, or empty without blocks) and the token ids'.
 std::shared_ptr<actor> make_group(asio::any_io_executor ex, const kv_cache_config& config, const kv_model_layout& model,
                                   element_codec codec, const ref_ptr<block_pool>& pool,
-                                  std::vector<std::vector<ref_ptr<block>>> blocks, std::span<const token_id> ids) {
+                                  std::vector<std::vector<ref_ptr<block>>> blocks, std::span<const token_id> ids,
+                                  std::span<const std::size_t> kept_from) {
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
   std::vector<std::unique_ptr<working_state>> states;
   states.reserve(model.num_layers() + 1);
@@ -220,6 +221,7 @@ std::shared_ptr<actor> make_group(asio::any_io_executor ex, const kv_cache_confi
     states.push_back(std::make_unique<working_state>(config, layout, pool, true,
                                                      blocks.empty() ? std::span<ref_ptr<block>>() : blocks[l]));
     states.back()->use_layer_layout(model.layers[l]);  // before the actor publishes its first epochs
+    if (!kept_from.empty()) states.back()->restore_kept_from(kept_from[l]);
   }
   states.push_back(make_ids_layer(config, ids));
   auto group = std::make_shared<actor>(std::move(ex), std::move(states));
@@ -248,7 +250,7 @@ std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv
         pool_access::state(kv_block_pool(block_layout(config, codec).block_bytes, {.max_blocks = config.max_blocks}));
     layer_config.max_blocks = kv_cache_config{}.max_blocks;
   }
-  auto group = make_group(ex, layer_config, model, codec, shared, {}, {});
+  auto group = make_group(ex, layer_config, model, codec, shared, {}, {}, {});
   return std::make_shared<sequence_state>(std::move(ex), config, model, std::move(group));
 }
 
@@ -256,8 +258,9 @@ std::shared_ptr<sequence_state> make_attached_sequence(asio::any_io_executor ex,
                                                        const kv_model_layout& layout, element_codec codec,
                                                        const ref_ptr<block_pool>& pool,
                                                        std::vector<std::vector<ref_ptr<block>>> blocks,
-                                                       std::span<const token_id> ids) {
-  auto group = make_group(ex, config, layout, codec, pool, std::move(blocks), ids);
+                                                       std::span<const token_id> ids,
+                                                       std::span<const std::size_t> kept_from) {
+  auto group = make_group(ex, config, layout, codec, pool, std::move(blocks), ids, kept_from);
   return std::make_shared<sequence_state>(std::move(ex), config, layout, std::move(group));
 }
 

@@ -129,13 +129,15 @@ void submit_to_group(const std::shared_ptr<sequence_state>& seq, sequence_op* op
 
 /// A sequence of `config` and `layout` whose layer `l` starts with
 /// `blocks[l]` (full blocks of another owner, the same number in every
-/// layer) and whose token ids are `ids` (one per token of those blocks).
-/// Throws std::bad_alloc.
+/// layer; null where a windowed layer holds none, then `kept_from[l]` says
+/// from where it holds them) and whose token ids are `ids` (one per token
+/// of those blocks). Throws std::bad_alloc.
 std::shared_ptr<sequence_state> make_attached_sequence(asio::any_io_executor ex, const kv_cache_config& config,
                                                        const kv_model_layout& layout, element_codec codec,
                                                        const ref_ptr<block_pool>& pool,
                                                        std::vector<std::vector<ref_ptr<block>>> blocks,
-                                                       std::span<const token_id> ids);
+                                                       std::span<const token_id> ids,
+                                                       std::span<const std::size_t> kept_from = {});
 
 /// Starts an operation adding `tokens` tokens (an append, a step's begin)
 /// with `ids` (none, or one per token): sets `busy` and returns the index of

@@ -5,6 +5,7 @@
 // and cancellation.
 #include "common/files.hpp"
 #include "common/sequence_support.hpp"
+#include "io/checksum.hpp"
 
 #include <fcntl.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): POSIX sigaction
@@ -52,6 +53,36 @@ std::uint32_t u32_at(const std::vector<std::byte>& bytes, std::size_t at) {
 }
 void put_u32(std::vector<std::byte>& bytes, std::size_t at, std::uint32_t v) {
   for (std::size_t i = 0; i < 4; ++i) bytes[at + i] = static_cast<std::byte>((v >> (8 * i)) & 0xffu);
+}
+void put_u64(std::vector<std::byte>& bytes, std::size_t at, std::uint64_t v) {
+  for (std::size_t i = 0; i < 8; ++i) bytes[at + i] = static_cast<std::byte>((v >> (8 * i)) & 0xffu);
+}
+std::uint64_t round_up(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
+
+/// The format version 1 file of what the version 2 file `v2` (of a full
+/// layout) holds: the same header (version 1, its offsets and length
+/// moved), token ids and layers, without the layout section, each
+/// checksum made again (docs/FORMAT.md, version 1).
+std::vector<std::byte> as_version_1(const std::vector<std::byte>& v2) {
+  const std::size_t header_bytes = u32_at(v2, 12), num_layers = u64_at(v2, 24), tokens = u64_at(v2, 56);
+  const std::uint64_t tokens_at = u64_at(v2, 64), table_at = u64_at(v2, 72);
+  const std::uint64_t tokens_end = tokens_at + 4 * tokens + 8;
+  const std::uint64_t table_v1 = round_up(tokens_end, 8), first_v1 = round_up(table_v1 + 24 * num_layers + 8, 64);
+  const std::uint64_t first_v2 = round_up(table_at + 24 * num_layers + 8, 64), shift = first_v2 - first_v1;
+  std::vector<std::byte> v1(v2.begin(), v2.begin() + static_cast<std::ptrdiff_t>(tokens_end));
+  v1.resize(first_v1);  // zeros: the padding
+  v1.insert(v1.end(), v2.begin() + static_cast<std::ptrdiff_t>(first_v2), v2.end());
+  put_u32(v1, 8, 1);
+  put_u64(v1, 72, table_v1);
+  put_u64(v1, 80, v1.size());
+  put_u64(v1, header_bytes - 8, ghostlink::detail::xxh3_64(std::span(v1).first(header_bytes - 8)));
+  for (std::size_t l = 0; l < num_layers; ++l) {
+    std::copy_n(v2.begin() + static_cast<std::ptrdiff_t>(table_at + 24 * l), 24,
+                v1.begin() + static_cast<std::ptrdiff_t>(table_v1 + 24 * l));
+    put_u64(v1, table_v1 + 24 * l, u64_at(v2, table_at + 24 * l) - shift);
+  }
+  put_u64(v1, table_v1 + 24 * num_layers, ghostlink::detail::xxh3_64(std::span(v1).subspan(table_v1, 24 * num_layers)));
+  return v1;
 }
 
 /// The test geometry: 3 layers of 2 heads * 4 dims, blocks of 4 tokens.
@@ -375,7 +406,7 @@ TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   const std::vector<std::byte> bytes = read_file(f.file);
   const std::array<unsigned char, 8> magic = {0x89, 'G', 'L', 'K', 'V', '\r', '\n', 0x1a};
   CHECK(std::memcmp(bytes.data(), magic.data(), magic.size()) == 0);
-  CHECK(u32_at(bytes, 8) == 1);                         // version
+  CHECK(u32_at(bytes, 8) == 2);                         // version
   CHECK(u32_at(bytes, 12) == 96 + model.size() + 8);    // header length
   CHECK(u32_at(bytes, 16) == 2);                        // bfloat16
   CHECK(u32_at(bytes, 20) == 2);                        // bytes per element
@@ -391,6 +422,11 @@ TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   CHECK(tokens_at % 8 == 0);
   CHECK(u32_at(bytes, tokens_at) == 1000);
   CHECK(u32_at(bytes, tokens_at + 16) == 1004);
+  // The layout section: rollback_tokens, flags, then (window, sinks,
+  // kept_from) a layer, all 0 for full layers; its checksum; then the table.
+  const std::uint64_t layout_at = round_up(tokens_at + 4 * 5 + 8, 8);
+  for (std::size_t i = 0; i < 2 + 3 * layers; ++i) CHECK(u64_at(bytes, layout_at + 8 * i) == 0);
+  CHECK(table_at == round_up(layout_at + 16 + 24 * layers + 8, 8));
   CHECK(table_at % 8 == 0);
   const std::uint64_t layer_bytes = std::uint64_t{2} * 5 * 8 * sizeof(bfloat16);
   for (std::size_t l = 0; l < layers; ++l) {
@@ -404,6 +440,27 @@ TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
     const float value = static_cast<float>(bfloat16(-ghostlink::test::key_of(l, 0, 1, 0)));
     CHECK(std::bit_cast<std::uint32_t>(value) >> 16 == (u32_at(bytes, at + layer_bytes / 2) & 0xffffu));
   }
+}
+
+TEST_CASE("a file of format version 1 loads as a full layout, bit for bit", "[persist]") {
+  fixture<half> f;
+  f.append(9);
+  const auto before = f.seq.snapshot();
+  REQUIRE_FALSE(f.save());
+  const fs::path old = f.dir.path / "version1.glkv";
+  write_file(old, as_version_1(read_file(f.file)));
+  const loaded<half> got = load<half>(f.threads, old, f.pool);
+  REQUIRE_FALSE(got.ec);
+  CHECK(got.seq.layout() == kv_model_layout::full(layers));
+  CHECK(ghostlink::test::observe(got.seq) == ghostlink::test::observe(f.seq));
+  CHECK(got.ids == before.token_ids());
+  // Expecting a windowed layout, it is refused as another layout.
+  kv_sequence_expectation windowed = expectation();
+  windowed.layout = kv_model_layout::interleaved(layers, 3, 8);
+  check_refused(f, old, kv_errc::layout_mismatch, windowed);
+  const auto [layer_ec, layer] = read_layer<half>(old, 1);
+  CHECK_FALSE(layer_ec);
+  CHECK(layer.end == 9);
 }
 
 TEST_CASE("one layer reads alone through the offset table", "[persist]") {
@@ -561,7 +618,7 @@ TEST_CASE("a load refuses another version, geometry, element type or model", "[p
 
   SECTION("a later format version") {
     std::vector<std::byte> b = read_file(f.file);
-    put_u32(b, 8, 2);
+    put_u32(b, 8, 3);
     write_file(f.file, b);
     check_refused(f, f.file, kv_errc::file_version_unsupported);
   }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <optional>
 #include <thread>
 
 namespace layout_tests {
@@ -488,7 +489,7 @@ TEST_CASE("two threads append to windowed sequences while snapshots are taken, r
   CHECK(pool.stats().blocks_in_use <= 2 * (kept_bound(layout.layers[0], 0) + ceil_div(rounds, B)));
 }
 
-TEST_CASE("prefix caches and saves refuse a windowed sequence: invalid_config, never part of its blocks", "[layout]") {
+TEST_CASE("prefix caches refuse a windowed sequence: invalid_config, never part of its blocks", "[layout]") {
   windowed w(kv_model_layout::interleaved(2, 2, 8), 256);
   for (int tag = 1; tag <= 10; ++tag) w.append_ok(4, tag);
   kv_prefix_cache prefix(2, config_for(256), w.pool);
@@ -506,13 +507,93 @@ TEST_CASE("prefix caches and saves refuse a windowed sequence: invalid_config, n
   CHECK(refused([&] { (void)prefix.insert_stored_tokens(w.seq); }));
   CHECK(prefix.stats().cached_blocks == 0);
   CHECK(prefix.match(ids) == 0);
+}
 
+namespace {
+
+/// A load of `path` onto `w`'s pool expecting `layout`.
+std::pair<ghostlink::error_code, sequence_kv_cache> load_as(windowed& w, const std::filesystem::path& path,
+                                                            std::optional<kv_model_layout> layout) {
+  kv_sequence_expectation expected{.num_layers = w.layers, .config = w.seq.config(), .layout = std::move(layout)};
+  try {
+    auto [seq, ids] = async_load<float>(w.threads.get_executor(), path, w.pool, expected, asio::use_future).get();
+    return {{}, std::move(seq)};
+  } catch (const ghostlink::test::async_error& e) {
+    return {e.code(), {}};
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a windowed sequence saves only what it keeps and loads back as it was, its layout checked", "[layout]") {
+  const std::size_t sinks = GENERATE(0, 3);
+  const std::size_t rollback = GENERATE(0, 2);
+  INFO("sinks " << sinks << ", rollback " << rollback);
+  kv_model_layout layout = kv_model_layout::interleaved(3, 3, 8, sinks);  // layers 0 and 1 windowed, 2 full
+  layout.rollback_tokens = rollback;
+  windowed w(layout, 512);
+  for (int tag = 1; tag <= 9; ++tag) w.append_ok(static_cast<std::size_t>(tag % 5 + 3), tag);  // 47: ends mid-block
+  REQUIRE(w.seq.size() % B != 0);
+  const sequence_snapshot before = w.seq.snapshot();
   const ghostlink::test::temp_dir dir;
-  const auto path = dir.path / "windowed.kv";
-  const ghostlink::error_code ec = wait_ec(
-      [&](auto token) { return async_save(w.seq.snapshot(), path, kv_save_options{.config = w.seq.config()}, token); });
-  CHECK(ec == kv_errc::invalid_config);
-  CHECK_FALSE(std::filesystem::exists(path));
+  const auto path = dir.path / "windowed.glkv";
+  REQUIRE_FALSE(wait_ec([&](auto token) {
+    return async_save(w.seq.snapshot(), path, kv_save_options{.config = w.seq.config()}, token);
+  }));
+  // Smaller than the same tokens saved whole: the windowed layers saved
+  // their sinks and what they kept alone.
+  const std::uintmax_t whole = 3 * 2 * w.seq.size() * w.width * sizeof(float);
+  CHECK(std::filesystem::file_size(path) < whole);
+
+  auto [ec, loaded] = load_as(w, path, layout);
+  REQUIRE_FALSE(ec);
+  CHECK(loaded.layout() == layout);
+  const sequence_snapshot after = loaded.snapshot();
+  CHECK(after.size() == before.size());
+  CHECK(after.token_ids() == before.token_ids());
+  for (std::size_t l = 0; l < 3; ++l) {
+    INFO("layer " << l);
+    CHECK(after.layer(l).kept_from() == before.layer(l).kept_from());
+    CHECK(w.diff_kept(after, l).empty());
+  }
+  // It goes on as the original would: appends drop as they would, and a
+  // truncate within rollback_tokens finds its window.
+  const std::vector<int> tags = w.tags;
+  for (int tag = 10; tag < 16; ++tag) {
+    const step st(3, w.width, loaded.size(), tag, 3);
+    REQUIRE_FALSE(append(loaded, st));
+    w.tags.insert(w.tags.end(), 3, tag);
+  }
+  REQUIRE_FALSE(truncate(loaded, loaded.size() - rollback));
+  w.tags.resize(loaded.size());
+  for (std::size_t l = 0; l < 3; ++l) CHECK(w.diff_kept(loaded.snapshot(), l).empty());
+  w.tags = tags;
+
+  // Another layout, or none (full), or another count: refused, nothing made.
+  const std::size_t blocks = w.pool.stats().blocks_in_use;
+  kv_model_layout other_rollback = layout;
+  other_rollback.rollback_tokens = rollback + 1;
+  for (const std::optional<kv_model_layout>& wrong :
+       {std::optional<kv_model_layout>(), std::optional(kv_model_layout::interleaved(3, 3, 16, sinks)),
+        std::optional(kv_model_layout::interleaved(3, 3, 8, sinks + 1)), std::optional(other_rollback)}) {
+    auto [refused, none] = load_as(w, path, wrong);
+    CHECK(refused == kv_errc::layout_mismatch);
+    CHECK_FALSE(none.valid());
+  }
+  auto [bad_count, none] = load_as(w, path, kv_model_layout::interleaved(4, 3, 8, sinks));
+  CHECK(bad_count == kv_errc::invalid_config);
+  CHECK(w.pool.stats().blocks_in_use == blocks);
+
+  // One layer alone: the full one reads; a windowed one that dropped
+  // positions has no whole layer to give.
+  kv_sequence_expectation expected{.num_layers = 3, .config = w.seq.config(), .layout = layout};
+  CHECK_NOTHROW(async_read_layer<float>(path, 2, expected, asio::use_future).get());
+  try {
+    (void)async_read_layer<float>(path, 0, expected, asio::use_future).get();
+    FAIL("a windowed layer read whole");
+  } catch (const ghostlink::test::async_error& e) {
+    CHECK(e.code() == kv_errc::outside_window);
+  }
 }
 
 }  // namespace layout_tests

@@ -69,12 +69,14 @@ class saved_sequence {
   /// Elements per token of every layer (0 with no layer).
   virtual std::size_t token_width() const noexcept = 0;
   virtual std::vector<token_id> token_ids() const = 0;
-  /// True when a layer has a window (not saved yet: the format has no place
-  /// for what it dropped).
-  virtual bool windowed() const noexcept = 0;
+  /// Layer `layer`'s window, sinks and first kept position past them.
+  virtual window_view window(std::size_t layer) const noexcept = 0;
+  /// The sequence's `rollback_tokens`.
+  virtual std::size_t rollback_tokens() const noexcept = 0;
   /// Calls `to(context, run)` for every stored run of layer `layer`'s keys
-  /// (or values), token 0 first.
-  virtual void for_each_run(std::size_t layer, bool values, sink to, void* context) const = 0;
+  /// (or values) of tokens `[begin, end)`, in order.
+  virtual void for_each_run(std::size_t layer, bool values, std::size_t begin, std::size_t end, sink to,
+                            void* context) const = 0;
 };
 
 /// A `basic_sequence_snapshot<T>` as a saved_sequence.
@@ -89,15 +91,16 @@ class typed_saved_sequence final : public saved_sequence {
     return snapshot_.num_layers() == 0 ? 0 : snapshot_.layer(0).token_width();
   }
   std::vector<token_id> token_ids() const override { return snapshot_.token_ids(); }
-  bool windowed() const noexcept override {
-    for (std::size_t l = 0; l < snapshot_.num_layers(); ++l)
-      if (snapshot_.layer(l).window() != 0) return true;
-    return false;
+  window_view window(std::size_t layer) const noexcept override {
+    const basic_kv_snapshot<T>& l = snapshot_.layer(layer);
+    return {l.window(), l.sink_tokens(), l.kept_from()};
   }
-  void for_each_run(std::size_t layer, bool values, sink to, void* context) const override {
-    (void)snapshot_.layer(layer).for_each_block(
-        0, snapshot_.size(),
-        [&](std::size_t, std::size_t, auto keys, auto vals) { to(context, std::as_bytes(values ? vals : keys)); });
+  std::size_t rollback_tokens() const noexcept override { return snapshot_.rollback_tokens(); }
+  void for_each_run(std::size_t layer, bool values, std::size_t begin, std::size_t end, sink to,
+                    void* context) const override {
+    (void)snapshot_.layer(layer).for_each_block(begin, end, [&](std::size_t, std::size_t, auto keys, auto vals) {
+      to(context, std::as_bytes(values ? vals : keys));
+    });
   }
 
  private:
@@ -110,6 +113,9 @@ struct file_expectation {
   kv_cache_config config;
   std::string model;
   file_element_type element;
+  /// None: full(num_layers). Resolved (and checked against num_layers) by
+  /// the load before any I/O.
+  std::optional<kv_model_layout> layout;
 };
 
 /// Each takes ownership of `op` and completes it exactly once, never inside

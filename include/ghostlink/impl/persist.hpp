@@ -49,7 +49,9 @@ struct initiate_load {
     handler_type h(std::forward<Handler>(handler));
     io_op* started = op::make(std::move(h), ex);
     start_load(std::move(ex), std::move(path), pool,
-               {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>}, io, started);
+               {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>,
+                std::move(expected.layout)},
+               io, started);
   }
 };
 
@@ -65,8 +67,9 @@ struct initiate_read_layer {
     handler_type h(std::forward<Handler>(handler));
     io_op* started = op::make(std::move(h), io);
     start_read_layer(std::move(path), layer,
-                     {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>}, io,
-                     started);
+                     {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>,
+                      std::move(expected.layout)},
+                     io, started);
   }
 };
 

@@ -205,7 +205,8 @@ auto basic_sequence_kv_cache<T>::snapshot() const -> snapshot_type {
   for (std::size_t i = 0; i + 1 < pins.size(); ++i)
     layers.push_back(detail::cache_access::adopt<basic_kv_snapshot<T>>(std::move(pins[i])));
   auto ids = detail::cache_access::adopt<basic_kv_snapshot<float>>(std::move(pins.back()));
-  return snapshot_type(std::move(layers), static_cast<std::size_t>(-1), std::move(ids));
+  return snapshot_type(std::move(layers), static_cast<std::size_t>(-1), std::move(ids),
+                       detail::layout_of(*state_).rollback_tokens);
 }
 
 template <storage_element T>
