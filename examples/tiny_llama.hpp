@@ -5,7 +5,10 @@
 // feed-forward block and a residual; a final RMSNorm and the output
 // projection to logits. Plain C++ the compiler vectorises. The attention
 // is forward()'s (ghostlink::attend over a sequence's KV cache, one step
-// per forward pass) or recompute()'s (no cache at all), which checks it.
+// per forward pass, each layer masked as the sequence's layout says) or
+// recompute()'s (no cache at all, each layer masked as the kv_model_layout
+// it is given says: every earlier token, or a window and sinks), which
+// checks it.
 // Shared by serving_loop and prefix_reuse.
 
 #include <ghostlink/kv_cache.hpp>
@@ -19,6 +22,7 @@
 #include <cstdint>
 #include <random>
 #include <span>
+#include <stdexcept>
 #include <system_error>
 #include <vector>
 
@@ -163,36 +167,50 @@ class model {
   std::vector<double> rope_freq_;  // theta^(-2i / head_dim)
 };
 
+/// Whether a query at position `p` attends position `j` in a layer of
+/// `layer`'s layout: `j <= p`, and with a window, `j` is a sink
+/// (`j < sink_tokens`) or within it (`j > p - window`).
+inline bool attends(const ghostlink::kv_layer_layout& layer, std::size_t p, std::size_t j) {
+  return j <= p && (layer.window == 0 || j < layer.sink_tokens || j + layer.window > p);
+}
+
 /// The logits of every position of `tokens` from `from` on, computed with
 /// no cache: every layer's keys and values for the whole prefix, then a
-/// plain two-pass causal softmax in double precision per position and head.
-inline std::vector<std::vector<float>> recompute(const model& m, std::span<const std::int32_t> tokens,
-                                                 std::size_t from) {
+/// plain two-pass softmax in double precision per position and head over
+/// the positions the layer's mask in `layout` lets it attend (`attends`).
+/// @throws std::invalid_argument if `layout` has not one layer per model layer.
+inline std::vector<std::vector<float>> recompute(const model& m, std::span<const std::int32_t> tokens, std::size_t from,
+                                                 const ghostlink::kv_model_layout& layout) {
   const dims& d = m.shape();
+  if (layout.num_layers() != d.layers) throw std::invalid_argument("tiny_llama::recompute: a layout of other layers");
   const std::size_t n = tokens.size(), group = d.query_heads / d.kv_heads;
   token_scratch s(d);
   std::vector<std::vector<float>> x(n, std::vector<float>(d.model));
   for (std::size_t p = 0; p < n; ++p) m.embed(tokens[p], x[p].data());
   std::vector<float> q(n * d.q_width()), k(n * d.kv_width()), v(n * d.kv_width()), attn(d.q_width());
+  std::vector<std::size_t> seen;  // the positions one row attends
   for (std::size_t l = 0; l < d.layers; ++l) {
     for (std::size_t p = 0; p < n; ++p)
       m.qkv(l, x[p].data(), p, &q[p * d.q_width()], &k[p * d.kv_width()], &v[p * d.kv_width()], s);
     for (std::size_t p = 0; p < n; ++p) {
+      seen.clear();
+      for (std::size_t j = 0; j <= p; ++j)
+        if (attends(layout.layers[l], p, j)) seen.push_back(j);
       for (std::size_t h = 0; h < d.query_heads; ++h) {
         const float* qh = &q[p * d.q_width() + h * d.head_dim];
         const std::size_t kv = (h / group) * d.head_dim;
-        std::vector<double> w(p + 1);
-        for (std::size_t j = 0; j <= p; ++j) {
+        std::vector<double> w(seen.size());
+        for (std::size_t a = 0; a < seen.size(); ++a) {
           double dot = 0;
-          for (std::size_t i = 0; i < d.head_dim; ++i) dot += double(qh[i]) * k[j * d.kv_width() + kv + i];
-          w[j] = dot / std::sqrt(double(d.head_dim));
+          for (std::size_t i = 0; i < d.head_dim; ++i) dot += double(qh[i]) * k[seen[a] * d.kv_width() + kv + i];
+          w[a] = dot / std::sqrt(double(d.head_dim));
         }
         const double top = *std::max_element(w.begin(), w.end());
         double sum = 0;
         for (double& e : w) sum += (e = std::exp(e - top));
         for (std::size_t i = 0; i < d.head_dim; ++i) {
           double o = 0;
-          for (std::size_t j = 0; j <= p; ++j) o += w[j] * v[j * d.kv_width() + kv + i];
+          for (std::size_t a = 0; a < seen.size(); ++a) o += w[a] * v[seen[a] * d.kv_width() + kv + i];
           attn[h * d.head_dim + i] = static_cast<float>(o / sum);
         }
       }
@@ -207,6 +225,13 @@ inline std::vector<std::vector<float>> recompute(const model& m, std::span<const
   return out;
 }
 
+/// As above with every layer attending every earlier token (a causal
+/// softmax over the whole prefix: `kv_model_layout::full`).
+inline std::vector<std::vector<float>> recompute(const model& m, std::span<const std::int32_t> tokens,
+                                                 std::size_t from) {
+  return recompute(m, tokens, from, ghostlink::kv_model_layout::full(m.shape().layers));
+}
+
 /// The logits of each of `ids`, fed to `seq` at positions `seq.size()` on
 /// (0 for a new sequence, the attached length for one a prefix cache
 /// attached), which become part of the sequence: one step
@@ -214,8 +239,9 @@ inline std::vector<std::vector<float>> recompute(const model& m, std::span<const
 /// decode step. Layer by layer it computes the new tokens' queries, keys
 /// and values, starts the layer's write without awaiting it, and attends
 /// (ghostlink::attend) over the layer's tokens before the step with its own
-/// tokens pending; the commit awaits the writes once. `m` and `seq` must
-/// outlive the returned awaitable.
+/// tokens pending, within the layer's window and sinks if it has them; the
+/// commit awaits the writes once. `m` and `seq` must outlive the returned
+/// awaitable.
 inline asio::awaitable<std::vector<std::vector<float>>> forward(const model& m, const ghostlink::sequence_kv_cache& seq,
                                                                 std::vector<std::int32_t> ids) {
   const dims& d = m.shape();
