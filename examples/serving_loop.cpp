@@ -2,21 +2,36 @@
 // random weights from a fixed seed) serving several sequences at once, each
 // a coroutine on a thread pool with its KV in a ghostlink sequence cache.
 //
+// The model is hybrid, as Gemma's are: its sequences have the layout
+// kv_model_layout::interleaved(layers, 3, window, sinks), so every third
+// layer attends every token and the others a window of the last `window`
+// tokens beside the first `sinks` (attention sinks), and those layers drop
+// the blocks no later token attends. The defaults (16-token window, 4
+// sinks, 160 tokens) decode past ten windows; `--window 0` runs every layer
+// at full attention (kv_model_layout::full) instead.
+//
 // Every forward pass is one step (async_begin_step): layer by layer it
 // computes the new tokens' queries, keys and values, starts the layer's
-// write without awaiting it, and attends (ghostlink::attend) over the
-// layer's tokens before the step with its own tokens pending; the commit
-// awaits the writes once. The prompt is one step of many tokens (a causal
-// prefill); each decoded token is one step. Sequence 0 is forked after its
-// prompt into a parallel sample; sequence 1 decodes speculatively: now and
-// then it verifies three drafted tokens in one step, keeps those the model
-// agrees with and truncates the rest away.
+// write without awaiting it, and attends (ghostlink::attend, within the
+// layer's window and sinks) over the layer's tokens before the step with
+// its own tokens pending; the commit awaits the writes once. The prompt is
+// one step of many tokens (a causal prefill, by default twice the window);
+// each decoded token is one step. Sequence 0 is forked after its prompt
+// into a parallel sample; sequence 1 decodes speculatively: now and then it
+// verifies three drafted tokens in one step, keeps those the model agrees
+// with and truncates the rest away (the layout's rollback_tokens, 3, keeps
+// what the windows need for that).
 //
 // At the end every generated position's logits are checked against a
-// recompute of the whole sequence that uses no cache, and the cache's token
-// ids against the tokens generated; any mismatch fails the program.
+// recompute of the whole sequence that uses no cache and masks each layer
+// as the layout does, and the cache's token ids against the tokens
+// generated; any mismatch fails the program. The same prompts are then
+// served again at full attention (checked the same way), and the blocks
+// each run's pool holds at the end are printed side by side: what the
+// windows save. The hybrid run's must be within the layout's bound.
 //
 //   serving_loop [--sequences N] [--layers N] [--prompt N] [--steps N] [--threads N]
+//                [--window W (0: full attention)] [--sinks S]
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
@@ -50,7 +65,20 @@ constexpr use_awaitable_t awaitable;
 
 struct options {
   std::size_t sequences = 8, layers = 8, prompt = 32, steps = 128, threads = 2;
+  std::size_t window = 16, sinks = 4;  // window 0: every layer full
 };
+
+/// The layout the options ask for: every third layer full and the others
+/// windowed, or every layer full for `--window 0`.
+ghostlink::kv_model_layout layout_of(const options& o) {
+  if (o.window == 0) return ghostlink::kv_model_layout::full(o.layers);
+  auto layout = ghostlink::kv_model_layout::interleaved(o.layers, 3, o.window, o.sinks);
+  // Sequence 1's speculative rounds take back up to three drafted tokens:
+  // without room for them in the windows, those truncates would fail with
+  // outside_window.
+  layout.rollback_tokens = 3;
+  return layout;
+}
 
 /// What one sequence generated: its tokens, the logits that chose each
 /// token after the prompt (`logits[i]` at position `prompt - 1 + i`), and
@@ -154,10 +182,11 @@ asio::awaitable<void> serve(const tiny_llama::model& m, const options& o, std::s
   co_await decode(dec, r, length, 1 + i, i == 1);
 }
 
-/// Positions whose logits differ from the cacheless recompute, and the
-/// largest difference.
-std::pair<std::size_t, double> check(const tiny_llama::model& m, const options& o, const record& r) {
-  const auto expected = tiny_llama::recompute(m, r.tokens, o.prompt - 1);
+/// Positions whose logits differ from the cacheless recompute under
+/// `layout`'s masks, and the largest difference.
+std::pair<std::size_t, double> check(const tiny_llama::model& m, const options& o,
+                                     const ghostlink::kv_model_layout& layout, const record& r) {
+  const auto expected = tiny_llama::recompute(m, r.tokens, o.prompt - 1, layout);
   std::size_t bad = expected.size() == r.logits.size() ? 0 : 1;
   double worst = 0;
   for (std::size_t p = 0; p < std::min(expected.size(), r.logits.size()); ++p)
@@ -171,8 +200,12 @@ options parse(int argc, char** argv) {
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) throw std::invalid_argument("missing value for " + flag);
-    const std::size_t value = std::strtoull(argv[i + 1], nullptr, 10);
-    if (value == 0) throw std::invalid_argument("values must be positive: " + flag);
+    char* end = nullptr;
+    const std::size_t value = std::strtoull(argv[i + 1], &end, 10);
+    if (end == argv[i + 1] || *end != '\0')
+      throw std::invalid_argument("not a number for " + flag + ": " + argv[i + 1]);
+    if (value == 0 && flag != "--window" && flag != "--sinks")
+      throw std::invalid_argument("values must be positive: " + flag);
     if (flag == "--sequences")
       o.sequences = value;
     else if (flag == "--layers")
@@ -183,6 +216,10 @@ options parse(int argc, char** argv) {
       o.steps = value;
     else if (flag == "--threads")
       o.threads = value;
+    else if (flag == "--window")
+      o.window = value;
+    else if (flag == "--sinks")
+      o.sinks = value;
     else
       throw std::invalid_argument("unknown flag " + flag);
   }
@@ -196,16 +233,41 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<std::size_t>(p * double(v.size())))];
 }
 
-}  // namespace
+/// The most blocks of `block_tokens` tokens that a sequence of `tokens`
+/// tokens may hold in `layout`: every token of a full layer, and a
+/// windowed layer's bound (kv_model_layout) or its tokens, if fewer.
+std::size_t blocks_bound(const ghostlink::kv_model_layout& layout, std::size_t tokens, std::size_t block_tokens) {
+  const auto blocks = [block_tokens](std::size_t n) { return (n + block_tokens - 1) / block_tokens; };
+  std::size_t bound = 0;
+  for (const ghostlink::kv_layer_layout& l : layout.layers)
+    bound += l.window == 0
+                 ? blocks(tokens)
+                 : std::min(blocks(tokens), blocks(l.sink_tokens) + blocks(l.window + layout.rollback_tokens) + 1);
+  return bound;
+}
 
-int main(int argc, char** argv) try {
-  const options o = parse(argc, argv);
-  tiny_llama::dims dims;
-  dims.layers = o.layers;
-  const tiny_llama::model model(dims);
-  asio::thread_pool pool(o.threads);
+/// What serving every sequence on one layout gave, checked.
+struct run {
+  double seconds = 0;
+  std::size_t generated = 0, bad = 0, drafted = 0, accepted = 0, rollbacks = 0;
+  std::vector<double> steps;
+  double worst = 0;
+  /// The pool's counters once every sequence is done (idle, so exact),
+  /// every sequence still alive.
+  ghostlink::kv_pool_stats pool;
+  std::size_t bound = 0;  // blocks_bound summed over the sequences (forks share, so a bound)
+  bool past_bound = false;  // the pool held more than `bound`
+};
+
+/// Serves `o.sequences` sequences of `layout` and sequence 0's fork on
+/// `threads`, all taking their blocks from one pool, then checks each
+/// against the recompute under `layout`'s masks.
+run serve_all(const tiny_llama::model& model, const options& o, const ghostlink::kv_model_layout& layout,
+              asio::thread_pool& threads) {
+  const tiny_llama::dims& dims = model.shape();
   const ghostlink::kv_cache_config config{
       .max_tokens_per_seq = o.prompt + o.steps + 4, .num_heads = dims.kv_heads, .head_dim = dims.head_dim};
+  const auto blocks = ghostlink::kv_block_pool::for_caches(config);
 
   std::vector<std::unique_ptr<record>> records;
   for (std::size_t i = 0; i < o.sequences; ++i)
@@ -216,45 +278,88 @@ int main(int argc, char** argv) try {
                                                       0,
                                                       0,
                                                       0,
-                                                      ghostlink::sequence_kv_cache(pool, dims.layers, config)}));
+                                                      ghostlink::sequence_kv_cache(threads, layout, config, blocks)}));
   records.push_back(std::make_unique<record>(record{"sequence 0's fork", {}, {}, {}, 0, 0, 0, {}}));
   std::promise<void> child_done;
 
+  run out;
   const auto start = clock_type::now();
   std::vector<std::future<void>> running;
   for (std::size_t i = 0; i < o.sequences; ++i)
-    running.push_back(asio::co_spawn(
-        pool, serve(model, o, i, *records[i], i == 0 ? records.back().get() : nullptr, &child_done), asio::use_future));
+    running.push_back(
+        asio::co_spawn(threads, serve(model, o, i, *records[i], i == 0 ? records.back().get() : nullptr, &child_done),
+                       asio::use_future));
   for (auto& r : running) r.get();
   child_done.get_future().get();
-  const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+  out.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+  out.pool = blocks.stats();
 
-  std::size_t generated = 0, bad = 0, drafted = 0, accepted = 0, rollbacks = 0;
-  std::vector<double> steps;
-  double worst = 0;
   for (const auto& r : records) {
-    generated += r->tokens.size() - o.prompt;
-    steps.insert(steps.end(), r->step_seconds.begin(), r->step_seconds.end());
-    drafted += r->drafted;
-    accepted += r->accepted;
-    rollbacks += r->rollbacks;
-    const auto [b, w] = check(model, o, *r);
+    out.generated += r->tokens.size() - o.prompt;
+    out.steps.insert(out.steps.end(), r->step_seconds.begin(), r->step_seconds.end());
+    out.drafted += r->drafted;
+    out.accepted += r->accepted;
+    out.rollbacks += r->rollbacks;
+    out.bound += blocks_bound(layout, r->cache.size(), config.block_tokens);
+    const auto [b, w] = check(model, o, layout, *r);
     if (b) std::fprintf(stderr, "serving_loop: %s: %zu positions differ from the recompute\n", r->name.c_str(), b);
-    bad += b;
-    worst = std::max(worst, w);
+    out.bad += b;
+    out.worst = std::max(out.worst, w);
   }
+  out.past_bound = out.pool.blocks_in_use > out.bound;
+  if (out.past_bound)
+    std::fprintf(stderr, "serving_loop: %zu blocks held, past the layout's bound of %zu\n", out.pool.blocks_in_use,
+                 out.bound);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const options o = parse(argc, argv);
+  tiny_llama::dims dims;
+  dims.layers = o.layers;
+  const tiny_llama::model model(dims);
+  asio::thread_pool pool(o.threads);
+  const ghostlink::kv_model_layout layout = layout_of(o);
+
+  const run r = serve_all(model, o, layout, pool);
+  // The same prompts at full attention, for the memory the windows save.
+  const bool compare = layout.windowed();
+  const run full = compare ? serve_all(model, o, ghostlink::kv_model_layout::full(o.layers), pool) : run{};
 
   std::printf("serving_loop: %zu sequences + 1 fork, %zu-layer model (%zu query / %zu KV heads of %zu), %zu-token "
               "prompts, %zu tokens each, %zu threads\n",
               o.sequences, dims.layers, dims.query_heads, dims.kv_heads, dims.head_dim, o.prompt, o.steps, o.threads);
-  std::printf("  decode:      %.0f tokens/s (%zu tokens in %.3f s, prefill included)\n", double(generated) / seconds,
-              generated, seconds);
+  if (compare) {
+    const std::size_t full_layers = o.layers / 3;
+    std::printf("  layout:      interleaved(%zu, 3, %zu, %zu): %zu of %zu layers attend every token, %zu a %zu-token "
+                "window and %zu sinks (rollback %zu)\n",
+                o.layers, o.window, o.sinks, full_layers, o.layers, o.layers - full_layers, o.window, o.sinks,
+                layout.rollback_tokens);
+  } else {
+    std::printf("  layout:      full(%zu): every layer attends every token\n", o.layers);
+  }
+  std::printf("  decode:      %.0f tokens/s (%zu tokens in %.3f s, prefill included)\n",
+              double(r.generated) / r.seconds, r.generated, r.seconds);
   std::printf("  per token:   p50 %.3f ms, p99 %.3f ms (one decode step of one sequence)\n",
-              percentile(steps, 0.50) * 1e3, percentile(steps, 0.99) * 1e3);
-  std::printf("  speculative: %zu of %zu drafted tokens kept, %zu rollbacks\n", accepted, drafted, rollbacks);
-  std::printf("  recompute:   %s (max abs logit diff %.2e, every generated position of every sequence)\n",
-              bad ? "MISMATCH" : "match", worst);
-  return bad ? 1 : 0;
+              percentile(r.steps, 0.50) * 1e3, percentile(r.steps, 0.99) * 1e3);
+  std::printf("  speculative: %zu of %zu drafted tokens kept, %zu rollbacks\n", r.accepted, r.drafted, r.rollbacks);
+  std::printf("  recompute:   %s (max abs logit diff %.2e, every generated position of every sequence, the layout's "
+              "masks applied)\n",
+              r.bad ? "MISMATCH" : "match", r.worst);
+  if (compare) {
+    std::printf("  blocks held: %zu at the end (peak %zu; bound %zu) against %zu (peak %zu) at full attention on the "
+                "same prompts: %.2fx\n",
+                r.pool.blocks_in_use, r.pool.peak_blocks_in_use, r.bound, full.pool.blocks_in_use,
+                full.pool.peak_blocks_in_use, double(r.pool.blocks_in_use) / double(full.pool.blocks_in_use));
+    std::printf("  full run:    %.0f tokens/s (%zu tokens in %.3f s), recompute %s (max abs logit diff %.2e)\n",
+                double(full.generated) / full.seconds, full.generated, full.seconds, full.bad ? "MISMATCH" : "match",
+                full.worst);
+  } else {
+    std::printf("  blocks held: %zu at the end (peak %zu)\n", r.pool.blocks_in_use, r.pool.peak_blocks_in_use);
+  }
+  return r.bad || full.bad || r.past_bound || full.past_bound ? 1 : 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "serving_loop: %s\n", e.what());
   return 2;
