@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include <ghostlink/element.hpp>
 #include <ghostlink/types.hpp>
 
 #include "attention.hpp"
@@ -90,6 +91,17 @@ void on_threads(std::size_t threads, F f) {
   for (std::size_t t = 1; t < threads; ++t) workers.emplace_back(f, t);
   f(0);
   for (auto& w : workers) w.join();
+}
+
+/// Calls `run.template operator()<T>()` with T the storage type --element names.
+template <class Run>
+void with_element(const options& o, Run&& run) {
+  if (o.element == "half")
+    run.template operator()<half>();
+  else if (o.element == "bfloat16")
+    run.template operator()<bfloat16>();
+  else
+    run.template operator()<float>();
 }
 
 /// Reports a broken expectation of `scenario` and ends the benchmark with

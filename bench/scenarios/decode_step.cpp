@@ -255,17 +255,6 @@ std::string shape_note(const options& o) {
          ", contexts " + std::to_string(o.steps) + ".." + std::to_string(2 * o.steps);
 }
 
-/// Calls `run.template operator()<T>()` with T the storage type --element names.
-template <class Run>
-void with_element(const options& o, Run&& run) {
-  if (o.element == "half")
-    run.template operator()<half>();
-  else if (o.element == "bfloat16")
-    run.template operator()<bfloat16>();
-  else
-    run.template operator()<float>();
-}
-
 template <storage_element T>
 void run_all(const options& o, report& out) {
   const std::vector<token> data = tokens_for(o, 2 * o.steps);  // prefill, then decode
