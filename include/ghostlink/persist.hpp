@@ -103,10 +103,14 @@ struct kv_sequence_expectation {
 /// before. The snapshot may be taken while writers keep appending: the file
 /// holds exactly its tokens.
 ///
+/// The file records the sequence's layout (each layer's window and sinks,
+/// and `rollback_tokens()`, docs/FORMAT.md version 2); a windowed layer
+/// saves its sinks and what it holds from `kept_from()` on, nothing it
+/// dropped.
+///
 /// Completion signature: `void(error_code)`. Errors: `layer_mismatch` (an
 /// empty snapshot: no layers), `invalid_config` (a zero field in
-/// `options.config`, a model id over 65536 bytes, or a snapshot of a
-/// sequence with a windowed layer: not in the format yet), `width_mismatch`
+/// `options.config`, or a model id over 65536 bytes), `width_mismatch`
 /// (`options.config.token_width()` not the snapshot's), all before any
 /// I/O; the operating system's (`errno` in the generic category, e.g.
 /// `ENOENT`, `ENOTDIR`, `EACCES`, `ENOSPC`; after the rename, only the
@@ -133,7 +137,10 @@ auto async_save(basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
 /// the sizes, `expected`); the blocks the tokens need are then reserved at
 /// once (`kv_block_pool::reserve`), each layer is read into its blocks and
 /// checked against its checksum, and the tokens of a last partial block are
-/// appended through the sequence's actors: bit for bit as saved. A refused
+/// appended through the sequence's actors: bit for bit as saved. A windowed
+/// layer holds what it held when saved (the same `kept_from()`), and the
+/// sequence's high-water mark is its size (or more, as after a truncate:
+/// see `kv_model_layout`). A refused
 /// file makes no sequence, and the blocks a load took are back in the pool
 /// before its handler runs. The full blocks read are the sequence's to
 /// read, never to write: a truncate into them and the appends after it
@@ -143,13 +150,15 @@ auto async_save(basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
 /// std::vector<token_id>)`: the sequence (an empty handle on error) and
 /// each token's id (`no_token_id` for a token stored without one). Errors:
 /// `invalid_config` (a bad `expected.config`, one that does not fit `pool`,
-/// zero layers), the operating system's (`errno` in the generic category:
+/// zero layers, a bad `expected.layout` or one of another number of
+/// layers), the operating system's (`errno` in the generic category:
 /// `ENOENT` for a missing file, `EISDIR` for a directory, `EINVAL` for
 /// anything else that is not a regular file, such as a FIFO, refused
 /// without waiting for a writer), `file_corrupt` (also a nonzero padding
 /// byte), `file_truncated`,
 /// `file_version_unsupported`, `element_type_mismatch` (a file of another
-/// `T`), `geometry_mismatch`, `model_mismatch`, `index_out_of_range` (more
+/// `T`), `geometry_mismatch`, `model_mismatch`, `layout_mismatch` (a file
+/// saved with another layout than `expected.layout`), `index_out_of_range` (more
 /// tokens than `expected.config.max_tokens_per_seq`), `capacity_exhausted`
 /// (the pool cannot give the blocks: none taken; or memory refused), and
 /// `asio::error::operation_aborted` if cancelled first.
@@ -193,6 +202,8 @@ auto async_load(asio::any_io_executor ex, std::filesystem::path path, kv_block_p
 ///
 /// Completion signature: `void(error_code, kv_range)`: every token of the
 /// layer (`begin` 0, `end` the tokens saved), widened exactly to floats.
+/// A windowed layer that dropped positions has no whole layer to give:
+/// `outside_window` (load the sequence and read its snapshot instead).
 /// Errors: as `async_load` (`capacity_exhausted` only if memory is refused;
 /// `index_out_of_range`, more tokens than
 /// `expected.config.max_tokens_per_seq`, is checked before the layer is
