@@ -193,9 +193,13 @@ std::size_t attended(const window_view& w, std::size_t rows, std::size_t total, 
     out[0] = {0, end};
     return 1;
   }
+  if (w.sinks == 0) {
+    out[0] = {from, end};
+    return 1;
+  }
   out[0] = {0, w.sinks};
   out[1] = {from, end};
-  return w.sinks != 0 ? 2 : (out[0] = out[1], 1);
+  return 2;
 }
 
 /// Every chunk of `count` tokens from position `first` that each row sees.

@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
+#include GHOSTLINK_ASIO_HEADER(io_context.hpp)
+#include GHOSTLINK_ASIO_HEADER(thread_pool.hpp)
 
 #include "base/fault_countdown.hpp"
 #include "base/throw_errc.hpp"
@@ -197,6 +199,15 @@ struct to_strand {
   }
 };
 
+/// True on a thread running `ex`'s context (a thread pool's or an
+/// io_context's; false for any other executor): its context outlives what
+/// that thread does, so it may queue onto the strand directly.
+bool in_context(const asio::any_io_executor& ex) noexcept {
+  if (const auto* pool = ex.target<asio::thread_pool::executor_type>()) return pool->running_in_this_thread();
+  if (const auto* io = ex.target<asio::io_context::executor_type>()) return io->running_in_this_thread();
+  return false;
+}
+
 }  // namespace
 
 void actor::schedule(urgency u, request* carried) noexcept {
@@ -213,10 +224,21 @@ void actor::schedule(urgency u, request* carried) noexcept {
       }
       return;
     }
-    // Inline on a thread of the executor's (then onto the strand: inline too
-    // if it is idle), else queued there.
-    case urgency::now: asio::dispatch(executor_, to_strand{drain_op(shared_from_this(), carried)}); return;
-    case urgency::batch: asio::post(executor_, to_strand{drain_op(shared_from_this(), carried)}); return;
+    // On a thread of the executor's context, straight onto the strand (run
+    // inline when it is idle, for `now`); from any other thread, through
+    // the executor (see to_strand).
+    case urgency::now:
+      if (in_context(executor_))
+        asio::dispatch(strand_, drain_op(shared_from_this(), carried));
+      else
+        asio::post(executor_, to_strand{drain_op(shared_from_this(), carried)});
+      return;
+    case urgency::batch:
+      if (in_context(executor_))
+        asio::post(strand_, drain_op(shared_from_this(), carried));
+      else
+        asio::post(executor_, to_strand{drain_op(shared_from_this(), carried)});
+      return;
   }
 }
 
