@@ -7,6 +7,7 @@
 #include <exception>
 #include <new>
 #include <ostream>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -228,18 +229,24 @@ void actor::schedule(urgency u, request* carried) noexcept {
     // inline when it is idle, for `now`); from any other thread, through
     // the executor (see to_strand).
     case urgency::now:
-      if (in_context(executor_))
-        asio::dispatch(strand_, drain_op(shared_from_this(), carried));
-      else
-        asio::post(executor_, to_strand{drain_op(shared_from_this(), carried)});
+      if (!in_context(executor_)) return post_from_outside(carried);
+      asio::dispatch(strand_, drain_op(shared_from_this(), carried));
       return;
     case urgency::batch:
-      if (in_context(executor_))
-        asio::post(strand_, drain_op(shared_from_this(), carried));
-      else
-        asio::post(executor_, to_strand{drain_op(shared_from_this(), carried)});
+      if (!in_context(executor_)) return post_from_outside(carried);
+      asio::post(strand_, drain_op(shared_from_this(), carried));
       return;
   }
+}
+
+void actor::post_from_outside(request* carried) noexcept {
+  // Counted until the post has returned: the drain it queues waits for that
+  // before it completes anything (drain()), so no completion can let the
+  // user destroy the context while this thread is still in its scheduler
+  // (which signals a waiting thread after it has queued the drain).
+  posting_.fetch_add(1, std::memory_order_relaxed);
+  asio::post(executor_, to_strand{drain_op(shared_from_this(), carried)});
+  posting_.fetch_sub(1, std::memory_order_release);  // the drain holds this actor until it has seen it
 }
 
 void actor::apply(request* const* batch, error_code* results, std::size_t n) {
@@ -427,7 +434,10 @@ void actor::drain(std::shared_ptr<actor> self, request* carried, queueing how) {
   // The last use of this actor: a completion may let its user destroy the
   // cache and then its execution context, so nothing of either is touched
   // once a handler is queued (this drain may run outside the context's
-  // threads, see schedule()). The actor may be destroyed here.
+  // threads, see schedule()), and no submitter outside the context may
+  // still be posting to it (post_from_outside: a few instructions). The
+  // actor may be destroyed here.
+  while (posting_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
   self.reset();
 
   // Handlers are queued only now, after the epoch holding their results is

@@ -159,6 +159,9 @@ class actor : public std::enable_shared_from_this<actor> {
   /// Queues a drain on the strand (dispatched when `u` is now), carrying
   /// `carried` if not null.
   void schedule(urgency u, request* carried) noexcept;
+  /// schedule() from a thread outside the executor's context: the drain
+  /// goes through the executor (then onto the strand), counted in posting_.
+  void post_from_outside(request* carried) noexcept;
   /// Applies `carried` (if not null), then what the mailbox holds, and
   /// publishes; queues the completions `how` (never defer inside an
   /// initiating call: its caller may block the thread, and a deferred
@@ -207,6 +210,7 @@ class actor : public std::enable_shared_from_this<actor> {
   std::size_t high_water_ = 0;
   std::size_t rollback_ = 0;
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
+  std::atomic<unsigned> posting_{0};      // submitters outside the context inside their post (post_from_outside)
   // Counters the drain alone writes (on the strand); stats() reads them.
   std::atomic<std::uint64_t> drains_{0};
   std::atomic<std::uint64_t> applied_{0};
