@@ -169,6 +169,16 @@ struct fixture {
     return added;
   }
 
+  fixture(const fixture&) = delete;
+  fixture& operator=(const fixture&) = delete;
+  /// Ends `threads` as Asio wants a pool that other threads post to ended:
+  /// joined once its work is done. An attach from a store completes from
+  /// the store's thread, which lets go of its hold on the handler's
+  /// executor (`threads`) just after queueing the handler, so the handler
+  /// may have run before that; destroying the pool unjoined would race
+  /// with it (as test_persist's fixture says for a load).
+  ~fixture() { threads.join(); }
+
   asio::thread_pool threads{2};
   kv_block_pool pool;
   basic_kv_prefix_cache<T> cache;
