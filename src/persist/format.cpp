@@ -106,15 +106,11 @@ bool lay_out_layers(file_header& h) noexcept {
 
 /// Whether `layers` and `rollback` are a layout a sequence can have held.
 bool valid_layers(const std::vector<saved_layer>& layers, std::uint64_t rollback, std::uint64_t tokens) noexcept {
-  for (const saved_layer& l : layers) {
-    if (l.window == 0) {
-      if (l.sink_tokens != 0 || l.kept_from != 0) return false;
-    } else if (l.window > std::numeric_limits<std::uint64_t>::max() - rollback || l.kept_from < l.sink_tokens ||
-               l.kept_from > std::max(l.sink_tokens, tokens)) {
-      return false;
-    }
-  }
-  return true;
+  return std::ranges::all_of(layers, [&](const saved_layer& l) {
+    if (l.window == 0) return l.sink_tokens == 0 && l.kept_from == 0;
+    return l.window <= std::numeric_limits<std::uint64_t>::max() - rollback && l.kept_from >= l.sink_tokens &&
+           l.kept_from <= std::max(l.sink_tokens, tokens);
+  });
 }
 
 }  // namespace

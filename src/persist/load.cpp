@@ -196,9 +196,12 @@ class load_job : public std::enable_shared_from_this<load_job> {
     }
     const std::span<const token_id> ids(ids_);
     std::vector<std::size_t> kept_from;
+    kept_from.reserve(header_.layers.size());
     for (const saved_layer& l : header_.layers) kept_from.push_back(l.kept_from);
-    seq_ = make_attached_sequence(ex_, expected_.config, *expected_.layout, expected_.element.codec, pool,
-                                  std::move(blocks), ids.first(header_.tokens - tail()), kept_from);
+    // (Resolved by check_fits() before the job began: never the default.)
+    const kv_model_layout layout = expected_.layout.value_or(kv_model_layout::full(expected_.num_layers));
+    seq_ = make_attached_sequence(ex_, expected_.config, layout, expected_.element.codec, pool, std::move(blocks),
+                                  ids.first(header_.tokens - tail()), kept_from);
     // The tail's blocks are the sequence's to take.
     seq_->account->left.fetch_add(account->left.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
     return {};

@@ -57,12 +57,12 @@ struct take_results {
   std::vector<error_code> operator()(batch_op& op) const noexcept { return std::move(op.results); }
 };
 
-/// The empty layers of `layout`, of `config`, on strands of `ex`, accepting
+/// The empty layers of `model`, of `config`, on strands of `ex`, accepting
 /// writes without an initialize, with blocks from `pool` (a private pool
 /// whose budget is `config.max_blocks` for every layer together if null).
 /// @throws std::system_error(kv_errc::invalid_config) for a bad layout
 ///         (see validate(const kv_model_layout&)) or as make_actor().
-std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv_model_layout& layout,
+std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv_model_layout& model,
                                               const kv_cache_config& config, element_codec codec,
                                               const kv_block_pool* pool);
 
