@@ -13,11 +13,12 @@ GHOSTLINK_NAMESPACE_BEGIN
 /// How one layer attends, and so what it keeps.
 struct kv_layer_layout {
   /// 0: the layer keeps and attends every token. `W > 0`: a query at
-  /// position `p` attends positions `p - W + 1 .. p` (and the sinks), and
+  /// position `p` attends positions `p - W + 1` to `p` (and the sinks), and
   /// the layer keeps only what the next queries can attend.
   std::size_t window = 0;
-  /// With a window: positions `0 .. sink_tokens - 1` are kept and attended
-  /// too (StreamingLLM's attention sinks). Must be 0 without a window.
+  /// With a window: the first `sink_tokens` positions are kept and
+  /// attended too (StreamingLLM's attention sinks). Must be 0 without a
+  /// window.
   std::size_t sink_tokens = 0;
   /// Field-by-field equality.
   friend bool operator==(const kv_layer_layout&, const kv_layer_layout&) = default;
