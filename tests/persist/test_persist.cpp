@@ -424,7 +424,7 @@ TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   CHECK(u32_at(bytes, tokens_at + 16) == 1004);
   // The layout section: rollback_tokens, flags, then (window, sinks,
   // kept_from) a layer, all 0 for full layers; its checksum; then the table.
-  const std::uint64_t layout_at = round_up(tokens_at + 4 * 5 + 8, 8);
+  const std::uint64_t layout_at = round_up(tokens_at + std::uint64_t{4} * 5 + 8, 8);
   for (std::size_t i = 0; i < 2 + 3 * layers; ++i) CHECK(u64_at(bytes, layout_at + 8 * i) == 0);
   CHECK(table_at == round_up(layout_at + 16 + 24 * layers + 8, 8));
   CHECK(table_at % 8 == 0);
