@@ -17,6 +17,7 @@
 #include <cmath>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 namespace layout_tests {
 
@@ -365,7 +366,8 @@ TEST_CASE("attend fails with outside_window, out untouched, when a row's window 
   const attention_shape shape{.query_heads = 2, .kv_heads = 2, .head_dim = 4};
   // 12 rows over the last 12 stored tokens: the first reaches back past
   // what the window kept for the next token.
-  std::vector<float> queries(12 * 8, 0.5f), out(12 * 8, 3.0f);
+  constexpr std::size_t rows = 12, width = 8;
+  std::vector<float> queries(rows * width, 0.5f), out(rows * width, 3.0f);
   CHECK(attend(snap.layer(0), queries, out, shape) == kv_errc::outside_window);
   CHECK(std::ranges::all_of(out, [](float x) { return x == 3.0f; }));
   // The next token's row reads only what is kept.
@@ -516,8 +518,8 @@ std::pair<ghostlink::error_code, sequence_kv_cache> load_as(windowed& w, const s
                                                             std::optional<kv_model_layout> layout) {
   kv_sequence_expectation expected{.num_layers = w.layers, .config = w.seq.config(), .layout = std::move(layout)};
   try {
-    auto [seq, ids] = async_load<float>(w.threads.get_executor(), path, w.pool, expected, asio::use_future).get();
-    return {{}, std::move(seq)};
+    auto loaded = async_load<float>(w.threads.get_executor(), path, w.pool, expected, asio::use_future).get();
+    return {{}, std::get<0>(std::move(loaded))};
   } catch (const ghostlink::test::async_error& e) {
     return {e.code(), {}};
   }
@@ -542,7 +544,7 @@ TEST_CASE("a windowed sequence saves only what it keeps and loads back as it was
   }));
   // Smaller than the same tokens saved whole: the windowed layers saved
   // their sinks and what they kept alone.
-  const std::uintmax_t whole = 3 * 2 * w.seq.size() * w.width * sizeof(float);
+  const std::uintmax_t whole = std::uintmax_t{3} * 2 * w.seq.size() * w.width * sizeof(float);
   CHECK(std::filesystem::file_size(path) < whole);
 
   auto [ec, loaded] = load_as(w, path, layout);
