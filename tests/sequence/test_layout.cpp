@@ -95,18 +95,21 @@ void check_truncate_refused(windowed& w, std::size_t n) {
   CHECK(observe(w.seq) == before);
 }
 
+/// True when `f` throws std::system_error with invalid_config.
+template <class F>
+bool refused(const F& f) {
+  try {
+    f();
+  } catch (const std::system_error& e) {
+    return e.code() == kv_errc::invalid_config;
+  }
+  return false;
+}
+
 }  // namespace
 
 TEST_CASE("every bad layout is invalid_config, and nothing is made", "[layout]") {
   asio::thread_pool threads(1);
-  const auto refused = [&](const auto& make) {
-    try {
-      make();
-    } catch (const std::system_error& e) {
-      return e.code() == kv_errc::invalid_config;
-    }
-    return false;
-  };
   CHECK(refused([&] { sequence_kv_cache(threads, kv_model_layout{}); }));  // no layers
   CHECK(refused([&] { sequence_kv_cache(threads, kv_model_layout::full(0)); }));
   CHECK(refused([&] { sequence_kv_cache(threads, kv_model_layout{.layers = {{.window = 0, .sink_tokens = 2}}}); }));
@@ -497,14 +500,6 @@ TEST_CASE("prefix caches refuse a windowed sequence: invalid_config, never part 
   kv_prefix_cache prefix(2, config_for(256), w.pool);
   std::vector<token_id> ids(w.seq.size());
   for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<token_id>(i);
-  const auto refused = [&](const auto& insert) {
-    try {
-      insert();
-    } catch (const std::system_error& e) {
-      return e.code() == kv_errc::invalid_config;
-    }
-    return false;
-  };
   CHECK(refused([&] { (void)prefix.insert(w.seq, ids); }));
   CHECK(refused([&] { (void)prefix.insert_stored_tokens(w.seq); }));
   CHECK(prefix.stats().cached_blocks == 0);
