@@ -145,6 +145,9 @@ class basic_kv_snapshot {
     std::array<detail::stored_run, 16> runs;  // NOLINT(cppcoreguidelines-pro-type-member-init): runs() fills them
     for (std::size_t first = begin; first < end;) {
       const std::size_t n = epoch_.runs(first, end, runs);
+      // Never 0 while first < end; said, so that no compiler warns of
+      // runs[n - 1] (GCC 12 did, for an `f` that does not return).
+      if (n == 0) break;
       for (std::size_t i = 0; i < n; ++i) {
         const detail::stored_run& r = runs[i];
         if (i + 1 < n) detail::prefetch_run(runs[i + 1]);

@@ -20,6 +20,7 @@
 #include <system_error>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace ghostlink::fuzz {
 
@@ -134,12 +135,32 @@ GHOSTLINK_FUZZ_QUIET void compare_tokens(const mepoch& e, std::size_t first, std
 /// The token ranges a full check reads: all of them, or for a huge length
 /// (zeros past a short stored prefix) its start and its end.
 struct windows {
-  std::pair<std::size_t, std::size_t> range[2];
+  std::pair<std::size_t, std::size_t> range[4];
   std::size_t count;
 };
 inline windows check_windows(std::size_t size) {
   if (size <= 96) return {{{0, size}, {0, 0}}, 1};
   return {{{0, 64}, {size - 8, size}}, 2};
+}
+/// `w`'s ranges without the positions [gap_begin, gap_end) (a window's
+/// dropped ones); some may be empty.
+inline windows held_windows(const windows& w, std::size_t gap_begin, std::size_t gap_end) {
+  windows held{{}, 0};
+  for (std::size_t i = 0; i < w.count; ++i) {
+    const auto [b, e] = w.range[i];
+    held.range[held.count++] = {b, std::max(b, std::min(e, gap_begin))};
+    held.range[held.count++] = {std::min(e, std::max(b, gap_end)), e};
+  }
+  return held;
+}
+
+/// The sentinel output buffers are filled with, to see that a failed read
+/// wrote nothing and a good one nothing past its data.
+inline constexpr std::uint32_t sentinel_bits = 0x7fbadbadu;
+
+inline void expect_sentinel(std::span<const float> buf, std::size_t from, const std::string& what) {
+  for (std::size_t i = from; i < buf.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(buf[i]) != sentinel_bits) fail(str(what, ": wrote element ", i, " of the output"));
 }
 
 /// Everything a snapshot shows (epoch, size, width, tokens through
@@ -152,12 +173,32 @@ GHOSTLINK_FUZZ_QUIET void check_snapshot(const basic_kv_snapshot<T>& s, const me
   expect_eq(s.size(), shown, what, "size()");
   expect_eq(s.empty(), shown == 0, what, "empty()");
   expect_eq(s.token_width(), e ? width : 0, what, "token_width()");
+  expect_eq(s.window(), e ? e->window : 0, what, "window()");
+  expect_eq(s.sink_tokens(), e ? e->sinks : 0, what, "sink_tokens()");
+  expect_eq(s.kept_from(), e ? e->kept_from : 0, what, "kept_from()");
   if (!e) return;
+  // A window's dropped positions: every read reaching one fails with
+  // outside_window and writes nothing.
+  const std::size_t gap_begin = e->sinks, gap_end = std::min(e->kept_from, shown);
+  if (gap_begin < gap_end) {
+    const std::size_t at = gap_begin + (gap_end - gap_begin) / 2;
+    std::vector<float> keys(width, std::bit_cast<float>(sentinel_bits)), values = keys;
+    if (s.read_kv(at, keys, values) != kv_errc::outside_window)
+      fail(str(what, ": read_kv(", at, ") of a dropped position"));
+    expect_sentinel(keys, 0, str(what, ": read_kv of a dropped position"));
+    expect_sentinel(values, 0, str(what, ": read_kv of a dropped position"));
+    if (s.for_each_block(0, shown, [&](std::size_t, std::size_t, auto, auto) {
+          fail(str(what, ": for_each_block over a dropped position called f"));
+        }) != kv_errc::outside_window)
+      fail(str(what, ": for_each_block(0, ", shown, ") over dropped positions"));
+  }
   // The stored elements themselves, zero-copy; the explicit read operations
   // check the converting reads (a read_range here too doubled the run time).
-  const windows win = check_windows(shown);
+  windows win = check_windows(shown);
+  if (gap_begin < gap_end) win = held_windows(win, gap_begin, gap_end);
   for (std::size_t i = 0; i < win.count; ++i) {
     const auto [begin, end] = win.range[i];
+    if (begin == end) continue;
     std::size_t next = begin;
     const ghostlink::error_code ec =
         s.for_each_block(begin, end, [&](std::size_t first, std::size_t count, auto k, auto v) GHOSTLINK_FUZZ_QUIET {
@@ -176,15 +217,6 @@ GHOSTLINK_FUZZ_QUIET void check_snapshot(const basic_kv_snapshot<T>& s, const me
     if (ec) fail(str(what, ": for_each_block(", begin, ", ", end, "): ", ec_name(ec)));
     if (next != end) fail(str(what, ": for_each_block(", begin, ", ", end, ") stopped at ", next));
   }
-}
-
-/// The sentinel output buffers are filled with, to see that a failed read
-/// wrote nothing and a good one nothing past its data.
-inline constexpr std::uint32_t sentinel_bits = 0x7fbadbadu;
-
-inline void expect_sentinel(std::span<const float> buf, std::size_t from, const std::string& what) {
-  for (std::size_t i = from; i < buf.size(); ++i)
-    if (std::bit_cast<std::uint32_t>(buf[i]) != sentinel_bits) fail(str(what, ": wrote element ", i, " of the output"));
 }
 
 }  // namespace ghostlink::fuzz

@@ -94,7 +94,19 @@ void bad_config(world<T>& w) {
       c.block_tokens += 1;
       attempt(on_pool);
       break;       // blocks of another size
-    case 3: attempt([&] { basic_sequence_kv_cache<T>(w.io, 0, c, w.pools[0]); }); break;
+    case 3:
+      if (b & 0x80) {
+        // A layout the contract refuses: sinks without a window, a window
+        // whose rollback overflows, or keys_only (not supported yet).
+        kv_model_layout bad = kv_model_layout::sliding(1 + b / 9 % 3, 1 + b / 27 % 4, 1);
+        if (b / 9 % 3 == 0) bad.layers.back() = {.window = 0, .sink_tokens = 1};
+        if (b / 9 % 3 == 1) bad.rollback_tokens = top;
+        if (b / 9 % 3 == 2) bad.keys_only = true;
+        attempt([&] { basic_sequence_kv_cache<T>(w.io, bad, c, w.pools[0]); });
+      } else {
+        attempt([&] { basic_sequence_kv_cache<T>(w.io, 0, c, w.pools[0]); });
+      }
+      break;
     case 4: attempt([&] { kv_block_pool(b & 1 ? bytes + 1 : 0); }); break;
     case 5:
       attempt([&] { kv_block_pool(bytes, b & 1 ? kv_pool_limits{0, top} : kv_pool_limits{top, bytes - 1}); });
@@ -183,10 +195,12 @@ void step(world<T>& w) {
       current_trace().add("seq_drop", seq);
       w.seqs.erase(w.seqs.begin() + static_cast<std::ptrdiff_t>(seq));
       break;
-    case op_new_seq:
-      current_trace().add("new_seq", 1 + k % 3, k >> 7 & 1);
-      w.new_sequence(1 + k % 3, k >> 7 & 1, 1 + k / 4 % 12);
+    case op_new_seq: {
+      const kv_model_layout layout = w.pick_layout(1 + k % 3);
+      current_trace().add("new_seq", 1 + k % 3, k >> 7 & 1, layout.windowed() ? layout.layers[0].window : 0);
+      w.new_sequence(layout, k >> 7 & 1, 1 + k / 4 % 12);
       break;
+    }
     case op_prefix: prefix_op(w, seq); break;
     case op_refuse_memory: {
       // The pool's fault hook: its next n requests for block memory fail as
@@ -263,7 +277,8 @@ void run(input& in, const std::uint8_t (&head)[7]) {
     w.m.prefix_layers = 1 + head[6] / 64 % 3;
     w.prefix.emplace(w.m.prefix_layers, geometry, w.pools[0]);
     w.new_cache(head[6] & 1, 1 + (head[6] >> 1) % 16);
-    if (head[6] & 0x20) w.new_sequence(1 + (head[6] >> 6) % 3, head[6] & 0x10, 1 + (head[6] >> 1) % 16);
+    if (head[6] & 0x20)
+      w.new_sequence(kv_model_layout::full(1 + (head[6] >> 6) % 3), head[6] & 0x10, 1 + (head[6] >> 1) % 16);
     w.check_all();
     for (int n = 0; n < 400 && in.more() && !w.abandoned; ++n) {
       step(w);

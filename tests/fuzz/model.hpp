@@ -84,6 +84,9 @@ GHOSTLINK_FUZZ_QUIET inline float token_float(recipe r, std::size_t lane, bool v
   return value ? -base - 0.5f : base;
 }
 
+/// A page-table entry a window dropped (a null block in the real table).
+inline constexpr std::uint32_t dropped_block = std::numeric_limits<std::uint32_t>::max();
+
 /// One entry of a write as the model sees it: the lengths of the key and
 /// value spans (arbitrary: they may mismatch the width or each other).
 struct mwrite {
@@ -97,7 +100,8 @@ struct mepoch {
   std::uint64_t number = 0;
   std::size_t length = 0, stored = 0;
   std::vector<recipe> data;           // tokens [0, stored); the rest are zeros
-  std::vector<std::uint32_t> blocks;  // its page table: block ids, 0 for the zero block
+  std::vector<std::uint32_t> blocks;  // its page table: block ids, 0 for the zero block, dropped_block
+  std::size_t window = 0, sinks = 0, kept_from = 0;  // a windowed layer's: [sinks, kept_from) dropped
   GHOSTLINK_FUZZ_QUIET recipe token(std::size_t i) const { return i < stored ? data[i] : recipe{}; }
 };
 
@@ -129,6 +133,10 @@ struct mcache {
   std::vector<std::uint32_t> table;    // ceil(stored / block_tokens) block ids
   std::vector<std::uint32_t> touched;  // owned blocks written since the last seal
   std::vector<std::uint32_t> set_aside;  // fresh blocks set aside for the next write (a sequence step's)
+  // A sequence's windowed layer (window > 0): the first `sinks` positions
+  // kept, blocks [ceil(sinks / B), dropped_to) dropped, positions
+  // [sinks, kept_from) gone (working_state's fields of those names).
+  std::size_t window = 0, sinks = 0, kept_from = 0, dropped_to = 0;
   bool changed = false;
   std::uint64_t next_epoch = 0;
   std::shared_ptr<const mepoch> current;
@@ -142,6 +150,10 @@ struct mseq {
   std::size_t length = 0;
   std::vector<token_id> ids;  // one per token, [0, length)
   std::size_t pool = 0;
+  std::size_t high_water = 0, rollback = 0;  // the actor's h and rollback_tokens
+  bool windowed() const {
+    return std::any_of(layers.begin(), layers.end(), [](const auto& l) { return l->window != 0; });
+  }
 };
 
 inline std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % d != 0); }
@@ -177,11 +189,14 @@ class model {
     return pools.size() - 1;
   }
 
-  std::shared_ptr<mcache> make_cache(std::size_t pool, bool initialized) {
+  /// A new cache (a sequence's layer with a window of `window` and `sinks`).
+  std::shared_ptr<mcache> make_cache(std::size_t pool, bool initialized, std::size_t window = 0,
+                                     std::size_t sinks = 0) {
     auto c = std::make_shared<mcache>();
     c->pool = pool;
     c->owner = ++owners_;
     c->initialized = initialized;
+    use_window(*c, window, sinks);
     c->changed = true;
     publish(*c);
     caches_.push_back(c);
@@ -196,7 +211,7 @@ class model {
     std::size_t n = 0;
     auto visit = [&](const std::vector<std::uint32_t>& ids) GHOSTLINK_FUZZ_QUIET {
       for (std::uint32_t id : ids)
-        if (id != 0 && !mark_[id] && blocks_[id - 1].pool == pool) mark_[id] = 1, ++n;
+        if (id != 0 && id != dropped_block && !mark_[id] && blocks_[id - 1].pool == pool) mark_[id] = 1, ++n;
     };
     for (const auto& w : caches_) {
       visit(w.lock()->table);
@@ -214,7 +229,8 @@ class model {
     std::erase_if(epochs_, [](const auto& w) { return w.expired(); });
     mark_.assign(blocks_.size() + 1, 0);
     auto visit = [&](const std::vector<std::uint32_t>& ids) GHOSTLINK_FUZZ_QUIET {
-      for (std::uint32_t id : ids) mark_[id] = 1;
+      for (std::uint32_t id : ids)
+        if (id != dropped_block) mark_[id] = 1;
     };
     for (const auto& w : caches_) {
       visit(w.lock()->table);
@@ -392,7 +408,7 @@ class model {
     for (const call& k : calls) {
       if (std::find(fresh.begin(), fresh.end(), k.block) != fresh.end()) continue;  // new this write: ours
       const std::uint32_t id = table[k.block];
-      if (id != 0 && blocks_[id - 1].owner == c.owner &&
+      if (id != 0 && id != dropped_block && blocks_[id - 1].owner == c.owner &&
           (k.slot >= blocks_[id - 1].readable || rewritable(c, id, k.slot))) {
         in_place.push_back(k.block);
         continue;
@@ -411,7 +427,7 @@ class model {
         p.peak = std::max(p.peak, ++used);
         if (!take_memory(c.pool)) return kv_errc::capacity_exhausted;
       }
-      if (id != 0) ++p.cow;
+      if (id != 0 && id != dropped_block) ++p.cow;  // a dropped block: a new one, zero-filled
       fresh.push_back(k.block);
     }
     // Entries past the old end in its last chunk that the write does not
@@ -450,7 +466,7 @@ class model {
     const std::size_t kept = std::min(c.stored, index);
     if (index % bt != 0 && first < ceil_div(kept, bt) && c.length <= index) {
       const std::uint32_t id = c.table[first];
-      if (id != 0 && blocks_[id - 1].owner == c.owner &&
+      if (id != 0 && id != dropped_block && blocks_[id - 1].owner == c.owner &&
           (index % bt >= blocks_[id - 1].readable || rewritable(c, id, index % bt)))
         ++first;
     }
@@ -486,10 +502,17 @@ class model {
     }
     if (stored % bt != 0) {
       const std::uint32_t id = c.table[nblocks - 1];
-      if (id != 0 && blocks_[id - 1].owner == c.owner && blocks_[id - 1].materialized > stored % bt) {
+      if (id != 0 && id != dropped_block && blocks_[id - 1].owner == c.owner &&
+          blocks_[id - 1].materialized > stored % bt) {
         blocks_[id - 1].materialized = stored % bt;
         blocks_[id - 1].rewound = c.next_epoch;
       }
+    }
+    if (c.window != 0 && c.kept_from > n) {
+      // Cut inside what the window dropped (or into the sinks).
+      c.dropped_to = std::min(c.dropped_to, n / bt);
+      c.kept_from = std::max(n, c.sinks);
+      if (n <= c.sinks) c.dropped_to = ceil_div(c.sinks, bt), c.kept_from = c.sinks;
     }
     c.data.resize(stored);
     c.stored = stored;
@@ -519,6 +542,9 @@ class model {
     e->stored = c.stored;
     e->data = c.data;
     e->blocks = c.table;
+    e->window = c.window;
+    e->sinks = c.sinks;
+    e->kept_from = c.kept_from;
     epochs_.push_back(e);
     c.changed = false;
     return e;
@@ -544,11 +570,40 @@ class model {
     c->stored = parent.stored;
     c->data = parent.data;
     c->table = parent.table;
+    c->window = parent.window;
+    c->sinks = parent.sinks;
+    c->kept_from = parent.kept_from;
+    c->dropped_to = parent.dropped_to;
     c->next_epoch = parent.next_epoch;
     c->changed = true;
     publish(*c);
     caches_.push_back(c);
     return c;
+  }
+
+  /// working_state::use_layer_layout: `c` becomes a windowed layer (a
+  /// window of 0: a full one).
+  void use_window(mcache& c, std::size_t window, std::size_t sinks) const {
+    c.window = window;
+    c.sinks = window != 0 ? sinks : 0;
+    c.kept_from = c.sinks;
+    c.dropped_to = ceil_div(c.sinks, geometry_.block_tokens);
+  }
+
+  /// working_state::drop_before: a windowed layer drops every block wholly
+  /// below position `keep` but the sinks'.
+  void drop_before(mcache& c, std::size_t keep) {
+    if (c.window == 0) return;
+    const std::size_t bt = geometry_.block_tokens;
+    const std::size_t end = std::min(keep / bt, c.table.size());
+    const std::size_t b = std::max(c.dropped_to, ceil_div(c.sinks, bt));
+    if (b >= end) return;
+    seal(c);
+    std::fill(c.table.begin() + static_cast<std::ptrdiff_t>(b), c.table.begin() + static_cast<std::ptrdiff_t>(end),
+              dropped_block);
+    c.dropped_to = end;
+    c.kept_from = std::max(c.kept_from, end * bt);
+    c.changed = true;
   }
 
   /// The end of a drain of `n` requests, all mailed at once into an empty

@@ -2,7 +2,8 @@
 // Prefix-cache operations on pool 0's cache: insert (the ids a sequence
 // stores, ids given with it, or ids that are not its own: the caller's
 // promise broken, which the model mirrors), insert from a sequence of
-// another layer count (layer_mismatch, nothing inserted), attach of a
+// another layer count (layer_mismatch, nothing inserted) or with windowed
+// layers (invalid_config: not reused yet), attach of a
 // sequence's ids (whole, cut, or with other ids after them) as a new
 // sequence that the other operations then write, and clear. Eviction runs
 // inside the other operations' writes whenever pool 0's budget is spent.
@@ -45,13 +46,15 @@ void prefix_op(world<T>& w, std::size_t seq) {
     std::vector<token_id> ids = stored ? q.ids : (what == 2 ? q.ids : pick_ids(w, q));
     if (stored) ids.resize(static_cast<std::size_t>(std::find(ids.begin(), ids.end(), no_token_id) - ids.begin()));
     current_trace().add(stored ? "prefix_insert_stored" : "prefix_insert", seq % w.seqs.size(), ids.size());
-    if (q.layers.size() != w.m.prefix_layers || q.pool != 0) {
+    if (q.windowed() || q.layers.size() != w.m.prefix_layers || q.pool != 0) {
       try {
         (void)(stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
-        fail("prefix insert from a sequence of another layer count or pool did not throw");
+        fail("prefix insert from a windowed sequence, or one of another layer count or pool, did not throw");
       } catch (const std::system_error& e) {
-        expect_ec(e.code(), q.layers.size() != w.m.prefix_layers ? kv_errc::layer_mismatch : kv_errc::invalid_config,
-                  "prefix insert");
+        expect_ec(
+            e.code(),
+            !q.windowed() && q.layers.size() != w.m.prefix_layers ? kv_errc::layer_mismatch : kv_errc::invalid_config,
+            "prefix insert");
       }
       return;
     }

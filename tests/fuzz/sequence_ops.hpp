@@ -155,6 +155,33 @@ inline ghostlink::error_code set_aside_all(model& m, const mseq& q, std::size_t 
   return {};
 }
 
+/// actor::advance: the sequence now holds `size` tokens; the high-water
+/// mark rises, and each windowed layer drops what no later token attends.
+inline void advance(model& m, mseq& q, std::size_t size) {
+  q.high_water = std::max(q.high_water, size);
+  for (const auto& l : q.layers) {
+    const std::size_t reach = l->window + q.rollback;
+    if (q.high_water + 1 > reach) m.drop_before(*l, q.high_water + 1 - reach);
+  }
+}
+
+/// working_state::can_truncate: whether layer `c`, cut to `n`, still holds
+/// every position past its sinks that a token at `n` attends.
+inline bool can_truncate(const mcache& c, std::size_t n) {
+  if (c.window == 0) return true;
+  const std::size_t need = std::max(c.sinks, n + 1 > c.window ? n + 1 - c.window : 0);
+  return need >= n || c.kept_from <= need;
+}
+
+/// actor::least_high_water: `size`, or more where a window dropped a
+/// position a truncate within rollback_tokens of a lower mark would need.
+inline std::size_t least_high_water(const mseq& q, std::size_t size) {
+  std::size_t h = size;
+  for (const auto& l : q.layers)
+    if (l->kept_from > l->sinks) h = std::max(h, l->kept_from + l->window + q.rollback - 1);
+  return h;
+}
+
 /// Applies `r` to the model; `busy`: another operation holds the sequence.
 /// It is one request to the sequence's actor: one drain, every layer.
 template <class T>
@@ -181,23 +208,36 @@ ghostlink::error_code model_seq(world<T>& w, seq_req<T>& r, mseq& q, bool busy) 
         for (std::size_t k = 0; k < i; ++k) w.m.truncate(*q.layers[k], index);
         for (std::size_t k = i; k < q.layers.size(); ++k) q.layers[k]->set_aside.clear();
       }
+      if (!first) advance(w.m, q, index + tokens);
       end_group_drain(w.m, q, bool(first));
       if (first) return first;
       q.length = index + tokens;
       q.ids.resize(q.length, no_token_id);  // appends here carry no ids
       return {};
     }
-    case seq_kind::truncate:
+    case seq_kind::truncate: {
+      // Below h - rollback_tokens, a window may have dropped what the next
+      // token needs: then refused, whole.
+      const bool rewinds = q.high_water > q.rollback && r.n < q.high_water - q.rollback;
+      if (rewinds &&
+          !std::all_of(q.layers.begin(), q.layers.end(), [&](const auto& l) { return can_truncate(*l, r.n); })) {
+        end_group_drain(w.m, q, true);
+        return kv_errc::outside_window;
+      }
       for (const auto& l : q.layers) w.m.truncate(*l, r.n);
+      if (rewinds) q.high_water = least_high_water(q, r.n);
       end_group_drain(w.m, q, false);
       q.length = r.n;
       q.ids.resize(r.n);
       return {};
+    }
     default: {
       r.child_model = std::make_shared<mseq>();
       r.child_model->pool = q.pool;
       r.child_model->length = q.length;
       r.child_model->ids = q.ids;
+      r.child_model->high_water = q.high_water;
+      r.child_model->rollback = q.rollback;
       for (const auto& l : q.layers) r.child_model->layers.push_back(w.m.fork(*l));
       end_group_drain(w.m, q, false);
       return {};
@@ -451,10 +491,10 @@ void run_step(world<T>& w, std::size_t k) {
     default:
       expect_completion(
           w, [&](auto h) { step.async_commit(std::move(h)); }, {}, what + ": commit");
-      for (std::size_t l = 0; l < layers; ++l) {
-        q->layers[l]->current = staged[l];
-        w.m.end_drain(*q->layers[l], 1, 0);
-      }
+      // The staged epochs, then (in an epoch after them) what the windows drop.
+      for (std::size_t l = 0; l < layers; ++l) q->layers[l]->current = staged[l];
+      advance(w.m, *q, index + tokens);
+      for (std::size_t l = 0; l < layers; ++l) w.m.end_drain(*q->layers[l], 1, 0);
       q->length = index + tokens;
       q->ids.insert(q->ids.end(), ids.begin(), ids.end());
       if (ids.empty()) q->ids.resize(q->length, no_token_id);

@@ -285,23 +285,39 @@ struct world {
     caches.push_back({std::move(real), m.make_cache(pool, false), c});
   }
 
-  /// A new sequence of `layers` layers: on pool 0, or on a private pool.
-  void new_sequence(std::size_t layers, bool private_pool, std::size_t budget) {
+  /// A new sequence of `layout`: on pool 0, or on a private pool.
+  void new_sequence(const kv_model_layout& layout, bool private_pool, std::size_t budget) {
     if (seqs.size() >= max_seqs) return;
     kv_cache_config c = geometry;
     std::size_t pool = 0;
     basic_sequence_kv_cache<T> real;
     if (private_pool && pools.size() < max_pools) {
       c.max_blocks = budget;
-      real = basic_sequence_kv_cache<T>(io, layers, c);
+      real = basic_sequence_kv_cache<T>(io, layout, c);
       pool = adopt_pool(real.pool(), budget);
     } else {
-      real = basic_sequence_kv_cache<T>(io, layers, c, pools[0]);
+      real = basic_sequence_kv_cache<T>(io, layout, c, pools[0]);
     }
+    if (!(real.layout() == layout)) fail("layout() differs from the one the sequence was made with");
     auto q = std::make_shared<mseq>();
     q->pool = pool;
-    for (std::size_t i = 0; i < layers; ++i) q->layers.push_back(m.make_cache(pool, true));
+    q->rollback = layout.rollback_tokens;
+    for (const kv_layer_layout& l : layout.layers)
+      q->layers.push_back(m.make_cache(pool, true, l.window, l.sink_tokens));
     seqs.push_back({std::move(real), std::move(q), c});
+  }
+
+  /// A layout from the input: `layers` full layers, or (half the time)
+  /// windows of 1-8 tokens with 0-3 sinks on every layer or on all but
+  /// every second or third, and 0-3 tokens of rollback.
+  kv_model_layout pick_layout(std::size_t layers) {
+    const std::uint8_t b = in.byte();
+    if (b % 2 == 0) return kv_model_layout::full(layers);
+    const std::size_t window = 1 + b / 2 % 8, sinks = b / 16 % 4, period = 1 + b / 64 % 3;
+    kv_model_layout l = period == 1 ? kv_model_layout::sliding(layers, window, sinks)
+                                    : kv_model_layout::interleaved(layers, period, window, sinks);
+    l.rollback_tokens = in.byte() % 4;
+    return l;
   }
 };
 

@@ -73,7 +73,7 @@ struct figures {
       conflicts_rejected{0}, generations{0}, epochs{0}, layer_snapshots{0}, arena_snapshots{0}, seq_snapshots{0},
       hot_pins{0}, writer_checks{0}, retained_checks{0}, async_reads{0}, tokens_checked{0}, delayed{0},
       prefix_inserts{0}, prefix_added{0}, prefix_attaches{0}, prefix_attached_tokens{0}, prefix_adopted{0},
-      prefix_clears{0};
+      prefix_clears{0}, windowed_sequences{0}, window_truncates_refused{0}, dropped_reads{0};
 };
 inline figures g_figures;
 inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
@@ -178,6 +178,17 @@ struct token_buffer {
 
 // ---- The model --------------------------------------------------------------
 
+/// The tag a reader records for a position a windowed layer no longer
+/// holds: it matches any tag (no generation reaches 2^32 - 1).
+constexpr std::uint64_t unheld = ~std::uint64_t{0};
+
+/// Whether `seen` (with unheld positions) shows `want`: of one size, and
+/// equal wherever it holds a token.
+inline bool shows(std::span<const std::uint64_t> seen, std::span<const std::uint64_t> want) {
+  return std::equal(seen.begin(), seen.end(), want.begin(), want.end(),
+                    [](std::uint64_t a, std::uint64_t b) { return a == unheld || a == b; });
+}
+
 /// What a cache holds after some prefix of its requests: per token, the tag
 /// of the request that wrote it last (0 for zeros). `tags.size()` is the size.
 using state = ghostlink::test::reference_cache<std::uint64_t>;
@@ -246,18 +257,18 @@ class history {
 inline std::string describe_diff(std::span<const std::uint64_t> seen, const state& s) {
   if (seen.size() != s.tags.size()) return str("size ", seen.size(), " vs ", s.tags.size());
   for (std::size_t i = 0; i < seen.size(); ++i)
-    if (seen[i] != s.tags[i])
+    if (seen[i] != unheld && seen[i] != s.tags[i])
       return str("token ", i, " shows ", tag_name(seen[i]), ", state has ", tag_name(s.tags[i]));
   return "equal";
 }
 
-/// The states in [lo, hi] that `seen` equals (lo: completed before the
+/// The states in [lo, hi] that `seen` shows (lo: completed before the
 /// snapshot was pinned; hi: published after). "" or why none does.
 inline std::string match(const history& h, std::size_t lo, std::size_t hi, std::span<const std::uint64_t> seen,
                          std::vector<std::size_t>& found) {
   found.clear();
   for (std::size_t p = lo; p <= hi; ++p)
-    if (std::equal(seen.begin(), seen.end(), h.at(p).tags.begin(), h.at(p).tags.end())) found.push_back(p);
+    if (shows(seen, h.at(p).tags)) found.push_back(p);
   if (!found.empty()) return {};
   std::string why =
       str("shows ", seen.size(), " tokens, equal to no state in [", lo, ", ", hi, "] (", lo,
@@ -306,32 +317,49 @@ inline std::uint64_t new_generation() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
-/// Decodes tokens [0, snap.size()) of layer `layer` through for_each_block
-/// into `tags`; "" or the first bad token.
+/// The positions a layer's snapshot holds: its sinks and `[kept_from(),
+/// size())`, every position but those a window dropped (all of them for a
+/// full layer, whose kept_from() is 0).
+template <class Snapshot>
+std::array<std::pair<std::size_t, std::size_t>, 2> held_ranges(const Snapshot& snap) {
+  const std::size_t n = snap.size(), kept = std::min(snap.kept_from(), n);
+  return {{{0, std::min(snap.sink_tokens(), kept)}, {kept, n}}};
+}
+
+/// Decodes the held tokens of layer `layer` (held_ranges) through
+/// for_each_block into `tags`, the others `unheld`; "" or the first bad
+/// token.
 template <class Snapshot>
 std::string decode_all(const Snapshot& snap, std::size_t layer, std::vector<std::uint64_t>& tags) {
-  tags.assign(snap.size(), 0);
+  tags.assign(snap.size(), unheld);
   std::string error;
   const std::size_t w = snap.token_width();
-  const ghostlink::error_code ec =
-      snap.for_each_block(0, snap.size(), [&](std::size_t first, std::size_t count, auto keys, auto values) {
-        for (std::size_t t = 0; t < count && error.empty(); ++t)
-          tags[first + t] = decode(keys.subspan(t * w, w), values.subspan(t * w, w), first + t, layer, error);
-      });
-  if (ec) return "for_each_block failed: " + ec.message();
-  bump(g_figures.tokens_checked, snap.size());
+  for (const auto& [b, e] : held_ranges(snap)) {
+    if (b == e) continue;
+    const ghostlink::error_code ec =
+        snap.for_each_block(b, e, [&](std::size_t first, std::size_t count, auto keys, auto values) {
+          for (std::size_t t = 0; t < count && error.empty(); ++t)
+            tags[first + t] = decode(keys.subspan(t * w, w), values.subspan(t * w, w), first + t, layer, error);
+        });
+    if (ec) return str("for_each_block(", b, ", ", e, ") failed: ", ec.message());
+    bump(g_figures.tokens_checked, e - b);
+  }
   return error;
 }
 
-/// Copying reads of a random range and a random token, and reads past the
-/// end, against `tags` (what for_each_block showed). "" or what differed.
+/// Copying reads of a random held range and a random held token, and reads
+/// past the end, against `tags` (what for_each_block showed); a windowed
+/// layer's reads of a dropped position fail with outside_window, writing
+/// nothing. "" or what differed.
 template <class Snapshot>
 std::string spot_reads(const Snapshot& snap, std::size_t layer, std::span<const std::uint64_t> tags, rng& r) {
   const std::size_t n = snap.size(), w = snap.token_width();
   if (tags.size() != n) return str("size changed from ", tags.size(), " to ", n);
   std::string error;
-  if (n > 0) {
-    const std::size_t b = r.below(n), e = r.between(b + 1, n);
+  const auto held = held_ranges(snap);
+  const auto [hb, he] = held[held[0].first == held[0].second || (held[1].first != held[1].second && r.percent(70))];
+  if (hb < he) {
+    const std::size_t b = r.between(hb, he - 1), e = r.between(b + 1, he);
     kv_range range;
     if (ghostlink::error_code ec = snap.read_range(b, e, range))
       return str("read_range(", b, ", ", e, "): ", ec.message());
@@ -342,12 +370,30 @@ std::string spot_reads(const Snapshot& snap, std::size_t layer, std::span<const 
       if (error.empty() && t != tags[i])
         error = str("read_range token ", i, ": ", tag_name(t), ", for_each_block showed ", tag_name(tags[i]));
     }
-    const std::size_t i = r.below(n);
+    const std::size_t i = r.between(hb, he - 1);
     kv_entry entry;
     if (ghostlink::error_code ec = snap.read_kv(i, entry)) return str("read_kv(", i, "): ", ec.message());
     const std::uint64_t t = decode(entry.keys, entry.values, i, layer, error);
     if (error.empty() && t != tags[i])
       error = str("read_kv token ", i, ": ", tag_name(t), ", for_each_block showed ", tag_name(tags[i]));
+  }
+  if (const std::size_t gap_end = held[1].first, gap = held[0].second; gap < gap_end) {
+    // A dropped position, alone and inside a range reaching the end: the
+    // spans untouched, the kv_entry and kv_range left empty.
+    const std::size_t i = r.between(gap, gap_end - 1);
+    std::vector<float> keys(w, -1.0f), values(w, -2.0f);
+    kv_entry entry{{1.0f}, {2.0f}};
+    kv_range range{.begin = 7, .end = 8, .keys = {3.0f}, .values = {4.0f}};
+    if (snap.read_kv(i, keys, values) != kv_errc::outside_window ||
+        std::any_of(keys.begin(), keys.end(), [](float f) { return f != -1.0f; }) ||
+        std::any_of(values.begin(), values.end(), [](float f) { return f != -2.0f; }))
+      error += str(" read_kv(", i, ") of a dropped position did not fail with outside_window, writing nothing");
+    if (snap.read_kv(i, entry) != kv_errc::outside_window || !entry.keys.empty() || !entry.values.empty())
+      error += str(" read_kv(", i, ", kv_entry) of a dropped position did not fail, leaving it empty");
+    if (snap.read_range(i, n, range) != kv_errc::outside_window || range.begin != i || range.end != n ||
+        !range.keys.empty() || !range.values.empty())
+      error += str(" read_range(", i, ", ", n, ") over a dropped position did not fail, leaving it empty");
+    bump(g_figures.dropped_reads);
   }
   kv_entry past;
   if (snap.read_kv(n, past) != kv_errc::index_out_of_range) error += str(" read_kv(size ", n, ") did not fail");

@@ -3,7 +3,11 @@
 // each written by one coroutine (appends, truncates, forks, and a second
 // operation started while one is in progress), and a prefix cache on the
 // pool that the writers insert into, attach from and clear, so that its
-// evictions run inside their appends. Appends may fail with
+// evictions run inside their appends. Two thirds of the sequences have
+// windowed layers (seq_world::layout): readers check what they hold, that
+// their dropped positions read as outside_window, and that the next
+// token's window is always held; truncates that reach back past
+// rollback_tokens may be refused. Appends may fail with
 // capacity_exhausted: their state is published `pending` and a snapshot
 // that shows it is judged once the writer knows the outcome.
 
@@ -14,12 +18,32 @@
 namespace stress {
 
 struct seq_target {
-  seq_target(std::string name, std::uint64_t gen, sequence_kv_cache seq, std::size_t capacity, state initial)
-      : name(std::move(name)), gen(gen), seq(std::move(seq)), hist(capacity, std::move(initial)) {}
+  seq_target(std::string name, std::uint64_t gen, sequence_kv_cache seq, std::size_t capacity, state initial,
+             std::size_t high_water)
+      : name(std::move(name)),
+        gen(gen),
+        seq(std::move(seq)),
+        layout(this->seq.layout()),
+        hist(capacity, std::move(initial)),
+        high_water(high_water) {}
   const std::string name;
   const std::uint64_t gen;
   sequence_kv_cache seq;
+  const kv_model_layout layout;
   history hist;
+  /// Writer only: at least the sequence's high-water mark h (the most
+  /// tokens it held; a truncate reaching back past rollback_tokens may
+  /// lower h, never raise it). A truncate to `n + rollback_tokens >= h`
+  /// must succeed.
+  std::size_t high_water;
+
+  /// Whether a truncate to `n` may fail with outside_window.
+  bool window_may_refuse(std::size_t n) const { return layout.windowed() && n + layout.rollback_tokens < high_water; }
+  /// The shortest length a truncate surely reaches, at most `size`.
+  std::size_t surely_truncatable(std::size_t size) const {
+    if (!layout.windowed() || high_water <= layout.rollback_tokens) return 0;
+    return std::min(size, high_water - layout.rollback_tokens);
+  }
 };
 
 /// A snapshot's matching states that were still pending when it was checked.
@@ -52,6 +76,15 @@ struct seq_world {
   static constexpr std::size_t layers = 3, max_active_forks = 3;
   kv_block_pool pool;
   kv_prefix_cache prefix{layers, config, pool};
+  /// A new sequence's layout, by `pick % 3`: full; two windowed layers
+  /// beside a full one, with a sink and 2 tokens of rollback; or every
+  /// layer windowed, with 2 sinks and 1 token of rollback.
+  static kv_model_layout layout(std::size_t pick) {
+    kv_model_layout l = kv_model_layout::full(layers);
+    if (pick % 3 == 1) l = kv_model_layout::interleaved(layers, 3, 5, 1), l.rollback_tokens = 2;
+    if (pick % 3 == 2) l = kv_model_layout::sliding(layers, 3, 2), l.rollback_tokens = 1;
+    return l;
+  }
   target_list<seq_target> live;
   std::atomic<std::size_t> active_forks{0};
   std::mutex claims_mutex;
@@ -76,6 +109,22 @@ inline std::vector<token_id> ids_of(const std::vector<std::uint64_t>& tags) {
   return ids;
 }
 
+/// A layer's snapshot against its layout: its window and sinks, and every
+/// position the next token attends held (a window drops only what no later
+/// token attends, and a truncate is refused rather than cut into a dropped
+/// window). "" or what is wrong.
+inline std::string window_held(const kv_snapshot& layer, const kv_layer_layout& want) {
+  if (layer.window() != want.window || layer.sink_tokens() != want.sink_tokens)
+    return str("window ", layer.window(), " with ", layer.sink_tokens(), " sinks, the layout's ", want.window, " with ",
+               want.sink_tokens);
+  const std::size_t n = layer.size(), w = layer.window();
+  const std::size_t need = std::max(layer.sink_tokens(), w > 0 && n + 1 > w ? n + 1 - w : 0);
+  if (w == 0 ? layer.kept_from() != 0 : layer.kept_from() > need)
+    return str("kept_from() ", layer.kept_from(), " of ", n, " tokens (window ", w, ", ", layer.sink_tokens(),
+               " sinks): the next token attends from ", need);
+  return {};
+}
+
 /// Pins the sequence and checks every layer shows the same tokens, each
 /// from one append, equal to a state at least as new as every completed
 /// operation. "" or what differed; `found` gets the matching states.
@@ -92,10 +141,14 @@ inline std::string verify(seq_target& t, rng& r, sequence_kv_cache::snapshot_typ
       error = str("layer ", l, " shows ", snap.layer(l).size(), " tokens, the snapshot ", snap.size());
       break;
     }
-    error = decode_all(snap.layer(l), l, l == 0 ? tags : other);
-    for (std::size_t i = 0; l > 0 && error.empty() && i < tags.size(); ++i)
-      if (other[i] != tags[i])
+    error = window_held(snap.layer(l), t.layout.layers[l]);
+    if (error.empty()) error = decode_all(snap.layer(l), l, l == 0 ? tags : other);
+    // `tags`: every layer's tokens where it holds them (unheld where none does).
+    for (std::size_t i = 0; l > 0 && error.empty() && i < tags.size(); ++i) {
+      if (tags[i] != unheld && other[i] != unheld && other[i] != tags[i])
         error = str("token ", i, ": layer 0 shows ", tag_name(tags[i]), ", layer ", l, " ", tag_name(other[i]));
+      if (tags[i] == unheld) tags[i] = other[i];
+    }
   }
   if (error.empty() && snap.num_layers() > 0) {
     const std::size_t l = r.below(snap.num_layers());
@@ -105,7 +158,7 @@ inline std::string verify(seq_target& t, rng& r, sequence_kv_cache::snapshot_typ
   // A token's id (given only by steps, see step_append) belongs to its tag.
   const std::vector<token_id> ids = snap.token_ids();
   for (std::size_t i = 0; error.empty() && i < ids.size() && i < tags.size(); ++i)
-    if (ids[i] != no_token_id && ids[i] != id_of(tags[i]))
+    if (ids[i] != no_token_id && tags[i] != unheld && ids[i] != id_of(tags[i]))
       error = str("token ", i, " (", tag_name(tags[i]), ") has id ", ids[i], ", not ", id_of(tags[i]));
   if (error.empty()) error = match(t.hist, lo, hi, tags, found);
   return error.empty() ? error : str(t.name, " snapshot of ", snap.size(), " tokens: ", error);
@@ -118,22 +171,23 @@ inline std::string verify(seq_target& t, rng& r, sequence_kv_cache::snapshot_typ
 inline std::string hot_pins(const seq_target& t, std::size_t times) {
   std::vector<std::uint64_t> first, other;
   auto tags_of = [](const kv_snapshot& s, std::vector<std::uint64_t>& out) {
-    out.assign(s.size(), 0);
+    out.assign(s.size(), unheld);
     const std::size_t w = s.token_width();
-    (void)s.for_each_block(0, s.size(), [&](std::size_t at, std::size_t count, auto keys, auto) {
-      for (std::size_t i = 0; i < count; ++i) {
-        const auto gen = static_cast<std::uint64_t>(keys[i * w]) | (static_cast<std::uint64_t>(keys[i * w + 3]) >> 4)
-                                                                       << 24;
-        out[at + i] = make_tag(gen, static_cast<std::uint64_t>(keys[i * w + 1]));
-      }
-    });
+    for (const auto& [b, e] : held_ranges(s))
+      (void)s.for_each_block(b, e, [&](std::size_t at, std::size_t count, auto keys, auto) {
+        for (std::size_t i = 0; i < count; ++i) {
+          const auto gen = static_cast<std::uint64_t>(keys[i * w]) | (static_cast<std::uint64_t>(keys[i * w + 3]) >> 4)
+                                                                         << 24;
+          out[at + i] = make_tag(gen, static_cast<std::uint64_t>(keys[i * w + 1]));
+        }
+      });
   };
   for (std::size_t n = 0; n < times; ++n) {
     const sequence_kv_cache::snapshot_type snap = t.seq.snapshot();
     for (std::size_t l = 0; l < snap.num_layers(); ++l) {
       tags_of(snap.layer(l), l == 0 ? first : other);
       for (std::size_t i = 0; l > 0 && i < first.size(); ++i)
-        if (first[i] != other[i])
+        if (first[i] != other[i] && first[i] != unheld && other[i] != unheld)
           return str(t.name, " snapshot of ", snap.size(), " tokens (pinned in a tight loop): token ", i,
                      ": layer 0 shows ", tag_name(first[i]), ", layer ", l, " ", tag_name(other[i]));
     }
@@ -177,22 +231,30 @@ struct step_buffers {
 /// Records how an operation that may fail ended: `p` succeeded, or failed
 /// with one of the errors allowed (then the state before it is published
 /// again); anything else fails the run.
-inline void settle(seq_target& t, std::size_t p, ghostlink::error_code ec, std::initializer_list<kv_errc> allowed,
+inline void settle(seq_target& t, std::size_t p, ghostlink::error_code ec, const std::vector<kv_errc>& allowed,
                    const char* what) {
   if (!ec) {
     t.hist.resolve(p, outcome::ok);
     t.hist.complete(p);
+    t.high_water = std::max(t.high_water, t.hist.at(p).tags.size());
     return;
   }
   if (std::find(allowed.begin(), allowed.end(), static_cast<kv_errc>(ec.value())) == allowed.end() ||
       ec.category() != kv_category())
     return fail(str(t.name, ": ", what, " (request ", p, ") failed: ", ec.message()));
   if (ec == kv_errc::capacity_exhausted) bump(g_figures.append_capacity_failures);
+  if (ec == kv_errc::outside_window) bump(g_figures.window_truncates_refused);
   t.hist.resolve(p, outcome::failed);
   t.hist.complete(t.hist.publish(t.hist.at(p - 1)));
 }
 
 inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target> t, rng r);
+
+/// The errors a truncate of `t` to `n` may fail with.
+inline std::vector<kv_errc> truncate_errors(const seq_target& t, std::size_t n) {
+  if (t.window_may_refuse(n)) return {kv_errc::outside_window};
+  return {};
+}
 
 inline void adopt_child(seq_world& w, seq_target& parent, sequence_kv_cache child, const state& at, rng& r,
                         std::deque<std::shared_ptr<seq_target>>& frozen) {
@@ -204,8 +266,9 @@ inline void adopt_child(seq_world& w, seq_target& parent, sequence_kv_cache chil
     if (!active) w.active_forks.fetch_sub(1);
   }
   const std::uint64_t gen = new_generation();
+  const std::size_t high_water = child.layout().windowed() ? parent.high_water : at.tags.size();
   auto c = std::make_shared<seq_target>(str("sequence fork g", gen, " of ", parent.name), gen, std::move(child),
-                                        active ? r.between(16, 200) : 1, at);
+                                        active ? r.between(16, 200) : 1, at, high_water);
   verify_settled(*c, r);
   if (!active) {
     w.live.add(c);
@@ -236,7 +299,9 @@ inline std::size_t publish_append(seq_target& t, const state& s, std::uint64_t& 
 inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
   const state& s = t.hist.last();
   state after_a = s;
-  after_a.tags.resize(std::min(s.tags.size(), r.below(s.tags.size() + 1)));
+  // Never refused: the second operation is built on it.
+  after_a.tags.resize(
+      std::max(t.surely_truncatable(s.tags.size()), std::min(s.tags.size(), r.below(s.tags.size() + 1))));
   const std::size_t pa = t.hist.publish(after_a);
   const bool append = after_a.tags.size() < w.config.max_tokens_per_seq && r.percent(60);
   std::uint64_t tag = 0;
@@ -269,6 +334,8 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
   settle(t, pa, ecs[0], {}, "the first operation of a conflict, a truncate");
   if (append)
     settle(t, pb, ecs[1], {kv_errc::operation_in_progress, kv_errc::capacity_exhausted}, "conflicting append");
+  else if (t.window_may_refuse(t.hist.at(pb).tags.size()))
+    settle(t, pb, ecs[1], {kv_errc::operation_in_progress, kv_errc::outside_window}, "conflicting truncate");
   else
     settle(t, pb, ecs[1], {kv_errc::operation_in_progress}, "conflicting truncate");
 }
@@ -317,7 +384,7 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
     settle(t, p, cec, {}, "step commit after writes on two threads");
     for (std::size_t l = 0; l < seq_world::layers && !cec; ++l) {
       const std::string error = decode_all(open.snapshot(l), l, seen);
-      if (!error.empty() || seen != want)
+      if (!error.empty() || !shows(seen, want))
         co_return fail(str(t.name, ": layer ", l, " after the commit of writes on two threads: ", error, seen.size(),
                            " tokens, ", want.size(), " expected"));
     }
@@ -327,7 +394,7 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
     if (ghostlink::error_code wec = open.write(l, step.keys[l], step.values[l]))
       co_return fail(str(t.name, ": step write of layer ", l, ": ", wec.message()));
     const std::string error = decode_all(open.snapshot(l), l, seen);
-    if (!error.empty() || seen != want)
+    if (!error.empty() || !shows(seen, want))
       co_return fail(str(t.name, ": step snapshot of layer ", l, " after its write: ", error.empty() ? "" : error,
                          seen.size(), " tokens, ", want.size(), " expected"));
   }
@@ -356,6 +423,16 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
   if (roll < 2) {
     bump(g_figures.prefix_clears);
     w.prefix.clear();
+    return;
+  }
+  if (roll < 45 && t.layout.windowed()) {
+    // Not reused yet: refused, whole.
+    try {
+      (void)w.prefix.insert(t.seq, ids_of(s.tags));
+      fail(str(t.name, ": a prefix cache took a windowed sequence"));
+    } catch (const std::system_error& e) {
+      if (e.code() != kv_errc::invalid_config) fail(str(t.name, ": a windowed insert failed with ", e.what()));
+    }
     return;
   }
   if (roll < 45) {
@@ -431,7 +508,7 @@ inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target>
       next.tags.resize(std::min(s.tags.size(), r.below(s.tags.size() + 2)));
       const std::size_t p = t->hist.publish(next, outcome::pending);
       auto [ec] = co_await t->seq.async_truncate(next.tags.size(), as_tuple(asio::use_awaitable));
-      settle(*t, p, ec, {}, "truncate");
+      settle(*t, p, ec, truncate_errors(*t, next.tags.size()), "truncate");
     } else if (roll < 86) {
       const std::size_t p = t->hist.publish(s);
       auto [ec, child] = co_await t->seq.async_fork(as_tuple(asio::use_awaitable));
@@ -453,9 +530,11 @@ inline asio::awaitable<void> seq_drive(seq_world& w, std::shared_ptr<seq_target>
 inline asio::awaitable<void> seq_lineage(seq_world& w, std::size_t j, rng r) {
   while (!stopping()) {
     const std::uint64_t gen = new_generation();
-    auto t = std::make_shared<seq_target>(str("sequence g", gen, " (lineage ", j, ")"), gen,
-                                          sequence_kv_cache(w.io, seq_world::layers, w.config, w.pool),
-                                          r.between(32, 600), state{true, {}});
+    const kv_model_layout layout = seq_world::layout(j + gen);
+    if (layout.windowed()) bump(g_figures.windowed_sequences);
+    auto t = std::make_shared<seq_target>(str("sequence g", gen, " (lineage ", j, ", ", layout, ")"), gen,
+                                          sequence_kv_cache(w.io, layout, w.config, w.pool), r.between(32, 600),
+                                          state{true, {}}, 0);
     co_await seq_drive(w, std::move(t), rng(r.next()));
   }
 }

@@ -81,6 +81,8 @@ void print_figures(const options& o, double elapsed) {
             << v(f.steps_two_threads) << " written from two threads at once; " << v(f.append_capacity_failures)
             << " failed for capacity), truncates " << v(f.seq_truncates) << ", forks " << v(f.seq_forks)
             << ", conflicts " << v(f.conflicts) << " (" << v(f.conflicts_rejected) << " rejected in progress)\n"
+            << "  windowed sequences: " << v(f.windowed_sequences) << " (truncates refused with outside_window "
+            << v(f.window_truncates_refused) << ", dropped positions read " << v(f.dropped_reads) << ")\n"
             << "  prefix cache: inserts " << v(f.prefix_inserts) << " (" << v(f.prefix_added)
             << " entries added), attaches " << v(f.prefix_attaches) << " (" << v(f.prefix_attached_tokens)
             << " tokens attached and checked; " << v(f.prefix_adopted) << " written on), clears " << v(f.prefix_clears)
