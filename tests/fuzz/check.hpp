@@ -135,17 +135,23 @@ GHOSTLINK_FUZZ_QUIET void compare_tokens(const mepoch& e, std::size_t first, std
 /// The token ranges a full check reads: all of them, or for a huge length
 /// (zeros past a short stored prefix) its start and its end.
 struct windows {
-  std::pair<std::size_t, std::size_t> range[4];
-  std::size_t count;
+  std::array<std::pair<std::size_t, std::size_t>, 4> range{};
+  std::size_t count = 0;
 };
 inline windows check_windows(std::size_t size) {
-  if (size <= 96) return {{{0, size}, {0, 0}}, 1};
-  return {{{0, 64}, {size - 8, size}}, 2};
+  windows w;
+  if (size <= 96) {
+    w.range[w.count++] = {0, size};
+  } else {
+    w.range[w.count++] = {0, 64};
+    w.range[w.count++] = {size - 8, size};
+  }
+  return w;
 }
 /// `w`'s ranges without the positions [gap_begin, gap_end) (a window's
 /// dropped ones); some may be empty.
 inline windows held_windows(const windows& w, std::size_t gap_begin, std::size_t gap_end) {
-  windows held{{}, 0};
+  windows held;
   for (std::size_t i = 0; i < w.count; ++i) {
     const auto [b, e] = w.range[i];
     held.range[held.count++] = {b, std::max(b, std::min(e, gap_begin))};
