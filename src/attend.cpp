@@ -56,6 +56,7 @@ struct pass_args {
   std::size_t kv_heads, group, dim, width;
   float scale;
   std::size_t token_bytes;  // of one token's stored keys (or values)
+  std::size_t vdim;         // a head's value (and output) elements: dim, or fewer keys only
 };
 
 /// One token's weight for a query head with logit `logit`, against the
@@ -117,11 +118,11 @@ void chunk_portable(const pass_args& a, const float* keys, const float* values, 
     prefetch_token(ahead, at + t, a.token_bytes);
     for (std::size_t h = 0; h < heads; ++h) {
       const std::size_t kv = t * a.width + h / a.group * a.dim;
-      float* oh = o + h * a.dim;
+      float* oh = o + h * a.vdim;
       float w;
       if (const float f = weigh(dot_portable(q + h * a.dim, keys + kv, a.dim) * a.scale, max[h], sum[h], w); f != 1.0f)
-        for (std::size_t i = 0; i < a.dim; ++i) oh[i] *= f;
-      for (std::size_t i = 0; i < a.dim; ++i) oh[i] += w * values[kv + i];
+        for (std::size_t i = 0; i < a.vdim; ++i) oh[i] *= f;
+      for (std::size_t i = 0; i < a.vdim; ++i) oh[i] += w * values[kv + i];
     }
   }
 }
@@ -163,22 +164,23 @@ __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, con
     prefetch_token(ahead, at + t, a.token_bytes);
     for (std::size_t h = 0; h < heads; ++h) {
       const std::size_t kv = t * a.width + h / a.group * a.dim;
-      float* oh = o + h * a.dim;
+      float* oh = o + h * a.vdim;
       float w;
       if (const float f = weigh(dot_avx2(q + h * a.dim, keys + kv, a.dim) * a.scale, max[h], sum[h], w); f != 1.0f) {
         const __m256 fs = _mm256_set1_ps(f);
-        for (std::size_t i = 0; i < a.dim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
+        for (std::size_t i = 0; i < a.vdim; i += 8)
+          _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
       }
       const __m256 ws = _mm256_set1_ps(w);
-      for (std::size_t i = 0; i < a.dim; i += 8)
+      for (std::size_t i = 0; i < a.vdim; i += 8)
         _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(values + kv + i), _mm256_loadu_ps(oh + i)));
     }
   }
 }
 
-bool use_avx2(std::size_t dim) {
+bool use_avx2(std::size_t dim, std::size_t vdim) {
   static const bool cpu = has_avx2_fma_f16c();
-  return cpu && dim % 8 == 0;
+  return cpu && dim % 8 == 0 && vdim % 8 == 0;
 }
 #endif
 
@@ -208,17 +210,18 @@ void add_run(const attention_shape& shape, const window_view& window, std::size_
              const float* queries, float* out, std::size_t first, std::size_t count, const T* keys, const T* values,
              const stored_run& ahead) {
   const std::size_t width = shape.kv_heads * shape.head_dim;
-  const pass_args a{shape.kv_heads,   shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale,
-                    width * sizeof(T)};
-  const std::size_t row_width = shape.query_heads * shape.head_dim;
+  const pass_args a{
+      shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale, width * sizeof(T),
+      shape.value_dim};
+  const std::size_t row_width = shape.query_heads * shape.head_dim, out_width = shape.query_heads * shape.value_dim;
 #if GHOSTLINK_ATTEND_AVX2
-  const bool simd = use_avx2(a.dim);
+  const bool simd = use_avx2(a.dim, a.vdim);
 #endif
   scratch& s = tls;
   stored_run fetch = ahead;  // by the first row that reads the run
   for (std::size_t r = 0; r < rows; ++r) {
     const float* q = queries + r * row_width;
-    float* o = out + r * row_width;
+    float* o = out + r * out_width;
     float* max = s.max.data() + r * shape.query_heads;
     float* sum = s.sum.data() + r * shape.query_heads;
     std::pair<std::size_t, std::size_t> ranges[2];
@@ -257,17 +260,22 @@ void add_run(const attention_shape& shape, const window_view& window, std::size_
 
 std::error_code attention_pass::begin(const attention_shape& shape, std::size_t width, std::size_t stored,
                                       pending_tokens pending, std::span<const float> queries, std::span<float> out,
-                                      const window_view& window) noexcept {
+                                      const window_view& window, bool keys_only) noexcept {
   if (shape.query_heads == 0 || shape.kv_heads == 0 || shape.head_dim == 0 || shape.query_heads % shape.kv_heads != 0)
     return kv_errc::invalid_shape;
+  // A head's value: the stored one (value_dim 0 or head_dim), or a key's
+  // first value_dim elements (keys only).
+  const std::size_t vdim = shape.value_dim == 0 ? shape.head_dim : shape.value_dim;
+  if (vdim > shape.head_dim || (!keys_only && vdim != shape.head_dim)) return kv_errc::invalid_shape;
   const std::size_t kv_width = shape.kv_heads * shape.head_dim, row_width = shape.query_heads * shape.head_dim;
   if (width != 0 && width != kv_width) return kv_errc::width_mismatch;
-  if (pending.keys.size() != pending.values.size()) return kv_errc::length_mismatch;
+  if (pending.values.size() != (keys_only ? 0 : pending.keys.size())) return kv_errc::length_mismatch;
   if (pending.keys.size() % kv_width != 0) return kv_errc::width_mismatch;
   if (queries.empty() || queries.size() % row_width != 0) return kv_errc::width_mismatch;
   const std::size_t rows = queries.size() / row_width, total = stored + pending.keys.size() / kv_width;
   if (rows > total) return kv_errc::index_out_of_range;
-  if (out.size() < queries.size()) return kv_errc::buffer_too_small;
+  const std::size_t out_floats = rows * shape.query_heads * vdim;
+  if (out.size() < out_floats) return kv_errc::buffer_too_small;
   // The stored positions past the sinks that the first row attends (later
   // rows attend later ones): none of them dropped.
   const std::size_t first_row_end = total - rows + 1;
@@ -288,7 +296,9 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
     return kv_errc::capacity_exhausted;
   }
   shape_ = shape;
+  shape_.value_dim = vdim;
   window_ = window;
+  keys_only_ = keys_only;
   if (shape_.scale == 0.0f) shape_.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   held_ = 0;
   rows_ = rows;
@@ -297,12 +307,13 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
   pending_ = pending;
   queries_ = queries.data();
   out_ = out.data();
-  std::fill_n(out_, queries.size(), 0.0f);
+  std::fill_n(out_, out_floats, 0.0f);
   return {};
 }
 
 template <class T>
 void attention_pass::hold(std::size_t first, std::size_t count, const T* keys, const T* values) noexcept {
+  if (keys_only_) values = keys;  // a key's first value_dim elements are its value
   const stored_run run{first, count, reinterpret_cast<const std::byte*>(keys),
                        reinterpret_cast<const std::byte*>(values)};
   if (held_ == runs_behind)
@@ -336,7 +347,7 @@ void attention_pass::finish() noexcept {
   if (pending != 0) {
     if constexpr (std::is_same_v<T, float>) {
       add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, pending_.keys.data(),
-              pending_.values.data(), {});
+              keys_only_ ? pending_.keys.data() : pending_.values.data(), {});
     } else {
       // Rounded as a write to a T cache stores them (a 16-bit T is a
       // trivial 2-byte value, held in the scratch's 16-bit words).
@@ -346,13 +357,13 @@ void attention_pass::finish() noexcept {
       T* v = reinterpret_cast<T*>(s.pending_v.data());
       convert<T, float>(pending_.keys, k);
       convert<T, float>(pending_.values, v);
-      add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, k, v, {});
+      add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, k, keys_only_ ? k : v, {});
     }
   }
   const scratch& s = tls;
   for (std::size_t h = 0; h < rows_ * shape_.query_heads; ++h) {
     const float inv = 1.0f / s.sum[h];
-    for (std::size_t i = 0; i < shape_.head_dim; ++i) out_[h * shape_.head_dim + i] *= inv;
+    for (std::size_t i = 0; i < shape_.value_dim; ++i) out_[h * shape_.value_dim + i] *= inv;
   }
 }
 
@@ -369,11 +380,13 @@ namespace {
 template <storage_element T>
 std::error_code attend_span(std::span<const T> keys, std::span<const T> values, std::span<const float> queries,
                             std::span<float> out, const attention_shape& shape) noexcept {
-  if (keys.size() != values.size()) return kv_errc::length_mismatch;
+  // Keys alone: no values, and a value_dim to read of each key.
+  const bool keys_only = values.empty() && !keys.empty() && shape.value_dim != 0;
+  if (!keys_only && keys.size() != values.size()) return kv_errc::length_mismatch;
   const std::size_t width = shape.kv_heads * shape.head_dim;
   if (width != 0 && keys.size() % width != 0) return kv_errc::width_mismatch;
   detail::attention_pass pass;
-  if (auto ec = pass.begin(shape, width, width ? keys.size() / width : 0, {}, queries, out)) return ec;
+  if (auto ec = pass.begin(shape, width, width ? keys.size() / width : 0, {}, queries, out, {}, keys_only)) return ec;
   pass.add(0, keys.size() / width, keys.data(), values.data());
   pass.finish<T>();
   return {};

@@ -26,6 +26,12 @@ struct attention_shape {
   std::size_t kv_heads = 0;
   /// Elements per head: the cache's `head_dim`.
   std::size_t head_dim = 0;
+  /// Elements of a head's value, and of its output: 0 stands for
+  /// `head_dim`. Over a layer of a `keys_only` layout (latent attention:
+  /// one stored head, a latent and a RoPE key), the first `value_dim`
+  /// elements of each stored key serve as its value (DeepSeek V3: 512 of
+  /// 576). Where values are stored it must be 0 or `head_dim`.
+  std::size_t value_dim = 0;
   /// The logits' scale; 0 stands for `1 / sqrt(head_dim)`.
   float scale = 0.0f;
 };
@@ -59,7 +65,8 @@ struct pending_tokens {
 /// check a kernel against.
 ///
 /// `queries` holds `R` rows of `query_heads * head_dim` floats, and `out`
-/// receives as many. The rows are the last `R` positions of the tokens
+/// receives `R` rows of `query_heads * value_dim` (`value_dim` 0:
+/// `head_dim`, as many as `queries`). The rows are the last `R` positions of the tokens
 /// attended, in order, each causal: row `r` attends the first
 /// `snapshot.size() + pending - R + r + 1` tokens. One row is a decode
 /// step's query over everything up to its own token; a prefill step's `n`
@@ -81,13 +88,20 @@ struct pending_tokens {
 /// Does not allocate after a thread's first calls (its scratch is kept per
 /// thread).
 ///
-/// @return `invalid_shape` if a field of `shape` is zero or `query_heads`
-///         is not a multiple of `kv_heads`; `width_mismatch` if
+/// A keys-only layer's snapshot (`snapshot.value_width()` 0) has no
+/// values: each key's first `value_dim` elements serve as its value, and
+/// `pending.values` must be empty.
+///
+/// @return `invalid_shape` if a field of `shape` but `scale` and
+///         `value_dim` is zero, `query_heads` is not a multiple of
+///         `kv_heads`, or `value_dim` exceeds `head_dim` (or, where values
+///         are stored, is not `head_dim`); `width_mismatch` if
 ///         `kv_heads * head_dim` is not the snapshot's token width, the
 ///         pending tokens are not whole tokens, or `queries` is not whole
 ///         rows (or empty); `length_mismatch` if the pending keys and values
-///         differ in size; `index_out_of_range` if there are more rows than
-///         tokens; `buffer_too_small` if `out` is shorter than `queries`;
+///         differ in size (or, keys only, values are pending);
+///         `index_out_of_range` if there are more rows than tokens;
+///         `buffer_too_small` if `out` is shorter than the rows' outputs;
 ///         `outside_window` if a row of a windowed layer attends a
 ///         position the layer dropped (`[sink_tokens(), kept_from())`:
 ///         the next token's row, and a step's, never do). On error `out`
@@ -97,9 +111,12 @@ std::error_code attend(const basic_kv_snapshot<T>& snapshot, std::span<const flo
                        const attention_shape& shape, pending_tokens pending = {}) noexcept;
 
 /// As `attend` over a snapshot, over `keys.size() / (kv_heads * head_dim)`
-/// contiguous tokens instead (a copied range, say), token-major.
+/// contiguous tokens instead (a copied range, say), token-major. With
+/// `values` empty and `shape.value_dim` not 0, the keys are a keys-only
+/// layer's: their first `value_dim` elements serve as values.
 /// @return as above, and `width_mismatch` if `keys` is not whole tokens,
-///         `length_mismatch` if `keys` and `values` differ in size.
+///         `length_mismatch` if `keys` and `values` differ in size (but
+///         for keys alone).
 std::error_code attend(std::span<const float> keys, std::span<const float> values, std::span<const float> queries,
                        std::span<float> out, const attention_shape& shape) noexcept;
 /// As above, over `half` tokens.

@@ -3,6 +3,7 @@
 /// `kv_block_pool`: the storage blocks of many caches under one budget.
 
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <memory_resource>
 #include <system_error>
@@ -19,6 +20,17 @@ namespace detail {
 class block_pool;
 struct pool_access;
 }  // namespace detail
+
+/// What a `kv_block_pool`'s blocks hold.
+enum class kv_block_kind : std::uint8_t {
+  /// Keys and values, half the block each: layer caches, and sequences of
+  /// layouts without `keys_only`.
+  keys_and_values,
+  /// Keys alone (`kv_model_layout::keys_only`: latent attention's one
+  /// vector per token): half the bytes of a block of keys and values of the
+  /// same width.
+  keys_only,
+};
 
 /// The budget of a `kv_block_pool`; the smaller of the two limits applies.
 /// And where its memory comes from.
@@ -170,26 +182,38 @@ class kv_block_pool {
   /// address space, and a cache's longest run (see the class comment).
   static constexpr std::size_t reserved_extent_blocks = 64;
 
-  /// A pool of blocks of `block_bytes` payload bytes each.
+  /// A pool of blocks of `block_bytes` payload bytes each, holding keys and
+  /// values (half each) or, `kv_block_kind::keys_only`, keys alone.
   /// @throws std::system_error with `kv_errc::invalid_config` if
-  ///         `block_bytes` is zero or odd (a block holds keys and values) or
-  ///         the limits allow no block at all.
-  explicit kv_block_pool(std::size_t block_bytes, kv_pool_limits limits = {});
-  /// A pool whose blocks fit caches of `config` storing `T`.
+  ///         `block_bytes` is zero, or odd for keys and values, if `kind` is
+  ///         not a `kv_block_kind`, or if the limits allow no block at all.
+  explicit kv_block_pool(std::size_t block_bytes, kv_pool_limits limits = {},
+                         kv_block_kind kind = kv_block_kind::keys_and_values);
+  /// A pool whose blocks fit caches (and sequences of full or windowed
+  /// layouts) of `config` storing `T`.
   /// @throws std::system_error with `kv_errc::invalid_config` for a bad
   ///         `config` (see `kv_cache_config`) or limits that allow no block.
   template <storage_element T = float>
   static kv_block_pool for_caches(const kv_cache_config& config, kv_pool_limits limits = {}) {
     return kv_block_pool(block_bytes_for<T>(config), limits);
   }
+  /// A pool whose blocks fit sequences of `config` storing `T` whose layout
+  /// stores `kind`: `kv_block_kind::keys_only` for a `keys_only` layout.
+  /// @throws std::system_error with `kv_errc::invalid_config` as above.
+  template <storage_element T = float>
+  static kv_block_pool for_caches(const kv_cache_config& config, kv_block_kind kind, kv_pool_limits limits = {}) {
+    return kv_block_pool(block_bytes_for<T>(config, kind), limits, kind);
+  }
 
   /// Payload bytes of one block of a cache of `config` storing `T`:
-  /// `2 * block_tokens * token_width() * sizeof(T)`.
+  /// `2 * block_tokens * token_width() * sizeof(T)`, or half that for
+  /// `kv_block_kind::keys_only` (keys alone).
   /// @throws std::system_error with `kv_errc::invalid_config` for a bad config.
   template <storage_element T = float>
-  static std::size_t block_bytes_for(const kv_cache_config& config) {
+  static std::size_t block_bytes_for(const kv_cache_config& config,
+                                     kv_block_kind kind = kv_block_kind::keys_and_values) {
     detail::validate(config, sizeof(T));
-    return 2 * config.block_tokens * config.token_width() * sizeof(T);
+    return (kind == kv_block_kind::keys_only ? 1 : 2) * config.block_tokens * config.token_width() * sizeof(T);
   }
 
   /// Another handle on the same pool.
@@ -203,8 +227,11 @@ class kv_block_pool {
   /// Drops this handle; the pool lives on while caches or blocks use it.
   ~kv_block_pool();
 
-  /// Payload bytes of one block: its keys and its values.
+  /// Payload bytes of one block: its keys and its values (its keys alone,
+  /// for `kv_block_kind::keys_only`).
   std::size_t block_bytes() const noexcept;
+  /// What its blocks hold: keys and values, or keys alone.
+  kv_block_kind kind() const noexcept;
   /// Blocks of one of this pool's extents: `reserved_extent_blocks`, or
   /// `extent_blocks` with a memory resource (see the class comment).
   std::size_t blocks_per_extent() const noexcept;

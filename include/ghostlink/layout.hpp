@@ -35,7 +35,16 @@ struct kv_layer_layout {
 struct kv_model_layout {
   /// One per model layer, layer 0 first.
   std::vector<kv_layer_layout> layers;
-  /// Keys only (latent attention): not supported yet; must be false.
+  /// Keys only (multi-head latent attention, DeepSeek V2/V3): every layer
+  /// stores one vector per token as its keys (a latent and a RoPE key:
+  /// `num_heads` 1, `head_dim` 576 in DeepSeek V3) and no values. Appends
+  /// and step writes take empty values (others are `length_mismatch`),
+  /// reads hand out none (`value_width()` 0), and `attend` reads each key's
+  /// first `attention_shape::value_dim` elements as its value. Its blocks
+  /// hold half the bytes, on a pool of `kv_block_kind::keys_only`
+  /// (`kv_block_pool::for_caches(config, kv_block_kind::keys_only)`); a
+  /// sequence and a pool of different kinds are `invalid_config`. Combines
+  /// with windows.
   bool keys_only = false;
   /// Tokens a truncate may take back without the windows refusing it (a
   /// speculative decoder's draft length): windowed layers keep that many
@@ -71,8 +80,8 @@ std::ostream& operator<<(std::ostream& os, const kv_model_layout& layout);
 
 namespace detail {
 /// Throws `std::system_error(kv_errc::invalid_config)` for a layout without
-/// layers, sink tokens on a layer without a window, or `keys_only` (not
-/// supported yet).
+/// layers, sink tokens on a layer without a window, or a window whose
+/// `window + rollback_tokens` overflows.
 void validate(const kv_model_layout& layout);
 }  // namespace detail
 

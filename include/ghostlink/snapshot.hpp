@@ -81,10 +81,12 @@ class basic_kv_snapshot {
   }
 
   /// Copies token `index`'s keys and values into the first `token_width()`
-  /// floats of each output span.
+  /// floats of `keys_out` and `value_width()` of `values_out` (none for a
+  /// keys-only layer, whose `values_out` may be empty).
   /// @return `index_out_of_range` if `index >= size()`, `outside_window` if
   ///         its layer's window dropped it, `buffer_too_small` if an output
-  ///         span is shorter than a token; nothing is written on error.
+  ///         span is shorter than a token's keys (or values); nothing is
+  ///         written on error.
   std::error_code read_kv(std::size_t index, std::span<float> keys_out, std::span<float> values_out) const {
     if (index >= size()) return kv_errc::index_out_of_range;
     return read_range(index, index + 1, keys_out, values_out);
@@ -93,30 +95,29 @@ class basic_kv_snapshot {
   /// Copies tokens `[begin, end)` token-major into the output spans.
   /// @return `invalid_range` if `begin > end`, `range_out_of_bounds` if
   ///         `end > size()`, `outside_window` if the range holds a position
-  ///         its layer's window dropped, `buffer_too_small` if an output
-  ///         span holds fewer than `(end - begin) * token_width()` floats.
+  ///         its layer's window dropped, `buffer_too_small` if `keys_out`
+  ///         holds fewer than `(end - begin) * token_width()` floats or
+  ///         `values_out` fewer than `(end - begin) * value_width()`.
   ///         Nothing is written on error.
   std::error_code read_range(std::size_t begin, std::size_t end, std::span<float> keys_out,
                              std::span<float> values_out) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
-    const std::size_t width = token_width();
-    const std::size_t floats = (end - begin) * width;
-    if (keys_out.size() < floats || values_out.size() < floats) return kv_errc::buffer_too_small;
+    const std::size_t width = token_width(), value_floats = (end - begin) * value_width();
+    if (keys_out.size() < (end - begin) * width || values_out.size() < value_floats) return kv_errc::buffer_too_small;
     return for_each_block(begin, end, [&](std::size_t first, std::size_t, auto keys, auto values) {
-      const std::size_t at = (first - begin) * width;
-      convert<float, T>(keys, keys_out.data() + at);
-      convert<float, T>(values, values_out.data() + at);
+      convert<float, T>(keys, keys_out.data() + (first - begin) * width);
+      convert<float, T>(values, values_out.data() + (first - begin) * value_width());
     });
   }
 
-  /// As `read_kv` above, into a `kv_entry` sized to one token (left empty on
-  /// error).
+  /// As `read_kv` above, into a `kv_entry` sized to one token (its values
+  /// empty for a keys-only layer; both left empty on error).
   std::error_code read_kv(std::size_t index, kv_entry& out) const {
     out = {};
     if (index >= size()) return kv_errc::index_out_of_range;
     if (std::error_code ec = check_range(index, index + 1)) return ec;
     out.keys.resize(token_width());
-    out.values.resize(token_width());
+    out.values.resize(value_width());
     return read_kv(index, out.keys, out.values);
   }
 
@@ -126,7 +127,7 @@ class basic_kv_snapshot {
     out = {begin, end, {}, {}};
     if (std::error_code ec = check_range(begin, end)) return ec;
     out.keys.resize((end - begin) * token_width());
-    out.values.resize(out.keys.size());
+    out.values.resize((end - begin) * value_width());
     return read_range(begin, end, out.keys, out.values);
   }
 
@@ -134,14 +135,15 @@ class basic_kv_snapshot {
   /// stored run of consecutive tokens in `[begin, end)`, in order (a run is
   /// a block, or blocks the cache filled one after another, which lie next
   /// to each other in the pool's memory); the spans
-  /// (`std::span<const T>`, `count * token_width()` elements each) point
+  /// (`std::span<const T>`, `count * token_width()` elements of keys and
+  /// `count * value_width()` of values: none for a keys-only layer) point
   /// into the cache's blocks and stay valid while this snapshot lives.
   /// @return `invalid_range`, `range_out_of_bounds` or `outside_window` as
   ///         `read_range`; `f` is not called on error.
   template <class F>
   std::error_code for_each_block(std::size_t begin, std::size_t end, F&& f) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
-    const std::size_t width = epoch_.width();
+    const std::size_t width = epoch_.width(), value_width = epoch_.value_width();
     std::array<detail::stored_run, 16> runs;  // NOLINT(cppcoreguidelines-pro-type-member-init): runs() fills them
     for (std::size_t first = begin; first < end;) {
       const std::size_t n = epoch_.runs(first, end, runs);
@@ -152,15 +154,18 @@ class basic_kv_snapshot {
         const detail::stored_run& r = runs[i];
         if (i + 1 < n) detail::prefetch_run(runs[i + 1]);
         f(r.first, r.count, std::span<const T>(reinterpret_cast<const T*>(r.keys), r.count * width),
-          std::span<const T>(reinterpret_cast<const T*>(r.values), r.count * width));
+          std::span<const T>(reinterpret_cast<const T*>(r.values), r.count * value_width));
       }
       first = runs[n - 1].first + runs[n - 1].count;
     }
     return {};
   }
 
-  /// The floats per token (0 for an empty snapshot).
+  /// The floats of a token's keys (0 for an empty snapshot).
   std::size_t token_width() const noexcept { return epoch_ ? epoch_.width() : 0; }
+  /// The floats of a token's values: `token_width()`, or 0 for a layer of
+  /// a `keys_only` layout (and an empty snapshot).
+  std::size_t value_width() const noexcept { return epoch_ ? epoch_.value_width() : 0; }
 
  private:
   friend struct detail::cache_access;

@@ -47,7 +47,7 @@ namespace detail {
 
 void validate(const kv_model_layout& layout) {
   constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
-  bool bad = layout.layers.empty() || layout.keys_only;
+  bool bad = layout.layers.empty();
   for (const kv_layer_layout& l : layout.layers)
     bad = bad || (l.window == 0 && l.sink_tokens != 0) || l.window > max - layout.rollback_tokens;
   if (bad) throw std::system_error(make_error_code(kv_errc::invalid_config));

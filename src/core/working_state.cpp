@@ -117,7 +117,7 @@ void working_state::seal() noexcept {
 error_code working_state::validate(std::span<const kv_write> writes) const noexcept {
   const std::size_t width = config_.token_width();
   for (const kv_write& w : writes) {
-    if (w.keys.size() != w.values.size()) return kv_errc::length_mismatch;
+    if (w.values.size() != (layout_->keys_only() ? 0 : w.keys.size())) return kv_errc::length_mismatch;
     if (w.keys.size() != width) return kv_errc::width_mismatch;
     if (w.index >= config_.max_tokens_per_seq) return kv_errc::index_out_of_range;
   }
@@ -395,13 +395,13 @@ namespace {
 template <class BlockAt>
 void copy_tokens(const block_layout& layout, BlockAt block_at, std::size_t first, std::span<const float> keys,
                  std::span<const float> values) noexcept {
-  const std::size_t width = layout.token_width, bt = layout.block_tokens;
+  const std::size_t width = layout.token_width, value_width = layout.value_width, bt = layout.block_tokens;
   const std::size_t tokens = keys.size() / width;
   for (std::size_t t = 0; t < tokens;) {
     const std::size_t index = first + t, position = index % bt, n = std::min(bt - position, tokens - t);
     block& blk = block_at(index / bt);
     layout.codec.store(keys.subspan(t * width, n * width), layout.keys(blk, position));
-    layout.codec.store(values.subspan(t * width, n * width), layout.values(blk, position));
+    layout.codec.store(values.subspan(t * value_width, n * value_width), layout.values(blk, position));
     t += n;
   }
 }
@@ -503,7 +503,7 @@ bool working_state::make_writable(std::size_t b, std::size_t index, undo_log& un
   const std::size_t held = first < stored_ ? std::min(config_.block_tokens, stored_ - first) : 0;
   if (current && current != zero_block_ && held > 0) {
     std::memcpy(layout_->keys(*fresh), layout_->keys(*current), held * layout_->token_bytes);
-    std::memcpy(layout_->values(*fresh), layout_->values(*current), held * layout_->token_bytes);
+    std::memcpy(layout_->values(*fresh), layout_->values(*current), held * layout_->value_token_bytes);
     pool_->count_cow_copy();
   }
   fresh->set_materialized(!current || current == zero_block_ ? 0 : held);  // null: dropped, zero-filled
@@ -538,9 +538,9 @@ const ref_ptr<block>& working_state::zero_block() {
 
 void working_state::materialize(block& blk, std::size_t positions) noexcept {
   if (positions <= blk.materialized()) return;
-  const std::size_t bytes = (positions - blk.materialized()) * layout_->token_bytes;
-  std::memset(layout_->keys(blk, blk.materialized()), 0, bytes);
-  std::memset(layout_->values(blk, blk.materialized()), 0, bytes);
+  const std::size_t tokens = positions - blk.materialized();
+  std::memset(layout_->keys(blk, blk.materialized()), 0, tokens * layout_->token_bytes);
+  std::memset(layout_->values(blk, blk.materialized()), 0, tokens * layout_->value_token_bytes);
   blk.set_materialized(positions);
 }
 

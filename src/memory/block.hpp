@@ -44,21 +44,29 @@ class block;
 /// snapshot): readers find a token from it alone, without touching the pool
 /// or any counter.
 struct block_layout : ref_counted<block_layout> {
-  block_layout(const kv_cache_config& config, element_codec codec) noexcept
+  /// Keys and values of `config`'s width, or (`keys_only`) keys alone.
+  block_layout(const kv_cache_config& config, element_codec codec, bool keys_only = false) noexcept
       : token_width(config.token_width()),
+        value_width(keys_only ? 0 : token_width),
         block_tokens(config.block_tokens),
         token_bytes(config.token_width() * codec.size),
+        value_token_bytes(value_width * codec.size),
         half_bytes(block_tokens * token_bytes),
-        block_bytes(2 * half_bytes),
+        block_bytes(half_bytes + block_tokens * value_token_bytes),
         codec(codec) {}
   static void destroy(block_layout* l) noexcept { delete l; }
 
-  const std::size_t token_width;    // elements per token's keys (or values)
-  const std::size_t block_tokens;   // tokens per block
-  const std::size_t token_bytes;    // bytes of one token's keys (or values)
-  const std::size_t half_bytes;     // a block's keys (or its values)
-  const std::size_t block_bytes;    // a block's payload: its keys and its values
-  const element_codec codec;        // how floats are stored
+  /// True when blocks hold keys alone (kv_block_kind::keys_only).
+  bool keys_only() const noexcept { return value_width == 0; }
+
+  const std::size_t token_width;        // elements per token's keys
+  const std::size_t value_width;        // elements per token's values: token_width, or 0 (keys only)
+  const std::size_t block_tokens;       // tokens per block
+  const std::size_t token_bytes;        // bytes of one token's keys
+  const std::size_t value_token_bytes;  // bytes of one token's values: token_bytes, or 0
+  const std::size_t half_bytes;         // a block's keys
+  const std::size_t block_bytes;        // a block's payload: its keys and its values
+  const element_codec codec;            // how floats are stored
 
   std::byte* keys(block& b, std::size_t position = 0) const noexcept;
   std::byte* values(block& b, std::size_t position = 0) const noexcept;
@@ -189,13 +197,13 @@ inline std::byte* block_layout::keys(block& b, std::size_t position) const noexc
   return b.keys() + position * token_bytes;
 }
 inline std::byte* block_layout::values(block& b, std::size_t position) const noexcept {
-  return b.values() + position * token_bytes;
+  return b.values() + position * value_token_bytes;
 }
 inline const std::byte* block_layout::keys(const block& b, std::size_t position) const noexcept {
   return b.keys() + position * token_bytes;
 }
 inline const std::byte* block_layout::values(const block& b, std::size_t position) const noexcept {
-  return b.values() + position * token_bytes;
+  return b.values() + position * value_token_bytes;
 }
 
 }  // namespace detail

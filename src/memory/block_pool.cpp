@@ -96,8 +96,8 @@ struct extent {  // NOLINT(cppcoreguidelines-pro-type-member-init): headers: raw
   std::size_t committed_slots() const noexcept {
     return static_cast<std::size_t>(std::popcount(committed_mask.load(std::memory_order_relaxed)));
   }
-  block_memory memory(unsigned slot, std::size_t half) noexcept {
-    return {headers[slot], keys + slot * half, values + slot * half, static_cast<std::uint8_t>(slot)};
+  block_memory memory(unsigned slot, std::size_t key_bytes, std::size_t value_bytes) noexcept {
+    return {headers[slot], keys + slot * key_bytes, values + slot * value_bytes, static_cast<std::uint8_t>(slot)};
   }
   /// No block, no cursor, and no free still to put it on its stack (the
   /// mask first: a free counts itself before it sets its bit).
@@ -129,16 +129,19 @@ std::size_t region_extents(std::size_t stride) noexcept {
 
 }  // namespace
 
-block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory)
+block_pool::block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory,
+                       bool keys_only)
     : payload_bytes_(payload_bytes),
+      key_bytes_(keys_only ? payload_bytes : payload_bytes / 2),
+      value_bytes_(payload_bytes - key_bytes_),
       max_blocks_(max_blocks),
       memory_(memory),
-      reserved_(memory == nullptr && pages::supported() && payload_bytes / 2 >= pages::size()),
+      reserved_(memory == nullptr && pages::supported() && key_bytes_ >= pages::size()),
       extent_slots_(reserved_ ? reserved_extent_slots : allocated_extent_slots),
       max_slots_(max_blocks > std::numeric_limits<std::size_t>::max() - extent_slots_
                      ? std::numeric_limits<std::size_t>::max()
                      : (max_blocks + extent_slots_ - 1) / extent_slots_ * extent_slots_),
-      whole_pages_(reserved_ && (payload_bytes / 2) % pages::size() == 0) {
+      whole_pages_(reserved_ && key_bytes_ % pages::size() == 0 && value_bytes_ % pages::size() == 0) {
   if (reserved_) {
     header_area_ = round_up(sizeof(extent), pages::size());
     stride_ = header_area_ + round_up(extent_slots_ * payload_bytes_, pages::size());
@@ -304,7 +307,7 @@ extent* block_pool::carve() noexcept {
   std::byte* const at = regions_->base + regions_->carved++ * stride_;
   auto* e = ::new (at) extent(extent_slots_, false);
   e->keys = at + header_area_;
-  e->values = e->keys + extent_slots_ * (payload_bytes_ / 2);
+  e->values = e->keys + extent_slots_ * key_bytes_;
   return e;
 }
 
@@ -332,7 +335,7 @@ extent* block_pool::new_extent() const noexcept {
   if (!memory) return nullptr;
   auto* e = ::new (memory) extent(extent_slots_, true);
   e->keys = static_cast<std::byte*>(memory) + sizeof(extent);
-  e->values = e->keys + extent_slots_ * (payload_bytes_ / 2);
+  e->values = e->keys + extent_slots_ * key_bytes_;
   return e;
 }
 
@@ -369,9 +372,8 @@ std::error_code block_pool::preallocate(std::size_t blocks) noexcept {
     const std::size_t held = allocated_.load(std::memory_order_relaxed);
     const std::size_t n = reserved_ ? std::min<std::size_t>(extent_slots_, blocks - std::min(blocks, held)) : 0;
     if (reserved_ && n > 0) {
-      const std::size_t half = payload_bytes_ / 2;
-      std::memset(e->keys, 0, n * half);
-      std::memset(e->values, 0, n * half);
+      std::memset(e->keys, 0, n * key_bytes_);
+      std::memset(e->values, 0, n * value_bytes_);
       e->committed_mask.store(extent::low_bits(static_cast<unsigned>(n)), std::memory_order_relaxed);
     } else if (!reserved_) {
       std::memset(e->keys, 0, extent_slots_ * payload_bytes_);
@@ -402,9 +404,8 @@ void block_pool::delete_extent(extent& e) const noexcept {
 }
 
 void block_pool::release_slot(extent& e, unsigned slot) noexcept {
-  const std::size_t half = payload_bytes_ / 2;
-  pages::release(e.keys + slot * half, half);
-  pages::release(e.values + slot * half, half);
+  pages::release(e.keys + slot * key_bytes_, key_bytes_);
+  pages::release(e.values + slot * value_bytes_, value_bytes_);
   e.committed_mask.fetch_and(~(extent::mask{1} << slot), std::memory_order_relaxed);
   allocated_.fetch_sub(1, std::memory_order_relaxed);
 }
@@ -443,7 +444,7 @@ block_memory block_pool::use_slot(extent& e, unsigned slot) noexcept {
     e.committed_mask.fetch_or(bit, std::memory_order_relaxed);
     allocated_.fetch_add(1, std::memory_order_relaxed);
   }
-  return e.memory(slot, payload_bytes_ / 2);
+  return e.memory(slot, key_bytes_, value_bytes_);
 }
 
 block_memory block_pool::take_memory(block_cursor& cursor) noexcept {
@@ -525,7 +526,7 @@ block_memory block_pool::take_zeros() noexcept {
     if (!header) return {};
     overhead_.fetch_add(2 * block::header_bytes, std::memory_order_relaxed);
     auto* const keys = static_cast<std::byte*>(zeros_);
-    return {header, keys, keys + payload_bytes_ / 2, block_memory::zeros};
+    return {header, keys, keys + key_bytes_, block_memory::zeros};
   }
   void* memory = allocate(standalone_bytes());
   if (!memory) return {};
@@ -533,7 +534,7 @@ block_memory block_pool::take_zeros() noexcept {
   overhead_.fetch_add(block::header_bytes, std::memory_order_relaxed);
   std::byte* const keys = static_cast<std::byte*>(memory) + block::header_bytes;
   std::memset(keys, 0, payload_bytes_);
-  return {memory, keys, keys + payload_bytes_ / 2, block_memory::standalone};
+  return {memory, keys, keys + key_bytes_, block_memory::standalone};
 }
 
 void block_pool::give_memory(void* header, std::uint8_t slot) noexcept {
@@ -711,12 +712,14 @@ GHOSTLINK_NAMESPACE_END
 
 GHOSTLINK_NAMESPACE_BEGIN
 
-kv_block_pool::kv_block_pool(std::size_t block_bytes, kv_pool_limits limits) {
+kv_block_pool::kv_block_pool(std::size_t block_bytes, kv_pool_limits limits, kv_block_kind kind) {
   const std::size_t by_bytes = block_bytes == 0 ? 0 : limits.max_bytes / block_bytes;
   const std::size_t max_blocks = limits.max_blocks < by_bytes ? limits.max_blocks : by_bytes;
-  if (block_bytes == 0 || block_bytes % 2 != 0 || max_blocks == 0)
+  const bool keys_only = kind == kv_block_kind::keys_only;
+  if (block_bytes == 0 || (!keys_only && block_bytes % 2 != 0) || max_blocks == 0 ||
+      (!keys_only && kind != kv_block_kind::keys_and_values))
     throw std::system_error(make_error_code(kv_errc::invalid_config));
-  state_ = new detail::block_pool(block_bytes, max_blocks, limits.memory);
+  state_ = new detail::block_pool(block_bytes, max_blocks, limits.memory, keys_only);
 }
 
 kv_block_pool::kv_block_pool(const kv_block_pool& other) noexcept : state_(other.state_) {
@@ -738,6 +741,9 @@ kv_block_pool::~kv_block_pool() {
 }
 
 std::size_t kv_block_pool::block_bytes() const noexcept { return state_->payload_bytes(); }
+kv_block_kind kv_block_pool::kind() const noexcept {
+  return state_->keys_only() ? kv_block_kind::keys_only : kv_block_kind::keys_and_values;
+}
 std::size_t kv_block_pool::blocks_per_extent() const noexcept { return state_->extent_slots(); }
 void kv_block_pool::trim() noexcept { state_->trim(); }
 void kv_block_pool::set_event_handler(kv_event_handler handler) { state_->set_event_handler(std::move(handler)); }

@@ -122,15 +122,18 @@ struct block_account : ref_counted<block_account> {
 /// reader of a snapshot touches the pool at all.
 class block_pool : public ref_counted<block_pool> {
  public:
-  /// Blocks of `payload_bytes` (keys then values); at most `max_blocks`
-  /// counted blocks at once.
-  block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory = nullptr);
+  /// Blocks of `payload_bytes` (keys then values, half each; or keys alone,
+  /// `keys_only`); at most `max_blocks` counted blocks at once.
+  block_pool(std::size_t payload_bytes, std::size_t max_blocks, std::pmr::memory_resource* memory = nullptr,
+             bool keys_only = false);
   ~block_pool();
   block_pool(const block_pool&) = delete;
   block_pool& operator=(const block_pool&) = delete;
   static void destroy(block_pool* p) noexcept { delete p; }
 
   std::size_t payload_bytes() const noexcept { return payload_bytes_; }
+  /// Its blocks hold keys alone (kv_block_kind::keys_only).
+  bool keys_only() const noexcept { return value_bytes_ == 0; }
   std::size_t max_blocks() const noexcept { return max_blocks_; }
 
   /// Counts one block against the budget; false when the budget is spent.
@@ -289,6 +292,7 @@ class block_pool : public ref_counted<block_pool> {
 
   // Read-mostly.
   const std::size_t payload_bytes_;
+  const std::size_t key_bytes_, value_bytes_;  // of a block's payload: half each, or all keys (keys only)
   const std::size_t max_blocks_;
   std::pmr::memory_resource* const memory_;  // null: reserved pages (or operator new)
   const bool reserved_;                      // extents of reserved pages

@@ -94,7 +94,7 @@ bool lay_out_layers(file_header& h) noexcept {
   for (std::size_t i = 0; i < h.num_layers; ++i) {
     std::uint64_t elements = 0, end = 0;
     if (!mul(width, h.saved_tokens(i), elements) ||
-        !mul(elements, 2 * std::uint64_t{h.element_bytes}, l.layer_sizes[i]))
+        !mul(elements, (h.keys_only ? 1 : 2) * std::uint64_t{h.element_bytes}, l.layer_sizes[i]))
       return false;
     l.layer_offsets[i] = at;
     if (!add(at, l.layer_sizes[i], end)) return false;
@@ -140,13 +140,16 @@ std::uint64_t file_header::kept_begin(std::size_t l) const noexcept {
 kv_model_layout file_header::model_layout() const {
   kv_model_layout m;
   m.rollback_tokens = rollback_tokens;
+  m.keys_only = keys_only;
   for (const saved_layer& l : layers) m.layers.push_back({l.window, l.sink_tokens});
   return m;
 }
 
-error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tokens, const kv_cache_config& config,
-                       std::size_t tokens, file_element_type element, std::string model, file_header& out) {
+error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tokens, bool keys_only,
+                       const kv_cache_config& config, std::size_t tokens, file_element_type element, std::string model,
+                       file_header& out) {
   out = {};
+  out.keys_only = keys_only;
   out.element = element.code;
   out.element_bytes = static_cast<std::uint32_t>(element.codec.size);
   out.num_layers = layers.size();
@@ -192,7 +195,7 @@ std::vector<std::byte> encode_front(const file_header& h, std::span<const token_
 
   std::byte* y = p + l.layout_offset;
   put_le<std::uint64_t>(y, h.rollback_tokens);
-  put_le<std::uint64_t>(y + 8, 0);  // flags: keys_only (not written yet)
+  put_le<std::uint64_t>(y + 8, h.keys_only ? keys_only_flag : 0);
   for (std::size_t i = 0; i < h.layers.size(); ++i) {
     std::byte* r = y + layout_fixed_bytes + record_bytes * i;
     put_le<std::uint64_t>(r, h.layers[i].window);
@@ -276,8 +279,8 @@ error_code decode_layout(file_header& h, std::span<const std::byte> bytes, std::
   if (get_le<std::uint64_t>(bytes.data() + section) != xxh3_64(bytes.first(section))) return kv_errc::file_corrupt;
   h.rollback_tokens = get_le<std::uint64_t>(bytes.data());
   const std::uint64_t flags = get_le<std::uint64_t>(bytes.data() + 8);
-  if (flags != 0)
-    return flags & ~keys_only_flag ? kv_errc::file_corrupt : kv_errc::layout_mismatch;  // keys only: not read yet
+  if ((flags & ~keys_only_flag) != 0) return kv_errc::file_corrupt;
+  h.keys_only = (flags & keys_only_flag) != 0;
   h.layers.resize(h.num_layers);
   for (std::size_t i = 0; i < h.num_layers; ++i) {
     const std::byte* r = bytes.data() + layout_fixed_bytes + record_bytes * i;
@@ -294,7 +297,7 @@ error_code check_expected(const file_header& h, const file_expectation& expected
     return kv_errc::geometry_mismatch;
   if (h.model != expected.model) return kv_errc::model_mismatch;
   const kv_model_layout want = expected.layout.value_or(kv_model_layout::full(expected.num_layers));
-  if (h.rollback_tokens != want.rollback_tokens || want.keys_only) return kv_errc::layout_mismatch;
+  if (h.rollback_tokens != want.rollback_tokens || h.keys_only != want.keys_only) return kv_errc::layout_mismatch;
   for (std::size_t i = 0; i < h.num_layers; ++i)
     if (h.layers[i].window != want.layers[i].window || h.layers[i].sink_tokens != want.layers[i].sink_tokens)
       return kv_errc::layout_mismatch;

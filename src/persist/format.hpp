@@ -66,6 +66,7 @@ struct file_header {
   std::uint64_t tokens = 0;
   std::string model;
   std::uint64_t rollback_tokens = 0;
+  bool keys_only = false;           // the layout section's flag: no values saved
   std::vector<saved_layer> layers;  // num_layers of them (version 1: every one full)
   file_layout layout;               // computed from the above
 
@@ -75,8 +76,13 @@ struct file_header {
   std::uint64_t sinks_end(std::size_t l) const noexcept;
   std::uint64_t kept_begin(std::size_t l) const noexcept;
   std::uint64_t saved_tokens(std::size_t l) const noexcept { return sinks_end(l) + (tokens - kept_begin(l)); }
-  /// Bytes of layer `l`'s keys (or values).
-  std::uint64_t half_layer_bytes(std::size_t l) const noexcept { return layout.layer_bytes(l) / 2; }
+  /// Bytes of layer `l`'s keys: half its payload, or all of it (keys only);
+  /// its values follow them.
+  std::uint64_t key_bytes(std::size_t l) const noexcept {
+    return keys_only ? layout.layer_bytes(l) : layout.layer_bytes(l) / 2;
+  }
+  /// Elements per token's values: token_width(), or 0 (keys only).
+  std::uint64_t value_width() const noexcept { return keys_only ? 0 : token_width(); }
   /// The model layout the file records.
   kv_model_layout model_layout() const;
 };
@@ -89,10 +95,12 @@ struct layer_record {
 };
 
 /// A header for `tokens` tokens of `config`'s geometry, whose layers are
-/// `layers` (what each holds) with `rollback_tokens`; `file_corrupt` if the
-/// layout overflows (it cannot for a snapshot that exists).
-error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tokens, const kv_cache_config& config,
-                       std::size_t tokens, file_element_type element, std::string model, file_header& out);
+/// `layers` (what each holds) with `rollback_tokens`, storing keys alone if
+/// `keys_only`; `file_corrupt` if the layout overflows (it cannot for a
+/// snapshot that exists).
+error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tokens, bool keys_only,
+                       const kv_cache_config& config, std::size_t tokens, file_element_type element, std::string model,
+                       file_header& out);
 
 /// Bytes [0, layout.first_layer): the header, the token ids and the layer
 /// table, each with its checksum, and the zero padding between them.

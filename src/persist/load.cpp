@@ -117,9 +117,11 @@ error_code check_fits(file_expectation& expected, const kv_block_pool& pool) {
   } catch (const std::system_error&) {
     return kv_errc::invalid_config;
   }
+  const bool keys_only = expected.layout->keys_only;
   const std::size_t block =
-      2 * expected.config.block_tokens * expected.config.token_width() * expected.element.codec.size;
-  return block == pool.block_bytes() ? error_code() : error_code(kv_errc::invalid_config);
+      (keys_only ? 1 : 2) * expected.config.block_tokens * expected.config.token_width() * expected.element.codec.size;
+  const bool kind = (pool.kind() == kv_block_kind::keys_only) == keys_only;
+  return block == pool.block_bytes() && kind ? error_code() : error_code(kv_errc::invalid_config);
 }
 
 class load_job;
@@ -188,7 +190,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
     account->left.store(pool_access::release_reservation(reservation), std::memory_order_relaxed);
     std::vector<std::vector<ref_ptr<block>>> blocks(header_.num_layers);
     keys_.assign(header_.num_layers, std::vector<float>(tail() * header_.token_width()));
-    values_.assign(header_.num_layers, std::vector<float>(tail() * header_.token_width()));
+    values_.assign(header_.num_layers, std::vector<float>(tail() * header_.value_width()));
     for (std::size_t l = 0; l < header_.num_layers; ++l) {
       if (!op_->claim()) return asio::error::operation_aborted;
       if (error_code ec = read_layer(l, table[l], *pool, *account, blocks[l])) return ec;
@@ -214,7 +216,8 @@ class load_job : public std::enable_shared_from_this<load_job> {
     if (header_.kept_begin(l) > header_.sinks_end(l)) return read_windowed_layer(l, record, pool, account, out);
     const std::size_t full = full_blocks();
     const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
-    const std::size_t run = header_.block_tokens * token_bytes;  // a block's keys (or values)
+    const std::size_t run = header_.block_tokens * token_bytes;  // a block's keys
+    const std::size_t value_run = header_.block_tokens * header_.value_width() * header_.element_bytes;
     out.reserve(full);
     block_cursor cursor(pool);
     for (std::size_t i = 0; i < full; ++i) {
@@ -228,18 +231,19 @@ class load_job : public std::enable_shared_from_this<load_job> {
     parts.reserve(std::min(per_read, full));
     xxh3_stream hash;
     for (const bool values : {false, true}) {
-      const std::uint64_t base = record.offset + (values ? header_.half_layer_bytes(l) : 0);
-      for (std::size_t first = 0; first < full; first += per_read) {
+      const std::uint64_t base = record.offset + (values ? header_.key_bytes(l) : 0);
+      const std::size_t part = values ? value_run : run;
+      for (std::size_t first = 0; first < full && part != 0; first += per_read) {
         parts.clear();
         for (std::size_t i = first; i < std::min(full, first + per_read); ++i)
-          parts.emplace_back(values ? out[i]->values() : out[i]->keys(), run);
-        if (error_code ec = read_scattered(file_, base + first * run, parts)) return ec;
+          parts.emplace_back(values ? out[i]->values() : out[i]->keys(), part);
+        if (error_code ec = read_scattered(file_, base + first * part, parts)) return ec;
         for (const std::span<std::byte> part : parts) hash.update(part);
       }
       if (tail() == 0) continue;
       std::vector<float>& floats = values ? values_[l] : keys_[l];
       std::vector<std::byte> raw(floats.size() * header_.element_bytes);
-      if (error_code ec = read_at(file_, base + full * run, raw)) return ec;
+      if (error_code ec = read_at(file_, base + full * part, raw)) return ec;
       hash.update(raw);
       widen_stored(header_.element, raw.data(), floats.size(), floats.data());
     }
@@ -267,7 +271,8 @@ class load_job : public std::enable_shared_from_this<load_job> {
       if (p >= kept) return bytes.data() + (sinks + p - kept) * token_bytes;
       return nullptr;
     };
-    const std::size_t half = header_.half_layer_bytes(l);
+    const std::size_t half = header_.key_bytes(l);  // where the values start
+    const std::size_t value_bytes = header_.value_width() * header_.element_bytes;  // of a token
     block_cursor cursor(pool);
     out.reserve(full_blocks());
     for (std::size_t b = 0; b < full_blocks(); ++b) {
@@ -280,13 +285,13 @@ class load_job : public std::enable_shared_from_this<load_job> {
       for (std::size_t t = 0; t < bt; ++t) {
         const std::byte* from = saved_at(b * bt + t);
         std::byte* keys = blk->keys() + t * token_bytes;
-        std::byte* values = blk->values() + t * token_bytes;
+        std::byte* values = blk->values() + t * value_bytes;
         if (from) {
           std::memcpy(keys, from, token_bytes);
-          std::memcpy(values, from + half, token_bytes);
+          std::memcpy(values, from + half, value_bytes);
         } else {
           std::memset(keys, 0, token_bytes);
-          std::memset(values, 0, token_bytes);
+          std::memset(values, 0, value_bytes);
         }
       }
       blk->set_filled(bt);
@@ -297,7 +302,8 @@ class load_job : public std::enable_shared_from_this<load_job> {
       const std::byte* from = saved_at(full_blocks() * bt + t);
       if (!from) continue;  // dropped: zeros (the vectors start so)
       widen_stored(header_.element, from, width, keys_[l].data() + t * width);
-      widen_stored(header_.element, from + half, width, values_[l].data() + t * width);
+      const std::size_t value_width = header_.value_width();
+      widen_stored(header_.element, from + half, value_width, values_[l].data() + t * value_width);
     }
     return {};
   }
@@ -397,10 +403,11 @@ class read_layer_job {
     kv_range& out = op_->layer;
     out.begin = 0;
     out.end = header.tokens;
+    const std::size_t value_elements = header.tokens * header.value_width();
     out.keys.resize(elements);
-    out.values.resize(elements);
+    out.values.resize(value_elements);
     widen_stored(header.element, bytes.data(), elements, out.keys.data());
-    widen_stored(header.element, bytes.data() + header.half_layer_bytes(layer_), elements, out.values.data());
+    widen_stored(header.element, bytes.data() + header.key_bytes(layer_), value_elements, out.values.data());
     return {};
   }
 

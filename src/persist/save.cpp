@@ -139,8 +139,8 @@ void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path 
     if (w.window != 0) layers[l] = {w.window, w.sinks, std::min(w.kept_from, std::max(w.sinks, snapshot->size()))};
   }
   file_header header;
-  if (error_code ec = make_header(std::move(layers), snapshot->rollback_tokens(), config, snapshot->size(), element,
-                                  std::move(model), header))
+  if (error_code ec = make_header(std::move(layers), snapshot->rollback_tokens(), snapshot->keys_only(), config,
+                                  snapshot->size(), element, std::move(model), header))
     return pending.complete(ec);
   auto job = std::make_shared<save_job>(std::move(snapshot), std::move(path), std::move(header), mode, pending);
   // From here the job owns the operation: a throwing post destroys it, and

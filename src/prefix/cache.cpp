@@ -19,14 +19,14 @@
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
-namespace {}  // namespace
 
 std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
                                                 element_codec codec, std::uint8_t element, const kv_block_pool& pool,
                                                 kv_prefix_options options) {
   validate(config, codec.size);
   if (num_layers == 0 || config.max_blocks != kv_cache_config{}.max_blocks ||
-      2 * config.block_tokens * config.token_width() * codec.size != pool.block_bytes())
+      2 * config.block_tokens * config.token_width() * codec.size != pool.block_bytes() ||
+      pool.kind() != kv_block_kind::keys_and_values)  // keys only: not reused yet
     throw_errc(kv_errc::invalid_config);
   return std::make_shared<prefix_index>(num_layers, config, codec, element, pool_access::state(pool),
                                         std::move(options.model), std::move(options.store), options.store_policy);
@@ -119,7 +119,8 @@ token_id stored_id(const epoch& ids, std::size_t i) {
 std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std::span<const token_id>* tokens,
                           std::string_view salt) {
   if (!seq) throw_errc(kv_errc::invalid_config);
-  if (seq->layout.windowed()) throw_errc(kv_errc::invalid_config);  // not reused yet: never half a layer's blocks
+  // Not reused yet: never half a layer's blocks, nor keys without values.
+  if (seq->layout.windowed() || seq->layout.keys_only) throw_errc(kv_errc::invalid_config);
   if (seq->model_layers() != p.num_layers()) throw_errc(kv_errc::layer_mismatch);
   const kv_cache_config& c = seq->config;
   if (&seq->group->pool() != p.pool().get() || c.num_heads != p.config().num_heads ||

@@ -99,14 +99,14 @@ void sequence_request::finish(operation* base, const error_code* ec, queueing ho
 namespace {
 
 /// The tokens an append carries per layer (at least one, the same for
-/// every layer), or its error.
-std::pair<error_code, std::size_t> check_append(std::size_t layers, std::size_t width,
+/// every layer), or its error. A keys-only layout's values are empty.
+std::pair<error_code, std::size_t> check_append(std::size_t layers, std::size_t width, bool keys_only,
                                                 std::span<const std::span<const float>> keys,
                                                 std::span<const std::span<const float>> values) noexcept {
   if (keys.size() != layers || values.size() != layers) return {kv_errc::layer_mismatch, 0};
   const std::size_t floats = keys[0].size();
   for (std::size_t i = 0; i < layers; ++i) {
-    if (keys[i].size() != values[i].size()) return {kv_errc::length_mismatch, 0};
+    if (values[i].size() != (keys_only ? 0 : keys[i].size())) return {kv_errc::length_mismatch, 0};
     if (keys[i].size() != floats || floats == 0 || floats % width != 0) return {kv_errc::width_mismatch, 0};
   }
   return {{}, floats / width};
@@ -144,7 +144,7 @@ void start_append(const std::shared_ptr<sequence_state>& s, sequence_op* op,
                   std::span<const token_id> ids) {
   sequence_state& seq = *s;
   const std::size_t width = seq.config.token_width();
-  const auto [ec, tokens] = check_append(seq.model_layers(), width, keys, values);
+  const auto [ec, tokens] = check_append(seq.model_layers(), width, seq.layout.keys_only, keys, values);
   if (ec) return op->complete(ec, queueing::post);
   const std::optional<std::size_t> first = begin_adding(seq, op, tokens, ids);
   if (!first) return;
@@ -214,7 +214,7 @@ std::shared_ptr<actor> make_group(asio::any_io_executor ex, const kv_cache_confi
                                   element_codec codec, const ref_ptr<block_pool>& pool,
                                   std::vector<std::vector<ref_ptr<block>>> blocks, std::span<const token_id> ids,
                                   std::span<const std::size_t> kept_from) {
-  auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
+  auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec, model.keys_only));
   std::vector<std::unique_ptr<working_state>> states;
   states.reserve(model.num_layers() + 1);
   for (std::size_t l = 0; l < model.num_layers(); ++l) {
@@ -240,14 +240,16 @@ std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv
   // the budget to it.
   ref_ptr<block_pool> shared;
   kv_cache_config layer_config = config;
+  const std::size_t block_bytes = block_layout(config, codec, model.keys_only).block_bytes;
   if (pool) {
+    // A pool of blocks of another size or kind (keys only, or keys and values).
     shared = pool_access::state(*pool);
-    if (shared->payload_bytes() != block_layout(config, codec).block_bytes ||
+    if (shared->payload_bytes() != block_bytes || shared->keys_only() != model.keys_only ||
         config.max_blocks != kv_cache_config{}.max_blocks)
       throw std::system_error(make_error_code(kv_errc::invalid_config));
   } else {
-    shared =
-        pool_access::state(kv_block_pool(block_layout(config, codec).block_bytes, {.max_blocks = config.max_blocks}));
+    const kv_block_kind kind = model.keys_only ? kv_block_kind::keys_only : kv_block_kind::keys_and_values;
+    shared = pool_access::state(kv_block_pool(block_bytes, {.max_blocks = config.max_blocks}, kind));
     layer_config.max_blocks = kv_cache_config{}.max_blocks;
   }
   auto group = make_group(ex, layer_config, model, codec, shared, {}, {}, {});

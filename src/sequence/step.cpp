@@ -36,7 +36,7 @@ error_code step_state::write(std::size_t layer, std::span<const float> keys, std
     case phase::closed: return kv_errc::step_closed;
   }
   if (layer >= seq->model_layers()) return kv_errc::layer_mismatch;
-  if (keys.size() != values.size()) return kv_errc::length_mismatch;
+  if (values.size() != (seq->layout.keys_only ? 0 : keys.size())) return kv_errc::length_mismatch;
   if (keys.size() != tokens * seq->config.token_width()) return kv_errc::width_mismatch;
   in_flight_.fetch_add(1, std::memory_order_acq_rel);
   auto unwritten = layer_state::unwritten;

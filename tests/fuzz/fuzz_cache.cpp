@@ -97,11 +97,11 @@ void bad_config(world<T>& w) {
     case 3:
       if (b & 0x80) {
         // A layout the contract refuses: sinks without a window, a window
-        // whose rollback overflows, or keys_only (not supported yet).
+        // whose rollback overflows, or no layers.
         kv_model_layout bad = kv_model_layout::sliding(1 + b / 9 % 3, 1 + b / 27 % 4, 1);
         if (b / 9 % 3 == 0) bad.layers.back() = {.window = 0, .sink_tokens = 1};
         if (b / 9 % 3 == 1) bad.rollback_tokens = top;
-        if (b / 9 % 3 == 2) bad.keys_only = true;
+        if (b / 9 % 3 == 2) bad.layers.clear();
         attempt([&] { basic_sequence_kv_cache<T>(w.io, bad, c, w.pools[0]); });
       } else {
         attempt([&] { basic_sequence_kv_cache<T>(w.io, 0, c, w.pools[0]); });

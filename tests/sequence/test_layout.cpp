@@ -113,7 +113,6 @@ TEST_CASE("every bad layout is invalid_config, and nothing is made", "[layout]")
   CHECK(refused([&] { sequence_kv_cache(threads, kv_model_layout{}); }));  // no layers
   CHECK(refused([&] { sequence_kv_cache(threads, kv_model_layout::full(0)); }));
   CHECK(refused([&] { sequence_kv_cache(threads, kv_model_layout{.layers = {{.window = 0, .sink_tokens = 2}}}); }));
-  CHECK(refused([&] { sequence_kv_cache(threads, kv_model_layout{.layers = {{}}, .keys_only = true}); }));
   CHECK(refused([&] { (void)kv_model_layout::interleaved(4, 0, 8); }));  // a period of 0
   CHECK(refused([&] { (void)kv_model_layout::interleaved(4, 2, 0); }));  // a window of 0
   CHECK(refused([&] { (void)kv_model_layout::sliding(4, 0); }));

@@ -24,10 +24,12 @@ class attention_pass {
  public:
   /// Checks the arguments against `width` (the snapshot's token width, 0
   /// for an empty snapshot), `stored` tokens and the layer's `window`
-  /// (`outside_window` if a row attends a position it dropped); then
-  /// clears `out`.
+  /// (`outside_window` if a row attends a position it dropped), whose
+  /// tokens are keys alone if `keys_only` (the keys then serve as values);
+  /// then clears `out`.
   std::error_code begin(const attention_shape& shape, std::size_t width, std::size_t stored, pending_tokens pending,
-                        std::span<const float> queries, std::span<float> out, const window_view& window = {}) noexcept;
+                        std::span<const float> queries, std::span<float> out, const window_view& window = {},
+                        bool keys_only = false) noexcept;
   /// After begin(): the first stored position past the sinks that a row
   /// attends (0 without a window). Positions in `[sinks, first_attended())`
   /// are attended by no row: they need not be added.
@@ -55,8 +57,9 @@ class attention_pass {
   template <class T>
   void attend_held(const stored_run& ahead) noexcept;
 
-  attention_shape shape_{};
+  attention_shape shape_{};  // value_dim resolved (never 0)
   window_view window_{};
+  bool keys_only_ = false;
   std::size_t first_attended_ = 0;
   stored_run held_runs_[runs_behind]{};
   std::size_t held_ = 0;

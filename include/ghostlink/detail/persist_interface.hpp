@@ -73,6 +73,8 @@ class saved_sequence {
   virtual window_view window(std::size_t layer) const noexcept = 0;
   /// The sequence's `rollback_tokens`.
   virtual std::size_t rollback_tokens() const noexcept = 0;
+  /// Its layout stores keys alone (`kv_model_layout::keys_only`).
+  virtual bool keys_only() const noexcept = 0;
   /// Calls `to(context, run)` for every stored run of layer `layer`'s keys
   /// (or values) of tokens `[begin, end)`, in order.
   virtual void for_each_run(std::size_t layer, bool values, std::size_t begin, std::size_t end, sink to,
@@ -96,6 +98,10 @@ class typed_saved_sequence final : public saved_sequence {
     return {l.window(), l.sink_tokens(), l.kept_from()};
   }
   std::size_t rollback_tokens() const noexcept override { return snapshot_.rollback_tokens(); }
+  bool keys_only() const noexcept override {
+    return snapshot_.num_layers() != 0 && snapshot_.layer(0).token_width() != 0 &&
+           snapshot_.layer(0).value_width() == 0;
+  }
   void for_each_run(std::size_t layer, bool values, std::size_t begin, std::size_t end, sink to,
                     void* context) const override {
     (void)snapshot_.layer(layer).for_each_block(begin, end, [&](std::size_t, std::size_t, auto keys, auto vals) {

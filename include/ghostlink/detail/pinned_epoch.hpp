@@ -68,6 +68,7 @@ class pinned_epoch {
         number_(other.number_),
         size_(other.size_),
         width_(other.width_),
+        value_width_(other.value_width_),
         window_(other.window_) {}
   pinned_epoch& operator=(pinned_epoch&& other) noexcept {
     if (this != &other) {
@@ -76,6 +77,7 @@ class pinned_epoch {
       number_ = other.number_;
       size_ = other.size_;
       width_ = other.width_;
+      value_width_ = other.value_width_;
       window_ = other.window_;
     }
     return *this;
@@ -87,8 +89,10 @@ class pinned_epoch {
   explicit operator bool() const noexcept { return epoch_ != nullptr; }
   std::uint64_t number() const noexcept { return number_; }
   std::size_t size() const noexcept { return size_; }
-  /// Elements per token's keys (or values).
+  /// Elements per token's keys.
   std::size_t width() const noexcept { return width_; }
+  /// Elements per token's values: width(), or 0 for a keys-only layer.
+  std::size_t value_width() const noexcept { return value_width_; }
   /// The layer's window and what it dropped.
   const window_view& window() const noexcept { return window_; }
   /// See stored_runs(); the epoch must be pinned.
@@ -98,8 +102,9 @@ class pinned_epoch {
 
  private:
   friend struct epoch_access;
-  pinned_epoch(const epoch* e, std::uint64_t number, std::size_t size, std::size_t width, window_view w) noexcept
-      : epoch_(e), number_(number), size_(size), width_(width), window_(w) {}
+  pinned_epoch(const epoch* e, std::uint64_t number, std::size_t size, std::size_t width, std::size_t value_width,
+               window_view w) noexcept
+      : epoch_(e), number_(number), size_(size), width_(width), value_width_(value_width), window_(w) {}
   void close() noexcept {
     if (epoch_) unpin(*std::exchange(epoch_, nullptr));
   }
@@ -108,6 +113,7 @@ class pinned_epoch {
   std::uint64_t number_ = 0;
   std::size_t size_ = 0;
   std::size_t width_ = 0;
+  std::size_t value_width_ = 0;
   window_view window_{};
 };
 
