@@ -92,7 +92,8 @@ class basic_layer_kv_cache {
   /// A cache taking its blocks from `pool`, under the pool's budget.
   /// @throws std::system_error with `kv_errc::invalid_config` for a bad
   ///         config, a pool whose `block_bytes()` is not
-  ///         `kv_block_pool::block_bytes_for<T>(config)`, or a config that sets
+  ///         `kv_block_pool::block_bytes_for<T>(config)` or whose `kind()`
+  ///         is `kv_block_kind::keys_only`, or a config that sets
   ///         `max_blocks` (the pool holds the budget).
   basic_layer_kv_cache(asio::any_io_executor ex, kv_cache_config config, const kv_block_pool& pool)
       : state_(detail::make_actor(std::move(ex), config, detail::codec_of<T>, &pool, false)) {}

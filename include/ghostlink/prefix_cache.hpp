@@ -121,8 +121,9 @@ class basic_kv_prefix_cache {
   /// @throws std::system_error with `kv_errc::invalid_config` if the pool
   ///         has a prefix cache already (nothing is claimed then), if
   ///         `num_layers` is 0, if `config` or `T` do not fit the pool (as
-  ///         for a layer cache made on it), or if `config` sets `max_blocks`
-  ///         (the pool holds the budget).
+  ///         for a layer cache made on it; a `kv_block_kind::keys_only`
+  ///         pool fits none), or if `config` sets `max_blocks` (the pool
+  ///         holds the budget).
   basic_kv_prefix_cache(std::size_t num_layers, kv_cache_config config, const kv_block_pool& pool,
                         kv_prefix_options options = {})
       : index_(detail::make_prefix_index(num_layers, config, detail::codec_of<T>, detail::element_code<T>, pool,
@@ -222,8 +223,8 @@ class basic_kv_prefix_cache {
   /// @throws std::system_error with `kv_errc::layer_mismatch` for a `seq`
   ///         of another number of layers, with `kv_errc::invalid_config`
   ///         for one on another pool, of another geometry (`num_heads`,
-  ///         `head_dim`, `block_tokens`), or with a windowed layer (not
-  ///         reused yet); nothing is inserted then.
+  ///         `head_dim`, `block_tokens`), or with a windowed layer or a
+  ///         `keys_only` layout (not reused yet); nothing is inserted then.
   ///         std::bad_alloc, inserting nothing.
   std::size_t insert(const sequence_type& seq, std::span<const token_id> tokens, std::string_view salt = {}) {
     return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), &tokens, salt);

@@ -168,11 +168,12 @@ class basic_sequence_kv_cache {
 
   /// The layers of `layout` (`kv_model_layout::full(n)` is what the
   /// constructors above make): windowed layers keep and attend only their
-  /// window and sinks (see `kv_model_layout`), taking blocks from `pool`
-  /// under its budget.
+  /// window and sinks, a `keys_only` layout stores keys alone (see
+  /// `kv_model_layout`), taking blocks from `pool` under its budget.
   /// @throws std::system_error with `kv_errc::invalid_config` for a layout
-  ///         without layers, with sink tokens on a layer without a window,
-  ///         or with `keys_only`; or as `basic_layer_kv_cache`'s constructor.
+  ///         without layers or with sink tokens on a layer without a
+  ///         window, a `pool` of the other `kv_block_kind` than the layout
+  ///         stores; or as `basic_layer_kv_cache`'s constructor.
   basic_sequence_kv_cache(asio::any_io_executor ex, const kv_model_layout& layout, kv_cache_config config,
                           const kv_block_pool& pool);
   /// As above, with a pool of its own whose budget is `config.max_blocks`
