@@ -22,6 +22,8 @@ void decode_speculative(const options& opts, report& out);
 void decode_with_offloader(const options& opts, report& out);
 void memory(const options& opts, report& out);
 void layout_memory(const options& opts, report& out);
+void latent_memory(const options& opts, report& out);
+void attend_latent(const options& opts, report& out);
 void fork(const options& opts, report& out);
 void prefill(const options& opts, report& out);
 void memory_waste(const options& opts, report& out);
