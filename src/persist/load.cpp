@@ -117,7 +117,7 @@ error_code check_fits(file_expectation& expected, const kv_block_pool& pool) {
   } catch (const std::system_error&) {
     return kv_errc::invalid_config;
   }
-  const bool keys_only = expected.layout->keys_only;
+  const bool keys_only = expected.layout && expected.layout->keys_only;  // resolved above: never empty
   const std::size_t block =
       (keys_only ? 1 : 2) * expected.config.block_tokens * expected.config.token_width() * expected.element.codec.size;
   const bool kind = (pool.kind() == kv_block_kind::keys_only) == keys_only;
