@@ -85,14 +85,17 @@ class tiny_mla {
     std::vector<float> vec(stored), queries(heads * stored), out(heads * latent);
     for (std::size_t l = 0; l < layers_; ++l) {
       stored_vector(l, x, position, vec);
-      if ((ec = step.write(l, vec, std::span<const float>()))) return ec;
+      ec = step.write(l, vec, std::span<const float>());
+      if (ec) return ec;
       query_rows(l, x, position, queries);
-      if ((ec = attend(step.snapshot(l), queries, out, shape()))) return ec;
+      ec = attend(step.snapshot(l), queries, out, shape());
+      if (ec) return ec;
       add_output(l, out, x);
     }
     std::promise<std::error_code> committed;
     step.async_commit([&](std::error_code e) { committed.set_value(e); });
-    if ((ec = committed.get_future().get())) return ec;
+    ec = committed.get_future().get();
+    if (ec) return ec;
     project(x, logits);
     return {};
   }
