@@ -159,20 +159,21 @@ template <class T>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
                                                          std::size_t n, const float* q, float* o, float* max,
                                                          float* sum, const stored_run& ahead, std::size_t at) {
-  const std::size_t heads = a.kv_heads * a.group;
+  // Fixed for the call: locals, so the loops' bounds stay in registers.
+  const std::size_t heads = a.kv_heads * a.group, dim = a.dim, vdim = a.vdim, group = a.group, width = a.width;
+  const float scale = a.scale;
   for (std::size_t t = 0; t < n; ++t) {
     prefetch_token(ahead, at + t, a.token_bytes);
     for (std::size_t h = 0; h < heads; ++h) {
-      const std::size_t kv = t * a.width + h / a.group * a.dim;
-      float* oh = o + h * a.vdim;
+      const std::size_t kv = t * width + h / group * dim;
+      float* oh = o + h * vdim;
       float w;
-      if (const float f = weigh(dot_avx2(q + h * a.dim, keys + kv, a.dim) * a.scale, max[h], sum[h], w); f != 1.0f) {
+      if (const float f = weigh(dot_avx2(q + h * dim, keys + kv, dim) * scale, max[h], sum[h], w); f != 1.0f) {
         const __m256 fs = _mm256_set1_ps(f);
-        for (std::size_t i = 0; i < a.vdim; i += 8)
-          _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
+        for (std::size_t i = 0; i < vdim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
       }
       const __m256 ws = _mm256_set1_ps(w);
-      for (std::size_t i = 0; i < a.vdim; i += 8)
+      for (std::size_t i = 0; i < vdim; i += 8)
         _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(values + kv + i), _mm256_loadu_ps(oh + i)));
     }
   }
