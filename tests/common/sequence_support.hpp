@@ -10,6 +10,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <filesystem>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -236,6 +237,31 @@ void check_rejected(const fixture& f, kv_errc expected, Bad&& bad) {
 /// Blocks of small_config() that `tokens` tokens fill.
 inline std::size_t blocks_for(std::size_t tokens) {
   return (tokens + small_config().block_tokens - 1) / small_config().block_tokens;
+}
+
+/// True when `f` throws std::system_error with invalid_config.
+template <class F>
+bool refused(const F& f) {
+  try {
+    f();
+  } catch (const std::system_error& e) {
+    return e.code() == kv_errc::invalid_config;
+  }
+  return false;
+}
+
+/// A load of `path` onto `pool` expecting `expected`, its I/O on `ex`: the
+/// sequence, or the error the load completed with.
+inline std::pair<ghostlink::error_code, sequence_kv_cache> load(const asio::any_io_executor& ex,
+                                                                const std::filesystem::path& path,
+                                                                const kv_block_pool& pool,
+                                                                const kv_sequence_expectation& expected) {
+  try {
+    auto loaded = async_load<float>(ex, path, pool, expected, asio::use_future).get();
+    return {{}, std::get<0>(std::move(loaded))};
+  } catch (const ghostlink::test::async_error& e) {
+    return {e.code(), {}};
+  }
 }
 
 }  // namespace ghostlink::test::seq

@@ -86,17 +86,6 @@ struct latent {
   std::vector<int> tags;
 };
 
-/// True when `f` throws std::system_error with invalid_config.
-template <class F>
-bool refused(const F& f) {
-  try {
-    f();
-  } catch (const std::system_error& e) {
-    return e.code() == kv_errc::invalid_config;
-  }
-  return false;
-}
-
 }  // namespace
 
 TEST_CASE("a keys-only sequence takes keys with empty values and reads back keys and no values", "[keys_only]") {
@@ -256,13 +245,8 @@ namespace {
 std::pair<ghostlink::error_code, sequence_kv_cache> load_as(latent& w, const kv_block_pool& pool,
                                                             const std::filesystem::path& path,
                                                             std::optional<kv_model_layout> layout) {
-  kv_sequence_expectation expected{.num_layers = w.layers, .config = w.config, .layout = std::move(layout)};
-  try {
-    auto loaded = async_load<float>(w.threads.get_executor(), path, pool, expected, asio::use_future).get();
-    return {{}, std::get<0>(std::move(loaded))};
-  } catch (const ghostlink::test::async_error& e) {
-    return {e.code(), {}};
-  }
+  return load(w.threads.get_executor(), path, pool,
+              {.num_layers = w.layers, .config = w.config, .layout = std::move(layout)});
 }
 
 }  // namespace

@@ -95,17 +95,6 @@ void check_truncate_refused(windowed& w, std::size_t n) {
   CHECK(observe(w.seq) == before);
 }
 
-/// True when `f` throws std::system_error with invalid_config.
-template <class F>
-bool refused(const F& f) {
-  try {
-    f();
-  } catch (const std::system_error& e) {
-    return e.code() == kv_errc::invalid_config;
-  }
-  return false;
-}
-
 }  // namespace
 
 TEST_CASE("every bad layout is invalid_config, and nothing is made", "[layout]") {
@@ -510,13 +499,8 @@ namespace {
 /// A load of `path` onto `w`'s pool expecting `layout`.
 std::pair<ghostlink::error_code, sequence_kv_cache> load_as(windowed& w, const std::filesystem::path& path,
                                                             std::optional<kv_model_layout> layout) {
-  kv_sequence_expectation expected{.num_layers = w.layers, .config = w.seq.config(), .layout = std::move(layout)};
-  try {
-    auto loaded = async_load<float>(w.threads.get_executor(), path, w.pool, expected, asio::use_future).get();
-    return {{}, std::get<0>(std::move(loaded))};
-  } catch (const ghostlink::test::async_error& e) {
-    return {e.code(), {}};
-  }
+  return load(w.threads.get_executor(), path, w.pool,
+              {.num_layers = w.layers, .config = w.seq.config(), .layout = std::move(layout)});
 }
 
 }  // namespace
