@@ -42,9 +42,7 @@ void add(std::atomic<std::uint64_t>& counter, std::uint64_t n) noexcept {
 /// against it, or a private one.
 ref_ptr<block_pool> pool_for(const kv_cache_config& config, const block_layout& layout, ref_ptr<block_pool> pool) {
   if (!pool) return ref_ptr<block_pool>::adopt(new block_pool(layout.block_bytes, config.max_blocks));
-  if (pool->payload_bytes() != layout.block_bytes || pool->keys_only() != layout.keys_only() ||
-      config.max_blocks != kv_cache_config{}.max_blocks)
-    throw_errc(kv_errc::invalid_config);
+  if (!layout.fits(*pool) || config.max_blocks != kv_cache_config{}.max_blocks) throw_errc(kv_errc::invalid_config);
   return pool;
 }
 

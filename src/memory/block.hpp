@@ -58,6 +58,12 @@ struct block_layout : ref_counted<block_layout> {
 
   /// True when blocks hold keys alone (kv_block_kind::keys_only).
   bool keys_only() const noexcept { return value_width == 0; }
+  /// True when `pool`'s blocks are of this layout's size and kind: a cache
+  /// of this layout may take its blocks (whatever the bytes, a pool of keys
+  /// alone fits only keys alone).
+  bool fits(const block_pool& pool) const noexcept {
+    return pool.payload_bytes() == block_bytes && pool.keys_only() == keys_only();
+  }
 
   const std::size_t token_width;        // elements per token's keys
   const std::size_t value_width;        // elements per token's values: token_width, or 0 (keys only)

@@ -118,10 +118,8 @@ error_code check_fits(file_expectation& expected, const kv_block_pool& pool) {
     return kv_errc::invalid_config;
   }
   const bool keys_only = expected.layout && expected.layout->keys_only;  // resolved above: never empty
-  const std::size_t block =
-      (keys_only ? 1 : 2) * expected.config.block_tokens * expected.config.token_width() * expected.element.codec.size;
-  const bool kind = (pool.kind() == kv_block_kind::keys_only) == keys_only;
-  return block == pool.block_bytes() && kind ? error_code() : error_code(kv_errc::invalid_config);
+  const block_layout blocks(expected.config, expected.element.codec, keys_only);
+  return blocks.fits(*pool_access::state(pool)) ? error_code() : error_code(kv_errc::invalid_config);
 }
 
 class load_job;

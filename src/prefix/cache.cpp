@@ -25,8 +25,7 @@ std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv
                                                 kv_prefix_options options) {
   validate(config, codec.size);
   if (num_layers == 0 || config.max_blocks != kv_cache_config{}.max_blocks ||
-      2 * config.block_tokens * config.token_width() * codec.size != pool.block_bytes() ||
-      pool.kind() != kv_block_kind::keys_and_values)  // keys only: not reused yet
+      !block_layout(config, codec).fits(*pool_access::state(pool)))  // keys only: not reused yet
     throw_errc(kv_errc::invalid_config);
   return std::make_shared<prefix_index>(num_layers, config, codec, element, pool_access::state(pool),
                                         std::move(options.model), std::move(options.store), options.store_policy);

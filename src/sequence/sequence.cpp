@@ -240,16 +240,14 @@ std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv
   // the budget to it.
   ref_ptr<block_pool> shared;
   kv_cache_config layer_config = config;
-  const std::size_t block_bytes = block_layout(config, codec, model.keys_only).block_bytes;
+  const block_layout blocks(config, codec, model.keys_only);
   if (pool) {
-    // A pool of blocks of another size or kind (keys only, or keys and values).
     shared = pool_access::state(*pool);
-    if (shared->payload_bytes() != block_bytes || shared->keys_only() != model.keys_only ||
-        config.max_blocks != kv_cache_config{}.max_blocks)
+    if (!blocks.fits(*shared) || config.max_blocks != kv_cache_config{}.max_blocks)
       throw std::system_error(make_error_code(kv_errc::invalid_config));
   } else {
     const kv_block_kind kind = model.keys_only ? kv_block_kind::keys_only : kv_block_kind::keys_and_values;
-    shared = pool_access::state(kv_block_pool(block_bytes, {.max_blocks = config.max_blocks}, kind));
+    shared = pool_access::state(kv_block_pool(blocks.block_bytes, {.max_blocks = config.max_blocks}, kind));
     layer_config.max_blocks = kv_cache_config{}.max_blocks;
   }
   auto group = make_group(ex, layer_config, model, codec, shared, {}, {}, {});
