@@ -263,14 +263,15 @@ class load_job : public std::enable_shared_from_this<load_job> {
     if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
     const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
     const std::size_t bt = header_.block_tokens, sinks = header_.sinks_end(l), kept = header_.kept_begin(l);
-    // Where position p's keys are in `bytes`, if the layer saved it.
-    const auto saved_at = [&](std::size_t p) -> const std::byte* {
-      if (p < sinks) return bytes.data() + p * token_bytes;
-      if (p >= kept) return bytes.data() + (sinks + p - kept) * token_bytes;
-      return nullptr;
-    };
-    const std::size_t half = header_.key_bytes(l);  // where the values start
+    // The keys, then the values (none for keys alone), of the saved tokens.
     const std::size_t value_bytes = header_.value_width() * header_.element_bytes;  // of a token
+    const std::byte* const saved_values = bytes.data() + header_.key_bytes(l);
+    // Position p's place among the saved tokens, if the layer saved it.
+    constexpr std::size_t dropped = static_cast<std::size_t>(-1);
+    const auto saved_index = [&](std::size_t p) {
+      if (p < sinks) return p;
+      return p >= kept ? sinks + p - kept : dropped;
+    };
     block_cursor cursor(pool);
     out.reserve(full_blocks());
     for (std::size_t b = 0; b < full_blocks(); ++b) {
@@ -281,12 +282,12 @@ class load_job : public std::enable_shared_from_this<load_job> {
       ref_ptr<block> blk = block::make(pool, cursor, owner_, &account);
       if (!blk) return kv_errc::capacity_exhausted;
       for (std::size_t t = 0; t < bt; ++t) {
-        const std::byte* from = saved_at(b * bt + t);
+        const std::size_t i = saved_index(b * bt + t);
         std::byte* keys = blk->keys() + t * token_bytes;
         std::byte* values = blk->values() + t * value_bytes;
-        if (from) {
-          std::memcpy(keys, from, token_bytes);
-          std::memcpy(values, from + half, value_bytes);
+        if (i != dropped) {
+          std::memcpy(keys, bytes.data() + i * token_bytes, token_bytes);
+          std::memcpy(values, saved_values + i * value_bytes, value_bytes);
         } else {
           std::memset(keys, 0, token_bytes);
           std::memset(values, 0, value_bytes);
@@ -297,11 +298,11 @@ class load_job : public std::enable_shared_from_this<load_job> {
     }
     const std::size_t width = header_.token_width();
     for (std::size_t t = 0; t < tail(); ++t) {
-      const std::byte* from = saved_at(full_blocks() * bt + t);
-      if (!from) continue;  // dropped: zeros (the vectors start so)
-      widen_stored(header_.element, from, width, keys_[l].data() + t * width);
+      const std::size_t i = saved_index(full_blocks() * bt + t);
+      if (i == dropped) continue;  // zeros (the vectors start so)
+      widen_stored(header_.element, bytes.data() + i * token_bytes, width, keys_[l].data() + t * width);
       const std::size_t value_width = header_.value_width();
-      widen_stored(header_.element, from + half, value_width, values_[l].data() + t * value_width);
+      widen_stored(header_.element, saved_values + i * value_bytes, value_width, values_[l].data() + t * value_width);
     }
     return {};
   }
