@@ -102,11 +102,12 @@ class basic_kv_snapshot {
   std::error_code read_range(std::size_t begin, std::size_t end, std::span<float> keys_out,
                              std::span<float> values_out) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
-    const std::size_t width = token_width(), value_floats = (end - begin) * value_width();
-    if (keys_out.size() < (end - begin) * width || values_out.size() < value_floats) return kv_errc::buffer_too_small;
+    const std::size_t width = token_width(), value_width = this->value_width();
+    if (keys_out.size() < (end - begin) * width || values_out.size() < (end - begin) * value_width)
+      return kv_errc::buffer_too_small;
     return for_each_block(begin, end, [&](std::size_t first, std::size_t, auto keys, auto values) {
       convert<float, T>(keys, keys_out.data() + (first - begin) * width);
-      convert<float, T>(values, values_out.data() + (first - begin) * value_width());
+      convert<float, T>(values, values_out.data() + (first - begin) * value_width);
     });
   }
 

@@ -116,8 +116,9 @@ void working_state::seal() noexcept {
 
 error_code working_state::validate(std::span<const kv_write> writes) const noexcept {
   const std::size_t width = config_.token_width();
+  const bool keys_only = layout_->keys_only();  // then every write's values are empty
   for (const kv_write& w : writes) {
-    if (w.values.size() != (layout_->keys_only() ? 0 : w.keys.size())) return kv_errc::length_mismatch;
+    if (w.values.size() != (keys_only ? 0 : w.keys.size())) return kv_errc::length_mismatch;
     if (w.keys.size() != width) return kv_errc::width_mismatch;
     if (w.index >= config_.max_tokens_per_seq) return kv_errc::index_out_of_range;
   }
