@@ -334,10 +334,11 @@ inline asio::awaitable<void> conflict(seq_world& w, seq_target& t, rng& r) {
   settle(t, pa, ecs[0], {}, "the first operation of a conflict, a truncate");
   if (append)
     settle(t, pb, ecs[1], {kv_errc::operation_in_progress, kv_errc::capacity_exhausted}, "conflicting append");
-  else if (t.window_may_refuse(t.hist.at(pb).tags.size()))
-    settle(t, pb, ecs[1], {kv_errc::operation_in_progress, kv_errc::outside_window}, "conflicting truncate");
-  else
-    settle(t, pb, ecs[1], {kv_errc::operation_in_progress}, "conflicting truncate");
+  else {
+    std::vector<kv_errc> allowed = truncate_errors(t, t.hist.at(pb).tags.size());
+    allowed.push_back(kv_errc::operation_in_progress);
+    settle(t, pb, ecs[1], allowed, "conflicting truncate");
+  }
 }
 
 /// An append of `step`'s `count` tokens through a step, with their ids
