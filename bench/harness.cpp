@@ -35,13 +35,13 @@ void usage(int code) {
               "  --layers N --sequences N --steps N                   decode_step shape (default 32 x 16, 64)\n"
               "  --coroutines N --threads N                           write_concurrent/decode_step (default 64, 2)\n"
               "  --batch N           tokens per batched request in write_concurrent (default 32)\n"
-              "  --element T         float, half or bfloat16: storage of the decode scenarios and\n"
+              "  --element T         float, half, bfloat16 or q8_0: storage of the decode scenarios and\n"
               "                      attend_window (default float)\n"
               "  --only SCENARIO     one of read_under_write attention_read attend attend_memory attend_window\n"
               "                      write_single write_concurrent decode_step decode_layer_order\n"
               "                      decode_pending batched_step decode_hybrid decode_speculative\n"
               "                      decode_with_offloader memory layout_memory latent_memory attend_latent\n"
-              "                      fork prefill memory_waste\n"
+              "                      quantized_memory attend_quantized write_quantized fork prefill memory_waste\n"
               "                      storage_16bit\n"
               "                      prefix_attach prefix_hash prefix_match prefix_eviction prefix_workload\n"
               "                      save_load decode_with_offload attach_from_disk\n"
@@ -89,7 +89,7 @@ options parse_options(int argc, char** argv) {
     } else if (flag == "--impl") {
       o.impls = value;
     } else if (flag == "--element") {
-      if (value != "float" && value != "half" && value != "bfloat16") usage(2);
+      if (value != "float" && value != "half" && value != "bfloat16" && value != "q8_0") usage(2);
       o.element = value;
     } else if (flag == "--json") {
       o.json = value;

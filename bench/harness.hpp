@@ -24,7 +24,7 @@ struct options {
   std::size_t layers = 32, sequences = 16, steps = 64;  // decode_step
   std::size_t coroutines = 64, threads = 2;             // write_concurrent, decode_step
   std::size_t batch = 32;                                // write_concurrent: tokens per batched request
-  std::string element = "float";                         // decode scenarios: float, half or bfloat16
+  std::string element = "float";                         // decode scenarios: float, half, bfloat16 or q8_0
   std::string only;          // run just this scenario
   std::string impls;         // comma-separated implementations to run (default: all)
   std::string json;          // also write the results here

@@ -100,6 +100,8 @@ void with_element(const options& o, Run&& run) {
     run.template operator()<half>();
   else if (o.element == "bfloat16")
     run.template operator()<bfloat16>();
+  else if (o.element == "q8_0")
+    run.template operator()<q8_0>();
   else
     run.template operator()<float>();
 }

@@ -241,9 +241,11 @@ inline std::vector<std::vector<float>> recompute(const model& m, std::span<const
 /// (ghostlink::attend) over the layer's tokens before the step with its own
 /// tokens pending, within the layer's window and sinks if it has them; the
 /// commit awaits the writes once. `m` and `seq` must outlive the returned
-/// awaitable.
-inline asio::awaitable<std::vector<std::vector<float>>> forward(const model& m, const ghostlink::sequence_kv_cache& seq,
-                                                                std::vector<std::int32_t> ids) {
+/// awaitable. Any element type: a quantized cache stores the keys and
+/// values as it quantizes them, and attend reads them in place.
+template <ghostlink::storage_element T>
+asio::awaitable<std::vector<std::vector<float>>> forward(const model& m, const ghostlink::basic_sequence_kv_cache<T>& seq,
+                                                         std::vector<std::int32_t> ids) {
   const dims& d = m.shape();
   const std::size_t n = ids.size(), qw = d.q_width(), kvw = d.kv_width();
   auto step = co_await seq.async_begin_step(std::span<const std::int32_t>(ids), asio::use_awaitable);

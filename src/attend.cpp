@@ -18,6 +18,13 @@
 // processor has them and head_dim is a multiple of 8 (16-bit elements are
 // widened in registers as they are loaded), else portable code the compiler
 // vectorises (16-bit chunks widened to floats first).
+//
+// The quantized types are read in place on the AVX2 path: a q8_0 or q4_0
+// group's 32 elements widened in registers and its scale `d` applied once
+// to the group's partial dot product (d * sum(q * qs)) or to the weight of
+// its values (w * d); an fp8 element widened through half (its bits moved
+// into a half's, which F16C widens: the value / 256), the 256 and the
+// cache's scales applied once per logit and once to each output.
 
 #include <algorithm>
 #include <cmath>
@@ -54,10 +61,13 @@ thread_local scratch tls;
 /// What one chunk's loop needs, fixed for a call.
 struct pass_args {
   std::size_t kv_heads, group, dim, width;
-  float scale;
+  float scale;              // of a logit: the shape's, times what stored keys are multiplied by
   std::size_t token_bytes;  // of one token's stored keys (or values)
   std::size_t vdim;         // a head's value (and output) elements: dim, or fewer keys only
 };
+
+/// What the AVX2 path's loads give of an fp8 element: its value / 256.
+constexpr float fp8_load_factor = 256.0f;
 
 /// One token's weight for a query head with logit `logit`, against the
 /// head's running maximum and sum (the maximum raised to the logit if it is
@@ -139,7 +149,77 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const bfloat16* p) 
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const fp8_e4m3* p) {
+  // S.EEEE.MMM -> the half S.0EEEE.MMM0000000 (value / 256), NaN kept NaN.
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i magnitude = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(magnitude, 7));
+  const __m128i nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f));
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
+  return _mm256_cvtph_ps(h);
+}
+
+/// A q8_0 or q4_0 group's 32 elements as integers in floats (d not applied).
+__attribute__((target("avx2,fma,f16c"))) inline void widen_group(const q8_0& b, __m256 (&out)[4]) {
+  for (std::size_t j = 0; j < 4; ++j)
+    out[j] = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs.data() + 8 * j))));
+}
+__attribute__((target("avx2,fma,f16c"))) inline void widen_group(const q4_0& b, __m256 (&out)[4]) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs.data()));
+  const __m128i low = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);                         // elements 0-15
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);      // elements 16-31
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 acc) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/// q . k over a head of groups: per group d * (q . qs).
 template <class T>
+  requires(elements_per<T> != 1)
+__attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, const T* k, std::size_t dim) {
+  __m256 acc = _mm256_setzero_ps();
+  for (std::size_t g = 0; g < dim / T::elements; ++g, q += T::elements) {
+    __m256 x[4];
+    widen_group(k[g], x);
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), x[0]);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), x[1], s);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), x[2], s);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), x[3], s);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(k[g].d.bits)), s, acc);
+  }
+  return hsum(acc);
+}
+
+/// o += w * v over a head's first vdim elements.
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) inline void axpy_avx2(float w, const T* v, float* o, std::size_t vdim) {
+  if constexpr (elements_per<T> != 1) {
+    for (std::size_t g = 0; g < vdim / T::elements; ++g, o += T::elements) {
+      __m256 x[4];
+      widen_group(v[g], x);
+      const __m256 wd = _mm256_set1_ps(w * _cvtsh_ss(v[g].d.bits));
+      for (std::size_t j = 0; j < 4; ++j)
+        _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(wd, x[j], _mm256_loadu_ps(o + 8 * j)));
+    }
+  } else {
+    const __m256 ws = _mm256_set1_ps(w);
+    for (std::size_t i = 0; i < vdim; i += 8)
+      _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ws, load8(v + i), _mm256_loadu_ps(o + i)));
+  }
+}
+
+template <class T>
+  requires(elements_per<T> == 1)
 __attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, const T* k, std::size_t dim) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   std::size_t i = 0;
@@ -148,11 +228,7 @@ __attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, c
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), acc1);
   }
   if (i < dim) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc0);
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return hsum(_mm256_add_ps(acc0, acc1));
 }
 
 template <class T>
@@ -165,16 +241,14 @@ __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, con
   for (std::size_t t = 0; t < n; ++t) {
     prefetch_token(ahead, at + t, a.token_bytes);
     for (std::size_t h = 0; h < heads; ++h) {
-      const std::size_t kv = t * width + h / group * dim;
+      const std::size_t kv = (t * width + h / group * dim) / elements_per<T>;  // stored Ts
       float* oh = o + h * vdim;
       float w;
       if (const float f = weigh(dot_avx2(q + h * dim, keys + kv, dim) * scale, max[h], sum[h], w); f != 1.0f) {
         const __m256 fs = _mm256_set1_ps(f);
         for (std::size_t i = 0; i < vdim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
       }
-      const __m256 ws = _mm256_set1_ps(w);
-      for (std::size_t i = 0; i < vdim; i += 8)
-        _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(ws, load8(values + kv + i), _mm256_loadu_ps(oh + i)));
+      axpy_avx2(w, values + kv, oh, vdim);
     }
   }
 }
@@ -205,19 +279,40 @@ std::size_t attended(const window_view& w, std::size_t rows, std::size_t total, 
   return 2;
 }
 
-/// Every chunk of `count` tokens from position `first` that each row sees.
+/// Whether this call's runs take the AVX2 path.
+bool simd_path(const attention_shape& shape) noexcept {
+#if GHOSTLINK_ATTEND_AVX2
+  return use_avx2(shape.head_dim, shape.value_dim);
+#else
+  (void)shape;
+  return false;
+#endif
+}
+
+/// What the path's loads of a stored T give, times this, are the stored
+/// values (before the cache's scale): 256 for fp8 on the AVX2 path, else 1.
+template <class T>
+float load_factor(bool simd) noexcept {
+  return std::is_same_v<T, fp8_e4m3> && simd ? fp8_load_factor : 1.0f;
+}
+
+/// Every chunk of `count` tokens from position `first` that each row sees;
+/// stored keys are multiplied by `key_scale` (fp8's).
 template <class T>
 void add_run(const attention_shape& shape, const window_view& window, std::size_t rows, std::size_t total,
              const float* queries, float* out, std::size_t first, std::size_t count, const T* keys, const T* values,
-             const stored_run& ahead) {
+             const stored_run& ahead, float key_scale) {
+  constexpr std::size_t per = elements_per<T>;  // elements per stored T
   const std::size_t width = shape.kv_heads * shape.head_dim;
-  const pass_args a{
-      shape.kv_heads, shape.query_heads / shape.kv_heads, shape.head_dim, width, shape.scale, width * sizeof(T),
-      shape.value_dim};
+  const bool simd = simd_path(shape);
+  const pass_args a{shape.kv_heads,
+                    shape.query_heads / shape.kv_heads,
+                    shape.head_dim,
+                    width,
+                    shape.scale * key_scale * load_factor<T>(simd),
+                    width / per * sizeof(T),
+                    shape.value_dim};
   const std::size_t row_width = shape.query_heads * shape.head_dim, out_width = shape.query_heads * shape.value_dim;
-#if GHOSTLINK_ATTEND_AVX2
-  const bool simd = use_avx2(a.dim, a.vdim);
-#endif
   scratch& s = tls;
   stored_run fetch = ahead;  // by the first row that reads the run
   for (std::size_t r = 0; r < rows; ++r) {
@@ -236,8 +331,8 @@ void add_run(const attention_shape& shape, const window_view& window, std::size_
       const std::size_t step = fetch.count != 0 ? std::max<std::size_t>(1, 1024 / a.token_bytes) : chunk_tokens;
       for (std::size_t c = 0; c < n; c += step) {
         const std::size_t cn = std::min(step, n - c);
-        const T* k = keys + (skip + c) * a.width;
-        const T* v = values + (skip + c) * a.width;
+        const T* k = keys + (skip + c) * a.width / per;
+        const T* v = values + (skip + c) * a.width / per;
 #if GHOSTLINK_ATTEND_AVX2
         if (simd) {
           chunk_avx2(a, k, v, cn, q, o, max, sum, fetch, c);
@@ -247,8 +342,8 @@ void add_run(const attention_shape& shape, const window_view& window, std::size_
         if constexpr (std::is_same_v<T, float>) {
           chunk_portable(a, k, v, cn, q, o, max, sum, fetch, c);
         } else {
-          widen(k, cn * a.width, s.wide_k.data());
-          widen(v, cn * a.width, s.wide_v.data());
+          to_floats(k, cn * a.width / per, s.wide_k.data(), 1.0f);
+          to_floats(v, cn * a.width / per, s.wide_v.data(), 1.0f);
           chunk_portable(a, s.wide_k.data(), s.wide_v.data(), cn, q, o, max, sum, fetch, c);
         }
       }
@@ -261,13 +356,16 @@ void add_run(const attention_shape& shape, const window_view& window, std::size_
 
 std::error_code attention_pass::begin(const attention_shape& shape, std::size_t width, std::size_t stored,
                                       pending_tokens pending, std::span<const float> queries, std::span<float> out,
-                                      const window_view& window, bool keys_only) noexcept {
+                                      const window_view& window, bool keys_only, element_scales scales,
+                                      std::size_t group) noexcept {
   if (shape.query_heads == 0 || shape.kv_heads == 0 || shape.head_dim == 0 || shape.query_heads % shape.kv_heads != 0)
     return kv_errc::invalid_shape;
   // A head's value: the stored one (value_dim 0 or head_dim), or a key's
-  // first value_dim elements (keys only).
+  // first value_dim elements (keys only); whole groups of a group type.
   const std::size_t vdim = shape.value_dim == 0 ? shape.head_dim : shape.value_dim;
-  if (vdim > shape.head_dim || (!keys_only && vdim != shape.head_dim)) return kv_errc::invalid_shape;
+  if (vdim > shape.head_dim || (!keys_only && vdim != shape.head_dim) || shape.head_dim % group != 0 ||
+      vdim % group != 0)
+    return kv_errc::invalid_shape;
   const std::size_t kv_width = shape.kv_heads * shape.head_dim, row_width = shape.query_heads * shape.head_dim;
   if (width != 0 && width != kv_width) return kv_errc::width_mismatch;
   if (pending.values.size() != (keys_only ? 0 : pending.keys.size())) return kv_errc::length_mismatch;
@@ -299,6 +397,7 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
   shape_ = shape;
   shape_.value_dim = vdim;
   window_ = window;
+  scales_ = scales;
   keys_only_ = keys_only;
   if (shape_.scale == 0.0f) shape_.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   held_ = 0;
@@ -317,8 +416,8 @@ void attention_pass::hold(std::size_t first, std::size_t count, const T* keys, c
   if (keys_only_) values = keys;  // a key's first value_dim elements are its value
   const stored_run run{first, count, reinterpret_cast<const std::byte*>(keys),
                        reinterpret_cast<const std::byte*>(values)};
-  if (held_ == runs_behind)
-    attend_held<T>(count * shape_.kv_heads * shape_.head_dim * sizeof(T) <= max_prefetched_run ? run : stored_run{});
+  const std::size_t run_bytes = count * shape_.kv_heads * shape_.head_dim / elements_per<T> * sizeof(T);
+  if (held_ == runs_behind) attend_held<T>(run_bytes <= max_prefetched_run ? run : stored_run{});
   held_runs_[held_++] = run;
 }
 
@@ -328,7 +427,7 @@ void attention_pass::attend_held(const stored_run& ahead) noexcept {
   std::copy(held_runs_ + 1, held_runs_ + held_, held_runs_);
   --held_;
   add_run(shape_, window_, rows_, total_, queries_, out_, r.first, r.count, reinterpret_cast<const T*>(r.keys),
-          reinterpret_cast<const T*>(r.values), ahead);
+          reinterpret_cast<const T*>(r.values), ahead, scales_.key);
 }
 
 void attention_pass::add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept {
@@ -340,6 +439,15 @@ void attention_pass::add(std::size_t first, std::size_t count, const half* keys,
 void attention_pass::add(std::size_t first, std::size_t count, const bfloat16* keys, const bfloat16* values) noexcept {
   hold(first, count, keys, values);
 }
+void attention_pass::add(std::size_t first, std::size_t count, const q8_0* keys, const q8_0* values) noexcept {
+  hold(first, count, keys, values);
+}
+void attention_pass::add(std::size_t first, std::size_t count, const q4_0* keys, const q4_0* values) noexcept {
+  hold(first, count, keys, values);
+}
+void attention_pass::add(std::size_t first, std::size_t count, const fp8_e4m3* keys, const fp8_e4m3* values) noexcept {
+  hold(first, count, keys, values);
+}
 
 template <storage_element T>
 void attention_pass::finish() noexcept {
@@ -348,22 +456,26 @@ void attention_pass::finish() noexcept {
   if (pending != 0) {
     if constexpr (std::is_same_v<T, float>) {
       add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, pending_.keys.data(),
-              keys_only_ ? pending_.keys.data() : pending_.values.data(), {});
+              keys_only_ ? pending_.keys.data() : pending_.values.data(), {}, 1.0f);
     } else {
-      // Rounded as a write to a T cache stores them (a 16-bit T is a
-      // trivial 2-byte value, held in the scratch's 16-bit words).
-      static_assert(sizeof(T) == sizeof(std::uint16_t) && std::is_trivially_copyable_v<T>);
+      // Stored as a write to a T cache stores them (quantized, an fp8
+      // divided by its scale): a T takes at most 2 bytes an element, held
+      // in the scratch's 16-bit words, one per pending element.
+      static_assert(sizeof(T) <= 2 * elements_per<T> && alignof(T) <= alignof(std::uint16_t) &&
+                    std::is_trivially_copyable_v<T>);
       scratch& s = tls;
       T* k = reinterpret_cast<T*>(s.pending_k.data());
       T* v = reinterpret_cast<T*>(s.pending_v.data());
-      convert<T, float>(pending_.keys, k);
-      convert<T, float>(pending_.values, v);
-      add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, k, keys_only_ ? k : v, {});
+      from_floats(pending_.keys.data(), pending_.keys.size(), k, scales_.key);
+      from_floats(pending_.values.data(), pending_.values.size(), v, scales_.value);
+      add_run(shape_, window_, rows_, total_, queries_, out_, stored_, pending, k, keys_only_ ? k : v, {}, scales_.key);
     }
   }
+  // A keys-only layer's values are its keys: their scale.
+  const float value_scale = (keys_only_ ? scales_.key : scales_.value) * load_factor<T>(simd_path(shape_));
   const scratch& s = tls;
   for (std::size_t h = 0; h < rows_ * shape_.query_heads; ++h) {
-    const float inv = 1.0f / s.sum[h];
+    const float inv = value_scale / s.sum[h];
     for (std::size_t i = 0; i < shape_.value_dim; ++i) out_[h * shape_.value_dim + i] *= inv;
   }
 }
@@ -371,6 +483,9 @@ void attention_pass::finish() noexcept {
 template void attention_pass::finish<float>() noexcept;
 template void attention_pass::finish<half>() noexcept;
 template void attention_pass::finish<bfloat16>() noexcept;
+template void attention_pass::finish<q8_0>() noexcept;
+template void attention_pass::finish<q4_0>() noexcept;
+template void attention_pass::finish<fp8_e4m3>() noexcept;
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END
@@ -380,15 +495,17 @@ namespace {
 
 template <storage_element T>
 std::error_code attend_span(std::span<const T> keys, std::span<const T> values, std::span<const float> queries,
-                            std::span<float> out, const attention_shape& shape) noexcept {
+                            std::span<float> out, const attention_shape& shape,
+                            detail::element_scales scales = {}) noexcept {
   // Keys alone: no values, and a value_dim to read of each key.
   const bool keys_only = values.empty() && !keys.empty() && shape.value_dim != 0;
   if (!keys_only && keys.size() != values.size()) return kv_errc::length_mismatch;
-  const std::size_t width = shape.kv_heads * shape.head_dim;
-  if (width != 0 && keys.size() % width != 0) return kv_errc::width_mismatch;
+  const std::size_t width = shape.kv_heads * shape.head_dim, elements = keys.size() * elements_per<T>;
+  if (width != 0 && elements % width != 0) return kv_errc::width_mismatch;
+  const std::size_t tokens = width != 0 ? elements / width : 0;
   detail::attention_pass pass;
-  if (auto ec = pass.begin(shape, width, width ? keys.size() / width : 0, {}, queries, out, {}, keys_only)) return ec;
-  pass.add(0, keys.size() / width, keys.data(), values.data());
+  if (auto ec = pass.begin(shape, width, tokens, {}, queries, out, {}, keys_only, scales, elements_per<T>)) return ec;
+  pass.add(0, tokens, keys.data(), values.data());
   pass.finish<T>();
   return {};
 }
@@ -406,6 +523,19 @@ std::error_code attend(std::span<const half> keys, std::span<const half> values,
 std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values, std::span<const float> queries,
                        std::span<float> out, const attention_shape& shape) noexcept {
   return attend_span(keys, values, queries, out, shape);
+}
+std::error_code attend(std::span<const q8_0> keys, std::span<const q8_0> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept {
+  return attend_span(keys, values, queries, out, shape);
+}
+std::error_code attend(std::span<const q4_0> keys, std::span<const q4_0> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept {
+  return attend_span(keys, values, queries, out, shape);
+}
+std::error_code attend(std::span<const fp8_e4m3> keys, std::span<const fp8_e4m3> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape, float key_scale,
+                       float value_scale) noexcept {
+  return attend_span(keys, values, queries, out, shape, {key_scale, value_scale});
 }
 
 GHOSTLINK_NAMESPACE_END

@@ -23,8 +23,9 @@
 
 namespace ghostlink::bench {
 
-/// `T`: the stored element type (the seed's f32 by default; a 16-bit type
-/// converts on write, as ghostlink's 16-bit caches do).
+/// `T`: the stored element type (the seed's f32 by default; a 16-bit or
+/// quantized type converts on write, as ghostlink's caches do: a token is
+/// `token_width() / elements_per<T>` of them).
 template <class Mutex, storage_element T = float>
 class locked_cache {
  public:
@@ -39,8 +40,8 @@ class locked_cache {
     if (seq_len == 0) return kv_errc::zero_length;
     std::unique_lock lock(mutex_);
     if (keys_.empty()) {
-      keys_.assign(config_.max_tokens_per_seq * config_.token_width(), T(0.0f));
-      values_.assign(keys_.size(), T(0.0f));
+      keys_.assign(config_.max_tokens_per_seq * stored_width(), T{});
+      values_.assign(keys_.size(), T{});
     }
     len_ = std::max(len_, std::min(seq_len, config_.max_tokens_per_seq));
     return {};
@@ -62,8 +63,8 @@ class locked_cache {
     std::unique_lock lock(mutex_);
     if (keys_.empty()) return kv_errc::not_initialized;
     for (const kv_write& w : entries) {
-      convert<T, float>(w.keys, keys_.data() + w.index * width);
-      convert<T, float>(w.values, values_.data() + w.index * width);
+      convert<T, float>(w.keys, keys_.data() + w.index * stored_width());
+      convert<T, float>(w.values, values_.data() + w.index * stored_width());
       len_ = std::max(len_, w.index + 1);
     }
     return {};
@@ -95,7 +96,7 @@ class locked_cache {
   template <class F>
   std::error_code visit_range(std::size_t begin, std::size_t end, F&& f) const {
     if (begin > end) return kv_errc::invalid_range;
-    const std::size_t width = config_.token_width();
+    const std::size_t width = stored_width();
     read_lock lock(mutex_);
     if (end > len_) return kv_errc::range_out_of_bounds;
     const std::span<const T> k(keys_), v(values_);
@@ -108,7 +109,7 @@ class locked_cache {
   locked_cache copy() const {
     locked_cache c(config_);
     read_lock lock(mutex_);
-    const auto valid = std::ptrdiff_t(len_ * config_.token_width());
+    const auto valid = std::ptrdiff_t(len_ * stored_width());
     c.keys_.assign(keys_.begin(), keys_.begin() + valid);
     c.values_.assign(values_.begin(), values_.begin() + valid);
     c.len_ = len_;
@@ -121,6 +122,8 @@ class locked_cache {
   }
 
  private:
+  /// Stored Ts per token.
+  std::size_t stored_width() const noexcept { return config_.token_width() / elements_per<T>; }
   using read_lock =
       std::conditional_t<std::is_same_v<Mutex, std::shared_mutex>, std::shared_lock<Mutex>, std::unique_lock<Mutex>>;
   const kv_cache_config config_;

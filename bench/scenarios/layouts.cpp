@@ -121,11 +121,12 @@ void check_window(const basic_kv_snapshot<T>& windowed, const token_rows& rows, 
   if (windowed.window() != window || windowed.kept_from() + (blocks_of(window, block_tokens) + 1) * block_tokens < n)
     fail("attend_window", "the windowed layer holds from position " + std::to_string(windowed.kept_from()) + " of " +
                               std::to_string(n) + " with a window of " + std::to_string(windowed.window()));
-  std::vector<T> keys(window * width), values(window * width);
+  const std::size_t stored = width / elements_per<T>;  // Ts per token
+  std::vector<T> keys(window * stored), values(window * stored);
   for (std::size_t i = 0; i < window; ++i) {
     const std::size_t p = (n - window + i) % chunk_tokens;
-    convert<T, float>(rows.keys_of(p, 1), keys.data() + i * width);
-    convert<T, float>(rows.values_of(p, 1), values.data() + i * width);
+    convert<T, float>(rows.keys_of(p, 1), keys.data() + i * stored);
+    convert<T, float>(rows.values_of(p, 1), values.data() + i * stored);
   }
   decode_row paged, flat;
   paged.attend(windowed);

@@ -78,8 +78,14 @@ struct pending_tokens {
 /// `j < snapshot.sink_tokens()` or `j > p - snapshot.window()`, stored or
 /// pending, and no other position is read.
 ///
-/// Pending tokens are rounded to `T` first, as the step's write will store
-/// them, so the result is what attending after the write would give (up to
+/// A quantized snapshot (`q8_0`, `q4_0`, `fp8_e4m3`) is read in place, a
+/// group or element at a time (no widened copy of a block where the
+/// processor has AVX2, FMA and F16C), its fp8 scales applied once per
+/// logit and output; the result equals `attend` over its dequantized floats
+/// up to the order of the sums.
+///
+/// Pending tokens are rounded to `T` first (quantized, an fp8 divided by
+/// its scale), as the step's write will store them, so the result is what attending after the write would give (up to
 /// the order of the sums). A forward pass can thus start layer `l`'s write
 /// and attend `step.snapshot_before(l)` with the layer's own tokens pending,
 /// without waiting for the write, and await its writes once, by the commit.
@@ -95,7 +101,8 @@ struct pending_tokens {
 /// @return `invalid_shape` if a field of `shape` but `scale` and
 ///         `value_dim` is zero, `query_heads` is not a multiple of
 ///         `kv_heads`, or `value_dim` exceeds `head_dim` (or, where values
-///         are stored, is not `head_dim`); `width_mismatch` if
+///         are stored, is not `head_dim`; or, for `q8_0` and `q4_0`, is not
+///         a multiple of 32); `width_mismatch` if
 ///         `kv_heads * head_dim` is not the snapshot's token width, the
 ///         pending tokens are not whole tokens, or `queries` is not whole
 ///         rows (or empty); `length_mismatch` if the pending keys and values
@@ -125,6 +132,19 @@ std::error_code attend(std::span<const half> keys, std::span<const half> values,
 /// As above, over `bfloat16` tokens.
 std::error_code attend(std::span<const bfloat16> keys, std::span<const bfloat16> values, std::span<const float> queries,
                        std::span<float> out, const attention_shape& shape) noexcept;
+/// As above, over `q8_0` tokens (`kv_heads * head_dim / 32` groups each);
+/// `invalid_shape` also if `head_dim` or a keys-only `value_dim` is not a
+/// multiple of 32.
+std::error_code attend(std::span<const q8_0> keys, std::span<const q8_0> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept;
+/// As above, over `q4_0` tokens.
+std::error_code attend(std::span<const q4_0> keys, std::span<const q4_0> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape) noexcept;
+/// As above, over `fp8_e4m3` tokens that stand for `key_scale` times the
+/// keys' and `value_scale` times the values' codes.
+std::error_code attend(std::span<const fp8_e4m3> keys, std::span<const fp8_e4m3> values,
+                       std::span<const float> queries, std::span<float> out, const attention_shape& shape,
+                       float key_scale = 1.0f, float value_scale = 1.0f) noexcept;
 
 GHOSTLINK_NAMESPACE_END
 

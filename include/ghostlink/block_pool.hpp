@@ -206,14 +206,15 @@ class kv_block_pool {
   }
 
   /// Payload bytes of one block of a cache of `config` storing `T`:
-  /// `2 * block_tokens * token_width() * sizeof(T)`, or half that for
-  /// `kv_block_kind::keys_only` (keys alone).
+  /// `2 * block_tokens * token_width() / elements_per<T> * sizeof(T)`, or
+  /// half that for `kv_block_kind::keys_only` (keys alone).
   /// @throws std::system_error with `kv_errc::invalid_config` for a bad config.
   template <storage_element T = float>
   static std::size_t block_bytes_for(const kv_cache_config& config,
                                      kv_block_kind kind = kv_block_kind::keys_and_values) {
-    detail::validate(config, sizeof(T));
-    return (kind == kv_block_kind::keys_only ? 1 : 2) * config.block_tokens * config.token_width() * sizeof(T);
+    detail::validate(config, detail::codec_of<T>);
+    return (kind == kv_block_kind::keys_only ? 1 : 2) * config.block_tokens *
+           detail::codec_of<T>.bytes(config.token_width());
   }
 
   /// Another handle on the same pool.

@@ -43,6 +43,15 @@ struct kv_cache_config {
   /// once. Unlimited by default.
   std::size_t max_pending = std::numeric_limits<std::size_t>::max();
 
+  /// What an `fp8_e4m3` cache divides keys by before it rounds them, and
+  /// multiplies them by when it reads them (vLLM's `k_scale`): part of what
+  /// the stored data means, so recorded with it (the prefix cache's block
+  /// hash, saved sequences, store entries). Must be 1 for the other element
+  /// types; finite, positive and at most 1e30 for fp8.
+  float key_scale = 1.0f;
+  /// As `key_scale`, for values (vLLM's `v_scale`).
+  float value_scale = 1.0f;
+
   /// Floats one token's keys (or values) occupy: `num_heads * head_dim`.
   constexpr std::size_t token_width() const noexcept { return num_heads * head_dim; }
 
@@ -54,9 +63,13 @@ struct kv_cache_config {
 std::ostream& operator<<(std::ostream& os, const kv_cache_config& config);
 
 namespace detail {
-/// Throws `std::system_error(kv_errc::invalid_config)` unless every field is
-/// non-zero and a block of `element_size`-byte elements fits in `std::size_t`.
-void validate(const kv_cache_config& config, std::size_t element_size = sizeof(float));
+/// Throws `std::system_error(kv_errc::invalid_config)` unless every size is
+/// non-zero, a block of elements stored `group_bytes` per `group` fits in
+/// `std::size_t`, `head_dim` is a multiple of `group` (a group never spans
+/// two heads), and the scales are 1, or (`scaled`: fp8) finite, positive
+/// and at most 1e30.
+void validate(const kv_cache_config& config, std::size_t group_bytes = sizeof(float), std::size_t group = 1,
+              bool scaled = false);
 }  // namespace detail
 
 GHOSTLINK_NAMESPACE_END

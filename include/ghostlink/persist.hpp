@@ -110,7 +110,9 @@ struct kv_sequence_expectation {
 ///
 /// Completion signature: `void(error_code)`. Errors: `layer_mismatch` (an
 /// empty snapshot: no layers), `invalid_config` (a zero field in
-/// `options.config`, or a model id over 65536 bytes), `width_mismatch`
+/// `options.config`, scales other than the snapshot's (`key_scale()`,
+/// `value_scale()`: what an fp8 file records), or a model id over 65536
+/// bytes), `width_mismatch`
 /// (`options.config.token_width()` not the snapshot's), all before any
 /// I/O; the operating system's (`errno` in the generic category, e.g.
 /// `ENOENT`, `ENOTDIR`, `EACCES`, `ENOSPC`; after the rename, only the
@@ -157,7 +159,8 @@ auto async_save(basic_sequence_snapshot<T> snapshot, std::filesystem::path path,
 /// without waiting for a writer), `file_corrupt` (also a nonzero padding
 /// byte), `file_truncated`,
 /// `file_version_unsupported`, `element_type_mismatch` (a file of another
-/// `T`), `geometry_mismatch`, `model_mismatch`, `layout_mismatch` (a file
+/// `T`, or an fp8 file of other scales than `expected.config`'s),
+/// `geometry_mismatch`, `model_mismatch`, `layout_mismatch` (a file
 /// saved with another layout than `expected.layout`), `index_out_of_range` (more
 /// tokens than `expected.config.max_tokens_per_seq`), `capacity_exhausted`
 /// (the pool cannot give the blocks: none taken; or memory refused), and

@@ -30,8 +30,10 @@ GHOSTLINK_NAMESPACE_BEGIN
 /// member functions are safe to call from many threads at once; moving from
 /// or assigning to a snapshot is not, as for any object.
 ///
-/// Reads into `float` spans convert from the stored type `T` exactly;
-/// `for_each_block` hands out the stored `T`s themselves.
+/// Reads into `float` spans convert from the stored type `T` exactly (an
+/// `fp8_e4m3` times its scale, `kv_cache_config::key_scale` or
+/// `value_scale`; a group type `d * q`); `for_each_block` hands out the
+/// stored `T`s themselves.
 ///
 /// A default-constructed or moved-from snapshot is empty: size 0, epoch 0.
 template <storage_element T>
@@ -105,9 +107,10 @@ class basic_kv_snapshot {
     const std::size_t width = token_width(), value_width = this->value_width();
     if (keys_out.size() < (end - begin) * width || values_out.size() < (end - begin) * value_width)
       return kv_errc::buffer_too_small;
+    const detail::element_scales scales = epoch_.scales();
     return for_each_block(begin, end, [&](std::size_t first, std::size_t, auto keys, auto values) {
-      convert<float, T>(keys, keys_out.data() + (first - begin) * width);
-      convert<float, T>(values, values_out.data() + (first - begin) * value_width);
+      detail::to_floats(keys.data(), keys.size(), keys_out.data() + (first - begin) * width, scales.key);
+      detail::to_floats(values.data(), values.size(), values_out.data() + (first - begin) * value_width, scales.value);
     });
   }
 
@@ -136,15 +139,17 @@ class basic_kv_snapshot {
   /// stored run of consecutive tokens in `[begin, end)`, in order (a run is
   /// a block, or blocks the cache filled one after another, which lie next
   /// to each other in the pool's memory); the spans
-  /// (`std::span<const T>`, `count * token_width()` elements of keys and
-  /// `count * value_width()` of values: none for a keys-only layer) point
+  /// (`std::span<const T>`, `count * token_width() / elements_per<T>` of
+  /// keys and `count * value_width() / elements_per<T>` of values: none for
+  /// a keys-only layer; an fp8 layer's as stored, divided by its scales) point
   /// into the cache's blocks and stay valid while this snapshot lives.
   /// @return `invalid_range`, `range_out_of_bounds` or `outside_window` as
   ///         `read_range`; `f` is not called on error.
   template <class F>
   std::error_code for_each_block(std::size_t begin, std::size_t end, F&& f) const {
     if (std::error_code ec = check_range(begin, end)) return ec;
-    const std::size_t width = epoch_.width(), value_width = epoch_.value_width();
+    // Stored Ts per token's keys and values.
+    const std::size_t width = epoch_.width() / elements_per<T>, value_width = epoch_.value_width() / elements_per<T>;
     std::array<detail::stored_run, 16> runs;  // NOLINT(cppcoreguidelines-pro-type-member-init): runs() fills them
     for (std::size_t first = begin; first < end;) {
       const std::size_t n = epoch_.runs(first, end, runs);
@@ -161,6 +166,13 @@ class basic_kv_snapshot {
     }
     return {};
   }
+
+  /// What its stored keys are multiplied by when read: its cache's
+  /// `kv_cache_config::key_scale` for an `fp8_e4m3` cache, else 1 (and 1
+  /// for an empty snapshot).
+  float key_scale() const noexcept { return epoch_ ? epoch_.scales().key : 1.0f; }
+  /// As `key_scale()`, for values (`kv_cache_config::value_scale`).
+  float value_scale() const noexcept { return epoch_ ? epoch_.scales().value : 1.0f; }
 
   /// The floats of a token's keys (0 for an empty snapshot).
   std::size_t token_width() const noexcept { return epoch_ ? epoch_.width() : 0; }

@@ -27,12 +27,12 @@ std::ostream& operator<<(std::ostream& os, const kv_cache_config& c) {
   print_limit(os, c.max_blocks);
   os << ", max_pending=";
   print_limit(os, c.max_pending);
-  return os << '}';
+  return os << ", key_scale=" << c.key_scale << ", value_scale=" << c.value_scale << '}';
 }
 
 namespace detail {
 
-void validate(const kv_cache_config& c, std::size_t element_size) {
+void validate(const kv_cache_config& c, std::size_t group_bytes, std::size_t group, bool scaled) {
   constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
   const bool zero = c.max_tokens_per_seq == 0 || c.num_heads == 0 || c.head_dim == 0 || c.block_tokens == 0 ||
                     c.max_blocks == 0 || c.max_pending == 0;
@@ -41,9 +41,11 @@ void validate(const kv_cache_config& c, std::size_t element_size) {
   // overflow.
   constexpr std::size_t header_reserve = 4096;
   const bool overflow = zero || c.num_heads > max / c.head_dim ||
-                        c.token_width() > (max - header_reserve) / (2 * element_size) / c.block_tokens ||
+                        c.token_width() > (max - header_reserve) / (2 * group_bytes) / c.block_tokens ||
                         c.token_width() > max / c.max_tokens_per_seq;
-  if (zero || overflow) throw std::system_error(make_error_code(kv_errc::invalid_config));
+  const auto scale_ok = [&](float s) { return scaled ? s > 0.0f && s <= 1e30f : s == 1.0f; };  // false for NaN
+  const bool bad_scale = !scale_ok(c.key_scale) || !scale_ok(c.value_scale);
+  if (zero || overflow || c.head_dim % group != 0 || bad_scale) throw std::system_error(make_error_code(kv_errc::invalid_config));
 }
 
 }  // namespace detail

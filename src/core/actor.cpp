@@ -81,7 +81,7 @@ class drain_op {
 
 std::shared_ptr<actor> actor::make(asio::any_io_executor ex, const kv_cache_config& config, element_codec codec,
                                    ref_ptr<block_pool> pool, bool initialized, std::span<ref_ptr<block>> prefix) {
-  validate(config, codec.size);
+  validate(config, codec);
   auto layout = ref_ptr<const block_layout>::adopt(new block_layout(config, codec));
   ref_ptr<block_pool> checked = pool_for(config, *layout, std::move(pool));
   std::vector<std::unique_ptr<working_state>> states;

@@ -312,8 +312,8 @@ error_code working_state::write(std::span<const kv_write> writes) {
     block& blk = *table_->block_at(w.index / bt);
     const std::size_t position = w.index % bt;
     materialize(blk, position);
-    layout.codec.store(w.keys, layout.keys(blk, position));
-    layout.codec.store(w.values, layout.values(blk, position));
+    layout.codec.store(w.keys, layout.keys(blk, position), layout.key_scale);
+    layout.codec.store(w.values, layout.values(blk, position), layout.value_scale);
     blk.set_materialized(std::max(blk.materialized(), position + 1));
   }
   // Every position below the new stored size must read as its token: zero
@@ -401,8 +401,9 @@ void copy_tokens(const block_layout& layout, BlockAt block_at, std::size_t first
   for (std::size_t t = 0; t < tokens;) {
     const std::size_t index = first + t, position = index % bt, n = std::min(bt - position, tokens - t);
     block& blk = block_at(index / bt);
-    layout.codec.store(keys.subspan(t * width, n * width), layout.keys(blk, position));
-    layout.codec.store(values.subspan(t * value_width, n * value_width), layout.values(blk, position));
+    layout.codec.store(keys.subspan(t * width, n * width), layout.keys(blk, position), layout.key_scale);
+    layout.codec.store(values.subspan(t * value_width, n * value_width), layout.values(blk, position),
+                       layout.value_scale);
     t += n;
   }
 }

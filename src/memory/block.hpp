@@ -49,11 +49,13 @@ struct block_layout : ref_counted<block_layout> {
       : token_width(config.token_width()),
         value_width(keys_only ? 0 : token_width),
         block_tokens(config.block_tokens),
-        token_bytes(config.token_width() * codec.size),
-        value_token_bytes(value_width * codec.size),
+        token_bytes(codec.bytes(config.token_width())),
+        value_token_bytes(codec.bytes(value_width)),
         half_bytes(block_tokens * token_bytes),
         block_bytes(half_bytes + block_tokens * value_token_bytes),
-        codec(codec) {}
+        codec(codec),
+        key_scale(config.key_scale),
+        value_scale(config.value_scale) {}
   static void destroy(block_layout* l) noexcept { delete l; }
 
   /// True when blocks hold keys alone (kv_block_kind::keys_only).
@@ -73,6 +75,8 @@ struct block_layout : ref_counted<block_layout> {
   const std::size_t half_bytes;         // a block's keys
   const std::size_t block_bytes;        // a block's payload: its keys and its values
   const element_codec codec;            // how floats are stored
+  const float key_scale;                // what fp8 keys are divided by (1 for other types)
+  const float value_scale;              // and values
 
   std::byte* keys(block& b, std::size_t position = 0) const noexcept;
   std::byte* values(block& b, std::size_t position = 0) const noexcept;

@@ -38,7 +38,9 @@ enum header_field : std::size_t {
 };
 constexpr std::size_t checksum_bytes = 8;
 constexpr std::size_t record_bytes = 24;  // a layer table's record, and a layout section's
-constexpr std::size_t layout_fixed_bytes = 16;  // the layout section's rollback_tokens and flags
+/// The layout section's fixed part: rollback_tokens and flags; from version
+/// 3 on the fp8 scales too.
+constexpr std::size_t layout_fixed_bytes(std::uint32_t version) noexcept { return version >= 3 ? 24 : 16; }
 constexpr std::uint64_t keys_only_flag = 1;
 
 // Checked arithmetic on what a file says: false on overflow.
@@ -56,8 +58,18 @@ std::uint32_t element_bytes_of(std::uint32_t element) noexcept {
     case element_code<float>: return sizeof(float);
     case element_code<half>: return sizeof(half);
     case element_code<bfloat16>: return sizeof(bfloat16);
+    case element_code<q8_0>: return sizeof(q8_0);
+    case element_code<q4_0>: return sizeof(q4_0);
+    case element_code<fp8_e4m3>: return sizeof(fp8_e4m3);
     default: return 0;
   }
+}
+
+/// Whether a file of `element` may record these scales: 1, or for fp8 what
+/// kv_cache_config allows.
+bool valid_scales(std::uint32_t element, float key, float value) noexcept {
+  const auto ok = [&](float s) { return element == element_code<fp8_e4m3> ? s > 0.0f && s <= 1e30f : s == 1.0f; };
+  return ok(key) && ok(value);
 }
 
 /// Offsets up to layer 0's payload, as the header's fields imply them;
@@ -73,7 +85,7 @@ bool lay_out_front(file_header& h) noexcept {
   // Version 2: the layout section and its checksum, 8-aligned after them.
   if (h.version >= 2) {
     if (!align(end, 8, l.layout_offset) || !mul(h.num_layers, record_bytes, section) ||
-        !add(section, layout_fixed_bytes + checksum_bytes, section) || !add(l.layout_offset, section, end))
+        !add(section, layout_fixed_bytes(h.version) + checksum_bytes, section) || !add(l.layout_offset, section, end))
       return false;
   }
   // The layer table and its checksum, 8-aligned after them.
@@ -88,7 +100,8 @@ bool lay_out_front(file_header& h) noexcept {
 bool lay_out_layers(file_header& h) noexcept {
   file_layout& l = h.layout;
   std::uint64_t width = 0, at = l.first_layer;
-  if (!mul(h.num_heads, h.head_dim, width)) return false;
+  if (!mul(h.num_heads, h.head_dim, width) || h.head_dim % h.group() != 0) return false;
+  width /= h.group();  // stored groups (or elements) per token
   l.layer_offsets.assign(h.num_layers, 0);
   l.layer_sizes.assign(h.num_layers, 0);
   for (std::size_t i = 0; i < h.num_layers; ++i) {
@@ -129,6 +142,10 @@ error_code check_length(file_header& h, std::uint64_t file_bytes) {
 
 }  // namespace
 
+std::uint64_t file_header::group() const noexcept {
+  return element == element_code<q8_0> || element == element_code<q4_0> ? 32 : 1;
+}
+
 std::uint64_t file_header::sinks_end(std::size_t l) const noexcept {
   return layers[l].window != 0 ? std::min(layers[l].sink_tokens, tokens) : 0;
 }
@@ -152,6 +169,8 @@ error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tok
   out.keys_only = keys_only;
   out.element = element.code;
   out.element_bytes = static_cast<std::uint32_t>(element.codec.size);
+  out.key_scale = config.key_scale;
+  out.value_scale = config.value_scale;
   out.num_layers = layers.size();
   out.layers = std::move(layers);
   out.rollback_tokens = rollback_tokens;
@@ -196,13 +215,15 @@ std::vector<std::byte> encode_front(const file_header& h, std::span<const token_
   std::byte* y = p + l.layout_offset;
   put_le<std::uint64_t>(y, h.rollback_tokens);
   put_le<std::uint64_t>(y + 8, h.keys_only ? keys_only_flag : 0);
+  put_le<std::uint32_t>(y + 16, std::bit_cast<std::uint32_t>(h.key_scale));
+  put_le<std::uint32_t>(y + 20, std::bit_cast<std::uint32_t>(h.value_scale));
   for (std::size_t i = 0; i < h.layers.size(); ++i) {
-    std::byte* r = y + layout_fixed_bytes + record_bytes * i;
+    std::byte* r = y + layout_fixed_bytes(file_version) + record_bytes * i;
     put_le<std::uint64_t>(r, h.layers[i].window);
     put_le<std::uint64_t>(r + 8, h.layers[i].sink_tokens);
     put_le<std::uint64_t>(r + 16, h.layers[i].kept_from);
   }
-  const std::size_t section = layout_fixed_bytes + record_bytes * h.layers.size();
+  const std::size_t section = layout_fixed_bytes(file_version) + record_bytes * h.layers.size();
   put_le<std::uint64_t>(y + section, xxh3_64(std::span(out).subspan(l.layout_offset, section)));
 
   std::byte* e = p + l.table_offset;
@@ -223,7 +244,7 @@ error_code header_length(std::span<const std::byte> start, std::uint64_t file_by
   if (magic != 0 && std::memcmp(start.data(), file_magic.data(), magic) != 0) return kv_errc::file_corrupt;
   if (have < at_version + 4) return kv_errc::file_truncated;
   const std::uint32_t version = get_le<std::uint32_t>(start.data() + at_version);
-  if (version != 1 && version != file_version) return kv_errc::file_version_unsupported;
+  if (version == 0 || version > file_version) return kv_errc::file_version_unsupported;
   if (have < fixed_header_bytes) return kv_errc::file_truncated;
   const std::uint32_t model = get_le<std::uint32_t>(start.data() + at_model_bytes);
   header_bytes = get_le<std::uint32_t>(start.data() + at_header_bytes);
@@ -270,7 +291,7 @@ error_code decode_header(std::span<const std::byte> bytes, std::uint64_t file_by
 }
 
 std::uint64_t layout_section_bytes(const file_header& h) noexcept {
-  return layout_fixed_bytes + record_bytes * h.num_layers + checksum_bytes;
+  return layout_fixed_bytes(h.version) + record_bytes * h.num_layers + checksum_bytes;
 }
 
 error_code decode_layout(file_header& h, std::span<const std::byte> bytes, std::uint64_t file_bytes) {
@@ -281,9 +302,14 @@ error_code decode_layout(file_header& h, std::span<const std::byte> bytes, std::
   const std::uint64_t flags = get_le<std::uint64_t>(bytes.data() + 8);
   if ((flags & ~keys_only_flag) != 0) return kv_errc::file_corrupt;
   h.keys_only = (flags & keys_only_flag) != 0;
+  if (h.version >= 3) {
+    h.key_scale = std::bit_cast<float>(get_le<std::uint32_t>(bytes.data() + 16));
+    h.value_scale = std::bit_cast<float>(get_le<std::uint32_t>(bytes.data() + 20));
+  }
+  if (!valid_scales(h.element, h.key_scale, h.value_scale)) return kv_errc::file_corrupt;
   h.layers.resize(h.num_layers);
   for (std::size_t i = 0; i < h.num_layers; ++i) {
-    const std::byte* r = bytes.data() + layout_fixed_bytes + record_bytes * i;
+    const std::byte* r = bytes.data() + layout_fixed_bytes(h.version) + record_bytes * i;
     h.layers[i] = {get_le<std::uint64_t>(r), get_le<std::uint64_t>(r + 8), get_le<std::uint64_t>(r + 16)};
   }
   if (!valid_layers(h.layers, h.rollback_tokens, h.tokens)) return kv_errc::file_corrupt;
@@ -291,7 +317,10 @@ error_code decode_layout(file_header& h, std::span<const std::byte> bytes, std::
 }
 
 error_code check_expected(const file_header& h, const file_expectation& expected) {
-  if (h.element != expected.element.code) return kv_errc::element_type_mismatch;
+  // The fp8 scales are part of what the data is, as its element type.
+  if (h.element != expected.element.code || h.key_scale != expected.config.key_scale ||
+      h.value_scale != expected.config.value_scale)
+    return kv_errc::element_type_mismatch;
   if (h.num_layers != expected.num_layers || h.num_heads != expected.config.num_heads ||
       h.head_dim != expected.config.head_dim || h.block_tokens != expected.config.block_tokens)
     return kv_errc::geometry_mismatch;
@@ -332,10 +361,13 @@ error_code decode_table(const file_header& h, std::span<const std::byte> bytes, 
   return {};
 }
 
-void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out) noexcept {
+void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out, float scale) noexcept {
   switch (element) {
     case element_code<half>: widen(reinterpret_cast<const half*>(stored), n, out); break;
     case element_code<bfloat16>: widen(reinterpret_cast<const bfloat16*>(stored), n, out); break;
+    case element_code<q8_0>: widen(reinterpret_cast<const q8_0*>(stored), n / q8_0::elements, out); break;
+    case element_code<q4_0>: widen(reinterpret_cast<const q4_0*>(stored), n / q4_0::elements, out); break;
+    case element_code<fp8_e4m3>: widen(reinterpret_cast<const fp8_e4m3*>(stored), n, out, scale); break;
     default:
       if (n != 0) std::memcpy(out, stored, n * sizeof(float));
       break;

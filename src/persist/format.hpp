@@ -27,9 +27,9 @@ namespace detail {
 /// The first 8 bytes of every file: "\x89GLKV\r\n\x1a" (as PNG's, it
 /// catches a file mangled as text).
 inline constexpr std::array<unsigned char, 8> file_magic = {0x89, 'G', 'L', 'K', 'V', '\r', '\n', 0x1a};
-/// What saves write; loads read it and version 1 (no layout section: every
-/// layer full, rollback_tokens 0).
-inline constexpr std::uint32_t file_version = 2;
+/// What saves write; loads read it, version 2 (no scales: 1) and version 1
+/// (no layout section: every layer full, rollback_tokens 0).
+inline constexpr std::uint32_t file_version = 3;
 /// The header's fixed part: everything up to the model id.
 inline constexpr std::size_t fixed_header_bytes = 96;
 inline constexpr std::size_t max_model_bytes = 65536;
@@ -61,7 +61,8 @@ struct saved_layer {
 struct file_header {
   std::uint32_t version = file_version;
   std::uint32_t element = 0;  // element_code<T>
-  std::uint32_t element_bytes = 0;
+  std::uint32_t element_bytes = 0;  // of a group (32 elements of q8_0, q4_0) or an element
+  float key_scale = 1.0f, value_scale = 1.0f;  // version 3's layout section (fp8; 1 for the others)
   std::uint64_t num_layers = 0, num_heads = 0, head_dim = 0, block_tokens = 0;
   std::uint64_t tokens = 0;
   std::string model;
@@ -71,6 +72,11 @@ struct file_header {
   file_layout layout;               // computed from the above
 
   std::uint64_t token_width() const noexcept { return num_heads * head_dim; }
+  /// Elements per stored group: 32 for q8_0 and q4_0, else 1.
+  std::uint64_t group() const noexcept;
+  /// Bytes of one token's keys, and of its values (0 keys only).
+  std::uint64_t token_bytes() const noexcept { return token_width() / group() * element_bytes; }
+  std::uint64_t value_token_bytes() const noexcept { return value_width() / group() * element_bytes; }
   /// The tokens layer `l` saves: positions [0, sinks_end(l)) and
   /// [kept_begin(l), tokens), in that order (every token for a full layer).
   std::uint64_t sinks_end(std::size_t l) const noexcept;
@@ -128,9 +134,9 @@ std::uint64_t token_section_bytes(const file_header& header) noexcept;
 error_code decode_table(const file_header& header, std::span<const std::byte> bytes, std::vector<layer_record>& out);
 std::uint64_t table_bytes(const file_header& header) noexcept;
 
-/// Widens `n` stored elements of type `element` (element_code<T>) exactly
-/// into floats.
-void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out) noexcept;
+/// Widens `n` stored elements (a multiple of its group) of type `element`
+/// (element_code<T>) exactly into floats, an fp8 times `scale`.
+void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out, float scale) noexcept;
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -113,7 +113,7 @@ error_code check_fits(file_expectation& expected, const kv_block_pool& pool) {
     return kv_errc::invalid_config;
   if (error_code ec = resolve_layout(expected)) return ec;
   try {
-    validate(expected.config, expected.element.codec.size);
+    validate(expected.config, expected.element.codec);
   } catch (const std::system_error&) {
     return kv_errc::invalid_config;
   }
@@ -213,9 +213,8 @@ class load_job : public std::enable_shared_from_this<load_job> {
                         std::vector<ref_ptr<block>>& out) {
     if (header_.kept_begin(l) > header_.sinks_end(l)) return read_windowed_layer(l, record, pool, account, out);
     const std::size_t full = full_blocks();
-    const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
-    const std::size_t run = header_.block_tokens * token_bytes;  // a block's keys
-    const std::size_t value_run = header_.block_tokens * header_.value_width() * header_.element_bytes;
+    const std::size_t run = header_.block_tokens * header_.token_bytes();  // a block's keys
+    const std::size_t value_run = header_.block_tokens * header_.value_token_bytes();
     out.reserve(full);
     block_cursor cursor(pool);
     for (std::size_t i = 0; i < full; ++i) {
@@ -240,10 +239,11 @@ class load_job : public std::enable_shared_from_this<load_job> {
       }
       if (tail() == 0) continue;
       std::vector<float>& floats = values ? values_[l] : keys_[l];
-      std::vector<std::byte> raw(floats.size() * header_.element_bytes);
+      std::vector<std::byte> raw(floats.size() / header_.group() * header_.element_bytes);
       if (error_code ec = read_at(file_, base + full * part, raw)) return ec;
       hash.update(raw);
-      widen_stored(header_.element, raw.data(), floats.size(), floats.data());
+      widen_stored(header_.element, raw.data(), floats.size(), floats.data(),
+                   values ? header_.value_scale : header_.key_scale);
     }
     if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
     for (const ref_ptr<block>& b : out) b->set_filled(header_.block_tokens);
@@ -261,10 +261,10 @@ class load_job : public std::enable_shared_from_this<load_job> {
     xxh3_stream hash;
     hash.update(bytes);
     if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
-    const std::size_t token_bytes = header_.token_width() * header_.element_bytes;
+    const std::size_t token_bytes = header_.token_bytes();
     const std::size_t bt = header_.block_tokens, sinks = header_.sinks_end(l), kept = header_.kept_begin(l);
     // The keys, then the values (none for keys alone), of the saved tokens.
-    const std::size_t value_bytes = header_.value_width() * header_.element_bytes;  // of a token
+    const std::size_t value_bytes = header_.value_token_bytes();  // of a token
     const std::byte* const saved_values = bytes.data() + header_.key_bytes(l);
     // Position p's place among the saved tokens, if the layer saved it.
     constexpr std::size_t dropped = static_cast<std::size_t>(-1);
@@ -300,9 +300,11 @@ class load_job : public std::enable_shared_from_this<load_job> {
     for (std::size_t t = 0; t < tail(); ++t) {
       const std::size_t i = saved_index(full_blocks() * bt + t);
       if (i == dropped) continue;  // zeros (the vectors start so)
-      widen_stored(header_.element, bytes.data() + i * token_bytes, width, keys_[l].data() + t * width);
+      widen_stored(header_.element, bytes.data() + i * token_bytes, width, keys_[l].data() + t * width,
+                   header_.key_scale);
       const std::size_t value_width = header_.value_width();
-      widen_stored(header_.element, saved_values + i * value_bytes, value_width, values_[l].data() + t * value_width);
+      widen_stored(header_.element, saved_values + i * value_bytes, value_width, values_[l].data() + t * value_width,
+                   header_.value_scale);
     }
     return {};
   }
@@ -405,8 +407,9 @@ class read_layer_job {
     const std::size_t value_elements = header.tokens * header.value_width();
     out.keys.resize(elements);
     out.values.resize(value_elements);
-    widen_stored(header.element, bytes.data(), elements, out.keys.data());
-    widen_stored(header.element, bytes.data() + header.key_bytes(layer_), value_elements, out.values.data());
+    widen_stored(header.element, bytes.data(), elements, out.keys.data(), header.key_scale);
+    widen_stored(header.element, bytes.data() + header.key_bytes(layer_), value_elements, out.values.data(),
+                 header.value_scale);
     return {};
   }
 

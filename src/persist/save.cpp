@@ -126,12 +126,15 @@ void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path 
   unstarted_op pending(op);
   if (snapshot->num_layers() == 0) return pending.complete(kv_errc::layer_mismatch);
   try {
-    validate(config, element.codec.size);
+    validate(config, element.codec);
   } catch (const std::system_error&) {
     return pending.complete(kv_errc::invalid_config);
   }
   if (model.size() > max_model_bytes) return pending.complete(kv_errc::invalid_config);
   if (snapshot->token_width() != config.token_width()) return pending.complete(kv_errc::width_mismatch);
+  // The file records config's fp8 scales: they must be what the data means.
+  if (const element_scales s = snapshot->scales(); s.key != config.key_scale || s.value != config.value_scale)
+    return pending.complete(kv_errc::invalid_config);
   std::vector<saved_layer> layers(snapshot->num_layers());
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const window_view w = snapshot->window(l);

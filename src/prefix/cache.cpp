@@ -23,7 +23,7 @@ namespace detail {
 std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
                                                 element_codec codec, std::uint8_t element, const kv_block_pool& pool,
                                                 kv_prefix_options options) {
-  validate(config, codec.size);
+  validate(config, codec);
   if (num_layers == 0 || config.max_blocks != kv_cache_config{}.max_blocks ||
       !block_layout(config, codec).fits(*pool_access::state(pool)))  // keys only: not reused yet
     throw_errc(kv_errc::invalid_config);

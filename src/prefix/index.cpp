@@ -25,7 +25,7 @@ prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config
       unsalted_root_(root_hash(model_, {}, num_layers_, config_, element_)),
       store_(std::move(store)),
       policy_(policy),
-      geometry_(num_layers_, config_, element_, static_cast<std::uint32_t>(codec_.size)),
+      geometry_(num_layers_, config_, element_, codec_),
       halves_(2 * num_layers_) {
   if (!pool_->attach_reclaimer(this)) throw std::system_error(make_error_code(kv_errc::invalid_config));
   if (store_) store_->limit_value_size(geometry_.entry_bytes());

@@ -235,7 +235,7 @@ std::shared_ptr<sequence_state> make_sequence(asio::any_io_executor ex, const kv
                                               const kv_cache_config& config, element_codec codec,
                                               const kv_block_pool* pool) {
   validate(model);
-  validate(config, codec.size);
+  validate(config, codec);
   // A private pool holds the whole sequence's budget; layers on a pool leave
   // the budget to it.
   ref_ptr<block_pool> shared;

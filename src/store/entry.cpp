@@ -1,6 +1,7 @@
 #include "store/entry.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <new>
 
@@ -23,7 +24,9 @@ enum entry_field : std::size_t {
   at_head_dim = 40,
   at_block_tokens = 48,
   at_hash = 56,
-  at_header_checksum = 88,
+  at_key_scale = 88,
+  at_value_scale = 92,
+  at_header_checksum = 96,
 };
 
 }  // namespace
@@ -41,6 +44,8 @@ void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<
   put_le<std::uint64_t>(p + at_head_dim, g.head_dim);
   put_le<std::uint64_t>(p + at_block_tokens, g.block_tokens);
   std::memcpy(p + at_hash, hash.bytes.data(), hash.bytes.size());
+  put_le<std::uint32_t>(p + at_key_scale, std::bit_cast<std::uint32_t>(g.key_scale));
+  put_le<std::uint32_t>(p + at_value_scale, std::bit_cast<std::uint32_t>(g.value_scale));
   put_le<std::uint64_t>(p + at_header_checksum, xxh3_64(out.first(at_header_checksum)));
   const std::size_t block = g.block_bytes(), half = block / 2;
   for (std::size_t l = 0; l < g.num_layers; ++l) {
@@ -60,7 +65,9 @@ bool check_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<c
       get_le<std::uint32_t>(p + at_element_bytes) != g.element_bytes || get_le<std::uint32_t>(p + at_reserved) != 0 ||
       get_le<std::uint64_t>(p + at_num_layers) != g.num_layers ||
       get_le<std::uint64_t>(p + at_num_heads) != g.num_heads || get_le<std::uint64_t>(p + at_head_dim) != g.head_dim ||
-      get_le<std::uint64_t>(p + at_block_tokens) != g.block_tokens)
+      get_le<std::uint64_t>(p + at_block_tokens) != g.block_tokens ||
+      get_le<std::uint32_t>(p + at_key_scale) != std::bit_cast<std::uint32_t>(g.key_scale) ||
+      get_le<std::uint32_t>(p + at_value_scale) != std::bit_cast<std::uint32_t>(g.value_scale))
     return false;
   if (std::memcmp(p + at_hash, hash.bytes.data(), hash.bytes.size()) != 0) return false;
   const std::size_t payload = g.num_layers * g.block_bytes();

@@ -22,8 +22,9 @@ namespace detail {
 
 /// "\x89GLKB\r\n\x1a": a block entry (a saved sequence's file has "GLKV").
 inline constexpr std::array<unsigned char, 8> entry_magic = {0x89, 'G', 'L', 'K', 'B', '\r', '\n', 0x1a};
-inline constexpr std::uint32_t entry_version = 1;
-inline constexpr std::size_t entry_header_bytes = 96;
+/// Version 2 added the fp8 scales; a version 1 entry (none) is a miss.
+inline constexpr std::uint32_t entry_version = 2;
+inline constexpr std::size_t entry_header_bytes = 104;
 
 /// What every entry of one prefix cache shares.
 struct entry_geometry {
@@ -33,18 +34,23 @@ struct entry_geometry {
   std::size_t block_tokens = 0;
   std::uint32_t element = 0;        // element_code<T>
   std::uint32_t element_bytes = 0;  // sizeof(T)
+  std::size_t group = 1;            // elements per T (32 for q8_0, q4_0)
+  float key_scale = 1.0f, value_scale = 1.0f;  // fp8's (1 for the others)
 
   entry_geometry() = default;
-  entry_geometry(std::size_t layers, const kv_cache_config& c, std::uint32_t element, std::uint32_t element_bytes)
+  entry_geometry(std::size_t layers, const kv_cache_config& c, std::uint32_t element, const element_codec& codec)
       : num_layers(layers),
         num_heads(c.num_heads),
         head_dim(c.head_dim),
         block_tokens(c.block_tokens),
         element(element),
-        element_bytes(element_bytes) {}
+        element_bytes(static_cast<std::uint32_t>(codec.size)),
+        group(codec.group),
+        key_scale(c.key_scale),
+        value_scale(c.value_scale) {}
 
   /// One layer's block: its keys, then its values.
-  std::size_t block_bytes() const noexcept { return 2 * block_tokens * num_heads * head_dim * element_bytes; }
+  std::size_t block_bytes() const noexcept { return 2 * block_tokens * (num_heads * head_dim / group) * element_bytes; }
   /// A whole entry: header, every layer's block, the payload's checksum.
   std::size_t entry_bytes() const noexcept { return entry_header_bytes + num_layers * block_bytes() + 8; }
 };

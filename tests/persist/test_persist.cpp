@@ -406,7 +406,7 @@ TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   const std::vector<std::byte> bytes = read_file(f.file);
   const std::array<unsigned char, 8> magic = {0x89, 'G', 'L', 'K', 'V', '\r', '\n', 0x1a};
   CHECK(std::memcmp(bytes.data(), magic.data(), magic.size()) == 0);
-  CHECK(u32_at(bytes, 8) == 2);                         // version
+  CHECK(u32_at(bytes, 8) == 3);                         // version
   CHECK(u32_at(bytes, 12) == 96 + model.size() + 8);    // header length
   CHECK(u32_at(bytes, 16) == 2);                        // bfloat16
   CHECK(u32_at(bytes, 20) == 2);                        // bytes per element
@@ -422,11 +422,16 @@ TEST_CASE("the file is laid out as docs/FORMAT.md says", "[persist]") {
   CHECK(tokens_at % 8 == 0);
   CHECK(u32_at(bytes, tokens_at) == 1000);
   CHECK(u32_at(bytes, tokens_at + 16) == 1004);
-  // The layout section: rollback_tokens, flags, then (window, sinks,
-  // kept_from) a layer, all 0 for full layers; its checksum; then the table.
+  // The layout section: rollback_tokens, flags, the fp8 scales (f32 1.0
+  // for other types), then (window, sinks, kept_from) a layer, all 0 for
+  // full layers; its checksum; then the table.
   const std::uint64_t layout_at = round_up(tokens_at + std::uint64_t{4} * 5 + 8, 8);
-  for (std::size_t i = 0; i < 2 + 3 * layers; ++i) CHECK(u64_at(bytes, layout_at + 8 * i) == 0);
-  CHECK(table_at == round_up(layout_at + 16 + 24 * layers + 8, 8));
+  CHECK(u64_at(bytes, layout_at) == 0);
+  CHECK(u64_at(bytes, layout_at + 8) == 0);
+  CHECK(u32_at(bytes, layout_at + 16) == 0x3f80'0000u);
+  CHECK(u32_at(bytes, layout_at + 20) == 0x3f80'0000u);
+  for (std::size_t i = 0; i < 3 * layers; ++i) CHECK(u64_at(bytes, layout_at + 24 + 8 * i) == 0);
+  CHECK(table_at == round_up(layout_at + 24 + 24 * layers + 8, 8));
   CHECK(table_at % 8 == 0);
   const std::uint64_t layer_bytes = std::uint64_t{2} * 5 * 8 * sizeof(bfloat16);
   for (std::size_t l = 0; l < layers; ++l) {
@@ -577,7 +582,7 @@ TEST_CASE("a load refuses a file with any one byte changed, padding included", "
   for (const std::uint64_t at : {std::uint64_t{u32_at(good, 12)}, table_at - 1, layer0 - 1, layer0_end, layer1 - 1}) {
     INFO("byte " << at);
     std::vector<std::byte> b = good;
-    b[at] = std::byte{0x80};
+    b[at] ^= std::byte{0x80};  // (a padding byte becomes 0x80; any other byte changes)
     write_file(bad, b);
     CHECK(read_layer<half>(bad, 0).first == kv_errc::file_corrupt);
   }
@@ -618,7 +623,7 @@ TEST_CASE("a load refuses another version, geometry, element type or model", "[p
 
   SECTION("a later format version") {
     std::vector<std::byte> b = read_file(f.file);
-    put_u32(b, 8, 3);
+    put_u32(b, 8, 4);
     write_file(f.file, b);
     check_refused(f, f.file, kv_errc::file_version_unsupported);
   }

@@ -25,11 +25,13 @@ class attention_pass {
   /// Checks the arguments against `width` (the snapshot's token width, 0
   /// for an empty snapshot), `stored` tokens and the layer's `window`
   /// (`outside_window` if a row attends a position it dropped), whose
-  /// tokens are keys alone if `keys_only` (the keys then serve as values);
-  /// then clears `out`.
+  /// tokens are keys alone if `keys_only` (the keys then serve as values),
+  /// stored in groups of `group` elements (`invalid_shape` unless a head's
+  /// keys and values are whole groups) and read times `scales` (fp8); then
+  /// clears `out`.
   std::error_code begin(const attention_shape& shape, std::size_t width, std::size_t stored, pending_tokens pending,
                         std::span<const float> queries, std::span<float> out, const window_view& window = {},
-                        bool keys_only = false) noexcept;
+                        bool keys_only = false, element_scales scales = {}, std::size_t group = 1) noexcept;
   /// After begin(): the first stored position past the sinks that a row
   /// attends (0 without a window). Positions in `[sinks, first_attended())`
   /// are attended by no row: they need not be added.
@@ -40,6 +42,9 @@ class attention_pass {
   void add(std::size_t first, std::size_t count, const float* keys, const float* values) noexcept;
   void add(std::size_t first, std::size_t count, const half* keys, const half* values) noexcept;
   void add(std::size_t first, std::size_t count, const bfloat16* keys, const bfloat16* values) noexcept;
+  void add(std::size_t first, std::size_t count, const q8_0* keys, const q8_0* values) noexcept;
+  void add(std::size_t first, std::size_t count, const q4_0* keys, const q4_0* values) noexcept;
+  void add(std::size_t first, std::size_t count, const fp8_e4m3* keys, const fp8_e4m3* values) noexcept;
   /// Attends the pending tokens (rounded to `T` first, as a write to a `T`
   /// cache stores them), then normalises the output.
   template <storage_element T>
@@ -59,6 +64,7 @@ class attention_pass {
 
   attention_shape shape_{};  // value_dim resolved (never 0)
   window_view window_{};
+  element_scales scales_{};
   bool keys_only_ = false;
   std::size_t first_attended_ = 0;
   stored_run held_runs_[runs_behind]{};
@@ -72,6 +78,9 @@ class attention_pass {
 extern template void attention_pass::finish<float>() noexcept;
 extern template void attention_pass::finish<half>() noexcept;
 extern template void attention_pass::finish<bfloat16>() noexcept;
+extern template void attention_pass::finish<q8_0>() noexcept;
+extern template void attention_pass::finish<q4_0>() noexcept;
+extern template void attention_pass::finish<fp8_e4m3>() noexcept;
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -75,6 +75,8 @@ class saved_sequence {
   virtual std::size_t rollback_tokens() const noexcept = 0;
   /// Its layout stores keys alone (`kv_model_layout::keys_only`).
   virtual bool keys_only() const noexcept = 0;
+  /// What its stored keys and values are multiplied by when read (fp8).
+  virtual element_scales scales() const noexcept = 0;
   /// Calls `to(context, run)` for every stored run of layer `layer`'s keys
   /// (or values) of tokens `[begin, end)`, in order.
   virtual void for_each_run(std::size_t layer, bool values, std::size_t begin, std::size_t end, sink to,
@@ -101,6 +103,10 @@ class typed_saved_sequence final : public saved_sequence {
   bool keys_only() const noexcept override {
     return snapshot_.num_layers() != 0 && snapshot_.layer(0).token_width() != 0 &&
            snapshot_.layer(0).value_width() == 0;
+  }
+  element_scales scales() const noexcept override {
+    if (snapshot_.num_layers() == 0) return {};
+    return {snapshot_.layer(0).key_scale(), snapshot_.layer(0).value_scale()};
   }
   void for_each_run(std::size_t layer, bool values, std::size_t begin, std::size_t end, sink to,
                     void* context) const override {

@@ -34,6 +34,13 @@ struct window_view {
   std::size_t kept_from = 0;
 };
 
+/// What an fp8 cache's stored keys and values are multiplied by when read
+/// (kv_cache_config::key_scale, value_scale); 1 for every other type.
+struct element_scales {
+  float key = 1.0f;
+  float value = 1.0f;
+};
+
 /// Asks the processor for the first cache lines of a run's keys and values,
 /// so the next block's streams are under way while the current one is
 /// read (a block starts two streams the hardware prefetcher has not seen).
@@ -69,7 +76,8 @@ class pinned_epoch {
         size_(other.size_),
         width_(other.width_),
         value_width_(other.value_width_),
-        window_(other.window_) {}
+        window_(other.window_),
+        scales_(other.scales_) {}
   pinned_epoch& operator=(pinned_epoch&& other) noexcept {
     if (this != &other) {
       close();
@@ -79,6 +87,7 @@ class pinned_epoch {
       width_ = other.width_;
       value_width_ = other.value_width_;
       window_ = other.window_;
+      scales_ = other.scales_;
     }
     return *this;
   }
@@ -95,6 +104,8 @@ class pinned_epoch {
   std::size_t value_width() const noexcept { return value_width_; }
   /// The layer's window and what it dropped.
   const window_view& window() const noexcept { return window_; }
+  /// What fp8 keys and values are multiplied by when read.
+  element_scales scales() const noexcept { return scales_; }
   /// See stored_runs(); the epoch must be pinned.
   std::size_t runs(std::size_t first, std::size_t end, std::span<stored_run> out) const noexcept {
     return stored_runs(*epoch_, first, end, out);
@@ -103,8 +114,14 @@ class pinned_epoch {
  private:
   friend struct epoch_access;
   pinned_epoch(const epoch* e, std::uint64_t number, std::size_t size, std::size_t width, std::size_t value_width,
-               window_view w) noexcept
-      : epoch_(e), number_(number), size_(size), width_(width), value_width_(value_width), window_(w) {}
+               window_view w, element_scales scales) noexcept
+      : epoch_(e),
+        number_(number),
+        size_(size),
+        width_(width),
+        value_width_(value_width),
+        window_(w),
+        scales_(scales) {}
   void close() noexcept {
     if (epoch_) unpin(*std::exchange(epoch_, nullptr));
   }
@@ -115,6 +132,7 @@ class pinned_epoch {
   std::size_t width_ = 0;
   std::size_t value_width_ = 0;
   window_view window_{};
+  element_scales scales_{};
 };
 
 }  // namespace detail
