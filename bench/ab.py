@@ -6,7 +6,9 @@
 For each of PAIRS pairs and each scenario, runs both binaries as separate
 processes (`--only S --runs 1 --impl ghostlink --json F`), base first in
 even pairs and new first in odd ones, and prints per figure the median of
-new/base (base/new where lower is better) and its spread.
+new/base (base/new where lower is better) and its spread. A figure is
+ghostlink's, or a named variant's where a scenario reports several (the
+element types of the quantized scenarios, say: `metric [q8_0]`).
 """
 import json
 import os
@@ -31,15 +33,16 @@ def main():
                     subprocess.run([exe, '--only', s, '--runs', '1', '--impl', 'ghostlink', '--json', out],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
                     for m in json.load(open(out))['metrics']:
-                        if 'ghostlink' in m['values']:
-                            key = (m['scenario'], m['metric'], m['higher_is_better'])
-                            values.setdefault(key, {})[name] = m['values']['ghostlink']
+                        for impl, value in m['values'].items():
+                            label = m['metric'] if impl == 'ghostlink' else f"{m['metric']} [{impl}]"
+                            key = (m['scenario'], label, m['higher_is_better'])
+                            values.setdefault(key, {})[name] = value
                 for key, v in values.items():
                     if v.get('base') and 'new' in v:
                         ratios.setdefault(key, []).append(v['new'] / v['base'] if key[2] else v['base'] / v['new'])
     for (scenario, metric, _), rs in ratios.items():
         rs.sort()
-        print(f'{scenario:18s} {metric[:60]:60s} median {statistics.median(rs):.3f} '
+        print(f'{scenario:24s} {metric[:64]:64s} median {statistics.median(rs):.3f} '
               f'spread {rs[0]:.3f}-{rs[-1]:.3f} n={len(rs)}')
 
 

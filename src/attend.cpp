@@ -53,6 +53,7 @@ constexpr std::size_t chunk_tokens = 64;
 /// One thread's scratch: kept between calls so a call does not allocate.
 struct scratch {
   std::vector<float> max, sum;        // per row and query head
+  std::vector<float> logits, factors;  // the AVX2 path's, per query head
   std::vector<float> wide_k, wide_v;  // the portable path's widened 16-bit chunk
   std::vector<std::uint16_t> pending_k, pending_v;  // pending tokens rounded to 16 bits
 };
@@ -140,17 +141,26 @@ void chunk_portable(const pass_args& a, const float* keys, const float* values, 
 // --- AVX2 + FMA + F16C -------------------------------------------------------
 
 #if GHOSTLINK_ATTEND_AVX2
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const half* p) {
+#define GHOSTLINK_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+GHOSTLINK_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+GHOSTLINK_AVX2 inline __m256 load8(const half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const bfloat16* p) {
+GHOSTLINK_AVX2 inline __m256 load8(const bfloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const fp8_e4m3* p) {
-  // S.EEEE.MMM -> the half S.0EEEE.MMM0000000 (value / 256), NaN kept NaN.
+/// Eight fp8 codes as their values / 256: S.EEEE.MMM sign-extended to 16
+/// bits and shifted left 7 is S.S.EEEE.MMM0000000; clearing bit 14 leaves
+/// the half S.0EEEE.MMM0000000. A NaN code becomes 1.875 * 2^-8 * sign:
+/// runs that hold one take load8_exact (attend_fp8_run checks).
+GHOSTLINK_AVX2 inline __m256 load8(const fp8_e4m3* p) {
+  const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+  return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16(static_cast<short>(0xbfff))));
+}
+/// As load8, a NaN code kept NaN (the half's exponent set to all ones).
+GHOSTLINK_AVX2 inline __m256 load8_exact(const fp8_e4m3* p) {
   const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m128i magnitude = _mm_and_si128(w, _mm_set1_epi16(0x7f));
   __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(magnitude, 7));
@@ -159,96 +169,164 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const fp8_e4m3* p) 
   return _mm256_cvtph_ps(h);
 }
 
-/// A q8_0 or q4_0 group's 32 elements as integers in floats (d not applied).
-__attribute__((target("avx2,fma,f16c"))) inline void widen_group(const q8_0& b, __m256 (&out)[4]) {
-  for (std::size_t j = 0; j < 4; ++j)
-    out[j] = _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs.data() + 8 * j))));
-}
-__attribute__((target("avx2,fma,f16c"))) inline void widen_group(const q4_0& b, __m256 (&out)[4]) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs.data()));
-  const __m128i low = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-  const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);                         // elements 0-15
-  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);      // elements 16-31
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+/// load8, or (Exact, fp8) load8_exact.
+template <bool Exact, class T>
+GHOSTLINK_AVX2 inline __m256 load8_as(const T* p) {
+  if constexpr (Exact && std::is_same_v<T, fp8_e4m3>)
+    return load8_exact(p);
+  else
+    return load8(p);
 }
 
-__attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 acc) {
+/// Whether any of `n` fp8 codes is a NaN (S.1111.111).
+GHOSTLINK_AVX2 inline bool has_nan(const fp8_e4m3* p, std::size_t n) {
+  const __m256i high = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi8(-1);
+  __m256i any = _mm256_setzero_si256();
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi8(_mm256_or_si256(x, high), ones));
+  }
+  if (!_mm256_testz_si256(any, any)) return true;
+  for (; i < n; ++i)
+    if ((p[i].bits & 0x7fu) == 0x7fu) return true;
+  return false;
+}
+
+/// Four vectors: a group's 32 elements.
+struct group8x4 {
+  __m256 a, b, c, d;
+};
+GHOSTLINK_AVX2 inline __m256 widen8(const std::int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+/// A q8_0 or q4_0 group's 32 elements as integers in floats (d not applied).
+GHOSTLINK_AVX2 inline group8x4 widen_group(const q8_0& g) {
+  const std::int8_t* p = g.qs.data();
+  return {widen8(p), widen8(p + 8), widen8(p + 16), widen8(p + 24)};
+}
+GHOSTLINK_AVX2 inline group8x4 widen_group(const q4_0& g) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g.qs.data()));
+  const __m128i low = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);                     // elements 0-15
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);  // elements 16-31
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)))};
+}
+
+GHOSTLINK_AVX2 inline float hsum(__m256 acc) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-/// q . k over a head of groups: per group d * (q . qs).
-template <class T>
-  requires(elements_per<T> != 1)
-__attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, const T* k, std::size_t dim) {
-  __m256 acc = _mm256_setzero_ps();
-  for (std::size_t g = 0; g < dim / T::elements; ++g, q += T::elements) {
-    __m256 x[4];
-    widen_group(k[g], x);
-    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), x[0]);
-    s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), x[1], s);
-    s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), x[2], s);
-    s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), x[3], s);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(k[g].d.bits)), s, acc);
+/// q . k over a head.
+template <class T, bool Exact = false>
+GHOSTLINK_AVX2 inline float dot_avx2(const float* q, const T* k, std::size_t dim) {
+  if constexpr (elements_per<T> != 1) {  // per group d * (q . qs)
+    __m256 acc = _mm256_setzero_ps();
+    for (std::size_t g = 0; g < dim / T::elements; ++g, q += T::elements) {
+      const group8x4 x = widen_group(k[g]);
+      __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), x.a);
+      s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), x.b, s);
+      s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), x.c, s);
+      s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), x.d, s);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(k[g].d.bits)), s, acc);
+    }
+    return hsum(acc);
+  } else {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    std::size_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_as<Exact>(k + i), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8_as<Exact>(k + i + 8), acc1);
+    }
+    if (i < dim) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_as<Exact>(k + i), acc0);
+    return hsum(_mm256_add_ps(acc0, acc1));
   }
-  return hsum(acc);
 }
 
 /// o += w * v over a head's first vdim elements.
-template <class T>
-__attribute__((target("avx2,fma,f16c"))) inline void axpy_avx2(float w, const T* v, float* o, std::size_t vdim) {
+template <class T, bool Exact = false>
+GHOSTLINK_AVX2 inline void axpy_avx2(float w, const T* v, float* o, std::size_t vdim) {
   if constexpr (elements_per<T> != 1) {
     for (std::size_t g = 0; g < vdim / T::elements; ++g, o += T::elements) {
-      __m256 x[4];
-      widen_group(v[g], x);
+      const group8x4 x = widen_group(v[g]);
       const __m256 wd = _mm256_set1_ps(w * _cvtsh_ss(v[g].d.bits));
-      for (std::size_t j = 0; j < 4; ++j)
-        _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(wd, x[j], _mm256_loadu_ps(o + 8 * j)));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(wd, x.a, _mm256_loadu_ps(o)));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(wd, x.b, _mm256_loadu_ps(o + 8)));
+      _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(wd, x.c, _mm256_loadu_ps(o + 16)));
+      _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(wd, x.d, _mm256_loadu_ps(o + 24)));
     }
   } else {
     const __m256 ws = _mm256_set1_ps(w);
     for (std::size_t i = 0; i < vdim; i += 8)
-      _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ws, load8(v + i), _mm256_loadu_ps(o + i)));
+      _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ws, load8_as<Exact>(v + i), _mm256_loadu_ps(o + i)));
   }
 }
 
-template <class T>
-  requires(elements_per<T> == 1)
-__attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const float* q, const T* k, std::size_t dim) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  std::size_t i = 0;
-  for (; i + 16 <= dim; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), acc1);
-  }
-  if (i < dim) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
+/// e^x for each lane, within 2 ulp of expf (Cephes' expf: x = n ln2 + r,
+/// a degree-6 polynomial in r, times 2^n); exactly 1 at 0, NaN for NaN,
+/// about 5.9e-39 instead of 0 for x below -88.37.
+GHOSTLINK_AVX2 inline __m256 exp8(__m256 x) {
+  // NaN passes: max/min return their second operand when either is NaN.
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
-template <class T>
-__attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const pass_args& a, const T* keys, const T* values,
-                                                         std::size_t n, const float* q, float* o, float* max,
-                                                         float* sum, const stored_run& ahead, std::size_t at) {
+/// One chunk's tokens, each read once: per token every head's logit, then
+/// every eight heads' weights at once (the running maxima, sums and the
+/// factors their outputs are rescaled by, with two vector exps), then every
+/// head's values. `logits` and `factors` hold the query heads' (scratch).
+template <class T, bool Exact = false>
+GHOSTLINK_AVX2 void chunk_avx2(const pass_args& a, const T* keys, const T* values, std::size_t n, const float* q,
+                               float* o, float* max, float* sum, const stored_run& ahead, std::size_t at, float* logits,
+                               float* factors) {
   // Fixed for the call: locals, so the loops' bounds stay in registers.
   const std::size_t heads = a.kv_heads * a.group, dim = a.dim, vdim = a.vdim, group = a.group, width = a.width;
+  const std::size_t vectors = heads / 8 * 8;  // heads weighed eight at a time; the rest one by one
   const float scale = a.scale;
   for (std::size_t t = 0; t < n; ++t) {
     prefetch_token(ahead, at + t, a.token_bytes);
-    for (std::size_t h = 0; h < heads; ++h) {
-      const std::size_t kv = (t * width + h / group * dim) / elements_per<T>;  // stored Ts
-      float* oh = o + h * vdim;
+    const std::size_t token = t * width;
+    for (std::size_t h = 0; h < heads; ++h)
+      logits[h] = dot_avx2<T, Exact>(q + h * dim, keys + (token + h / group * dim) / elements_per<T>, dim) * scale;
+    for (std::size_t h = 0; h < vectors; h += 8) {
+      const __m256 l = _mm256_loadu_ps(logits + h), m = _mm256_loadu_ps(max + h);
+      const __m256 top = _mm256_max_ps(m, l);  // l where either is NaN
+      const __m256 f = exp8(_mm256_sub_ps(m, top)), w = exp8(_mm256_sub_ps(l, top));
+      _mm256_storeu_ps(max + h, top);
+      _mm256_storeu_ps(sum + h, _mm256_fmadd_ps(_mm256_loadu_ps(sum + h), f, w));
+      _mm256_storeu_ps(logits + h, w);
+      _mm256_storeu_ps(factors + h, f);
+    }
+    for (std::size_t h = vectors; h < heads; ++h) {
       float w;
-      if (const float f = weigh(dot_avx2(q + h * dim, keys + kv, dim) * scale, max[h], sum[h], w); f != 1.0f) {
+      factors[h] = weigh(logits[h], max[h], sum[h], w);
+      logits[h] = w;
+    }
+    for (std::size_t h = 0; h < heads; ++h) {
+      float* oh = o + h * vdim;
+      if (const float f = factors[h]; f != 1.0f) {
         const __m256 fs = _mm256_set1_ps(f);
         for (std::size_t i = 0; i < vdim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
       }
-      axpy_avx2(w, values + kv, oh, vdim);
+      axpy_avx2<T, Exact>(logits[h], values + (token + h / group * dim) / elements_per<T>, oh, vdim);
     }
   }
 }
@@ -314,6 +392,12 @@ void add_run(const attention_shape& shape, const window_view& window, std::size_
                     shape.value_dim};
   const std::size_t row_width = shape.query_heads * shape.head_dim, out_width = shape.query_heads * shape.value_dim;
   scratch& s = tls;
+  // An fp8 run holding a NaN code takes the exact loads (see load8).
+  bool nan_codes = false;
+#if GHOSTLINK_ATTEND_AVX2
+  if constexpr (std::is_same_v<T, fp8_e4m3>)
+    nan_codes = simd && (has_nan(keys, count * width) || (values != keys && has_nan(values, count * width)));
+#endif
   stored_run fetch = ahead;  // by the first row that reads the run
   for (std::size_t r = 0; r < rows; ++r) {
     const float* q = queries + r * row_width;
@@ -335,7 +419,10 @@ void add_run(const attention_shape& shape, const window_view& window, std::size_
         const T* v = values + (skip + c) * a.width / per;
 #if GHOSTLINK_ATTEND_AVX2
         if (simd) {
-          chunk_avx2(a, k, v, cn, q, o, max, sum, fetch, c);
+          if (nan_codes)
+            chunk_avx2<T, true>(a, k, v, cn, q, o, max, sum, fetch, c, s.logits.data(), s.factors.data());
+          else
+            chunk_avx2<T>(a, k, v, cn, q, o, max, sum, fetch, c, s.logits.data(), s.factors.data());
           continue;
         }
 #endif
@@ -387,6 +474,8 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
     const std::size_t heads = rows * shape.query_heads;
     s.max.assign(heads, -INFINITY);
     s.sum.assign(heads, 0.0f);
+    s.logits.resize(std::max(s.logits.size(), shape.query_heads));
+    s.factors.resize(s.logits.size());
     s.wide_k.resize(std::max(s.wide_k.size(), chunk_tokens * kv_width));
     s.wide_v.resize(s.wide_k.size());
     s.pending_k.resize(std::max(s.pending_k.size(), pending.keys.size()));

@@ -81,13 +81,16 @@ struct kv_attach_options {
 ///     root = SHA-256("ghostlink-prefix-v1" || u64(len(model)) || model
 ///                    || u64(len(salt)) || salt || u64(num_layers)
 ///                    || u64(num_heads) || u64(head_dim) || u64(B)
-///                    || u8(element: 0 float, 1 half, 2 bfloat16))
+///                    || u8(element: 0 float, 1 half, 2 bfloat16,
+///                          3 q8_0, 4 q4_0, 5 fp8_e4m3)
+///                    [|| f32(key_scale) || f32(value_scale): fp8_e4m3 only])
 ///     h[0] = SHA-256(root   || i32(t[0])   || ... || i32(t[B-1]))
 ///     h[i] = SHA-256(h[i-1] || i32(t[i*B]) || ... || i32(t[i*B+B-1]))
 ///
 /// Only full blocks have a hash. The salt separates tenants (vLLM's
-/// `cache_salt`): two salts never share an entry, nor do two models or two
-/// geometries. SHA-256 is OpenSSL's (libcrypto), which uses the processor's
+/// `cache_salt`): two salts never share an entry, nor do two models, two
+/// geometries, two element types or two fp8 caches of other scales (an fp8
+/// block's bytes mean `scale * code`: its scales are part of what it is). SHA-256 is OpenSSL's (libcrypto), which uses the processor's
 /// SHA instructions where it has them.
 ///
 /// **Eviction.** An entry is idle when nothing but the prefix cache

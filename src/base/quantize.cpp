@@ -12,6 +12,7 @@
 #include <span>
 #include "ghostlink/detail/flavour.hpp"
 
+#include "base/quantize.hpp"
 #include "ghostlink/element.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -104,22 +105,32 @@ void widen(const fp8_e4m3* src, std::size_t n, float* dst, float scale) noexcept
   }
 }
 
-void narrow(const float* src, std::size_t n, q8_0* dst) noexcept {
+void narrow_portable(const float* src, std::size_t n, q8_0* dst) noexcept {
   for (std::size_t g = 0; g < n / q8_0::elements; ++g)
     dst[g] = q8_0::quantize(std::span<const float, q8_0::elements>(src + g * q8_0::elements, q8_0::elements));
 }
 
-void narrow(const float* src, std::size_t n, q4_0* dst) noexcept {
+void narrow_portable(const float* src, std::size_t n, q4_0* dst) noexcept {
   for (std::size_t g = 0; g < n / q4_0::elements; ++g)
     dst[g] = q4_0::quantize(std::span<const float, q4_0::elements>(src + g * q4_0::elements, q4_0::elements));
 }
 
-void narrow(const float* src, std::size_t n, fp8_e4m3* dst, float scale) noexcept {
+void narrow_portable(const float* src, std::size_t n, fp8_e4m3* dst, float scale) noexcept {
   if (scale == 1.0f) {
     for (std::size_t i = 0; i < n; ++i) dst[i] = fp8_e4m3(src[i]);
   } else {
     for (std::size_t i = 0; i < n; ++i) dst[i] = fp8_e4m3(src[i] / scale);
   }
+}
+
+void narrow(const float* src, std::size_t n, q8_0* dst) noexcept {
+  if (!narrow_avx2(src, n, dst)) narrow_portable(src, n, dst);
+}
+void narrow(const float* src, std::size_t n, q4_0* dst) noexcept {
+  if (!narrow_avx2(src, n, dst)) narrow_portable(src, n, dst);
+}
+void narrow(const float* src, std::size_t n, fp8_e4m3* dst, float scale) noexcept {
+  if (!narrow_avx2(src, n, dst, scale)) narrow_portable(src, n, dst, scale);
 }
 
 }  // namespace detail

@@ -59,8 +59,8 @@ void put_u64(std::vector<std::byte>& bytes, std::size_t at, std::uint64_t v) {
 }
 std::uint64_t round_up(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
 
-/// The format version 1 file of what the version 2 file `v2` (of a full
-/// layout) holds: the same header (version 1, its offsets and length
+/// The format version 1 file of what the version 2 or 3 file `v2` (of a
+/// full layout) holds: the same header (version 1, its offsets and length
 /// moved), token ids and layers, without the layout section, each
 /// checksum made again (docs/FORMAT.md, version 1).
 std::vector<std::byte> as_version_1(const std::vector<std::byte>& v2) {
@@ -83,6 +83,37 @@ std::vector<std::byte> as_version_1(const std::vector<std::byte>& v2) {
   }
   put_u64(v1, table_v1 + 24 * num_layers, ghostlink::detail::xxh3_64(std::span(v1).subspan(table_v1, 24 * num_layers)));
   return v1;
+}
+
+/// The format version 2 file of what the version 3 file `v3` holds: the
+/// layout section without the scales (16 fixed bytes, not 24), the table
+/// and the layers moved up to follow it, every offset and checksum made
+/// again (docs/FORMAT.md, version 2).
+std::vector<std::byte> as_version_2(const std::vector<std::byte>& v3) {
+  const std::size_t header_bytes = u32_at(v3, 12), num_layers = u64_at(v3, 24), tokens = u64_at(v3, 56);
+  const std::uint64_t tokens_at = u64_at(v3, 64), table_at = u64_at(v3, 72);
+  const std::uint64_t layout_at = round_up(tokens_at + 4 * tokens + 8, 8);
+  const std::uint64_t layout_v2 = 16 + 24 * num_layers;  // the section's bytes before its checksum
+  const std::uint64_t table_v2 = round_up(layout_at + layout_v2 + 8, 8);
+  const std::uint64_t first_v3 = round_up(table_at + 24 * num_layers + 8, 64);
+  const std::uint64_t first_v2 = round_up(table_v2 + 24 * num_layers + 8, 64), shift = first_v3 - first_v2;
+  std::vector<std::byte> v2(v3.begin(), v3.begin() + static_cast<std::ptrdiff_t>(layout_at + 16));
+  v2.insert(v2.end(), v3.begin() + static_cast<std::ptrdiff_t>(layout_at + 24),
+            v3.begin() + static_cast<std::ptrdiff_t>(layout_at + 24 + 24 * num_layers));
+  v2.resize(first_v2);  // zeros: the checksums, the table and the padding, filled below
+  v2.insert(v2.end(), v3.begin() + static_cast<std::ptrdiff_t>(first_v3), v3.end());
+  put_u64(v2, layout_at + layout_v2, ghostlink::detail::xxh3_64(std::span(v2).subspan(layout_at, layout_v2)));
+  for (std::size_t l = 0; l < num_layers; ++l) {
+    std::copy_n(v3.begin() + static_cast<std::ptrdiff_t>(table_at + 24 * l), 24,
+                v2.begin() + static_cast<std::ptrdiff_t>(table_v2 + 24 * l));
+    put_u64(v2, table_v2 + 24 * l, u64_at(v3, table_at + 24 * l) - shift);
+  }
+  put_u64(v2, table_v2 + 24 * num_layers, ghostlink::detail::xxh3_64(std::span(v2).subspan(table_v2, 24 * num_layers)));
+  put_u32(v2, 8, 2);
+  put_u64(v2, 72, table_v2);
+  put_u64(v2, 80, v2.size());
+  put_u64(v2, header_bytes - 8, ghostlink::detail::xxh3_64(std::span(v2).first(header_bytes - 8)));
+  return v2;
 }
 
 /// The test geometry: 3 layers of 2 heads * 4 dims, blocks of 4 tokens.
@@ -466,6 +497,31 @@ TEST_CASE("a file of format version 1 loads as a full layout, bit for bit", "[pe
   const auto [layer_ec, layer] = read_layer<half>(old, 1);
   CHECK_FALSE(layer_ec);
   CHECK(layer.end == 9);
+}
+
+TEST_CASE("a file of format version 2 (no scales) loads bit for bit, its layout and scales 1", "[persist]") {
+  fixture<half> f;
+  f.append(9);
+  const auto before = f.seq.snapshot();
+  REQUIRE_FALSE(f.save());
+  const std::vector<std::byte> v3 = read_file(f.file);
+  const std::vector<std::byte> v2 = as_version_2(v3);
+  CHECK(v2.size() <= v3.size());
+  const fs::path old = f.dir.path / "version2.glkv";
+  write_file(old, v2);
+  const loaded<half> got = load<half>(f.threads, old, f.pool);
+  REQUIRE_FALSE(got.ec);
+  CHECK(got.seq.layout() == kv_model_layout::full(layers));
+  CHECK(ghostlink::test::observe(got.seq) == ghostlink::test::observe(f.seq));
+  CHECK(got.ids == before.token_ids());
+  const auto [layer_ec, layer] = read_layer<half>(old, 2);
+  CHECK_FALSE(layer_ec);
+  CHECK(layer.end == 9);
+  // A version 2 file stands for scales 1: an fp8 expectation of other
+  // scales would refuse it, and a half file's scales are 1 anyway.
+  kv_cache_config scaled = test_config();
+  scaled.key_scale = 2.0f;
+  check_refused(f, old, kv_errc::invalid_config, expectation(scaled));
 }
 
 TEST_CASE("one layer reads alone through the offset table", "[persist]") {

@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 
-def block_hashes(model, salt, layers, heads, dim, bt, element, tokens):
+def block_hashes(model, salt, layers, heads, dim, bt, element, scales, tokens):
     u64 = lambda v: struct.pack('<Q', v)
-    h = hashlib.sha256(b'ghostlink-prefix-v1' + u64(len(model)) + model + u64(len(salt)) + salt
-                       + u64(layers) + u64(heads) + u64(dim) + u64(bt) + bytes([element])).digest()
+    root = (b'ghostlink-prefix-v1' + u64(len(model)) + model + u64(len(salt)) + salt
+            + u64(layers) + u64(heads) + u64(dim) + u64(bt) + bytes([element]))
+    if element == 5:  # fp8_e4m3: its scales are part of what its blocks are
+        root += struct.pack('<ff', *scales)
+    h = hashlib.sha256(root).digest()
     out = []
     for b in range(len(tokens) // bt):
         h = hashlib.sha256(h + struct.pack('<%di' % bt, *tokens[b * bt:(b + 1) * bt])).digest()
@@ -21,19 +24,26 @@ def block_hashes(model, salt, layers, heads, dim, bt, element, tokens):
 
 def main():
     rng = random.Random(2026)
-    cases = [(b'', b'', 32, 8, 128, 16, 0, list(range(100))),
-             (b'llama-3-8b@main', b'tenant \xff', 2, 4, 64, 4, 1, [-1, 0, 2**31 - 1, -2**31] * 5),
-             (b'm', b'', 1, 1, 1, 1, 2, [7, 8, 9])]
-    for _ in range(20):
+    one = (1.0, 1.0)
+    cases = [(b'', b'', 32, 8, 128, 16, 0, one, list(range(100))),
+             (b'llama-3-8b@main', b'tenant \xff', 2, 4, 64, 4, 1, one, [-1, 0, 2**31 - 1, -2**31] * 5),
+             (b'm', b'', 1, 1, 1, 1, 2, one, [7, 8, 9]),
+             (b'q', b'', 4, 8, 128, 16, 3, one, list(range(40))),
+             (b'q', b'', 4, 8, 128, 16, 4, one, list(range(40))),
+             (b'q', b'', 4, 8, 128, 16, 5, one, list(range(40))),
+             (b'q', b'', 4, 8, 128, 16, 5, (0.5, 3.75), list(range(40)))]
+    for _ in range(30):
         bt = rng.choice([1, 2, 4, 16, 32])
         tokens = [rng.randrange(-2**31, 2**31) for _ in range(rng.randrange(0, 5 * bt + 3))]
         model = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 12)))
         salt = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 12)))
-        cases.append((model, salt, rng.randrange(1, 40), rng.choice([1, 2, 8]), rng.choice([4, 64, 128]), bt,
-                      rng.randrange(3), tokens))
+        element = rng.randrange(6)
+        dim = rng.choice([64, 128] if element in (3, 4) else [4, 64, 128])  # whole groups of 32
+        scales = (rng.choice([0.25, 1.0, 1.5, 448.0]), rng.choice([0.125, 1.0, 3.0])) if element == 5 else one
+        cases.append((model, salt, rng.randrange(1, 40), rng.choice([1, 2, 8]), dim, bt, element, scales, tokens))
     hexs = lambda s: s.hex() if s else '-'
-    lines = ['%s %s %d %d %d %d %d %s' % (hexs(m), hexs(s), l, h, d, bt, e, ','.join(map(str, t)))
-             for m, s, l, h, d, bt, e, t in cases]
+    lines = ['%s %s %d %d %d %d %d %r %r %s' % (hexs(m), hexs(s), l, h, d, bt, e, sc[0], sc[1], ','.join(map(str, t)))
+             for m, s, l, h, d, bt, e, sc, t in cases]
     got = subprocess.run([sys.argv[1]], input='\n'.join(lines) + '\n', capture_output=True, text=True,
                          check=True).stdout.split('\n')
     failures = 0
@@ -42,7 +52,7 @@ def main():
         if got[i] != want:
             failures += 1
             print('case %d differs:\n  ghostlink %s\n  hashlib   %s' % (i, got[i], want))
-    blocks = sum(len(c[7]) // c[5] for c in cases)
+    blocks = sum(len(c[8]) // c[5] for c in cases)
     print('%d cases, %d block hashes compared, %d differ' % (len(cases), blocks, failures))
     return 1 if failures or blocks == 0 else 0
 

@@ -1,5 +1,6 @@
 // Prints block_hashes() for cases read from standard input, one per line:
-//   <model hex> <salt hex> <layers> <heads> <head_dim> <block_tokens> <element 0|1|2> <t0,t1,...>
+//   <model hex> <salt hex> <layers> <heads> <head_dim> <block_tokens> <element 0-5> <key_scale> <value_scale>
+//   <t0,t1,...>
 // (strings hex-encoded, so any byte may be in them; "-" for an empty one),
 // as one line of space-separated hex digests each. check_hash.py computes
 // the same from the definition with hashlib and compares.
@@ -39,14 +40,21 @@ int main() {
     std::string model, salt, list;
     std::size_t layers = 0, element = 0;
     ghostlink::kv_cache_config c;
-    in >> model >> salt >> layers >> c.num_heads >> c.head_dim >> c.block_tokens >> element >> list;
+    in >> model >> salt >> layers >> c.num_heads >> c.head_dim >> c.block_tokens >> element >> c.key_scale >>
+        c.value_scale >> list;
     std::vector<ghostlink::token_id> tokens;
     std::istringstream items(list);
     for (std::string item; std::getline(items, item, ',');) tokens.push_back(std::stoi(item));
-    const std::vector<ghostlink::kv_block_hash> h =
-        element == 0   ? hashes<float>(layers, c, unhex(model), unhex(salt), tokens)
-        : element == 1 ? hashes<ghostlink::half>(layers, c, unhex(model), unhex(salt), tokens)
-                       : hashes<ghostlink::bfloat16>(layers, c, unhex(model), unhex(salt), tokens);
+    const std::string m = unhex(model), s = unhex(salt);
+    std::vector<ghostlink::kv_block_hash> h;
+    switch (element) {
+      case 0: h = hashes<float>(layers, c, m, s, tokens); break;
+      case 1: h = hashes<ghostlink::half>(layers, c, m, s, tokens); break;
+      case 2: h = hashes<ghostlink::bfloat16>(layers, c, m, s, tokens); break;
+      case 3: h = hashes<ghostlink::q8_0>(layers, c, m, s, tokens); break;
+      case 4: h = hashes<ghostlink::q4_0>(layers, c, m, s, tokens); break;
+      default: h = hashes<ghostlink::fp8_e4m3>(layers, c, m, s, tokens); break;
+    }
     for (std::size_t i = 0; i < h.size(); ++i) std::cout << (i ? " " : "") << h[i].hex();
     std::cout << '\n';
   }
