@@ -463,6 +463,43 @@ TEMPLATE_TEST_CASE("attend over a windowed quantized layer equals attend over it
   CHECK(diff_close(out, attend_floats(head.keys, head.values, q, s)) == "");
 }
 
+// The AVX2 path widens fp8 codes through half, which turns a NaN code into
+// a number; a run holding one takes exact loads. Either way attend gives
+// NaN exactly where attending the dequantized floats does: a NaN key makes
+// its query head's output NaN, a NaN value its own output lane.
+TEST_CASE("attend over fp8 codes that hold a NaN gives NaN where attend over their floats does",
+          "[quantized][attend]") {
+  const attention_shape s{.query_heads = 4, .kv_heads = 2, .head_dim = 64};
+  const std::size_t width = s.kv_heads * s.head_dim, tokens = 40;
+  const std::vector<float> q = noise(s.query_heads * s.head_dim, 11, 1.0f);
+  for (const bool in_keys : {false, true}) {
+    INFO((in_keys ? "a NaN key" : "a NaN value"));
+    std::vector<fp8_e4m3> k(tokens * width), v(tokens * width);
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      k[i] = fp8_e4m3(std::sin(float(i)) * 3.0f);
+      v[i] = fp8_e4m3(std::cos(float(i)) * 2.0f);
+    }
+    // Token 17, KV head 1, element 5: a NaN code (S.1111.111).
+    (in_keys ? k : v)[17 * width + s.head_dim + 5] = fp8_e4m3::from_bits(0x7f);
+    std::vector<float> kf(k.size()), vf(v.size());
+    convert<float, fp8_e4m3>(k, kf.data());
+    convert<float, fp8_e4m3>(v, vf.data());
+    std::vector<float> got(q.size()), want(q.size());
+    REQUIRE_FALSE(attend(std::span<const fp8_e4m3>(k), std::span<const fp8_e4m3>(v), q, got, s));
+    REQUIRE_FALSE(attend(std::span<const float>(kf), std::span<const float>(vf), q, want, s));
+    std::size_t nans = 0, differ = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      nans += std::isnan(want[i]) ? 1 : 0;
+      if (std::isnan(got[i]) != std::isnan(want[i]) ||
+          (!std::isnan(want[i]) && std::abs(got[i] - want[i]) > 1e-5f * (1.0f + std::abs(want[i]))))
+        ++differ;
+    }
+    // A key: query heads 2 and 3 (KV head 1) all NaN; a value: lane 5 of them.
+    CHECK(nans == (in_keys ? 2 * s.head_dim : 2));
+    CHECK(differ == 0);
+  }
+}
+
 TEST_CASE("attend over q8_0 or q4_0 spans whose head_dim is not a multiple of 32 is invalid_shape",
           "[quantized][attend]") {
   for (const attention_shape s : {attention_shape{.query_heads = 2, .kv_heads = 2, .head_dim = 16},
