@@ -53,7 +53,7 @@ constexpr std::size_t chunk_tokens = 64;
 /// One thread's scratch: kept between calls so a call does not allocate.
 struct scratch {
   std::vector<float> max, sum;        // per row and query head
-  std::vector<float> logits, factors;  // the AVX2 path's, per query head of two tokens
+  std::vector<float> logits, factors;  // the AVX2 path's, per query head
   std::vector<float> wide_k, wide_v;  // the portable path's widened 16-bit chunk
   std::vector<std::uint16_t> pending_k, pending_v;  // pending tokens rounded to 16 bits
 };
@@ -223,57 +223,17 @@ GHOSTLINK_AVX2 inline float hsum(__m256 acc) {
   return _mm_cvtss_f32(s);
 }
 
-/// Two tokens' keys of one head against one query head: q . k0 and
-/// q . k1 in one pass (the query read once, two chains in flight).
-template <class T, bool Exact = false>
-GHOSTLINK_AVX2 inline void dot2_avx2(const float* q, const T* k0, const T* k1, std::size_t dim, float& out0,
-                                     float& out1) {
-  if constexpr (elements_per<T> != 1) {  // per group d * (q . qs)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (std::size_t g = 0; g < dim / T::elements; ++g, q += T::elements) {
-      const __m256 qa = _mm256_loadu_ps(q), qb = _mm256_loadu_ps(q + 8), qc = _mm256_loadu_ps(q + 16),
-                   qd = _mm256_loadu_ps(q + 24);
-      const group8x4 x = widen_group(k0[g]);
-      const __m256 s0 = _mm256_add_ps(_mm256_fmadd_ps(qa, x.a, _mm256_mul_ps(qb, x.b)),
-                                      _mm256_fmadd_ps(qc, x.c, _mm256_mul_ps(qd, x.d)));
-      acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(k0[g].d.bits)), s0, acc0);
-      const group8x4 y = widen_group(k1[g]);
-      const __m256 s1 = _mm256_add_ps(_mm256_fmadd_ps(qa, y.a, _mm256_mul_ps(qb, y.b)),
-                                      _mm256_fmadd_ps(qc, y.c, _mm256_mul_ps(qd, y.d)));
-      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(k1[g].d.bits)), s1, acc1);
-    }
-    out0 = hsum(acc0);
-    out1 = hsum(acc1);
-  } else {
-    __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    std::size_t i = 0;
-    for (; i + 16 <= dim; i += 16) {
-      const __m256 qa = _mm256_loadu_ps(q + i), qb = _mm256_loadu_ps(q + i + 8);
-      a0 = _mm256_fmadd_ps(qa, load8_as<Exact>(k0 + i), a0);
-      b0 = _mm256_fmadd_ps(qb, load8_as<Exact>(k0 + i + 8), b0);
-      a1 = _mm256_fmadd_ps(qa, load8_as<Exact>(k1 + i), a1);
-      b1 = _mm256_fmadd_ps(qb, load8_as<Exact>(k1 + i + 8), b1);
-    }
-    if (i < dim) {
-      const __m256 qa = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qa, load8_as<Exact>(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qa, load8_as<Exact>(k1 + i), a1);
-    }
-    out0 = hsum(_mm256_add_ps(a0, b0));
-    out1 = hsum(_mm256_add_ps(a1, b1));
-  }
-}
-
-/// q . k over a head (one token: dot2_avx2 against itself, once).
+/// q . k over a head.
 template <class T, bool Exact = false>
 GHOSTLINK_AVX2 inline float dot_avx2(const float* q, const T* k, std::size_t dim) {
-  if constexpr (elements_per<T> != 1) {
+  if constexpr (elements_per<T> != 1) {  // per group d * (q . qs)
     __m256 acc = _mm256_setzero_ps();
     for (std::size_t g = 0; g < dim / T::elements; ++g, q += T::elements) {
       const group8x4 x = widen_group(k[g]);
-      const __m256 s =
-          _mm256_add_ps(_mm256_fmadd_ps(_mm256_loadu_ps(q), x.a, _mm256_mul_ps(_mm256_loadu_ps(q + 8), x.b)),
-                        _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), x.c, _mm256_mul_ps(_mm256_loadu_ps(q + 24), x.d)));
+      __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), x.a);
+      s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), x.b, s);
+      s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), x.c, s);
+      s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), x.d, s);
       acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(k[g].d.bits)), s, acc);
     }
     return hsum(acc);
@@ -289,47 +249,22 @@ GHOSTLINK_AVX2 inline float dot_avx2(const float* q, const T* k, std::size_t dim
   }
 }
 
-/// o = o * f + w0 * v0 + w1 * v1 over a head's first vdim elements (v1
-/// null: one token), f applied only when it is not 1.
+/// o += w * v over a head's first vdim elements.
 template <class T, bool Exact = false>
-GHOSTLINK_AVX2 inline void axpy_avx2(float f, float w0, const T* v0, float w1, const T* v1, float* o,
-                                     std::size_t vdim) {
-  if (f != 1.0f) {
-    const __m256 fs = _mm256_set1_ps(f);
-    for (std::size_t i = 0; i < vdim; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(fs, _mm256_loadu_ps(o + i)));
-  }
+GHOSTLINK_AVX2 inline void axpy_avx2(float w, const T* v, float* o, std::size_t vdim) {
   if constexpr (elements_per<T> != 1) {
     for (std::size_t g = 0; g < vdim / T::elements; ++g, o += T::elements) {
-      const group8x4 x = widen_group(v0[g]);
-      const __m256 wd = _mm256_set1_ps(w0 * _cvtsh_ss(v0[g].d.bits));
-      __m256 oa = _mm256_fmadd_ps(wd, x.a, _mm256_loadu_ps(o)), ob = _mm256_fmadd_ps(wd, x.b, _mm256_loadu_ps(o + 8));
-      __m256 oc = _mm256_fmadd_ps(wd, x.c, _mm256_loadu_ps(o + 16)),
-             od = _mm256_fmadd_ps(wd, x.d, _mm256_loadu_ps(o + 24));
-      if (v1 != nullptr) {
-        const group8x4 y = widen_group(v1[g]);
-        const __m256 wd1 = _mm256_set1_ps(w1 * _cvtsh_ss(v1[g].d.bits));
-        oa = _mm256_fmadd_ps(wd1, y.a, oa);
-        ob = _mm256_fmadd_ps(wd1, y.b, ob);
-        oc = _mm256_fmadd_ps(wd1, y.c, oc);
-        od = _mm256_fmadd_ps(wd1, y.d, od);
-      }
-      _mm256_storeu_ps(o, oa);
-      _mm256_storeu_ps(o + 8, ob);
-      _mm256_storeu_ps(o + 16, oc);
-      _mm256_storeu_ps(o + 24, od);
+      const group8x4 x = widen_group(v[g]);
+      const __m256 wd = _mm256_set1_ps(w * _cvtsh_ss(v[g].d.bits));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(wd, x.a, _mm256_loadu_ps(o)));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(wd, x.b, _mm256_loadu_ps(o + 8)));
+      _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(wd, x.c, _mm256_loadu_ps(o + 16)));
+      _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(wd, x.d, _mm256_loadu_ps(o + 24)));
     }
   } else {
-    const __m256 ws0 = _mm256_set1_ps(w0);
-    if (v1 == nullptr) {
-      for (std::size_t i = 0; i < vdim; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ws0, load8_as<Exact>(v0 + i), _mm256_loadu_ps(o + i)));
-      return;
-    }
-    const __m256 ws1 = _mm256_set1_ps(w1);
-    for (std::size_t i = 0; i < vdim; i += 8) {
-      const __m256 x = _mm256_fmadd_ps(ws0, load8_as<Exact>(v0 + i), _mm256_loadu_ps(o + i));
-      _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ws1, load8_as<Exact>(v1 + i), x));
-    }
+    const __m256 ws = _mm256_set1_ps(w);
+    for (std::size_t i = 0; i < vdim; i += 8)
+      _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ws, load8_as<Exact>(v + i), _mm256_loadu_ps(o + i)));
   }
 }
 
@@ -354,68 +289,44 @@ GHOSTLINK_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
-/// The weights of `heads` heads' logits (in place) and the factors their
-/// outputs are rescaled by: eight heads at a time with two vector exps, the
-/// rest one by one.
-GHOSTLINK_AVX2 inline void weigh_heads(std::size_t heads, float* logits, float* factors, float* max, float* sum) {
-  const std::size_t vectors = heads / 8 * 8;
-  for (std::size_t h = 0; h < vectors; h += 8) {
-    const __m256 l = _mm256_loadu_ps(logits + h), m = _mm256_loadu_ps(max + h);
-    const __m256 top = _mm256_max_ps(m, l);  // l where either is NaN
-    const __m256 f = exp8(_mm256_sub_ps(m, top)), w = exp8(_mm256_sub_ps(l, top));
-    _mm256_storeu_ps(max + h, top);
-    _mm256_storeu_ps(sum + h, _mm256_fmadd_ps(_mm256_loadu_ps(sum + h), f, w));
-    _mm256_storeu_ps(logits + h, w);
-    _mm256_storeu_ps(factors + h, f);
-  }
-  for (std::size_t h = vectors; h < heads; ++h) {
-    float w;
-    factors[h] = weigh(logits[h], max[h], sum[h], w);
-    logits[h] = w;
-  }
-}
-
-/// One chunk's tokens, two at a time, each read once: both tokens' logits
-/// for every head (the query read once for both), the first token's
-/// weights then the second's (the running maxima and sums as one by one),
-/// then every head's output rescaled once and both tokens' values added
-/// in one pass over it: o * f0 * f1 + w0 * f1 * v0 + w1 * v1. `logits` and
-/// `factors` hold two tokens' query heads (scratch).
+/// One chunk's tokens, each read once: per token every head's logit, then
+/// every eight heads' weights at once (the running maxima, sums and the
+/// factors their outputs are rescaled by, with two vector exps), then every
+/// head's values. `logits` and `factors` hold the query heads' (scratch).
 template <class T, bool Exact = false>
 GHOSTLINK_AVX2 void chunk_avx2(const pass_args& a, const T* keys, const T* values, std::size_t n, const float* q,
                                float* o, float* max, float* sum, const stored_run& ahead, std::size_t at, float* logits,
                                float* factors) {
   // Fixed for the call: locals, so the loops' bounds stay in registers.
   const std::size_t heads = a.kv_heads * a.group, dim = a.dim, vdim = a.vdim, group = a.group, width = a.width;
+  const std::size_t vectors = heads / 8 * 8;  // heads weighed eight at a time; the rest one by one
   const float scale = a.scale;
-  float* const logits1 = logits + heads;
-  float* const factors1 = factors + heads;
-  const auto head_of = [&](const T* base, std::size_t t, std::size_t h) {
-    return base + (t * width + h / group * dim) / elements_per<T>;
-  };
-  for (std::size_t t = 0; t < n;) {
-    const bool two = t + 1 < n;
+  for (std::size_t t = 0; t < n; ++t) {
     prefetch_token(ahead, at + t, a.token_bytes);
-    if (two) {
-      prefetch_token(ahead, at + t + 1, a.token_bytes);
-      for (std::size_t h = 0; h < heads; ++h) {
-        dot2_avx2<T, Exact>(q + h * dim, head_of(keys, t, h), head_of(keys, t + 1, h), dim, logits[h], logits1[h]);
-        logits[h] *= scale;
-        logits1[h] *= scale;
+    const std::size_t token = t * width;
+    for (std::size_t h = 0; h < heads; ++h)
+      logits[h] = dot_avx2<T, Exact>(q + h * dim, keys + (token + h / group * dim) / elements_per<T>, dim) * scale;
+    for (std::size_t h = 0; h < vectors; h += 8) {
+      const __m256 l = _mm256_loadu_ps(logits + h), m = _mm256_loadu_ps(max + h);
+      const __m256 top = _mm256_max_ps(m, l);  // l where either is NaN
+      const __m256 f = exp8(_mm256_sub_ps(m, top)), w = exp8(_mm256_sub_ps(l, top));
+      _mm256_storeu_ps(max + h, top);
+      _mm256_storeu_ps(sum + h, _mm256_fmadd_ps(_mm256_loadu_ps(sum + h), f, w));
+      _mm256_storeu_ps(logits + h, w);
+      _mm256_storeu_ps(factors + h, f);
+    }
+    for (std::size_t h = vectors; h < heads; ++h) {
+      float w;
+      factors[h] = weigh(logits[h], max[h], sum[h], w);
+      logits[h] = w;
+    }
+    for (std::size_t h = 0; h < heads; ++h) {
+      float* oh = o + h * vdim;
+      if (const float f = factors[h]; f != 1.0f) {
+        const __m256 fs = _mm256_set1_ps(f);
+        for (std::size_t i = 0; i < vdim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(fs, _mm256_loadu_ps(oh + i)));
       }
-      weigh_heads(heads, logits, factors, max, sum);
-      weigh_heads(heads, logits1, factors1, max, sum);
-      for (std::size_t h = 0; h < heads; ++h)
-        axpy_avx2<T, Exact>(factors[h] * factors1[h], logits[h] * factors1[h], head_of(values, t, h), logits1[h],
-                            head_of(values, t + 1, h), o + h * vdim, vdim);
-      t += 2;
-    } else {
-      for (std::size_t h = 0; h < heads; ++h)
-        logits[h] = dot_avx2<T, Exact>(q + h * dim, head_of(keys, t, h), dim) * scale;
-      weigh_heads(heads, logits, factors, max, sum);
-      for (std::size_t h = 0; h < heads; ++h)
-        axpy_avx2<T, Exact>(factors[h], logits[h], head_of(values, t, h), 0.0f, nullptr, o + h * vdim, vdim);
-      t += 1;
+      axpy_avx2<T, Exact>(logits[h], values + (token + h / group * dim) / elements_per<T>, oh, vdim);
     }
   }
 }
@@ -563,7 +474,7 @@ std::error_code attention_pass::begin(const attention_shape& shape, std::size_t 
     const std::size_t heads = rows * shape.query_heads;
     s.max.assign(heads, -INFINITY);
     s.sum.assign(heads, 0.0f);
-    s.logits.resize(std::max(s.logits.size(), 2 * shape.query_heads));  // two tokens' heads
+    s.logits.resize(std::max(s.logits.size(), shape.query_heads));
     s.factors.resize(s.logits.size());
     s.wide_k.resize(std::max(s.wide_k.size(), chunk_tokens * kv_width));
     s.wide_v.resize(s.wide_k.size());
