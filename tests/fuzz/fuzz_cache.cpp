@@ -4,9 +4,10 @@
 // snapshot and every counter against a model (model.hpp). A mismatch prints
 // what differed and aborts, so libFuzzer records the input.
 //
-// Input layout: 7 bytes of configuration (element type, token width, block
-// tokens and mailbox bound, max tokens, pool budget, what the run starts
-// with), then operations, one opcode byte each followed by its arguments.
+// Input layout: 7 bytes of configuration (element type and fp8 scales,
+// token width, block tokens and mailbox bound, max tokens, pool budget, what
+// the run starts with), then operations, one opcode byte each followed by
+// its arguments.
 // Running out of input reads zeros, so every input is valid.
 
 #include "layer_ops.hpp"
@@ -16,6 +17,7 @@
 #include "world.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -53,8 +55,57 @@ enum op : std::uint8_t {
   op_count
 };
 
+/// Variant `v` (0-7) of a config whose element type decides whether it is
+/// valid: a group type's head_dim (a multiple of 32), or a key or value
+/// scale (1 for every type but fp8, whose scales must be finite, positive
+/// and at most 1e30). Returns whether `c` is now invalid.
+template <class T>
+bool element_config(kv_cache_config& c, unsigned v) {
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  if constexpr (std::is_same_v<T, fp8_e4m3>) {
+    switch (v) {
+      case 0: c.key_scale = nan; return true;
+      case 1: c.value_scale = 0.0f; return true;
+      case 2: c.key_scale = -0.0f; return true;
+      case 3: c.value_scale = -3.75f; return true;
+      case 4: c.key_scale = inf; return true;
+      case 5: c.value_scale = std::nextafter(1e30f, inf); return true;
+      case 6:
+        c.key_scale = 1e30f;
+        c.value_scale = std::numeric_limits<float>::denorm_min();
+        return false;
+      default:
+        c.key_scale = std::numeric_limits<float>::min();
+        c.value_scale = 448.0f;
+        return false;
+    }
+  } else {
+    constexpr bool group = elements_per<T> != 1;
+    switch (v) {
+      case 0: c.key_scale = 0.5f; return true;
+      case 1: c.value_scale = 3.75f; return true;
+      case 2: c.key_scale = nan; return true;
+      case 3: c.value_scale = 0.0f; return true;
+      case 4: c.key_scale = -1.0f; return true;
+      case 5:
+        if (group)
+          c.head_dim = 16;
+        else
+          c.key_scale = inf;
+        return true;
+      case 6:
+        if (group)
+          c.head_dim += 16;
+        else
+          c.value_scale = 1.0f / 64;
+        return true;
+      default: c.head_dim = group ? 96 : 3; return false;
+    }
+  }
+}
+
 /// Constructs something ghostlink must refuse with invalid_config (or, in
-/// the last case, accept), then lets it go.
+/// the last case and some of case 6's, accept), then lets it go.
 template <class T>
 void bad_config(world<T>& w) {
   const std::uint8_t b = w.in.byte();
@@ -67,11 +118,11 @@ void bad_config(world<T>& w) {
     try {
       make();
     } catch (const std::system_error& e) {
-      if (e.code() != kv_errc::invalid_config) fail(str("bad_config ", b % 9, ": threw ", ec_name(e.code())));
-      if (!want_invalid) fail(str("bad_config ", b % 9, ": a valid config was refused"));
+      if (e.code() != kv_errc::invalid_config) fail(str("bad_config ", b % 9, " ", c, ": threw ", ec_name(e.code())));
+      if (!want_invalid) fail(str("bad_config ", b % 9, " ", c, ": a valid config was refused"));
       return;
     }
-    if (want_invalid) fail(str("bad_config ", b % 9, ": an invalid config was accepted"));
+    if (want_invalid) fail(str("bad_config ", b % 9, " ", c, ": an invalid config was accepted"));
   };
   auto private_cache = [&] { basic_layer_kv_cache<T>(w.io, c); };
   auto on_pool = [&] { basic_layer_kv_cache<T>(w.io, c, w.pools[0]); };
@@ -112,8 +163,25 @@ void bad_config(world<T>& w) {
       attempt([&] { kv_block_pool(bytes, b & 1 ? kv_pool_limits{0, top} : kv_pool_limits{top, bytes - 1}); });
       break;
     case 6:
-      c.num_heads = top, c.head_dim = 2;
-      attempt(private_cache);
+      if (b & 0x80) {
+        // The element type's own rules, checked by a private cache, a
+        // sequence on a private pool, or a pool for it.
+        const unsigned v = b / 9 % 8, how = b / 72 % 3;
+        current_trace().add("  element_config", v, how);
+        want_invalid = element_config<T>(c, v);
+        c.max_blocks = 2;
+        // Few tokens: a wider head must not overflow a huge max_tokens_per_seq.
+        c.max_tokens_per_seq = std::min<std::size_t>(c.max_tokens_per_seq, 64);
+        if (how == 0)
+          attempt(private_cache);
+        else if (how == 1)
+          attempt([&] { basic_sequence_kv_cache<T>(w.io, 1, c); });
+        else
+          attempt([&] { (void)kv_block_pool::for_caches<T>(c); });
+      } else {
+        c.num_heads = top, c.head_dim = 2;
+        attempt(private_cache);
+      }
       break;
     case 7:
       c.max_tokens_per_seq = top / c.token_width() + 1;
@@ -230,8 +298,16 @@ void print_state(world<T>& w) {
 template <class T>
 void run(input& in, const std::uint8_t (&head)[7]) {
   kv_cache_config geometry;
+  constexpr bool group = elements_per<T> != 1;
   geometry.num_heads = 1 + head[1] % 2;
-  geometry.head_dim = 1 + head[1] / 2 % 3;
+  // A group type's heads are whole groups of 32.
+  geometry.head_dim = group ? 32 * (1 + head[1] / 2 % 2) : 1 + head[1] / 2 % 3;
+  if constexpr (std::is_same_v<T, fp8_e4m3>) {
+    // head[0] % 6 picked the type; the rest picks the scales.
+    constexpr float scales[] = {1.0f, 0.5f, 3.75f, 1.0f / 64};
+    geometry.key_scale = scales[head[0] / 6 % 4];
+    geometry.value_scale = scales[head[0] / 24 % 4];
+  }
   geometry.block_tokens = 1 + head[2] % 5;
   // Half the inputs bound the mailbox to 1-4 requests: bursts then wait
   // for room (backpressure).
@@ -251,10 +327,7 @@ void run(input& in, const std::uint8_t (&head)[7]) {
 
   trace& t = current_trace();
   t = {};
-  t.config = str(sizeof(T) == 4            ? "float"
-                 : std::is_same_v<T, half> ? "half"
-                                           : "bfloat16",
-                 ' ', geometry, " pool budget=", effective, " start=", int(head[6]));
+  t.config = str(type_name<T>(), ' ', geometry, " pool budget=", effective, " start=", int(head[6]));
   if (trace::verbose()) std::fprintf(stderr, "config: %s\n", t.config.c_str());
 
   asio::io_context io;
@@ -315,10 +388,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::uint8_t head[7];
   for (std::uint8_t& b : head) b = in.byte();
   try {
-    switch (head[0] % 3) {
+    switch (head[0] % 6) {
       case 0: run<float>(in, head); break;
       case 1: run<ghostlink::half>(in, head); break;
-      default: run<ghostlink::bfloat16>(in, head); break;
+      case 2: run<ghostlink::bfloat16>(in, head); break;
+      case 3: run<ghostlink::q8_0>(in, head); break;
+      case 4: run<ghostlink::q4_0>(in, head); break;
+      default: run<ghostlink::fp8_e4m3>(in, head); break;
     }
   } catch (const std::exception& e) {
     fail(str("unexpected exception: ", e.what()));

@@ -238,7 +238,7 @@ void check_read(const world<T>& w, const layer_req<T>& r) {
     const std::size_t n = want ? 0 : width;
     if (r.entry.keys.size() != n || r.entry.values.size() != n)
       fail(str("async_read_kv(", r.a, "): entry holds ", r.entry.keys.size(), " keys, expected ", n));
-    if (!want) compare_tokens<T>(e, r.a, 1, width, r.entry.keys, r.entry.values, "async_read_kv");
+    if (!want) compare_tokens(w.tm, e, r.a, 1, r.entry.keys, r.entry.values, "async_read_kv");
     return;
   }
   ghostlink::error_code want;
@@ -250,7 +250,7 @@ void check_read(const world<T>& w, const layer_req<T>& r) {
   const std::size_t n = want ? 0 : (r.b - r.a) * width;
   if (r.range.keys.size() != n || r.range.values.size() != n)
     fail(str("async_read_range(", r.a, ", ", r.b, "): range holds ", r.range.keys.size(), " keys, expected ", n));
-  if (!want) compare_tokens<T>(e, r.a, r.b - r.a, width, r.range.keys, r.range.values, "async_read_range");
+  if (!want) compare_tokens(w.tm, e, r.a, r.b - r.a, r.range.keys, r.range.values, "async_read_range");
 }
 
 /// Starts `reqs` on cache `k` and leaves them queued (past max_pending,

@@ -10,7 +10,8 @@
 // blocks dropped by a truncate), or one a published truncate cut off, when
 // the cache's latest epoch is its only one alive and no other cache holds
 // the block (a rewrite after a rollback). Tokens
-// are recipes (token_float() makes their floats), so the model never stores
+// are recipes (token_float() makes their floats; check.hpp's token_model what a
+// cache of each element type stores and reads back), so the model never stores
 // floats and its element type does not matter.
 
 #include <ghostlink/config.hpp>

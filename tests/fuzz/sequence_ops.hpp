@@ -466,8 +466,8 @@ void run_step(world<T>& w, std::size_t k) {
       expect_completion(w, write(l, keys, values), {}, str(what, ": write of layer ", l));
     mcache& c = *q->layers[l];
     w.m.step_write(c, *staged[l], index, recipes);
-    check_snapshot(step.snapshot(l), staged[l].get(), staged[l]->length, width, {"step snapshot of layer", l});
-    check_snapshot(seq.layer(l).snapshot(), c.current.get(), c.current->length, width, {"layer view while open", l});
+    check_snapshot(step.snapshot(l), staged[l].get(), staged[l]->length, w.tm, {"step snapshot of layer", l});
+    check_snapshot(seq.layer(l).snapshot(), c.current.get(), c.current->length, w.tm, {"layer view while open", l});
     expect_eq(seq.size(), index, what + ": size() while open");
     if (seq.snapshot().size() > index) fail(what + ": the sequence's snapshot shows the open step");
   }

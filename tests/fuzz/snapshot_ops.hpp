@@ -60,7 +60,7 @@ void snapshot_read(world<T>& w, std::size_t k) {
         variant == 0 ? s.real.read_kv(begin, keys, values) : s.real.read_range(begin, end, keys, values);
     expect_ec(ec, want, what);
     const std::size_t written = want ? 0 : tokens * width;
-    if (written > 0) compare_tokens<T>(*e, begin, tokens, width, keys, values, what.c_str());
+    if (written > 0) compare_tokens(w.tm, *e, begin, tokens, keys, values, what.c_str());
     expect_sentinel(keys, written, what + " keys");
     expect_sentinel(values, written, what + " values");
   } else if (variant == 2) {
@@ -68,14 +68,14 @@ void snapshot_read(world<T>& w, std::size_t k) {
     expect_ec(s.real.read_kv(begin, out), want, what);
     const std::size_t n = want ? 0 : width;
     if (out.keys.size() != n || out.values.size() != n) fail(str(what, ": entry holds ", out.keys.size(), " keys"));
-    if (n > 0) compare_tokens<T>(*e, begin, 1, width, out.keys, out.values, what.c_str());
+    if (n > 0) compare_tokens(w.tm, *e, begin, 1, out.keys, out.values, what.c_str());
   } else if (variant == 3) {
     kv_range out{7, 9, {1.0f}, {2.0f}};
     expect_ec(s.real.read_range(begin, end, out), want, what);
     if (out.begin != begin || out.end != end) fail(what + ": kv_range's begin/end not set");
     const std::size_t n = want ? 0 : tokens * width;
     if (out.keys.size() != n || out.values.size() != n) fail(str(what, ": range holds ", out.keys.size(), " keys"));
-    if (n > 0) compare_tokens<T>(*e, begin, tokens, width, out.keys, out.values, what.c_str());
+    if (n > 0) compare_tokens(w.tm, *e, begin, tokens, out.keys, out.values, what.c_str());
   } else {
     std::size_t next = begin;
     const ghostlink::error_code ec =

@@ -68,13 +68,19 @@ struct world {
   static constexpr std::size_t max_pools = 6;
 
   world(asio::io_context& io, input& in, const kv_cache_config& geometry, bool huge)
-      : io(io), in(in), m(geometry), geometry(geometry), huge(huge) {}
+      : io(io),
+        in(in),
+        m(geometry),
+        geometry(geometry),
+        huge(huge),
+        tm(geometry.token_width(), geometry.key_scale, geometry.value_scale) {}
 
   asio::io_context& io;
   input& in;
   model m;
   const kv_cache_config geometry;  // every cache's shape, no budget
   const bool huge;                 // max_tokens_per_seq is huge (see pick_index)
+  const token_model<T> tm;         // what a token stores and reads back as
   std::vector<kv_block_pool> pools;  // pools[i] is m.pools[i]
   std::vector<cache_slot> caches;
   std::vector<snap_slot> snaps;
@@ -143,7 +149,7 @@ struct world {
   /// The floats of `r` for `n` lanes.
   static std::vector<float> floats(recipe r, std::size_t n, bool value) {
     std::vector<float> v(n);
-    for (std::size_t lane = 0; lane < n; ++lane) v[lane] = token_float(r, lane, value);
+    for (std::size_t lane = 0; lane < n; ++lane) v[lane] = token_model<T>::lane_float(r, lane, value);
     return v;
   }
 
@@ -175,7 +181,7 @@ struct world {
     const mepoch& e = *c.current;
     expect_eq(s.real.size(), e.length, what, "size()");
     expect_eq(s.real.empty(), e.length == 0, what, "empty()");
-    check_snapshot(s.real.snapshot(), &e, e.length, width(), what);
+    check_snapshot(s.real.snapshot(), &e, e.length, tm, what);
     const kv_cache_stats st = s.real.stats();
     expect_eq(st.epoch, e.number, what, "stats().epoch");
     expect_eq(st.size, e.length, what, "stats().size");
@@ -195,7 +201,9 @@ struct world {
   GHOSTLINK_FUZZ_QUIET void check_pool(std::size_t i, std::size_t used) {
     const where what{"pool", i};
     const kv_pool_stats st = pools[i].stats();
-    expect_eq(st.block_bytes, kv_block_pool::block_bytes_for<T>(geometry), what, "block_bytes");
+    // Keys and values of block_tokens tokens, each width / elements_per<T> stored Ts.
+    expect_eq(st.block_bytes, 2 * geometry.block_tokens * tm.units() * sizeof(T), what, "block_bytes");
+    expect_eq(st.block_bytes, kv_block_pool::block_bytes_for<T>(geometry), what, "block_bytes_for<T>");
     expect_eq(st.max_blocks, m.pools[i].max, what, "max_blocks");
     expect_eq(st.blocks_in_use, used, what, "blocks_in_use");
     expect_eq(st.peak_blocks_in_use, m.pools[i].peak, what, "peak_blocks_in_use");
@@ -229,7 +237,7 @@ struct world {
     for (std::size_t i = 0; i < s.m.size(); ++i) {
       what.part = "layer";
       what.part_index = i;
-      check_snapshot(s.real.layer(i), s.m[i].get(), s.shown, width(), what);
+      check_snapshot(s.real.layer(i), s.m[i].get(), s.shown, tm, what);
     }
   }
 
@@ -240,7 +248,7 @@ struct world {
     for (std::size_t i = 0; i < pools.size(); ++i) used_per_pool[i] = m.in_use(i);
     for (std::size_t k = 0; k < caches.size(); ++k) check_cache(caches[k], k, used_per_pool);
     for (std::size_t k = 0; k < snaps.size(); ++k)
-      check_snapshot(snaps[k].real, snaps[k].m.get(), snaps[k].shown, width(), {"held snapshot", k});
+      check_snapshot(snaps[k].real, snaps[k].m.get(), snaps[k].shown, tm, {"held snapshot", k});
     for (std::size_t k = 0; k < seqs.size(); ++k) check_seq(seqs[k], k);
     for (std::size_t k = 0; k < seq_snaps.size(); ++k) check_seq_snapshot(seq_snaps[k], {"held sequence snapshot", k});
     for (std::size_t i = 0; i < pools.size(); ++i) check_pool(i, used_per_pool[i]);
