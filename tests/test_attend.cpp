@@ -23,19 +23,6 @@ using namespace ghostlink::test::seq;
 
 namespace {
 
-/// Deterministic values in [-1, 1), distinct per (seed, i).
-std::vector<float> noise(std::size_t n, std::uint64_t seed) {
-  std::vector<float> v(n);
-  std::uint64_t x = (seed + 1) * 0x9E3779B97F4A7C15ull;
-  for (float& f : v) {
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    f = static_cast<float>(static_cast<double>(x >> 40) / double(1ull << 24) * 2.0 - 1.0);
-  }
-  return v;
-}
-
 /// Rounds `v` as a T cache stores it.
 template <class T>
 std::vector<float> stored_as(std::vector<float> v) {

@@ -264,4 +264,17 @@ inline std::pair<ghostlink::error_code, sequence_kv_cache> load(const asio::any_
   }
 }
 
+/// Deterministic values in [-amplitude, amplitude), distinct per (seed, i).
+inline std::vector<float> noise(std::size_t n, std::uint64_t seed, float amplitude = 1.0f) {
+  std::vector<float> v(n);
+  std::uint64_t x = (seed + 1) * 0x9E3779B97F4A7C15ull;
+  for (float& f : v) {
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    f = static_cast<float>((static_cast<double>(x >> 40) / double(1ull << 24) * 2.0 - 1.0) * amplitude);
+  }
+  return v;
+}
+
 }  // namespace ghostlink::test::seq

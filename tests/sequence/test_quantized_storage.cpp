@@ -57,17 +57,9 @@ kv_cache_config config_for() {
   return std::is_same_v<T, fp8_e4m3> ? base_config(0.5f, 3.0f) : base_config();
 }
 
-/// Deterministic values in [-amplitude, amplitude), distinct per (seed, i).
+/// Noise of amplitude 4 unless said: several units of each group's scale.
 std::vector<float> noise(std::size_t n, std::uint64_t seed, float amplitude = 4.0f) {
-  std::vector<float> v(n);
-  std::uint64_t x = (seed + 1) * 0x9E3779B97F4A7C15ull;
-  for (float& f : v) {
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    f = static_cast<float>((static_cast<double>(x >> 40) / double(1ull << 24) * 2.0 - 1.0) * amplitude);
-  }
-  return v;
+  return ghostlink::test::seq::noise(n, seed, amplitude);
 }
 
 /// `x` (whole groups) stored as T, by the type's own quantizer: a group
