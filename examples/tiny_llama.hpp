@@ -244,7 +244,8 @@ inline std::vector<std::vector<float>> recompute(const model& m, std::span<const
 /// awaitable. Any element type: a quantized cache stores the keys and
 /// values as it quantizes them, and attend reads them in place.
 template <ghostlink::storage_element T>
-asio::awaitable<std::vector<std::vector<float>>> forward(const model& m, const ghostlink::basic_sequence_kv_cache<T>& seq,
+asio::awaitable<std::vector<std::vector<float>>> forward(const model& m,
+                                                         const ghostlink::basic_sequence_kv_cache<T>& seq,
                                                          std::vector<std::int32_t> ids) {
   const dims& d = m.shape();
   const std::size_t n = ids.size(), qw = d.q_width(), kvw = d.kv_width();

@@ -142,9 +142,9 @@ std::error_code attend(std::span<const q4_0> keys, std::span<const q4_0> values,
                        std::span<float> out, const attention_shape& shape) noexcept;
 /// As above, over `fp8_e4m3` tokens that stand for `key_scale` times the
 /// keys' and `value_scale` times the values' codes.
-std::error_code attend(std::span<const fp8_e4m3> keys, std::span<const fp8_e4m3> values,
-                       std::span<const float> queries, std::span<float> out, const attention_shape& shape,
-                       float key_scale = 1.0f, float value_scale = 1.0f) noexcept;
+std::error_code attend(std::span<const fp8_e4m3> keys, std::span<const fp8_e4m3> values, std::span<const float> queries,
+                       std::span<float> out, const attention_shape& shape, float key_scale = 1.0f,
+                       float value_scale = 1.0f) noexcept;
 
 GHOSTLINK_NAMESPACE_END
 

@@ -90,8 +90,8 @@ struct kv_attach_options {
 /// Only full blocks have a hash. The salt separates tenants (vLLM's
 /// `cache_salt`): two salts never share an entry, nor do two models, two
 /// geometries, two element types or two fp8 caches of other scales (an fp8
-/// block's bytes mean `scale * code`: its scales are part of what it is). SHA-256 is OpenSSL's (libcrypto), which uses the processor's
-/// SHA instructions where it has them.
+/// block's bytes mean `scale * code`: its scales are part of what it is). SHA-256 is OpenSSL's (libcrypto), which uses
+/// the processor's SHA instructions where it has them.
 ///
 /// **Eviction.** An entry is idle when nothing but the prefix cache
 /// references its blocks (no sequence, epoch or snapshot); it becomes idle

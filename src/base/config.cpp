@@ -45,7 +45,8 @@ void validate(const kv_cache_config& c, std::size_t group_bytes, std::size_t gro
                         c.token_width() > max / c.max_tokens_per_seq;
   const auto scale_ok = [&](float s) { return scaled ? s > 0.0f && s <= 1e30f : s == 1.0f; };  // false for NaN
   const bool bad_scale = !scale_ok(c.key_scale) || !scale_ok(c.value_scale);
-  if (zero || overflow || c.head_dim % group != 0 || bad_scale) throw std::system_error(make_error_code(kv_errc::invalid_config));
+  if (zero || overflow || c.head_dim % group != 0 || bad_scale)
+    throw std::system_error(make_error_code(kv_errc::invalid_config));
 }
 
 }  // namespace detail

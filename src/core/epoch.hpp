@@ -191,7 +191,12 @@ struct epoch_access {
   static pinned_epoch pin(ref_ptr<epoch> e) noexcept {
     if (e->registry) e->registry->snapshot_opened();
     const epoch* raw = e.detach();
-    return {raw,        raw->number, raw->size, raw->layout->token_width, raw->layout->value_width, raw->window,
+    return {raw,
+            raw->number,
+            raw->size,
+            raw->layout->token_width,
+            raw->layout->value_width,
+            raw->window,
             {raw->layout->key_scale, raw->layout->value_scale}};
   }
 };

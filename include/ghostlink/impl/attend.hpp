@@ -19,7 +19,7 @@ std::error_code attend(const basic_kv_snapshot<T>& snapshot, std::span<const flo
   const detail::window_view window{snapshot.window(), snapshot.sink_tokens(), snapshot.kept_from()};
   const bool keys_only = snapshot.token_width() != 0 && snapshot.value_width() == 0;
   if (auto ec = pass.begin(shape, snapshot.token_width(), snapshot.size(), pending, queries, out, window, keys_only,
-                          {snapshot.key_scale(), snapshot.value_scale()}, elements_per<T>))
+                           {snapshot.key_scale(), snapshot.value_scale()}, elements_per<T>))
     return ec;
   const auto add = [&](std::size_t first, std::size_t count, std::span<const T> keys, std::span<const T> values) {
     pass.add(first, count, keys.data(), values.data());
