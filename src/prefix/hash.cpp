@@ -95,7 +95,7 @@ kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size
   h.add(&element, 1);
   // An fp8 block's scales are part of what its bytes mean.
   if (element == element_code<fp8_e4m3>) {
-    std::array<std::byte, 8> scales;
+    std::array<std::byte, 8> scales{};
     put_le<std::uint32_t>(scales.data(), std::bit_cast<std::uint32_t>(c.key_scale));
     put_le<std::uint32_t>(scales.data() + 4, std::bit_cast<std::uint32_t>(c.value_scale));
     h.add(scales.data(), scales.size());

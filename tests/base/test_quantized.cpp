@@ -80,7 +80,7 @@ std::uint16_t ref_half_bits(float f) {
 /// x86's float -> int8 conversion: cvttss2si (truncation; 0x80000000 for NaN
 /// or outside int32), then the low byte.
 std::uint8_t ref_x86_byte(float v) {
-  if (!(v >= -0x1p31f && v < 0x1p31f)) return 0x00;
+  if (v < -0x1p31f || v >= 0x1p31f || std::isnan(v)) return 0x00;
   return static_cast<std::uint8_t>(static_cast<std::int64_t>(v) & 0xff);
 }
 
@@ -226,7 +226,7 @@ std::uint8_t ref_fp8_bits(float f, const std::array<double, 127>& values) {
   if (a >= 448.0) return sign | 0x7e;  // saturation
   const auto hi = std::upper_bound(values.begin(), values.end(), a), lo = hi - 1;
   const double below = a - *lo, above = *hi - a;
-  const auto pick = below < above ? lo : above < below ? hi : ((lo - values.begin()) % 2 == 0 ? lo : hi);
+  const auto* const pick = below < above ? lo : above < below ? hi : ((lo - values.begin()) % 2 == 0 ? lo : hi);
   return sign | static_cast<std::uint8_t>(pick - values.begin());
 }
 
@@ -507,7 +507,7 @@ TEST_CASE("q8_0, q4_0 and fp8_e4m3 read back within the error their rounding all
   CHECK(checked8 > 40'000);
   CHECK(checked4 > 40'000);
   CHECK(clamped > 100);
-  CHECK(checked_fp8 == 4 * 4096);
+  CHECK(checked_fp8 == std::size_t{4} * 4096);
 }
 
 // 4. convert<> and the bulk widen/narrow equal the per-group functions, and

@@ -249,8 +249,8 @@ std::string not_refused(asio::thread_pool& threads, const kv_cache_config& bad) 
 /// The shapes attended; the cache is `shape.kv_heads` heads of `shape.head_dim`.
 struct attend_case {
   attention_shape shape;
-  std::size_t stored, rows, pending;
-  const char* name;
+  std::size_t stored = 0, rows = 0, pending = 0;
+  const char* name = "";
 };
 const attend_case attend_cases[] = {
     {{.query_heads = 8, .kv_heads = 2, .head_dim = 32}, 37, 1, 0, "GQA 8/2 x 32, one row"},
