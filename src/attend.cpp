@@ -154,7 +154,7 @@ GHOSTLINK_AVX2 inline __m256 load8(const bfloat16* p) {
 /// Eight fp8 codes as their values / 256: S.EEEE.MMM sign-extended to 16
 /// bits and shifted left 7 is S.S.EEEE.MMM0000000; clearing bit 14 leaves
 /// the half S.0EEEE.MMM0000000. A NaN code becomes 1.875 * 2^-8 * sign:
-/// runs that hold one take load8_exact (attend_fp8_run checks).
+/// runs that hold one take load8_exact (add_run checks).
 GHOSTLINK_AVX2 inline __m256 load8(const fp8_e4m3* p) {
   const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
   return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16(static_cast<short>(0xbfff))));

@@ -70,6 +70,9 @@ namespace detail {
 /// and at most 1e30.
 void validate(const kv_cache_config& config, std::size_t group_bytes = sizeof(float), std::size_t group = 1,
               bool scaled = false);
+/// Whether `s` may be a `key_scale` or `value_scale`: 1, or (`scaled`: fp8)
+/// finite, positive and at most 1e30 (false for NaN).
+constexpr bool valid_scale(float s, bool scaled) noexcept { return scaled ? s > 0.0f && s <= 1e30f : s == 1.0f; }
 }  // namespace detail
 
 GHOSTLINK_NAMESPACE_END

@@ -325,30 +325,6 @@ void convert(std::span<const From> src, To* dst) noexcept {
 
 namespace detail {
 
-/// How the type-erased storage code writes floats as a cache's element type.
-struct element_codec {
-  std::size_t size;   // bytes per group
-  std::size_t group;  // elements per group: 32 for q8_0 and q4_0, else 1
-  bool scaled;        // fp8_e4m3: stores x / scale
-  void (*store)(std::span<const float> src, std::byte* dst, float scale) noexcept;
-
-  /// Bytes of `elements` elements (a multiple of `group`).
-  constexpr std::size_t bytes(std::size_t elements) const noexcept { return elements / group * size; }
-};
-
-template <storage_element T>
-void store_as(std::span<const float> src, std::byte* dst, float scale) noexcept {
-  from_floats<T>(src.data(), src.size(), reinterpret_cast<T*>(dst), scale);
-}
-
-/// validate(config, ...) for elements stored as `codec` says.
-inline void validate(const kv_cache_config& config, const element_codec& codec) {
-  validate(config, codec.size, codec.group, codec.scaled);
-}
-
-template <storage_element T>
-inline constexpr element_codec codec_of{sizeof(T), elements_per<T>, std::is_same_v<T, fp8_e4m3>, &store_as<T>};
-
 /// The number that names an element type wherever one is written down:
 /// the prefix cache's root hash (one byte), a saved sequence's header and a
 /// store entry (docs/FORMAT.md). 0 float, 1 half, 2 bfloat16, 3 q8_0,
@@ -360,6 +336,48 @@ inline constexpr std::uint8_t element_code = std::is_same_v<T, float>      ? 0
                                              : std::is_same_v<T, q8_0>     ? 3
                                              : std::is_same_v<T, q4_0>     ? 4
                                                                            : 5;
+
+/// How the type-erased storage code writes floats as a cache's element type,
+/// and reads them back.
+struct element_codec {
+  std::size_t size;   // bytes per group
+  std::size_t group;  // elements per group: 32 for q8_0 and q4_0, else 1
+  bool scaled;        // fp8_e4m3: stores x / scale
+  std::uint8_t code;  // element_code<T>
+  void (*store)(std::span<const float> src, std::byte* dst, float scale) noexcept;
+  /// `elements` stored elements (a multiple of `group`) into floats, an fp8 times `scale`.
+  void (*load)(const std::byte* src, std::size_t elements, float* dst, float scale) noexcept;
+
+  /// Bytes of `elements` elements (a multiple of `group`).
+  constexpr std::size_t bytes(std::size_t elements) const noexcept { return elements / group * size; }
+};
+
+template <storage_element T>
+void store_as(std::span<const float> src, std::byte* dst, float scale) noexcept {
+  from_floats<T>(src.data(), src.size(), reinterpret_cast<T*>(dst), scale);
+}
+
+template <storage_element T>
+void load_as(const std::byte* src, std::size_t elements, float* dst, float scale) noexcept {
+  to_floats<T>(reinterpret_cast<const T*>(src), elements / elements_per<T>, dst, scale);
+}
+
+/// validate(config, ...) for elements stored as `codec` says.
+inline void validate(const kv_cache_config& config, const element_codec& codec) {
+  validate(config, codec.size, codec.group, codec.scaled);
+}
+
+template <storage_element T>
+inline constexpr element_codec codec_of{sizeof(T),       elements_per<T>, std::is_same_v<T, fp8_e4m3>,
+                                        element_code<T>, &store_as<T>,    &load_as<T>};
+
+/// The codec of the element type `code` names (as a file or an entry
+/// records it), or null for a code that names none.
+inline const element_codec* codec_for(std::uint32_t code) noexcept {
+  static constexpr const element_codec* codecs[] = {&codec_of<float>, &codec_of<half>, &codec_of<bfloat16>,
+                                                    &codec_of<q8_0>,  &codec_of<q4_0>, &codec_of<fp8_e4m3>};
+  return code < std::size(codecs) ? codecs[code] : nullptr;
+}
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -129,8 +129,7 @@ class basic_kv_prefix_cache {
   ///         holds the budget).
   basic_kv_prefix_cache(std::size_t num_layers, kv_cache_config config, const kv_block_pool& pool,
                         kv_prefix_options options = {})
-      : index_(detail::make_prefix_index(num_layers, config, detail::codec_of<T>, detail::element_code<T>, pool,
-                                         std::move(options))) {}
+      : index_(detail::make_prefix_index(num_layers, config, detail::codec_of<T>, pool, std::move(options))) {}
 
   /// The layers of every sequence it caches.
   std::size_t num_layers() const noexcept { return detail::num_layers(*index_); }

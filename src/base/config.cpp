@@ -43,8 +43,7 @@ void validate(const kv_cache_config& c, std::size_t group_bytes, std::size_t gro
   const bool overflow = zero || c.num_heads > max / c.head_dim ||
                         c.token_width() > (max - header_reserve) / (2 * group_bytes) / c.block_tokens ||
                         c.token_width() > max / c.max_tokens_per_seq;
-  const auto scale_ok = [&](float s) { return scaled ? s > 0.0f && s <= 1e30f : s == 1.0f; };  // false for NaN
-  const bool bad_scale = !scale_ok(c.key_scale) || !scale_ok(c.value_scale);
+  const bool bad_scale = !valid_scale(c.key_scale, scaled) || !valid_scale(c.value_scale, scaled);
   if (zero || overflow || c.head_dim % group != 0 || bad_scale)
     throw std::system_error(make_error_code(kv_errc::invalid_config));
 }

@@ -54,22 +54,14 @@ bool align(std::uint64_t a, std::uint64_t to, std::uint64_t& out) noexcept {
 }
 
 std::uint32_t element_bytes_of(std::uint32_t element) noexcept {
-  switch (element) {
-    case element_code<float>: return sizeof(float);
-    case element_code<half>: return sizeof(half);
-    case element_code<bfloat16>: return sizeof(bfloat16);
-    case element_code<q8_0>: return sizeof(q8_0);
-    case element_code<q4_0>: return sizeof(q4_0);
-    case element_code<fp8_e4m3>: return sizeof(fp8_e4m3);
-    default: return 0;
-  }
+  const element_codec* codec = codec_for(element);
+  return codec != nullptr ? static_cast<std::uint32_t>(codec->size) : 0;
 }
 
-/// Whether a file of `element` may record these scales: 1, or for fp8 what
-/// kv_cache_config allows.
+/// Whether a file of `element` may record these scales (kv_cache_config's rule).
 bool valid_scales(std::uint32_t element, float key, float value) noexcept {
-  const auto ok = [&](float s) { return element == element_code<fp8_e4m3> ? s > 0.0f && s <= 1e30f : s == 1.0f; };
-  return ok(key) && ok(value);
+  const bool scaled = element == element_code<fp8_e4m3>;
+  return valid_scale(key, scaled) && valid_scale(value, scaled);
 }
 
 /// Offsets up to layer 0's payload, as the header's fields imply them;
@@ -142,8 +134,9 @@ error_code check_length(file_header& h, std::uint64_t file_bytes) {
 
 }  // namespace
 
-std::uint64_t file_header::group() const noexcept {
-  return element == element_code<q8_0> || element == element_code<q4_0> ? 32 : 1;
+const element_codec& file_header::codec() const noexcept {
+  const element_codec* c = codec_for(element);
+  return c != nullptr ? *c : codec_of<float>;  // (a decoded header's element names one)
 }
 
 std::uint64_t file_header::sinks_end(std::size_t l) const noexcept {
@@ -163,12 +156,12 @@ kv_model_layout file_header::model_layout() const {
 }
 
 error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tokens, bool keys_only,
-                       const kv_cache_config& config, std::size_t tokens, file_element_type element, std::string model,
+                       const kv_cache_config& config, std::size_t tokens, element_codec element, std::string model,
                        file_header& out) {
   out = {};
   out.keys_only = keys_only;
   out.element = element.code;
-  out.element_bytes = static_cast<std::uint32_t>(element.codec.size);
+  out.element_bytes = static_cast<std::uint32_t>(element.size);
   out.key_scale = config.key_scale;
   out.value_scale = config.value_scale;
   out.num_layers = layers.size();
@@ -359,19 +352,6 @@ error_code decode_table(const file_header& h, std::span<const std::byte> bytes, 
       return kv_errc::file_corrupt;
   }
   return {};
-}
-
-void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out, float scale) noexcept {
-  switch (element) {
-    case element_code<half>: widen(reinterpret_cast<const half*>(stored), n, out); break;
-    case element_code<bfloat16>: widen(reinterpret_cast<const bfloat16*>(stored), n, out); break;
-    case element_code<q8_0>: widen(reinterpret_cast<const q8_0*>(stored), n / q8_0::elements, out); break;
-    case element_code<q4_0>: widen(reinterpret_cast<const q4_0*>(stored), n / q4_0::elements, out); break;
-    case element_code<fp8_e4m3>: widen(reinterpret_cast<const fp8_e4m3*>(stored), n, out, scale); break;
-    default:
-      if (n != 0) std::memcpy(out, stored, n * sizeof(float));
-      break;
-  }
 }
 
 }  // namespace detail

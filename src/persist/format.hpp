@@ -72,8 +72,10 @@ struct file_header {
   file_layout layout;               // computed from the above
 
   std::uint64_t token_width() const noexcept { return num_heads * head_dim; }
+  /// How its element type is stored (its size, group and loads).
+  const element_codec& codec() const noexcept;
   /// Elements per stored group: 32 for q8_0 and q4_0, else 1.
-  std::uint64_t group() const noexcept;
+  std::uint64_t group() const noexcept { return codec().group; }
   /// Bytes of one token's keys, and of its values (0 keys only).
   std::uint64_t token_bytes() const noexcept { return token_width() / group() * element_bytes; }
   std::uint64_t value_token_bytes() const noexcept { return value_width() / group() * element_bytes; }
@@ -105,7 +107,7 @@ struct layer_record {
 /// `keys_only`; `file_corrupt` if the layout overflows (it cannot for a
 /// snapshot that exists).
 error_code make_header(std::vector<saved_layer> layers, std::size_t rollback_tokens, bool keys_only,
-                       const kv_cache_config& config, std::size_t tokens, file_element_type element, std::string model,
+                       const kv_cache_config& config, std::size_t tokens, element_codec element, std::string model,
                        file_header& out);
 
 /// Bytes [0, layout.first_layer): the header, the token ids and the layer
@@ -133,10 +135,6 @@ std::uint64_t token_section_bytes(const file_header& header) noexcept;
 /// the layout.
 error_code decode_table(const file_header& header, std::span<const std::byte> bytes, std::vector<layer_record>& out);
 std::uint64_t table_bytes(const file_header& header) noexcept;
-
-/// Widens `n` stored elements (a multiple of its group) of type `element`
-/// (element_code<T>) exactly into floats, an fp8 times `scale`.
-void widen_stored(std::uint32_t element, const std::byte* stored, std::size_t n, float* out, float scale) noexcept;
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

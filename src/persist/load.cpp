@@ -113,12 +113,12 @@ error_code check_fits(file_expectation& expected, const kv_block_pool& pool) {
     return kv_errc::invalid_config;
   if (error_code ec = resolve_layout(expected)) return ec;
   try {
-    validate(expected.config, expected.element.codec);
+    validate(expected.config, expected.element);
   } catch (const std::system_error&) {
     return kv_errc::invalid_config;
   }
   const bool keys_only = expected.layout && expected.layout->keys_only;  // resolved above: never empty
-  const block_layout blocks(expected.config, expected.element.codec, keys_only);
+  const block_layout blocks(expected.config, expected.element, keys_only);
   return blocks.fits(*pool_access::state(pool)) ? error_code() : error_code(kv_errc::invalid_config);
 }
 
@@ -200,7 +200,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
     for (const saved_layer& l : header_.layers) kept_from.push_back(l.kept_from);
     // (Resolved by check_fits() before the job began: never the default.)
     const kv_model_layout layout = expected_.layout.value_or(kv_model_layout::full(expected_.num_layers));
-    seq_ = make_attached_sequence(ex_, expected_.config, layout, expected_.element.codec, pool, std::move(blocks),
+    seq_ = make_attached_sequence(ex_, expected_.config, layout, expected_.element, pool, std::move(blocks),
                                   ids.first(header_.tokens - tail()), kept_from);
     // The tail's blocks are the sequence's to take.
     seq_->account->left.fetch_add(account->left.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
@@ -242,8 +242,7 @@ class load_job : public std::enable_shared_from_this<load_job> {
       std::vector<std::byte> raw(floats.size() / header_.group() * header_.element_bytes);
       if (error_code ec = read_at(file_, base + full * part, raw)) return ec;
       hash.update(raw);
-      widen_stored(header_.element, raw.data(), floats.size(), floats.data(),
-                   values ? header_.value_scale : header_.key_scale);
+      header_.codec().load(raw.data(), floats.size(), floats.data(), values ? header_.value_scale : header_.key_scale);
     }
     if (hash.digest() != record.checksum) return kv_errc::file_corrupt;
     for (const ref_ptr<block>& b : out) b->set_filled(header_.block_tokens);
@@ -300,11 +299,10 @@ class load_job : public std::enable_shared_from_this<load_job> {
     for (std::size_t t = 0; t < tail(); ++t) {
       const std::size_t i = saved_index(full_blocks() * bt + t);
       if (i == dropped) continue;  // zeros (the vectors start so)
-      widen_stored(header_.element, bytes.data() + i * token_bytes, width, keys_[l].data() + t * width,
-                   header_.key_scale);
+      header_.codec().load(bytes.data() + i * token_bytes, width, keys_[l].data() + t * width, header_.key_scale);
       const std::size_t value_width = header_.value_width();
-      widen_stored(header_.element, saved_values + i * value_bytes, value_width, values_[l].data() + t * value_width,
-                   header_.value_scale);
+      header_.codec().load(saved_values + i * value_bytes, value_width, values_[l].data() + t * value_width,
+                           header_.value_scale);
     }
     return {};
   }
@@ -407,9 +405,8 @@ class read_layer_job {
     const std::size_t value_elements = header.tokens * header.value_width();
     out.keys.resize(elements);
     out.values.resize(value_elements);
-    widen_stored(header.element, bytes.data(), elements, out.keys.data(), header.key_scale);
-    widen_stored(header.element, bytes.data() + header.key_bytes(layer_), value_elements, out.values.data(),
-                 header.value_scale);
+    header.codec().load(bytes.data(), elements, out.keys.data(), header.key_scale);
+    header.codec().load(bytes.data() + header.key_bytes(layer_), value_elements, out.values.data(), header.value_scale);
     return {};
   }
 

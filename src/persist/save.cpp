@@ -121,12 +121,12 @@ class save_job {
 }  // namespace
 
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
-                std::string model, file_element_type element, std::filesystem::perms mode,
-                const asio::any_io_executor& io, io_op* op) {
+                std::string model, element_codec element, std::filesystem::perms mode, const asio::any_io_executor& io,
+                io_op* op) {
   unstarted_op pending(op);
   if (snapshot->num_layers() == 0) return pending.complete(kv_errc::layer_mismatch);
   try {
-    validate(config, element.codec);
+    validate(config, element);
   } catch (const std::system_error&) {
     return pending.complete(kv_errc::invalid_config);
   }

@@ -21,14 +21,14 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
-                                                element_codec codec, std::uint8_t element, const kv_block_pool& pool,
+                                                element_codec codec, const kv_block_pool& pool,
                                                 kv_prefix_options options) {
   validate(config, codec);
   if (num_layers == 0 || config.max_blocks != kv_cache_config{}.max_blocks ||
       !block_layout(config, codec).fits(*pool_access::state(pool)))  // keys only: not reused yet
     throw_errc(kv_errc::invalid_config);
-  return std::make_shared<prefix_index>(num_layers, config, codec, element, pool_access::state(pool),
-                                        std::move(options.model), std::move(options.store), options.store_policy);
+  return std::make_shared<prefix_index>(num_layers, config, codec, pool_access::state(pool), std::move(options.model),
+                                        std::move(options.store), options.store_policy);
 }
 
 std::size_t num_layers(const prefix_index& p) noexcept { return p.num_layers(); }

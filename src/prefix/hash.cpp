@@ -104,7 +104,7 @@ kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size
 }
 
 kv_block_hash prefix_index::root(std::string_view salt) const {
-  return salt.empty() ? unsalted_root_ : root_hash(model_, salt, num_layers_, config_, element_);
+  return salt.empty() ? unsalted_root_ : root_hash(model_, salt, num_layers_, config_, codec_.code);
 }
 
 std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens, std::string_view salt) const {

@@ -14,18 +14,17 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec,
-                           std::uint8_t element, ref_ptr<block_pool> pool, std::string model,
-                           std::shared_ptr<kv_block_store> store, kv_store_policy policy)
+                           ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
+                           kv_store_policy policy)
     : num_layers_(num_layers),
       config_(config),
       codec_(codec),
-      element_(element),
       pool_(std::move(pool)),
       model_(std::move(model)),
-      unsalted_root_(root_hash(model_, {}, num_layers_, config_, element_)),
+      unsalted_root_(root_hash(model_, {}, num_layers_, config_, codec_.code)),
       store_(std::move(store)),
       policy_(policy),
-      geometry_(num_layers_, config_, element_, codec_),
+      geometry_(num_layers_, config_, codec_),
       halves_(2 * num_layers_) {
   if (!pool_->attach_reclaimer(this)) throw std::system_error(make_error_code(kv_errc::invalid_config));
   if (store_) store_->limit_value_size(geometry_.entry_bytes());

@@ -163,9 +163,8 @@ class prefix_index final : public reclaimer {
  public:
   /// Claims `pool` for this index.
   /// @throws std::system_error(kv_errc::invalid_config) if the pool has an index already.
-  prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec, std::uint8_t element,
-               ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
-               kv_store_policy policy);
+  prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool,
+               std::string model, std::shared_ptr<kv_block_store> store, kv_store_policy policy);
   /// Lets go of the pool, then of every entry.
   ~prefix_index() override;
   prefix_index(const prefix_index&) = delete;
@@ -268,7 +267,6 @@ class prefix_index final : public reclaimer {
   const std::size_t num_layers_;
   const kv_cache_config config_;
   const element_codec codec_;
-  const std::uint8_t element_;
   const ref_ptr<block_pool> pool_;
   const std::string model_;
   const kv_block_hash unsalted_root_;

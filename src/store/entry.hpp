@@ -38,12 +38,12 @@ struct entry_geometry {
   float key_scale = 1.0f, value_scale = 1.0f;  // fp8's (1 for the others)
 
   entry_geometry() = default;
-  entry_geometry(std::size_t layers, const kv_cache_config& c, std::uint32_t element, const element_codec& codec)
+  entry_geometry(std::size_t layers, const kv_cache_config& c, const element_codec& codec)
       : num_layers(layers),
         num_heads(c.num_heads),
         head_dim(c.head_dim),
         block_tokens(c.block_tokens),
-        element(element),
+        element(codec.code),
         element_bytes(static_cast<std::uint32_t>(codec.size)),
         group(codec.group),
         key_scale(c.key_scale),

@@ -266,7 +266,7 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
       CHECK(writer_diff(loaded, r, w::length) == "");
       // Every entry file is whole, and attaching from the store gives the
       // runs' data exactly, as far as their entries reach.
-      const detail::entry_geometry g(w::layers, w::config(), 0, detail::codec_of<float>);
+      const detail::entry_geometry g(w::layers, w::config(), detail::codec_of<float>);
       auto store =
           std::make_shared<kv_file_store>(dir.path / "store", kv_file_store_limits{.io_executor = io.get_executor()});
       std::size_t files = 0;
@@ -705,8 +705,10 @@ TEST_CASE("a well-formed entry of another geometry under the right hash is refus
   kv_cache_config other = config();
   other.num_heads = 4;
   other.head_dim = 2;
-  const detail::entry_geometry swapped(2, other, 0, detail::codec_of<float>);
-  detail::entry_geometry relabelled(2, config(), 1, detail::codec_of<float>);
+  const detail::entry_geometry swapped(2, other, detail::codec_of<float>);
+  detail::element_codec half_code = detail::codec_of<float>;  // float's bytes, labelled half
+  half_code.code = detail::element_code<half>;
+  const detail::entry_geometry relabelled(2, config(), half_code);
   for (const detail::entry_geometry& g : {swapped, relabelled}) {
     std::vector<std::byte> payload(g.block_bytes(), std::byte{0x3f});
     const std::vector<const std::byte*> layers{payload.data(), payload.data() + g.block_bytes() / 2, payload.data(),

@@ -43,15 +43,6 @@ struct take_layer {
   kv_range operator()(io_op& op) const noexcept { return std::move(op.layer); }
 };
 
-/// The element type a save writes or a load expects.
-struct file_element_type {
-  std::uint32_t code;   // element_code<T>
-  element_codec codec;  // its size, and how floats become it
-};
-
-template <storage_element T>
-inline constexpr file_element_type file_element_of{element_code<T>, codec_of<T>};
-
 /// The snapshot a save writes, untyped. Read on the I/O executor: its
 /// members are const and a snapshot is safe to read from any thread.
 class saved_sequence {
@@ -124,7 +115,7 @@ struct file_expectation {
   std::size_t num_layers;
   kv_cache_config config;
   std::string model;
-  file_element_type element;
+  element_codec element;  // the element type (its code, size and conversions)
   /// None: full(num_layers). Resolved (and checked against num_layers) by
   /// the load before any I/O.
   std::optional<kv_model_layout> layout;
@@ -135,8 +126,8 @@ struct file_expectation {
 /// refused or queueing throws, and then discard `op` (its handler destroyed
 /// unrun, its work released) first.
 void start_save(std::unique_ptr<saved_sequence> snapshot, std::filesystem::path path, const kv_cache_config& config,
-                std::string model, file_element_type element, std::filesystem::perms mode,
-                const asio::any_io_executor& io, io_op* op);
+                std::string model, element_codec element, std::filesystem::perms mode, const asio::any_io_executor& io,
+                io_op* op);
 void start_load(asio::any_io_executor ex, std::filesystem::path path, const kv_block_pool& pool,
                 file_expectation expected, const asio::any_io_executor& io, io_op* op);
 void start_read_layer(std::filesystem::path path, std::size_t layer, file_expectation expected,

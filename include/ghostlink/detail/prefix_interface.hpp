@@ -32,7 +32,7 @@ class sequence_state;
 
 // The untyped machinery (src/prefix/cache.cpp).
 std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
-                                                element_codec codec, std::uint8_t element, const kv_block_pool& pool,
+                                                element_codec codec, const kv_block_pool& pool,
                                                 kv_prefix_options options);
 std::size_t num_layers(const prefix_index& p) noexcept;
 const kv_cache_config& config_of(const prefix_index& p) noexcept;

@@ -30,7 +30,7 @@ struct initiate_save {
     auto saved = std::make_unique<typed_saved_sequence<T>>(std::move(snapshot));
     handler_type h(std::forward<Handler>(handler));
     io_op* started = op::make(std::move(h), io);
-    start_save(std::move(saved), std::move(path), options.config, std::move(options.model), file_element_of<T>,
+    start_save(std::move(saved), std::move(path), options.config, std::move(options.model), codec_of<T>,
                options.file_mode, io, started);
   }
 };
@@ -48,10 +48,10 @@ struct initiate_load {
     asio::any_io_executor io = io_pool_executor(options.io_executor);
     handler_type h(std::forward<Handler>(handler));
     io_op* started = op::make(std::move(h), ex);
-    start_load(std::move(ex), std::move(path), pool,
-               {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>,
-                std::move(expected.layout)},
-               io, started);
+    start_load(
+        std::move(ex), std::move(path), pool,
+        {expected.num_layers, expected.config, std::move(expected.model), codec_of<T>, std::move(expected.layout)}, io,
+        started);
   }
 };
 
@@ -66,10 +66,10 @@ struct initiate_read_layer {
     asio::any_io_executor io = io_pool_executor(options.io_executor);
     handler_type h(std::forward<Handler>(handler));
     io_op* started = op::make(std::move(h), io);
-    start_read_layer(std::move(path), layer,
-                     {expected.num_layers, expected.config, std::move(expected.model), file_element_of<T>,
-                      std::move(expected.layout)},
-                     io, started);
+    start_read_layer(
+        std::move(path), layer,
+        {expected.num_layers, expected.config, std::move(expected.model), codec_of<T>, std::move(expected.layout)}, io,
+        started);
   }
 };
 
