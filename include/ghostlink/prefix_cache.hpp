@@ -29,6 +29,7 @@
 #include "ghostlink/element.hpp"
 #include "ghostlink/error.hpp"
 #include "ghostlink/events.hpp"
+#include "ghostlink/layout.hpp"
 #include "ghostlink/sequence_kv_cache.hpp"
 #include "ghostlink/stats.hpp"
 #include "ghostlink/types.hpp"
@@ -83,15 +84,32 @@ struct kv_attach_options {
 ///                    || u64(num_heads) || u64(head_dim) || u64(B)
 ///                    || u8(element: 0 float, 1 half, 2 bfloat16,
 ///                          3 q8_0, 4 q4_0, 5 fp8_e4m3)
-///                    [|| f32(key_scale) || f32(value_scale): fp8_e4m3 only])
+///                    [|| f32(key_scale) || f32(value_scale): fp8_e4m3 only]
+///                    [|| u8(keys_only) || u64(window[0]) || u64(sink_tokens[0])
+///                     || ... || u64(window[L-1]) || u64(sink_tokens[L-1]):
+///                     a layout with a windowed layer, or keys only])
 ///     h[0] = SHA-256(root   || i32(t[0])   || ... || i32(t[B-1]))
 ///     h[i] = SHA-256(h[i-1] || i32(t[i*B]) || ... || i32(t[i*B+B-1]))
 ///
 /// Only full blocks have a hash. The salt separates tenants (vLLM's
 /// `cache_salt`): two salts never share an entry, nor do two models, two
-/// geometries, two element types or two fp8 caches of other scales (an fp8
+/// geometries, two layouts (their `rollback_tokens` aside), two element
+/// types or two fp8 caches of other scales (an fp8
 /// block's bytes mean `scale * code`: its scales are part of what it is). SHA-256 is OpenSSL's (libcrypto), which uses
 /// the processor's SHA instructions where it has them.
+///
+/// **Layouts** (`kv_model_layout`). An entry holds, per layer, the block
+/// the inserted sequence held for it, or none where a windowed layer had
+/// dropped it. A match of `L` tokens (a multiple of `B`) needs an entry for
+/// each of its blocks, every full layer's block in each, and every windowed
+/// layer's blocks of the positions a query at `L` attends (`L + 1 - window`
+/// to `L - 1`, and its sinks). That is not monotone in `L`: `match()` and
+/// the attaches find the longest valid `L`, not where a scan first fails.
+/// An attached sequence's windowed layers start with those blocks alone and
+/// its high-water mark is `L` (more with `rollback_tokens`, as after a
+/// load). `track()` caches a sequence's blocks as they fill, before its
+/// windows drop any: `insert()` after a long prompt finds the early blocks
+/// of its windowed layers gone.
 ///
 /// **Eviction.** An entry is idle when nothing but the prefix cache
 /// references its blocks (no sequence, epoch or snapshot); it becomes idle
@@ -101,7 +119,14 @@ struct kv_attach_options {
 /// needs a block and the budget is spent, evictable entries are evicted
 /// one at a time, least recently used first (last attached or inserted),
 /// until the block can be had; only when none is evictable does the write
-/// fail with `kv_errc::capacity_exhausted`. The allocation path takes the
+/// fail with `kv_errc::capacity_exhausted`. With windowed layers, an
+/// entry's windowed blocks are also evictable on their own once no
+/// sequence uses them (the entry stays, and a full layer's blocks with it):
+/// they have their own recency, renewed only by an insert and by an attach
+/// whose window reads them, and the eviction takes the least recent of the
+/// oldest evictable entry and the oldest evictable windowed part, a
+/// windowed part first at equal age. An entry left holding no block (every
+/// layer windowed) goes when it has no cached child; its parent in turn. The allocation path takes the
 /// least recently used evictable entry from an ordered set of the
 /// evictable ones: no entry in use is ever looked at. Within one attach or
 /// insert, later blocks count as used before earlier ones, so a child is
@@ -129,10 +154,22 @@ class basic_kv_prefix_cache {
   ///         holds the budget).
   basic_kv_prefix_cache(std::size_t num_layers, kv_cache_config config, const kv_block_pool& pool,
                         kv_prefix_options options = {})
-      : index_(detail::make_prefix_index(num_layers, config, detail::codec_of<T>, pool, std::move(options))) {}
+      : basic_kv_prefix_cache(kv_model_layout::full(num_layers), config, pool, std::move(options)) {}
+
+  /// An empty cache for sequences of `layout` (windowed layers, sinks, keys
+  /// only) of `config` on `pool` (a `kv_block_kind::keys_only` pool for a
+  /// keys-only layout). Its `rollback_tokens` is the attached sequences'.
+  /// @throws std::system_error with `kv_errc::invalid_config` as above, or
+  ///         for a layout `kv_model_layout` refuses (no layers, sinks without
+  ///         a window).
+  basic_kv_prefix_cache(const kv_model_layout& layout, kv_cache_config config, const kv_block_pool& pool,
+                        kv_prefix_options options = {})
+      : index_(detail::make_prefix_index(layout, config, detail::codec_of<T>, pool, std::move(options))) {}
 
   /// The layers of every sequence it caches.
   std::size_t num_layers() const noexcept { return detail::num_layers(*index_); }
+  /// The layout of every sequence it caches and attaches.
+  const kv_model_layout& layout() const noexcept { return detail::layout_of(*index_); }
   /// The config it was made with.
   const kv_cache_config& config() const noexcept { return detail::config_of(*index_); }
   /// The pool whose blocks it holds and evicts.
@@ -144,8 +181,9 @@ class basic_kv_prefix_cache {
     return detail::block_hashes(*index_, tokens, salt);
   }
 
-  /// The tokens of the longest run of cached blocks of `tokens` from block
-  /// 0 (a multiple of `block_tokens`, at most `tokens.size()` and at most
+  /// The tokens of the longest match of `tokens` from block 0 (the rule
+  /// above: every block of a full layout; a multiple of `block_tokens`, at
+  /// most `tokens.size()` and at most
   /// the cache's `max_tokens_per_seq`, which an attached sequence holds). Pins
   /// nothing and changes no entry's place in the eviction order. An engine
   /// that needs the logits of the last prompt token passes
@@ -219,14 +257,18 @@ class basic_kv_prefix_cache {
   /// (it becomes the most recently used). Stops at a block that some layer
   /// holds as never-written zeros. Returns the entries added.
   ///
+  /// A windowed layer's block goes in where `seq` still holds all of it
+  /// (none otherwise); an existing entry lacking it takes it. Entries at the
+  /// end holding no block at all are not added.
+  ///
   /// The caller vouches that `tokens` are the tokens `seq` holds; tokens
   /// that are not make later attaches of those tokens read the wrong KV.
   /// `insert_stored_tokens()` cannot be wrong that way.
   /// @throws std::system_error with `kv_errc::layer_mismatch` for a `seq`
   ///         of another number of layers, with `kv_errc::invalid_config`
   ///         for one on another pool, of another geometry (`num_heads`,
-  ///         `head_dim`, `block_tokens`), or with a windowed layer or a
-  ///         `keys_only` layout (not reused yet); nothing is inserted then.
+  ///         `head_dim`, `block_tokens`), other fp8 scales, or another
+  ///         layout (its `rollback_tokens` aside); nothing is inserted then.
   ///         std::bad_alloc, inserting nothing.
   std::size_t insert(const sequence_type& seq, std::span<const token_id> tokens, std::string_view salt = {}) {
     return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), &tokens, salt);
@@ -237,6 +279,27 @@ class basic_kv_prefix_cache {
   /// block holding a token stored without an id.
   std::size_t insert_stored_tokens(const sequence_type& seq, std::string_view salt = {}) {
     return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), nullptr, salt);
+  }
+
+  /// Caches `seq`'s blocks as they fill: every full block `seq` stores from
+  /// now on is inserted (as `insert_stored_tokens()` under `salt`) inside
+  /// the drain that stores its last token, before `seq`'s windowed layers
+  /// drop anything, as vLLM caches blocks when they fill; the blocks `seq`
+  /// holds already go in at its next drain that stores a token. A block
+  /// holding a token stored without an id, and every later one, is not
+  /// inserted until a truncate cuts it. A sequence is tracked by one cache
+  /// under one salt: a second call replaces the first. Tracking ends with
+  /// `untrack()`, when the sequence goes, or when this cache's last handle
+  /// goes; forks are not tracked. Memory refused in a drain leaves those
+  /// blocks for the next one.
+  /// @throws std::system_error as `insert()` does, tracking nothing then.
+  ///         std::bad_alloc.
+  void track(const sequence_type& seq, std::string_view salt = {}) {
+    detail::prefix_track(index_, detail::cache_access::state_of(seq).get(), salt);
+  }
+  /// Ends the tracking of `seq` (by any cache), from its next drain on.
+  void untrack(const sequence_type& seq) noexcept {
+    detail::prefix_untrack(detail::cache_access::state_of(seq).get());
   }
 
   /// Drops every entry: blocks in use elsewhere stay with their users, idle

@@ -103,6 +103,10 @@ struct kv_prefix_stats {
   std::uint64_t store_puts = 0;        ///< Entries handed to the store (write-through or write-back).
   std::uint64_t store_rejects = 0;     ///< Values from the store refused as corrupt or of another entry.
   std::size_t cached_entries = 0;      ///< Entries now (the count `cached_blocks` holds, by its name).
+  /// Windowed parts evicted on their own: an entry's blocks of its windowed
+  /// layers, the entry staying (a hybrid layout's; see docs/API.md).
+  std::uint64_t window_evictions = 0;
+  std::size_t held_blocks = 0;  ///< Pool blocks the entries hold now (at most one per layer per entry).
 };
 
 /// A store's counters, each read separately: exact when the store is idle.

@@ -52,6 +52,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -99,6 +100,19 @@ class group_request : public request {
   ~group_request() = default;
 };
 
+/// Told what a sequence's drains store: a prefix cache tracking the
+/// sequence (src/prefix/track.cpp). Called inside the drain, on whatever
+/// thread runs it, one call at a time.
+class fill_observer {
+ public:
+  virtual ~fill_observer() = default;
+  /// Every layer stores `size` tokens, and no window has dropped what a
+  /// token at `size` no longer attends yet: `group.working(l)` shows them.
+  virtual void filled(const actor& group, std::size_t size) noexcept = 0;
+  /// The sequence was cut to `size` tokens.
+  virtual void truncated(std::size_t size) noexcept = 0;
+};
+
 class actor : public std::enable_shared_from_this<actor> {
  public:
   using strand_type = asio::strand<asio::any_io_executor>;
@@ -133,6 +147,11 @@ class actor : public std::enable_shared_from_this<actor> {
   /// layer's size. Before the first request only; the layers' windows are
   /// their working states' (working_state::use_layer_layout).
   void use_rollback(std::size_t rollback) noexcept;
+  /// Reports what later drains store to `o` (null: to none), from the next
+  /// drain on. Any thread.
+  void observe(std::shared_ptr<fill_observer> o) noexcept;
+  /// Layer `layer`'s working state: inside a drain only (a fill_observer's).
+  const working_state& working(std::size_t layer) const noexcept { return *layers_[layer]->state; }
   /// The first layer's pool (a sequence's model layers share it).
   block_pool& pool() const noexcept { return *pool_; }
   const strand_type& strand() const noexcept { return strand_; }
@@ -209,6 +228,12 @@ class actor : public std::enable_shared_from_this<actor> {
   // windows (kv_model_layout); 0 for a layer cache, whose truncates ignore them.
   std::size_t high_water_ = 0;
   std::size_t rollback_ = 0;
+  // The observer of a tracked sequence: set from any thread under its mutex,
+  // read by the drain (observed_ first, so an untracked drain takes no lock).
+  std::shared_ptr<fill_observer> observed() const noexcept;
+  mutable std::mutex observer_mutex_;
+  std::shared_ptr<fill_observer> observer_;
+  std::atomic<bool> observed_{false};
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
   std::atomic<unsigned> posting_{0};      // submitters outside the context inside their post (post_from_outside)
   // Counters the drain alone writes (on the strand); stats() reads them.

@@ -1,8 +1,10 @@
 #include "core/epoch.hpp"
-#include "ghostlink/detail/flavour.hpp"
 
 #include <algorithm>
+#include <bit>
+#include <cstring>
 #include <new>
+#include "ghostlink/detail/flavour.hpp"
 
 #include "base/fault_countdown.hpp"
 
@@ -86,6 +88,27 @@ std::size_t stored_runs(const epoch& e, std::size_t first, std::size_t end, std:
 void unpin(const epoch& e) noexcept {
   if (e.registry) e.registry->snapshot_closed();
   e.release();
+}
+
+const block* layer_blocks::whole_block(std::size_t b) const noexcept {
+  const std::size_t bt = layout->block_tokens;
+  if (stored < (b + 1) * bt || b >= table->blocks) return nullptr;
+  const block* blk = table->block_at(b).get();
+  if (!blk || !blk->counted()) return nullptr;  // dropped, or the zero block
+  // A windowed layer's block with a position past the sinks and before
+  // kept_from: that position is not the layer's any more.
+  if (window != 0 && (b + 1) * bt > sinks && std::max(b * bt, sinks) < kept_from) return nullptr;
+  return blk;
+}
+
+token_id layer_blocks::stored_id(std::size_t i) const noexcept {
+  const std::size_t bt = layout->block_tokens;
+  if (i >= stored) return no_token_id;
+  const block* blk = table->block_at(i / bt).get();
+  if (!blk) return no_token_id;
+  float bits = 0;
+  std::memcpy(&bits, layout->keys(*blk, i % bt), sizeof bits);
+  return std::bit_cast<token_id>(bits);
 }
 
 }  // namespace detail

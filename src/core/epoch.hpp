@@ -18,6 +18,7 @@
 
 #include "ghostlink/detail/pinned_epoch.hpp"
 #include "ghostlink/detail/ref_ptr.hpp"
+#include "ghostlink/types.hpp"
 #include "memory/block.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -122,6 +123,23 @@ class epoch_registry : public ref_counted<epoch_registry> {
   std::atomic<void*> spare_{nullptr};  // ::operator new(sizeof(epoch)) memory, or null
 };
 
+/// A layer's blocks as the prefix cache reads them, from an epoch or from
+/// a working state inside its drain.
+struct layer_blocks {
+  const block_table* table = nullptr;
+  const block_layout* layout = nullptr;
+  std::size_t stored = 0;           // tokens [0, stored) live in the table's blocks
+  std::size_t window = 0;           // a windowed layer's (0: none)
+  std::size_t sinks = 0;
+  std::size_t kept_from = 0;        // positions [sinks, kept_from) dropped
+
+  /// Block `b` when the layer holds every one of its tokens as data of its
+  /// own (its sinks, or past `kept_from`; not the zero block); else null.
+  const block* whole_block(std::size_t b) const noexcept;
+  /// Token `i`'s id, read from a token-id layer (no_token_id past `stored`).
+  token_id stored_id(std::size_t i) const noexcept;
+};
+
 /// One published state of a cache: what a snapshot pins.
 ///
 /// Tokens `[0, stored)` live in the table's blocks; tokens `[stored, size)`
@@ -160,6 +178,10 @@ struct epoch : ref_counted<epoch> {
   /// is `index % block_tokens`.
   const block& block_of(std::size_t index) const noexcept {
     return index < stored ? *table->block_at(index / layout->block_tokens) : *zeros;
+  }
+  /// Its blocks, as the prefix cache reads them.
+  layer_blocks blocks() const noexcept {
+    return {table.get(), layout, stored, window.window, window.sinks, window.kept_from};
   }
 
   const std::uint64_t number;

@@ -148,6 +148,10 @@ class working_state {
   const kv_layer_layout& layer_layout() const noexcept { return layer_; }
   /// The first position past the sinks this layer holds.
   std::size_t kept_from() const noexcept { return kept_from_; }
+  /// What it holds now, as the prefix cache reads it (a drain's observer).
+  layer_blocks blocks() const noexcept {
+    return {table_.get(), layout_.get(), stored_, layer_.window, layer_.sink_tokens, kept_from_};
+  }
   /// A loaded windowed layer, made with null blocks where what it held
   /// (from `kept_from` on, and its sinks) left none: before the first epoch.
   void restore_kept_from(std::size_t kept_from) noexcept;

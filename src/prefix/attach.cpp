@@ -191,11 +191,15 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
         for (std::size_t l = 0; l < g.num_layers; ++l) cursors_.emplace_back(*p.pool());
       }
       for (std::size_t l = 0; l < g.num_layers; ++l) {
+        const std::byte* const layer = entry_layer(g, value, l);
+        if (!layer) {  // a windowed layer the entry holds no block for
+          fresh.emplace_back();
+          continue;
+        }
         ref_ptr<block> b = block::make(*p.pool(), cursors_[l], owner_);
         if (!b) return false;  // the pool has no room: a miss from here on
-        const std::byte* const layer = entry_layer(g, value, l);
-        std::memcpy(b->keys(), layer, g.block_bytes() / 2);
-        std::memcpy(b->values(), layer + g.block_bytes() / 2, g.block_bytes() / 2);
+        std::memcpy(b->keys(), layer, g.half_bytes());
+        if (!g.keys_only) std::memcpy(b->values(), layer + g.half_bytes(), g.half_bytes());
         b->set_filled(g.block_tokens);
         fresh.push_back(std::move(b));
       }
@@ -222,20 +226,25 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
       // which the caller may expect gone once it has let go of its own.
       const std::shared_ptr<prefix_index> p = std::move(index_);
       cursors_.clear();  // before the pool may go
+      // The longest match over RAM's blocks and the fetched ones (a
+      // fetched entry may lack a windowed layer's block); RAM's hold every
+      // block the windows of a longer match need (they start later).
+      const std::size_t matched = p->rule().longest(
+          next_, [&](std::size_t l, std::size_t j) { return blocks_[l][j].get() != nullptr; });
       const std::size_t fetched = next_ - in_ram_;
       if (fetched != 0) {
-        p->count_store_hits(fetched * p->config().block_tokens);
+        p->count_store_hits((std::max(matched, in_ram_) - in_ram_) * p->config().block_tokens);
         try {
-          std::vector<std::vector<const block*>> per_block(next_);
-          for (std::size_t b = 0; b < next_; ++b) {
+          std::vector<std::vector<const block*>> per_block(fetched);
+          for (std::size_t b = 0; b < fetched; ++b) {
             per_block[b].reserve(blocks_.size());
-            for (const auto& layer : blocks_) per_block[b].push_back(layer[b].get());
+            for (const auto& layer : blocks_) per_block[b].push_back(layer[in_ram_ + b].get());
           }
-          p->insert(std::span(hashes_).first(next_), per_block, nullptr, true);
+          p->insert(std::span(hashes_).first(next_), in_ram_, per_block, nullptr, true);
         } catch (const std::bad_alloc&) {  // not cached for the next attach; this one has them
         }
       }
-      ec = make_result(*p, op_, ex_, ec, std::move(blocks_), tokens_, next_);
+      ec = make_result(*p, op_, ex_, ec, std::move(blocks_), tokens_, std::max(matched, in_ram_));
     }
     op_->complete(ec, queueing::post);
   }

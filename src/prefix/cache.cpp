@@ -20,18 +20,20 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
-std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
+std::shared_ptr<prefix_index> make_prefix_index(const kv_model_layout& layout, const kv_cache_config& config,
                                                 element_codec codec, const kv_block_pool& pool,
                                                 kv_prefix_options options) {
+  validate(layout);
   validate(config, codec);
-  if (num_layers == 0 || config.max_blocks != kv_cache_config{}.max_blocks ||
-      !block_layout(config, codec).fits(*pool_access::state(pool)))  // keys only: not reused yet
+  if (config.max_blocks != kv_cache_config{}.max_blocks ||
+      !block_layout(config, codec, layout.keys_only).fits(*pool_access::state(pool)))
     throw_errc(kv_errc::invalid_config);
-  return std::make_shared<prefix_index>(num_layers, config, codec, pool_access::state(pool), std::move(options.model),
+  return std::make_shared<prefix_index>(layout, config, codec, pool_access::state(pool), std::move(options.model),
                                         std::move(options.store), options.store_policy);
 }
 
 std::size_t num_layers(const prefix_index& p) noexcept { return p.num_layers(); }
+const kv_model_layout& layout_of(const prefix_index& p) noexcept { return p.layout(); }
 const kv_cache_config& config_of(const prefix_index& p) noexcept { return p.config(); }
 kv_block_pool pool_of(const prefix_index& p) noexcept { return pool_access::handle(p.pool()); }
 
@@ -56,8 +58,21 @@ std::shared_ptr<sequence_state> prefix_attach(prefix_index& p, asio::any_io_exec
 std::shared_ptr<sequence_state> attached_sequence(const prefix_index& p, asio::any_io_executor ex,
                                                   std::vector<std::vector<ref_ptr<block>>> blocks,
                                                   std::span<const token_id> tokens, std::size_t attached) {
-  return make_attached_sequence(std::move(ex), p.config(), kv_model_layout::full(p.num_layers()), p.codec(), p.pool(),
-                                std::move(blocks), tokens.first(attached * p.config().block_tokens));
+  // A windowed layer starts with the blocks the rule needs at `attached`
+  // alone, and holds from its window's start (its high-water mark is then
+  // the match's length).
+  const window_rule& rule = p.rule();
+  std::vector<std::size_t> kept_from;
+  if (rule.windowed()) kept_from.assign(p.num_layers(), 0);
+  for (std::size_t l = 0; l < p.num_layers(); ++l) {
+    blocks[l].resize(attached);
+    if (!rule.layer_windowed(l)) continue;
+    for (std::size_t j = 0; j < attached; ++j)
+      if (!rule.needs(l, j, attached)) blocks[l][j] = {};
+    kept_from[l] = rule.kept_from(l, attached);
+  }
+  return make_attached_sequence(std::move(ex), p.config(), p.layout(), p.codec(), p.pool(), std::move(blocks),
+                                tokens.first(attached * p.config().block_tokens), kept_from);
 }
 
 namespace {
@@ -106,66 +121,85 @@ void write_through(prefix_index& p, std::span<const kv_block_hash> hashes,
   p.count_store_puts(handed);
 }
 
-token_id stored_id(const epoch& ids, std::size_t i) {
-  if (i >= ids.stored) return no_token_id;
-  float bits = 0;
-  std::memcpy(&bits, ids.layout->keys(ids.block_of(i), i % ids.layout->block_tokens), sizeof bits);
-  return std::bit_cast<token_id>(bits);
+}  // namespace
+
+std::vector<const block*> entry_blocks(const prefix_index& p, std::span<const layer_blocks> layers, std::size_t b) {
+  std::vector<const block*> out;
+  out.reserve(layers.size());
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const block* blk = layers[l].whole_block(b);
+    if (!blk && !p.rule().layer_windowed(l)) return {};  // a full layer's block is never missing
+    out.push_back(blk);
+  }
+  return out;
 }
 
-}  // namespace
+std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain, std::size_t first,
+                          std::span<const std::vector<const block*>> blocks) {
+  // An entry holding nothing at the end would match nothing (nor lead to
+  // anything that does): the windows dropped it.
+  while (!blocks.empty() && std::ranges::all_of(blocks.back(), [](const block* b) { return b == nullptr; }))
+    blocks = blocks.first(blocks.size() - 1);
+  if (blocks.empty()) return 0;
+  if (!p.store() || p.store_policy() != kv_store_policy::write_through) return p.insert(chain, first, blocks);
+  std::vector<std::size_t> added;
+  added.reserve(blocks.size());
+  const auto handoff = p.handing();  // from marking the entries in the store until they are put
+  const std::size_t n = p.insert(chain, first, blocks, &added, true);
+  write_through(p, chain.subspan(first), blocks, added);
+  return n;
+}
 
 std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std::span<const token_id>* tokens,
                           std::string_view salt) {
-  if (!seq) throw_errc(kv_errc::invalid_config);
-  // Not reused yet: never half a layer's blocks, nor keys without values.
-  if (seq->layout.windowed() || seq->layout.keys_only) throw_errc(kv_errc::invalid_config);
-  if (seq->model_layers() != p.num_layers()) throw_errc(kv_errc::layer_mismatch);
+  check_insertable(p, seq);
   const kv_cache_config& c = seq->config;
-  if (&seq->group->pool() != p.pool().get() || c.num_heads != p.config().num_heads ||
-      c.head_dim != p.config().head_dim || c.block_tokens != p.config().block_tokens)
-    throw_errc(kv_errc::invalid_config);
 
   const pinned_sequence pinned = pin_sequence(*seq);  // held until the entries hold the blocks
   const std::size_t bt = c.block_tokens;
   std::size_t full = pinned.size;
   std::vector<token_id> stored;
+  const layer_blocks ids = pinned.ids->blocks();
   if (tokens) {
     full = std::min(full, tokens->size());
   } else {
     stored.reserve(full);
     for (std::size_t i = 0; i < full; ++i) {
-      const token_id id = stored_id(*pinned.ids, i);
+      const token_id id = ids.stored_id(i);
       if (id == no_token_id) break;
       stored.push_back(id);
     }
     full = stored.size();
   }
-  // Whole blocks that every layer holds as blocks of its own data.
+  // Whole blocks that every full layer holds as blocks of its own data; a
+  // windowed layer's where it still holds them.
+  std::vector<layer_blocks> layers;
+  layers.reserve(pinned.layers.size());
+  for (const ref_ptr<epoch>& e : pinned.layers) layers.push_back(e->blocks());
   std::vector<std::vector<const block*>> blocks;
   blocks.reserve(full / bt);
   for (std::size_t b = 0; b < full / bt; ++b) {
-    std::vector<const block*> per_layer;
-    per_layer.reserve(p.num_layers());
-    for (const ref_ptr<epoch>& e : pinned.layers) {
-      if (e->stored < (b + 1) * bt) break;
-      const block& blk = *e->table->block_at(b);
-      if (!blk.counted()) break;  // the zero block
-      per_layer.push_back(&blk);
-    }
-    if (per_layer.size() != p.num_layers()) break;
+    std::vector<const block*> per_layer = entry_blocks(p, layers, b);
+    if (per_layer.empty()) break;
     blocks.push_back(std::move(per_layer));
   }
   const std::span<const token_id> used =
       tokens ? tokens->first(blocks.size() * bt) : std::span<const token_id>(stored).first(blocks.size() * bt);
   const std::vector<kv_block_hash> h = p.hashes(used, salt);
-  if (!p.store() || p.store_policy() != kv_store_policy::write_through) return p.insert(h, blocks);
-  std::vector<std::size_t> added;
-  added.reserve(h.size());
-  const auto handoff = p.handing();  // from marking the entries in the store until they are put
-  const std::size_t n = p.insert(h, blocks, &added, true);
-  write_through(p, h, blocks, added);
-  return n;
+  return insert_blocks(p, h, 0, blocks);
+}
+
+void check_insertable(const prefix_index& p, const sequence_state* seq) {
+  if (!seq) throw_errc(kv_errc::invalid_config);
+  if (seq->model_layers() != p.num_layers()) throw_errc(kv_errc::layer_mismatch);
+  const kv_cache_config& c = seq->config;
+  // Another layout keeps other blocks (and hashes them apart); its
+  // rollback_tokens changes nothing stored.
+  if (&seq->group->pool() != p.pool().get() || c.num_heads != p.config().num_heads ||
+      c.head_dim != p.config().head_dim || c.block_tokens != p.config().block_tokens ||
+      c.key_scale != p.config().key_scale || c.value_scale != p.config().value_scale ||
+      seq->layout.layers != p.layout().layers || seq->layout.keys_only != p.layout().keys_only)
+    throw_errc(kv_errc::invalid_config);
 }
 
 void prefix_clear(prefix_index& p) noexcept { p.clear(); }

@@ -4,6 +4,7 @@
 #include <openssl/evp.h>
 #include "ghostlink/detail/flavour.hpp"
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstring>
@@ -78,8 +79,8 @@ void add_u64(sha256& h, std::uint64_t v) {
 
 }  // namespace
 
-kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size_t num_layers, const kv_cache_config& c,
-                        std::uint8_t element) {
+kv_block_hash root_hash(std::string_view model, std::string_view salt, const kv_model_layout& layout,
+                        const kv_cache_config& c, std::uint8_t element) {
   static constexpr std::string_view tag = "ghostlink-prefix-v1";
   sha256& h = sha256::for_this_thread();
   h.begin();
@@ -88,7 +89,7 @@ kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size
   h.add(model.data(), model.size());
   add_u64(h, salt.size());
   h.add(salt.data(), salt.size());
-  add_u64(h, num_layers);
+  add_u64(h, layout.num_layers());
   add_u64(h, c.num_heads);
   add_u64(h, c.head_dim);
   add_u64(h, c.block_tokens);
@@ -100,11 +101,42 @@ kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size
     put_le<std::uint32_t>(scales.data() + 4, std::bit_cast<std::uint32_t>(c.value_scale));
     h.add(scales.data(), scales.size());
   }
+  // A layout other than full layers storing values: what each layer keeps.
+  // (rollback_tokens changes nothing stored: not part of it).
+  const bool full = std::all_of(layout.layers.begin(), layout.layers.end(),
+                                [](const kv_layer_layout& l) { return l.window == 0; });
+  if (!full || layout.keys_only) {
+    const auto keys_only = static_cast<std::uint8_t>(layout.keys_only ? 1 : 0);
+    h.add(&keys_only, 1);
+    for (const kv_layer_layout& l : layout.layers) {
+      add_u64(h, l.window);
+      add_u64(h, l.sink_tokens);
+    }
+  }
   return h.end();
 }
 
 kv_block_hash prefix_index::root(std::string_view salt) const {
-  return salt.empty() ? unsalted_root_ : root_hash(model_, salt, num_layers_, config_, codec_.code);
+  return salt.empty() ? unsalted_root_ : root_hash(model_, salt, layout(), config_, codec_.code);
+}
+
+kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) const {
+  // The previous hash, then the block's tokens as little-endian i32.
+  thread_local std::vector<std::uint8_t> buffer;
+  buffer.resize(32 + 4 * tokens.size());
+  std::memcpy(buffer.data(), prev.bytes.data(), 32);
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(buffer.data() + 32, tokens.data(), 4 * tokens.size());
+  } else {
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const auto v = static_cast<std::uint32_t>(tokens[i]);
+      for (std::size_t k = 0; k < 4; ++k) buffer[32 + 4 * i + k] = static_cast<std::uint8_t>(v >> (8 * k));
+    }
+  }
+  sha256& h = sha256::for_this_thread();
+  h.begin();
+  h.add(buffer.data(), buffer.size());
+  return h.end();
 }
 
 std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens, std::string_view salt) const {
@@ -113,25 +145,9 @@ std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens
   std::vector<kv_block_hash> out;
   out.reserve(n);
   if (n == 0) return out;
-  // One buffer per block: the previous hash, then the block's tokens as
-  // little-endian i32.
-  std::vector<std::uint8_t> buffer(32 + 4 * bt);
   kv_block_hash prev = root(salt);
-  sha256& h = sha256::for_this_thread();
   for (std::size_t b = 0; b < n; ++b) {
-    std::memcpy(buffer.data(), prev.bytes.data(), 32);
-    const token_id* t = tokens.data() + b * bt;
-    if constexpr (std::endian::native == std::endian::little) {
-      std::memcpy(buffer.data() + 32, t, 4 * bt);
-    } else {
-      for (std::size_t i = 0; i < bt; ++i) {
-        const auto v = static_cast<std::uint32_t>(t[i]);
-        for (std::size_t k = 0; k < 4; ++k) buffer[32 + 4 * i + k] = static_cast<std::uint8_t>(v >> (8 * k));
-      }
-    }
-    h.begin();
-    h.add(buffer.data(), buffer.size());
-    prev = h.end();
+    prev = next_hash(prev, tokens.subspan(b * bt, bt));
     out.push_back(prev);
   }
   return out;

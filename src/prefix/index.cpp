@@ -13,21 +13,22 @@
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
-prefix_index::prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec,
+prefix_index::prefix_index(const kv_model_layout& layout, const kv_cache_config& config, element_codec codec,
                            ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
                            kv_store_policy policy)
-    : num_layers_(num_layers),
+    : rule_(layout, config.block_tokens),
+      num_layers_(layout.num_layers()),
       config_(config),
       codec_(codec),
       pool_(std::move(pool)),
       model_(std::move(model)),
-      unsalted_root_(root_hash(model_, {}, num_layers_, config_, codec_.code)),
+      unsalted_root_(root_hash(model_, {}, layout, config_, codec_.code)),
       store_(std::move(store)),
       policy_(policy),
-      geometry_(num_layers_, config_, codec_),
+      geometry_(layout, config_, codec_),
       halves_(2 * num_layers_) {
   if (!pool_->attach_reclaimer(this)) throw std::system_error(make_error_code(kv_errc::invalid_config));
-  if (store_) store_->limit_value_size(geometry_.entry_bytes());
+  if (store_) store_->limit_value_size(geometry_.entry_bytes(num_layers_));
 }
 
 prefix_index::~prefix_index() {
@@ -53,11 +54,22 @@ std::size_t prefix_index::cached_run(std::span<const kv_block_hash> hashes) cons
   return lo;
 }
 
-std::size_t prefix_index::match(std::span<const kv_block_hash> hashes) const noexcept {
+std::size_t prefix_index::valid_run(std::span<const kv_block_hash> hashes, std::vector<prefix_entry*>& chain) const {
+  const std::size_t run = cached_run(hashes);
+  chain.resize(run);
+  // The run's last entry, then its parents: one lookup in all.
+  prefix_entry* e = run == 0 ? nullptr : entries_.find(hashes[run - 1])->second.get();
+  for (std::size_t i = run; i-- > 0; e = e->parent) chain[i] = e;
+  return rule_.longest(run, [&](std::size_t l, std::size_t j) { return chain[j]->nodes[l] != nullptr; });
+}
+
+std::size_t prefix_index::match(std::span<const kv_block_hash> hashes) const {
   std::size_t found = 0;
+  std::vector<prefix_entry*> chain;
+  chain.reserve(hashes.size());
   {
     std::lock_guard lock(mutex_);
-    found = cached_run(hashes);
+    found = rule_.windowed() ? valid_run(hashes, chain) : cached_run(hashes);
   }
   queries_.fetch_add(1, std::memory_order_relaxed);
   query_tokens_.fetch_add(hashes.size() * config_.block_tokens, std::memory_order_relaxed);
@@ -72,20 +84,26 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
   std::vector<prefix_entry*> matched;
   matched.reserve(hashes.size());
   std::lock_guard lock(mutex_);
-  // The run's last entry, then its parents: one lookup in all.
-  const std::size_t run = cached_run(hashes);
-  matched.resize(run);
-  prefix_entry* e = run == 0 ? nullptr : entries_.find(hashes[run - 1])->second.get();
-  for (std::size_t i = run; i-- > 0; e = e->parent) matched[i] = e;
+  const std::size_t k = valid_run(hashes, matched);  // may throw: nothing changed yet
+  matched.resize(k);
   // Later blocks count as used first, so a child is older than its parent.
   for (prefix_entry* e : std::views::reverse(matched)) touch(*e);
-  for (prefix_entry* e : matched)
+  for (std::size_t j = 0; j < k; ++j) {
+    prefix_entry* e = matched[j];
+    bool window_read = false;
     for (std::size_t l = 0; l < num_layers_; ++l) {
-      prefix_node& n = *e->nodes[l];
+      if (!rule_.needs(l, j, k)) {
+        out[l].emplace_back();
+        continue;
+      }
+      prefix_node& n = *e->nodes[l];  // the rule found it
+      window_read = window_read || n.windowed;
       // The attached layer never writes into it (another owner's), only refers to it.
       out[l].push_back(ref_ptr<block>::share(const_cast<block*>(n.blk)));
       if (!n.in_use) node_in_use(n);
     }
+    if (window_read) touch_window(*e);
+  }
   publish_counts();
   queries_.fetch_add(1, std::memory_order_relaxed);
   query_tokens_.fetch_add(hashes.size() * config_.block_tokens, std::memory_order_relaxed);
@@ -93,69 +111,146 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
   return matched.size();
 }
 
-std::size_t prefix_index::insert(std::span<const kv_block_hash> hashes,
+std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size_t first,
                                  std::span<const std::vector<const block*>> blocks, std::vector<std::size_t>* added,
                                  bool in_store) {
-  std::vector<prefix_entry*> chain(hashes.size(), nullptr);
-  std::vector<bool> is_new(hashes.size(), false);
+  const std::size_t n = blocks.size();
+  std::vector<prefix_entry*> at(n, nullptr);  // the entry of blocks[i]
+  std::vector<bool> is_new(n, false);
   std::vector<kv_block_hash> created;
-  created.reserve(hashes.size());
   std::vector<prefix_node*> created_nodes;
-  created_nodes.reserve(hashes.size() * num_layers_);
+  created_nodes.reserve(n * num_layers_);
+  struct fill {
+    prefix_entry* e;
+    std::size_t layer;
+    prefix_node* node;
+  };
+  std::vector<fill> fills;  // windowed blocks an existing entry lacked
+  std::vector<prefix_entry*> revived;
   std::lock_guard lock(mutex_);
+  // Ancestors evicted meanwhile (a tracked sequence's, whose windows let go
+  // of them) come back holding nothing, so the index stays prefix-closed.
+  std::size_t start = first;
+  while (start > 0 && !entries_.contains(chain[start - 1])) --start;
+  prefix_entry* const parent = start == 0 ? nullptr : entries_.find(chain[start - 1])->second.get();
+  created.reserve(first - start + n);
+  revived.reserve(first - start);
   // Phase 1, undone if anything cannot be allocated: the entries and nodes.
+  auto node_of = [&](const block* b, std::size_t l) -> prefix_node& {
+    auto [pos, new_node] = nodes_.try_emplace(b);
+    prefix_node& nd = pos->second;
+    if (new_node) {
+      nd.blk = b;
+      nd.windowed = rule_.layer_windowed(l);
+      created_nodes.push_back(&nd);
+    }
+    return nd;
+  };
+  auto new_entry = [&](const kv_block_hash& h) -> prefix_entry& {
+    auto it = entries_.try_emplace(h).first;
+    created.push_back(h);
+    it->second = std::make_unique<prefix_entry>();
+    prefix_entry& e = *it->second;
+    e.hash = h;
+    e.nodes.reserve(num_layers_);
+    e.lru_node = lru_.extract(lru_.emplace(0, &e).first);
+    e.window_node = window_lru_.extract(window_lru_.emplace(0, &e).first);
+    return e;
+  };
   try {
-    for (std::size_t i = 0; i < hashes.size(); ++i) {
-      auto [it, fresh] = entries_.try_emplace(hashes[i]);
-      if (!fresh) {
-        chain[i] = it->second.get();
+    for (std::size_t i = start; i < first; ++i) {
+      prefix_entry& e = new_entry(chain[i]);
+      e.nodes.assign(num_layers_, nullptr);
+      revived.push_back(&e);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (auto it = entries_.find(chain[first + i]); it != entries_.end()) {
+        prefix_entry& e = *it->second;
+        at[i] = &e;
+        for (std::size_t l = 0; l < num_layers_; ++l) {
+          if (e.nodes[l] || !blocks[i][l]) continue;
+          prefix_node& nd = node_of(blocks[i][l], l);
+          fills.push_back({&e, l, &nd});
+          nd.entries.push_back(&e);
+        }
         continue;
       }
-      created.push_back(hashes[i]);
-      it->second = std::make_unique<prefix_entry>();
-      prefix_entry& e = *it->second;
-      e.hash = hashes[i];
-      e.nodes.reserve(num_layers_);
-      e.lru_node = lru_.extract(lru_.emplace(0, &e).first);
-      chain[i] = &e;
+      prefix_entry& e = new_entry(chain[first + i]);
+      at[i] = &e;
       is_new[i] = true;
       for (std::size_t l = 0; l < num_layers_; ++l) {
-        auto [pos, new_node] = nodes_.try_emplace(blocks[i][l]);
-        prefix_node& n = pos->second;
-        if (new_node) {
-          n.blk = blocks[i][l];
-          created_nodes.push_back(&n);
+        if (!blocks[i][l]) {
+          e.nodes.push_back(nullptr);
+          continue;
         }
-        n.entries.push_back(&e);
-        e.nodes.push_back(&n);
+        prefix_node& nd = node_of(blocks[i][l], l);
+        nd.entries.push_back(&e);
+        e.nodes.push_back(&nd);
       }
     }
   } catch (const std::bad_alloc&) {
+    for (const fill& f : fills) std::erase(f.node->entries, f.e);
     for (const kv_block_hash& h : created) {
       auto it = entries_.find(h);
       if (it->second)
-        for (prefix_node* n : it->second->nodes) std::erase(n->entries, it->second.get());
+        for (prefix_node* nd : it->second->nodes)
+          if (nd) std::erase(nd->entries, it->second.get());
       entries_.erase(it);
     }
-    for (prefix_node* n : created_nodes) nodes_.erase(n->blk);
+    for (prefix_node* nd : created_nodes)
+      if (nd->entries.empty()) nodes_.erase(nd->blk);
     throw;
   }
   // Phase 2 allocates nothing.
-  for (prefix_node* n : created_nodes) n->blk->set_cached();
-  for (std::size_t i = 0; i < hashes.size(); ++i) {
-    if (!is_new[i]) continue;
-    prefix_entry& e = *chain[i];
+  for (prefix_node* nd : created_nodes) nd->blk->set_cached();
+  // The caller holds every block it passes, so every node of them is in use
+  // (an idle node's block has no outside reference, and only an attach
+  // gives one out).
+  auto link = [&](prefix_entry& e, prefix_entry* p) {
     e.in_store = in_store;
-    if (added) added->push_back(i);  // room reserved by the caller
-    e.parent = i == 0 ? nullptr : chain[i - 1];
-    if (e.parent && e.parent->children++ == 0 && e.parent->in_lru()) lru_remove(*e.parent);
-    // The caller holds every block, so every node is in use (an idle node's
-    // block has no outside reference, and only an attach gives one out).
-    e.in_use = e.nodes.size();
+    e.parent = p;
+    if (p && p->children++ == 0 && p->in_lru()) lru_remove(*p);
+    for (std::size_t l = 0; l < num_layers_; ++l) {
+      if (!e.nodes[l]) continue;
+      ++e.held;
+      if (e.nodes[l]->windowed) ++e.windowed_held;
+    }
+    e.in_use = e.held;
+    e.w_in_use = e.windowed_held;
+    if (e.in_use == 0) entry_idle(e);  // hollow: its child follows at once
     refresh_pin(&e);
-    emit(kv_prefix_event::kind::stored, e.hash, e.parent ? &e.parent->hash : nullptr);
+    emit(kv_prefix_event::kind::stored, e.hash, p ? &p->hash : nullptr);
+  };
+  prefix_entry* prev = parent;
+  for (prefix_entry* e : revived) {
+    link(*e, prev);
+    prev = e;
   }
-  for (std::size_t i = hashes.size(); i-- > 0;) touch(*chain[i]);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (is_new[i]) {
+      link(*at[i], i == 0 ? prev : at[i - 1]);
+      if (added) added->push_back(i);  // room reserved by the caller
+    }
+  }
+  for (const fill& f : fills) {
+    prefix_entry& e = *f.e;
+    e.nodes[f.layer] = f.node;
+    ++e.held;
+    ++e.windowed_held;
+    if (e.in_use++ == 0) entry_in_use(e);
+    ++e.w_in_use;
+    window_use_changed(e);
+    refresh_pin(&e);
+  }
+  // A windowed part is used again only where the caller holds it too (an
+  // attached sequence's windowed layers hold the blocks its window read).
+  for (std::size_t i = n; i-- > 0;) {
+    touch(*at[i]);
+    const bool window_held = std::ranges::any_of(
+        std::views::iota(std::size_t{0}, num_layers_), [&](std::size_t l) { return blocks[i][l] && rule_.layer_windowed(l); });
+    if (window_held && at[i]->windowed_held != 0) touch_window(*at[i]);
+  }
+  for (prefix_entry* e : std::views::reverse(revived)) touch(*e);
   inserted_.fetch_add(created.size(), std::memory_order_relaxed);
   publish_counts();
   return created.size();
@@ -168,11 +263,30 @@ void prefix_index::touch(prefix_entry& e) noexcept {
   if (was) lru_add(e);
 }
 
+void prefix_index::touch_window(prefix_entry& e) noexcept {
+  const bool was = e.in_window_lru();
+  if (was) e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+  e.wtick = ++clock_;
+  if (was) refresh_window(e);
+}
+
+void prefix_index::refresh_window(prefix_entry& e) noexcept {
+  const bool evictable = e.windowed_held != 0 && e.w_in_use == 0;
+  if (evictable == e.in_window_lru()) return;
+  if (evictable) {
+    e.window_node.value() = {e.wtick, &e};
+    window_lru_.insert(std::move(e.window_node));
+  } else {
+    e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+  }
+}
+
 void prefix_index::node_in_use(prefix_node& n) noexcept {
   n.in_use = true;
   --idle_nodes_;
   for (prefix_entry* e : n.entries) {
     if (e->in_use++ == 0) entry_in_use(*e);
+    if (n.windowed && e->w_in_use++ == 0) window_use_changed(*e);
     refresh_pin(e);
   }
   refresh_node(n);
@@ -183,7 +297,8 @@ void prefix_index::refresh_pin(prefix_entry* e) noexcept {
     const bool pinned = e->in_use > 0 || e->pinned_children > 0;
     if (pinned == e->pinned) return;
     e->pinned = pinned;
-    for (prefix_node* n : e->nodes) refresh_node(*n);
+    for (prefix_node* n : e->nodes)
+      if (n) refresh_node(*n);
     if (e->parent) {
       if (pinned)
         ++e->parent->pinned_children;
@@ -194,9 +309,19 @@ void prefix_index::refresh_pin(prefix_entry* e) noexcept {
   }
 }
 
+void prefix_index::window_use_changed(prefix_entry& e) noexcept {
+  refresh_window(e);
+  for (prefix_node* n : e.nodes)
+    if (n && n->windowed) refresh_node(*n);
+}
+
 void prefix_index::refresh_node(prefix_node& n) noexcept {
+  // A windowed node goes with its entries' windowed parts, a full one only
+  // with its entries.
   const bool reclaimable =
-      !n.in_use && std::none_of(n.entries.begin(), n.entries.end(), [](const prefix_entry* e) { return e->pinned; });
+      !n.in_use && std::none_of(n.entries.begin(), n.entries.end(), [&](const prefix_entry* e) {
+        return n.windowed ? e->w_in_use != 0 : e->pinned;
+      });
   if (reclaimable == n.reclaimable) return;
   n.reclaimable = reclaimable;
   if (reclaimable)
@@ -233,6 +358,7 @@ void prefix_index::block_idle(const block* b) noexcept {
   ++idle_nodes_;
   for (prefix_entry* e : n.entries) {
     if (--e->in_use == 0) entry_idle(*e);
+    if (n.windowed && --e->w_in_use == 0) window_use_changed(*e);
     refresh_pin(e);
   }
   refresh_node(n);
@@ -245,15 +371,28 @@ bool prefix_index::evict_one() noexcept {
   if (writes_back()) handoff = handing();  // until the put: a flush waits for it
   {
     std::lock_guard lock(mutex_);
-    if (lru_.empty()) return false;
+    // The least recently used of the evictable entries and the evictable
+    // windowed parts (docs/API.md, "Eviction"): a windowed part ages only
+    // when no attach's window reads it, so one that no match ends near goes
+    // before the full layers' blocks that every longer match needs.
+    const bool entry = !lru_.empty();
+    const bool window = !window_lru_.empty();
+    if (!entry && !window) return false;
+    if (window && (!entry || window_lru_.begin()->first <= lru_.begin()->first)) {
+      drop_window(*window_lru_.begin()->second);
+      window_evicted_.fetch_add(1, std::memory_order_relaxed);
+      publish_counts();
+      return true;
+    }
     prefix_entry& e = *lru_.begin()->second;
     lru_remove(e);
     if (writes_back() && !e.in_store) {
       // The copy is made here, as the blocks are about to be freed; memory
       // refused only loses the write-back.
       for (std::size_t l = 0; l < num_layers_; ++l) {
-        halves_[2 * l] = e.nodes[l]->blk->keys();
-        halves_[2 * l + 1] = e.nodes[l]->blk->values();
+        const prefix_node* n = e.nodes[l];
+        halves_[2 * l] = n ? n->blk->keys() : nullptr;
+        halves_[2 * l + 1] = n ? n->blk->values() : nullptr;
       }
       written_back = copied_entry::make(geometry_, e.hash, halves_);
     }
@@ -270,22 +409,53 @@ bool prefix_index::evict_one() noexcept {
   return true;
 }
 
-void prefix_index::remove(prefix_entry& e) noexcept {
-  if (e.parent && --e.parent->children == 0 && e.parent->in_use == 0) lru_add(*e.parent);
-  if (e.in_use == 0) --idle_entries_;
-  for (prefix_node* n : e.nodes) {
-    std::erase(n->entries, &e);
-    if (!n->entries.empty()) {
-      refresh_node(*n);
-      continue;
-    }
-    const block* blk = n->blk;
-    if (!n->in_use) --idle_nodes_;
-    if (n->reclaimable) --reclaimable_;
-    nodes_.erase(blk);
-    blk->drop_cached();  // frees it when idle
+void prefix_index::detach_node(prefix_entry& e, std::size_t l) noexcept {
+  prefix_node* n = std::exchange(e.nodes[l], nullptr);
+  --e.held;
+  if (n->windowed) --e.windowed_held;
+  std::erase(n->entries, &e);
+  if (!n->entries.empty()) {
+    refresh_node(*n);
+    return;
   }
+  const block* blk = n->blk;
+  if (!n->in_use) --idle_nodes_;
+  if (n->reclaimable) --reclaimable_;
+  nodes_.erase(blk);
+  blk->drop_cached();  // frees it when idle
+}
+
+void prefix_index::drop_window(prefix_entry& e) noexcept {
+  // None of its windowed nodes is in use (w_in_use == 0): dropping them
+  // changes no use count.
+  e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+  for (std::size_t l = 0; l < num_layers_; ++l)
+    if (e.nodes[l] && e.nodes[l]->windowed) detach_node(e, l);
+  if (e.held == 0 && e.children == 0) {
+    const kv_block_hash hash = e.hash;
+    if (e.in_lru()) lru_remove(e);
+    remove(e);
+    emit(kv_prefix_event::kind::removed, hash, nullptr);
+  }
+}
+
+void prefix_index::remove(prefix_entry& e) noexcept {
+  prefix_entry* const parent = e.parent;
+  if (e.in_use == 0) --idle_entries_;
+  if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+  for (std::size_t l = 0; l < num_layers_; ++l)
+    if (e.nodes[l]) detach_node(e, l);
   entries_.erase(e.hash);  // destroys e
+  if (!parent || --parent->children != 0) return;
+  if (parent->held == 0) {
+    // Hollow and childless: it matches nothing any more.
+    if (parent->in_lru()) lru_remove(*parent);
+    const kv_block_hash hash = parent->hash;
+    remove(*parent);
+    emit(kv_prefix_event::kind::removed, hash, nullptr);
+  } else if (parent->in_use == 0) {
+    lru_add(*parent);
+  }
 }
 
 bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes, std::vector<std::vector<ref_ptr<block>>>& refs,
@@ -299,6 +469,10 @@ bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes, std::vec
       std::vector<ref_ptr<block>> held;
       held.reserve(num_layers_);  // the last allocation: a throw leaves nothing held
       for (prefix_node* n : e.nodes) {
+        if (!n) {
+          held.emplace_back();
+          continue;
+        }
         // As an attach's: the block never changes while cached.
         held.push_back(ref_ptr<block>::share(const_cast<block*>(n->blk)));
         if (pin && !n->in_use) node_in_use(*n);
@@ -374,6 +548,7 @@ void prefix_index::clear() noexcept {
     // holding their blocks (no copy) until it has written them.
     if (store_) collect_unstored(hashes, refs, false);
     lru_.clear();
+    window_lru_.clear();
     for (auto& [blk, node] : nodes_) blk->drop_cached();
     nodes_.clear();
     entries_.clear();
@@ -386,6 +561,7 @@ void prefix_index::clear() noexcept {
 
 void prefix_index::publish_counts() noexcept {
   cached_.store(entries_.size(), std::memory_order_relaxed);
+  held_.store(nodes_.size(), std::memory_order_relaxed);
   idle_.store(idle_entries_, std::memory_order_relaxed);
   pool_->set_kept({nodes_.size(), idle_nodes_, reclaimable_});
 }
@@ -413,6 +589,8 @@ kv_prefix_stats prefix_index::stats() const noexcept {
   s.hit_tokens = hit_tokens_.load(std::memory_order_relaxed);
   s.inserted_blocks = inserted_.load(std::memory_order_relaxed);
   s.evicted_blocks = evicted_.load(std::memory_order_relaxed);
+  s.window_evictions = window_evicted_.load(std::memory_order_relaxed);
+  s.held_blocks = held_.load(std::memory_order_relaxed);
   s.cached_entries = s.cached_blocks = cached_.load(std::memory_order_relaxed);
   s.idle_blocks = idle_.load(std::memory_order_relaxed);
   s.store_hit_tokens = store_hit_tokens_.load(std::memory_order_relaxed);

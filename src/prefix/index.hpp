@@ -8,6 +8,11 @@
 // - entries_ is prefix-closed: an entry's parent (the previous block of the
 //   same prefix) is cached while it is; `children` counts the cached
 //   entries whose parent it is.
+// - An entry holds one node per layer, or none (null) for a windowed layer
+//   (rule_): `held` counts its nodes, `windowed_held` those of windowed
+//   layers; a full layer's node is never null. An entry holding no node
+//   (hollow: every layer windowed, none held) has a child: the last
+//   child's removal removes it.
 // - nodes_ holds one node per distinct block some entry references, with
 //   the entries that do; the block carries block::cached_bit exactly while
 //   its node exists.
@@ -20,11 +25,17 @@
 //   ordered by tick (last attached or inserted); `in_lru()` says which. Each
 //   entry's set node is allocated with it and moves between lru_ and the
 //   entry, so no eviction or release allocates.
+// - window_lru_ holds exactly the entries whose windowed part is evictable
+//   on its own (windowed_held > 0, w_in_use == 0: none of its windowed
+//   nodes in use), ordered by wtick (last inserted, or attached with a
+//   window that read them); `in_window_lru()` says which, with the same
+//   allocation-free moves.
 // - idle_nodes_ counts nodes that are not in use; idle_entries_ entries at 0.
 // - An entry is pinned when it is in use or has a pinned child (an idle
 //   parent of an entry in use: two requests computed the same block, one
 //   let go). A node is reclaimable when it is not in use and no entry holding
-//   it is pinned: evicting leaves first frees it. reclaimable_ counts them;
+//   it is pinned (a windowed layer's node: no entry holding it has a
+//   windowed node in use): evicting leaves and windowed parts frees it. reclaimable_ counts them;
 //   it is what the pool's blocks_available() adds to the free budget.
 // - The pool's kept() is nodes_.size(), idle_nodes_ and reclaimable_ as
 //   publish_counts() last reported them (block_pool::set_kept), whenever
@@ -56,6 +67,7 @@
 #include "memory/block.hpp"
 #include "memory/block_pool.hpp"
 #include "memory/reclaimer.hpp"
+#include "prefix/window_rule.hpp"
 #include "store/entry.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -69,6 +81,7 @@ using lru_set = std::set<std::pair<std::uint64_t, prefix_entry*>>;
 /// One block some entries reference.
 struct prefix_node {
   const block* blk = nullptr;
+  bool windowed = false;                // a windowed layer's block
   bool in_use = true;                   // held outside the cache
   bool reclaimable = false;             // not in use, and every entry holding it unpinned
   std::vector<prefix_entry*> entries;   // usually one
@@ -80,14 +93,21 @@ struct prefix_entry {
   prefix_entry* parent = nullptr;   // null for block 0
   std::size_t children = 0;         // cached entries whose parent this is
   std::uint64_t tick = 0;           // last attached or inserted
+  std::uint64_t wtick = 0;          // its windowed part's: last inserted, or read by an attach's window
   std::size_t in_use = 0;           // nodes held outside the cache
+  std::size_t w_in_use = 0;         // windowed nodes held outside the cache
+  std::size_t held = 0;             // non-null nodes
+  std::size_t windowed_held = 0;    // non-null nodes of windowed layers
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // in use, or a pinned child: eviction cannot reach it now
-  std::vector<prefix_node*> nodes;  // one per layer
+  std::vector<prefix_node*> nodes;  // one per layer, null where a windowed layer holds none
   bool in_store = false;            // fetched from the store or handed to it: nothing puts it again
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
+  lru_set::node_type window_node;   // its place in window_lru_, likewise
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
+  /// Its windowed part is evictable: its node is in window_lru_.
+  bool in_window_lru() const noexcept { return window_node.empty(); }
 };
 
 struct block_hash_hasher {
@@ -155,7 +175,7 @@ class handoff_tracker {
 };
 
 /// The root hash of the definition (src/prefix/hash.cpp).
-kv_block_hash root_hash(std::string_view model, std::string_view salt, std::size_t num_layers,
+kv_block_hash root_hash(std::string_view model, std::string_view salt, const kv_model_layout& layout,
                         const kv_cache_config& config, std::uint8_t element);
 
 /// The pool's reclaimer (memory/reclaimer.hpp).
@@ -163,14 +183,19 @@ class prefix_index final : public reclaimer {
  public:
   /// Claims `pool` for this index.
   /// @throws std::system_error(kv_errc::invalid_config) if the pool has an index already.
-  prefix_index(std::size_t num_layers, const kv_cache_config& config, element_codec codec, ref_ptr<block_pool> pool,
-               std::string model, std::shared_ptr<kv_block_store> store, kv_store_policy policy);
+  prefix_index(const kv_model_layout& layout, const kv_cache_config& config, element_codec codec,
+               ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
+               kv_store_policy policy);
   /// Lets go of the pool, then of every entry.
   ~prefix_index() override;
   prefix_index(const prefix_index&) = delete;
   prefix_index& operator=(const prefix_index&) = delete;
 
   std::size_t num_layers() const noexcept { return num_layers_; }
+  /// The layout of the sequences it caches (with their rollback_tokens).
+  const kv_model_layout& layout() const noexcept { return rule_.layout(); }
+  /// The match rule of that layout.
+  const window_rule& rule() const noexcept { return rule_; }
   const kv_cache_config& config() const noexcept { return config_; }
   element_codec codec() const noexcept { return codec_; }
   const ref_ptr<block_pool>& pool() const noexcept { return pool_; }
@@ -188,22 +213,33 @@ class prefix_index final : public reclaimer {
   }
   /// The hashes of the full blocks of `tokens` under `salt` (no lock).
   std::vector<kv_block_hash> hashes(std::span<const token_id> tokens, std::string_view salt) const;
+  /// The hash before block 0's under `salt`.
+  kv_block_hash root(std::string_view salt) const;
+  /// The hash of the block of `tokens` (block_tokens of them) after `prev`.
+  kv_block_hash next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) const;
 
-  /// Cached entries from block 0 on; counts a query of `hashes.size()` blocks.
-  std::size_t match(std::span<const kv_block_hash> hashes) const noexcept;
-  /// As match(), and references the matched entries' blocks for an attach:
-  /// `out[l]` gets layer l's, in block order; they become the most recently
-  /// used and are in use. Throws std::bad_alloc, changing nothing.
+  /// The blocks of the longest match of `hashes` from block 0 (the rule);
+  /// counts a query of `hashes.size()` blocks. Throws std::bad_alloc.
+  std::size_t match(std::span<const kv_block_hash> hashes) const;
+  /// As match(), and references the blocks an attach of the match needs:
+  /// `out[l]` gets layer l's, in block order (null where a windowed layer
+  /// needs none); the matched entries become the most recently used (the
+  /// windowed parts read, too) and those blocks are in use. Throws
+  /// std::bad_alloc, changing nothing.
   std::size_t take(std::span<const kv_block_hash> hashes, std::vector<std::vector<ref_ptr<block>>>& out);
-  /// Adds an entry for each of `hashes` that has none, referencing
-  /// `blocks[i]` (one per layer, held by the caller throughout); existing
-  /// ones become the most recently used. Returns the entries added, and
-  /// appends their indices into `hashes` to `added` (if given, with room
-  /// for `hashes.size()` reserved). `in_store`: they came from the store,
-  /// or the caller hands them to it (write-through).
+  /// Adds an entry for each of `chain[first..]` that has none, referencing
+  /// `blocks[i]` (one per layer, null where a windowed layer has none; held
+  /// by the caller throughout) for `chain[first + i]`; an existing one
+  /// takes the windowed blocks it lacks, and becomes the most recently
+  /// used. `chain` is the prefix's hashes from block 0: ancestors evicted
+  /// meanwhile come back as entries holding nothing. Returns the entries
+  /// added, and appends their indices into `blocks` to `added` (if given,
+  /// with room for `blocks.size()` reserved). `in_store`: they came from
+  /// the store, or the caller hands them to it (write-through).
   /// Throws std::bad_alloc, changing nothing.
-  std::size_t insert(std::span<const kv_block_hash> hashes, std::span<const std::vector<const block*>> blocks,
-                     std::vector<std::size_t>* added = nullptr, bool in_store = false);
+  std::size_t insert(std::span<const kv_block_hash> chain, std::size_t first,
+                     std::span<const std::vector<const block*>> blocks, std::vector<std::size_t>* added = nullptr,
+                     bool in_store = false);
   /// The entries of `hashes` (those still cached) are not in the store
   /// after all: their handing was refused memory.
   void mark_unstored(std::span<const kv_block_hash> hashes) noexcept;
@@ -231,11 +267,26 @@ class prefix_index final : public reclaimer {
   void block_idle(const block* b) noexcept override;
 
  private:
-  kv_block_hash root(std::string_view salt) const;
   /// The cached run of `hashes` from block 0, in blocks (under mutex_).
   std::size_t cached_run(std::span<const kv_block_hash> hashes) const noexcept;
+  /// The longest match of `hashes` (under mutex_); its entries in `chain`
+  /// (resized to the cached run). Throws std::bad_alloc.
+  std::size_t valid_run(std::span<const kv_block_hash> hashes, std::vector<prefix_entry*>& chain) const;
   /// Marks `e` used now (its eviction order).
   void touch(prefix_entry& e) noexcept;
+  /// Marks `e`'s windowed part used now.
+  void touch_window(prefix_entry& e) noexcept;
+  /// Puts `e` in window_lru_ or takes it out, as its counts say.
+  void refresh_window(prefix_entry& e) noexcept;
+  /// `e`'s windowed nodes in use changed: its place in window_lru_, and
+  /// whether its windowed nodes are reclaimable.
+  void window_use_changed(prefix_entry& e) noexcept;
+  /// Evicts `e`'s windowed part: its windowed nodes go (freed where no
+  /// other entry holds them); a hollow entry without children goes too.
+  void drop_window(prefix_entry& e) noexcept;
+  /// Removes `e`'s node of layer `l` from it, and the node from the index
+  /// when no entry holds it any more (its block loses its cached bit).
+  void detach_node(prefix_entry& e, std::size_t l) noexcept;
   void node_in_use(prefix_node& n) noexcept;
   void entry_idle(prefix_entry& e) noexcept;
   void entry_in_use(prefix_entry& e) noexcept;
@@ -245,7 +296,8 @@ class prefix_index final : public reclaimer {
   void refresh_node(prefix_node& n) noexcept;
   void lru_remove(prefix_entry& e) noexcept;
   /// Drops `e` from the index and its nodes; the blocks no entry holds any
-  /// more lose their cached bit (freed if idle).
+  /// more lose their cached bit (freed if idle). Its parent goes too when
+  /// that leaves it hollow without children, and so on up.
   void remove(prefix_entry& e) noexcept;
   /// Under mutex_: the hashes of the entries not in the store, and in
   /// `refs` (reserved by the caller's side of the lock, released after
@@ -264,6 +316,7 @@ class prefix_index final : public reclaimer {
   void emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent) noexcept;
   void publish_counts() noexcept;
 
+  const window_rule rule_;
   const std::size_t num_layers_;
   const kv_cache_config config_;
   const element_codec codec_;
@@ -279,6 +332,7 @@ class prefix_index final : public reclaimer {
   std::unordered_map<kv_block_hash, std::unique_ptr<prefix_entry>, block_hash_hasher> entries_;
   std::unordered_map<const block*, prefix_node> nodes_;
   lru_set lru_;
+  lru_set window_lru_;
   std::uint64_t clock_ = 0;
   std::size_t idle_nodes_ = 0;
   std::size_t idle_entries_ = 0;
@@ -294,6 +348,8 @@ class prefix_index final : public reclaimer {
   mutable std::atomic<std::uint64_t> hit_tokens_{0};
   std::atomic<std::uint64_t> inserted_{0};
   std::atomic<std::uint64_t> evicted_{0};
+  std::atomic<std::uint64_t> window_evicted_{0};
+  std::atomic<std::size_t> held_{0};
   std::atomic<std::size_t> cached_{0};
   std::atomic<std::size_t> idle_{0};
   std::atomic<std::uint64_t> store_hit_tokens_{0};
@@ -301,9 +357,26 @@ class prefix_index final : public reclaimer {
   std::atomic<std::uint64_t> store_rejects_{0};
 };
 
+/// Throws std::system_error as insert() documents for a `seq` this cache
+/// cannot take entries from (src/prefix/cache.cpp).
+void check_insertable(const prefix_index& p, const sequence_state* seq);
+
+/// Block `b` of each of `layers` as an entry holds it: null for a windowed
+/// layer that does not hold all of it; empty if a full layer does not.
+/// Throws std::bad_alloc.
+std::vector<const block*> entry_blocks(const prefix_index& p, std::span<const layer_blocks> layers, std::size_t b);
+
+/// prefix_index::insert() of `blocks` for `chain[first..]` (less those at
+/// the end holding no block at all), handing the new entries to a
+/// write-through store. Returns the entries added. Throws std::bad_alloc.
+std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain, std::size_t first,
+                          std::span<const std::vector<const block*>> blocks);
+
 /// What an attach returns: a sequence on `ex` of `blocks` (`blocks[l]`
-/// layer l's, in block order), holding the first `attached` blocks of
-/// `tokens` and their ids. Throws std::bad_alloc.
+/// layer l's, in block order, null where a windowed layer has none),
+/// holding the first `attached` blocks of `tokens` and their ids; a
+/// windowed layer keeps only the blocks the rule needs for `attached`.
+/// Throws std::bad_alloc.
 std::shared_ptr<sequence_state> attached_sequence(const prefix_index& p, asio::any_io_executor ex,
                                                   std::vector<std::vector<ref_ptr<block>>> blocks,
                                                   std::span<const token_id> tokens, std::size_t attached);

@@ -299,7 +299,8 @@ TEST_CASE("a keys-only sequence saves its keys alone and loads back; a load expe
   CHECK(load_as(w, kv_pool, path, layout).first == kv_errc::invalid_config);
 }
 
-TEST_CASE("prefix caches refuse keys-only sequences: invalid_config, nothing inserted", "[keys_only]") {
+TEST_CASE("a prefix cache of keys and values refuses keys-only sequences: invalid_config, nothing inserted",
+          "[keys_only]") {
   const kv_cache_config c = small_config();
   asio::thread_pool threads{2};
   kv_block_pool keys_pool = kv_block_pool::for_caches(c, kv_block_kind::keys_only);

@@ -482,7 +482,8 @@ TEST_CASE("two threads append to windowed sequences while snapshots are taken, r
   CHECK(pool.stats().blocks_in_use <= 2 * (kept_bound(layout.layers[0], 0) + ceil_div(rounds, B)));
 }
 
-TEST_CASE("prefix caches refuse a windowed sequence: invalid_config, never part of its blocks", "[layout]") {
+TEST_CASE("a prefix cache of full layers refuses a windowed sequence: invalid_config, never part of its blocks",
+          "[layout]") {
   windowed w(kv_model_layout::interleaved(2, 2, 8), 256);
   for (int tag = 1; tag <= 10; ++tag) w.append_ok(4, tag);
   kv_prefix_cache prefix(2, config_for(256), w.pool);

@@ -266,7 +266,7 @@ TEST_CASE("a process killed in the middle of its saves and store writes leaves w
       CHECK(writer_diff(loaded, r, w::length) == "");
       // Every entry file is whole, and attaching from the store gives the
       // runs' data exactly, as far as their entries reach.
-      const detail::entry_geometry g(w::layers, w::config(), detail::codec_of<float>);
+      const detail::entry_geometry g(kv_model_layout::full(w::layers), w::config(), detail::codec_of<float>);
       auto store =
           std::make_shared<kv_file_store>(dir.path / "store", kv_file_store_limits{.io_executor = io.get_executor()});
       std::size_t files = 0;
@@ -400,7 +400,7 @@ TEST_CASE("every single flipped byte of an entry file makes it a miss") {
   f.store->flush();
   const fs::path file = f.file_of(ids, 0);
   const std::vector<std::byte> good = read_file(file);
-  REQUIRE(good.size() == detail::entry_header_bytes + sizeof(float) * 2 * 2 * 4 * 8 + 8);
+  REQUIRE(good.size() == detail::entry_geometry(kv_model_layout::full(2), config(), detail::codec_of<float>).entry_bytes(2));
   std::size_t attached = 0;
   for (std::size_t i = 0; i < good.size(); ++i) {
     std::vector<std::byte> bad = good;
@@ -511,7 +511,7 @@ TEST_CASE("a directory that cannot be made throws from the store's constructor")
 }
 
 TEST_CASE("the disk budget evicts the least recently used entries, and never exceeds the budget") {
-  const std::size_t entry = detail::entry_header_bytes + sizeof(float) * 2 * 2 * 4 * 8 + 8;
+  const std::size_t entry = detail::entry_geometry(kv_model_layout::full(2), config(), detail::codec_of<float>).entry_bytes(2);
   store_fixture f({.max_bytes = 3 * entry});
   const std::vector<token_id> a = run(0, 8), b = run(1000, 8);
   REQUIRE(f.insert(a) == 2);
@@ -705,15 +705,15 @@ TEST_CASE("a well-formed entry of another geometry under the right hash is refus
   kv_cache_config other = config();
   other.num_heads = 4;
   other.head_dim = 2;
-  const detail::entry_geometry swapped(2, other, detail::codec_of<float>);
+  const detail::entry_geometry swapped(kv_model_layout::full(2), other, detail::codec_of<float>);
   detail::element_codec half_code = detail::codec_of<float>;  // float's bytes, labelled half
   half_code.code = detail::element_code<half>;
-  const detail::entry_geometry relabelled(2, config(), half_code);
+  const detail::entry_geometry relabelled(kv_model_layout::full(2), config(), half_code);
   for (const detail::entry_geometry& g : {swapped, relabelled}) {
     std::vector<std::byte> payload(g.block_bytes(), std::byte{0x3f});
     const std::vector<const std::byte*> layers{payload.data(), payload.data() + g.block_bytes() / 2, payload.data(),
                                                payload.data() + g.block_bytes() / 2};
-    std::vector<std::byte> forged(g.entry_bytes());
+    std::vector<std::byte> forged(g.entry_bytes(2));
     detail::encode_entry(g, h, layers, forged);
     REQUIRE(forged.size() == read_file(f.file_of(ids, 0)).size());
     write_file(f.file_of(ids, 0), forged);

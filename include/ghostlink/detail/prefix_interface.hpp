@@ -17,6 +17,7 @@
 #include "ghostlink/detail/io_op.hpp"
 #include "ghostlink/element.hpp"
 #include "ghostlink/events.hpp"
+#include "ghostlink/layout.hpp"
 #include "ghostlink/stats.hpp"
 #include "ghostlink/types.hpp"
 
@@ -31,10 +32,11 @@ class prefix_index;
 class sequence_state;
 
 // The untyped machinery (src/prefix/cache.cpp).
-std::shared_ptr<prefix_index> make_prefix_index(std::size_t num_layers, const kv_cache_config& config,
+std::shared_ptr<prefix_index> make_prefix_index(const kv_model_layout& layout, const kv_cache_config& config,
                                                 element_codec codec, const kv_block_pool& pool,
                                                 kv_prefix_options options);
 std::size_t num_layers(const prefix_index& p) noexcept;
+const kv_model_layout& layout_of(const prefix_index& p) noexcept;
 const kv_cache_config& config_of(const prefix_index& p) noexcept;
 kv_block_pool pool_of(const prefix_index& p) noexcept;
 std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
@@ -44,6 +46,9 @@ std::shared_ptr<sequence_state> prefix_attach(prefix_index& p, asio::any_io_exec
 /// `tokens` null: the token ids `seq` stores.
 std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std::span<const token_id>* tokens,
                           std::string_view salt);
+/// Caches `seq`'s blocks as its drains fill them (src/prefix/track.cpp).
+void prefix_track(const std::shared_ptr<prefix_index>& p, const sequence_state* seq, std::string_view salt);
+void prefix_untrack(const sequence_state* seq) noexcept;
 void prefix_clear(prefix_index& p) noexcept;
 kv_prefix_stats prefix_stats(const prefix_index& p) noexcept;
 void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler);

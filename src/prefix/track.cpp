@@ -1,0 +1,98 @@
+// track(): a sequence's full blocks cached at the drain that fills them,
+// before its windowed layers drop any (ghostlink/prefix_cache.hpp).
+//
+// A sequence_tracker is the fill_observer of one sequence's actor. Its
+// state is touched only inside that actor's drains (one at a time), so it
+// needs no lock: `hashes_` holds the hashes of blocks [0, done_), computed
+// from the token ids the sequence stores; each drain that stores tokens
+// hashes the blocks it filled and inserts them, and a truncate forgets the
+// blocks it cut. It holds the index weakly: the cache's last handle going
+// ends the tracking.
+
+#include <algorithm>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+#include "ghostlink/detail/flavour.hpp"
+
+#include "base/throw_errc.hpp"
+#include "core/actor.hpp"
+#include "core/working_state.hpp"
+#include "prefix/index.hpp"
+#include "sequence/sequence.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+class sequence_tracker final : public fill_observer {
+ public:
+  sequence_tracker(std::weak_ptr<prefix_index> index, std::string salt, std::size_t block_tokens)
+      : index_(std::move(index)), salt_(std::move(salt)), bt_(block_tokens) {}
+
+  void filled(const actor& group, std::size_t size) noexcept override {
+    const std::size_t full = size / bt_;
+    if (done_ >= full) return;
+    const std::shared_ptr<prefix_index> p = index_.lock();
+    if (!p) return;
+    const std::size_t first = done_;
+    try {
+      const std::size_t n = p->num_layers();
+      std::vector<layer_blocks> layers;
+      layers.reserve(n);
+      for (std::size_t l = 0; l < n; ++l) layers.push_back(group.working(l).blocks());
+      const layer_blocks ids = group.working(n).blocks();
+      std::vector<token_id> tokens(bt_);
+      std::vector<std::vector<const block*>> blocks;
+      blocks.reserve(full - first);
+      hashes_.reserve(full);
+      for (std::size_t b = first; b < full; ++b) {
+        for (std::size_t i = 0; i < bt_; ++i) tokens[i] = ids.stored_id(b * bt_ + i);
+        // A token stored without its id, or a full layer's zero block: no
+        // entry for it, nor for what follows, until a truncate cuts it.
+        if (std::ranges::find(tokens, no_token_id) != tokens.end()) break;
+        std::vector<const block*> per_layer = entry_blocks(*p, layers, b);
+        if (per_layer.empty()) break;
+        hashes_.push_back(p->next_hash(hashes_.empty() ? p->root(salt_) : hashes_.back(), tokens));
+        blocks.push_back(std::move(per_layer));
+      }
+      if (blocks.empty()) {
+        hashes_.resize(first);
+        return;
+      }
+      insert_blocks(*p, hashes_, first, blocks);
+      done_ = first + blocks.size();
+    } catch (const std::bad_alloc&) {
+      // Not cached: the next drain that fills a block tries from here again.
+      hashes_.resize(first);
+    }
+  }
+
+  void truncated(std::size_t size) noexcept override {
+    done_ = std::min(done_, size / bt_);
+    hashes_.resize(done_);
+  }
+
+ private:
+  const std::weak_ptr<prefix_index> index_;
+  const std::string salt_;
+  const std::size_t bt_;
+  std::vector<kv_block_hash> hashes_;  // blocks [0, done_)
+  std::size_t done_ = 0;
+};
+
+}  // namespace
+
+void prefix_track(const std::shared_ptr<prefix_index>& p, const sequence_state* seq, std::string_view salt) {
+  check_insertable(*p, seq);
+  seq->group->observe(std::make_shared<sequence_tracker>(p, std::string(salt), p->config().block_tokens));
+}
+
+void prefix_untrack(const sequence_state* seq) noexcept {
+  if (seq) seq->group->observe(nullptr);
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END
