@@ -34,6 +34,16 @@
 // that disagree with the cache, or no eviction when the budget cannot hold
 // every prefix (as the default's cannot), fails the program (exit 1).
 //
+// With `--window W`, the model is hybrid: kv_model_layout::interleaved(layers,
+// 2, W), every other layer attending a window of W tokens (as gpt-oss). The
+// prefix cache is of that layout: each request's sequence is tracked
+// (cache.track), so its blocks are cached as they fill, before its windowed
+// layers drop them; an attach gives the windowed layers only the blocks of
+// their windows at the match, and every logit is checked against a
+// recompute under the same masks. The router's mirror hears no event when
+// a windowed layer's blocks are evicted with the entry staying, so it may
+// match longer than the cache, never shorter.
+//
 // With `--disk 1`, the cache has a disk tier below RAM: a kv_file_store in
 // a temporary directory, written back (kv_store_policy::write_back: an
 // entry goes to disk when RAM evicts it). At shutdown the server awaits
@@ -43,7 +53,7 @@
 // conversation's last turn from disk, or the program fails.
 //
 //   prefix_reuse [--requests N] [--turns N] [--in-flight N] [--decode N] [--layers N] [--threads N] [--blocks N]
-//                [--disk 1]
+//                [--disk 1 | --window W]
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
@@ -66,6 +76,7 @@
 #include <optional>
 #include <random>
 #include <span>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -85,7 +96,11 @@ struct options {
   std::size_t requests = 48, turns = 4, in_flight = 4, decode = 8, layers = 8, threads = 2;
   std::size_t blocks = 0;  // the pool's budget; 0: from the trace, small enough to evict
   bool disk = false;       // a write-back kv_file_store below RAM, and a restart from it
+  std::size_t window = 0;  // every other layer windowed; 0: every layer full
   std::size_t conversations() const { return (requests + turns - 1) / turns; }
+  ghostlink::kv_model_layout layout() const {
+    return window ? ghostlink::kv_model_layout::interleaved(layers, 2, window) : ghostlink::kv_model_layout::full(layers);
+  }
 };
 
 std::size_t blocks_for(std::size_t tokens) { return (tokens + block_tokens - 1) / block_tokens; }
@@ -279,6 +294,9 @@ asio::awaitable<void> serve_turn(server& srv, std::size_t c, std::size_t k) {
   const auto ex = co_await asio::this_coro::executor;
   ghostlink::sequence_kv_cache seq = srv.cache.attach(ex, std::span<const token_id>(prompt).first(prompt.size() - 1));
   r.attached = seq.size();
+  // A hybrid model's blocks are cached as they fill: the windowed layers
+  // drop theirs as the request goes on.
+  if (srv.o.window) srv.cache.track(seq);
   const std::vector<token_id> attached_ids = seq.snapshot().token_ids();
   r.attached_ids_ok =
       attached_ids.size() == r.attached && std::equal(attached_ids.begin(), attached_ids.end(), prompt.begin());
@@ -309,8 +327,9 @@ asio::awaitable<void> serve_turn(server& srv, std::size_t c, std::size_t k) {
   }
   r.final_ids_ok = seq.size() == r.tokens.size() && seq.snapshot().token_ids() == r.tokens;
 
-  // Its full blocks become entries: the prompt's and the reply's.
-  r.inserted = srv.cache.insert_stored_tokens(seq);
+  // Its full blocks become entries: the prompt's and the reply's (tracked:
+  // they are already).
+  r.inserted = srv.o.window ? 0 : srv.cache.insert_stored_tokens(seq);
   seq = {};  // the blocks are the cache's alone now (idle once the layers let go)
   srv.blocks.finish(own);
   conv.turns.push_back(std::move(r));
@@ -330,13 +349,13 @@ struct verdict {
   double worst = 0;
 };
 
-verdict check(const tiny_llama::model& m, const conversation& conv) {
+verdict check(const tiny_llama::model& m, const ghostlink::kv_model_layout& layout, const conversation& conv) {
   verdict v;
   if (conv.turns.empty()) return v;
   // Every turn's tokens are a prefix of the last turn's: one recompute
   // serves them all (position p's logits depend on tokens 0..p only).
   const std::vector<token_id>& all = conv.turns.back().tokens;
-  const auto expected = tiny_llama::recompute(m, all, 0);
+  const auto expected = tiny_llama::recompute(m, all, 0, layout);
   for (const turn_record& r : conv.turns) {
     const bool prefix = r.tokens.size() <= all.size() && std::equal(r.tokens.begin(), r.tokens.end(), all.begin());
     if (!prefix || r.logits.size() != r.tokens.size() - r.attached) {
@@ -372,13 +391,24 @@ options parse(int argc, char** argv, bool& budget_given) {
       o.threads = value;
     else if (flag == "--disk")
       o.disk = true;
+    else if (flag == "--window")
+      o.window = value;
     else if (flag == "--blocks") {
       o.blocks = value;
       budget_given = true;
     } else
       throw std::invalid_argument("unknown flag " + flag);
   }
+  // A write-back stores an entry as it leaves RAM whole, not a windowed
+  // layer's blocks evicted alone: a restart would not find every window.
+  if (o.disk && o.window) throw std::invalid_argument("--disk and --window are not served together");
   return o;
+}
+
+std::string describe(const ghostlink::kv_model_layout& layout) {
+  std::ostringstream os;
+  os << layout;
+  return os.str();
 }
 
 double percent(std::uint64_t part, std::uint64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0; }
@@ -472,11 +502,12 @@ int main(int argc, char** argv) try {
   asio::thread_pool threads(o.threads);
   ghostlink::kv_block_pool pool = ghostlink::kv_block_pool::for_caches(config, {.max_blocks = o.blocks});
   ghostlink::kv_prefix_cache cache(
-      o.layers, config, pool,
+      o.layout(), config, pool,
       {.model = "tiny-llama-2026", .store = disk, .store_policy = ghostlink::kv_store_policy::write_back});
   cache.set_event_handler(mirror.handler());
   ledger blocks(pool);
   server srv{o, model, work, pool, cache, blocks};
+  const ghostlink::kv_model_layout layout = o.layout();
 
   const auto start = clock_type::now();
   std::vector<std::future<void>> lanes;
@@ -499,7 +530,8 @@ int main(int argc, char** argv) try {
   checks.reserve(work.conversations.size());
   for (const conversation& conv : work.conversations)
     checks.push_back(asio::co_spawn(
-        threads, [&model, &conv]() -> asio::awaitable<verdict> { co_return check(model, conv); }, asio::use_future));
+        threads, [&model, &layout, &conv]() -> asio::awaitable<verdict> { co_return check(model, layout, conv); },
+        asio::use_future));
   verdict total;
   for (std::size_t c = 0; c < checks.size(); ++c) {
     const verdict v = checks[c].get();
@@ -524,13 +556,15 @@ int main(int argc, char** argv) try {
 
   // The counters, and the router's mirror, against the cache, now that
   // every request is done.
-  std::size_t router_disagrees = inserted != stats.inserted_blocks || stats.queries != served ||
+  // (Tracked, the entries are counted by the cache alone.)
+  std::size_t router_disagrees = (!o.window && inserted != stats.inserted_blocks) || stats.queries != served ||
                                  mirror.size() != stats.cached_blocks || mirror.stored() != stats.inserted_blocks ||
                                  mirror.removed() != stats.evicted_blocks;
   for (const conversation& conv : work.conversations)
     if (!conv.turns.empty()) {
       const auto& t = conv.turns.back().tokens;
-      router_disagrees += mirror.match(cache.block_hashes(t)) != cache.match(t);
+      const std::size_t mirrored = mirror.match(cache.block_hashes(t)), cached = cache.match(t);
+      router_disagrees += o.window ? mirrored < cached : mirrored != cached;
     }
   router_disagrees += mirror.violations();
   if (router_disagrees)
@@ -551,7 +585,7 @@ int main(int argc, char** argv) try {
   cache.clear();
   const std::size_t leaked = pool.stats().blocks_in_use;
   if (leaked) std::fprintf(stderr, "prefix_reuse: %zu blocks in use after clear() with no sequence alive\n", leaked);
-  const bool eviction_missing = must_evict && stats.evicted_blocks == 0;
+  const bool eviction_missing = must_evict && stats.evicted_blocks + stats.window_evictions == 0;
   if (eviction_missing)
     std::fprintf(stderr, "prefix_reuse: nothing was evicted, yet %zu blocks cannot hold the %zu of every prefix\n",
                  o.blocks, distinct);
@@ -576,11 +610,14 @@ int main(int argc, char** argv) try {
               "admission);\n"
               "               the pool peaked at %zu of %zu (idle cached entries fill what the requests leave)\n",
               blocks.peak_live(), blocks.peak_no_reuse(), pool_stats.peak_blocks_in_use, o.blocks);
-  std::printf("  evictions:   %llu entries (%llu blocks) of %llu inserted, %s; %zu cached at the end\n",
+  std::printf("  evictions:   %llu entries and %llu windowed parts of %llu inserted, %s; %zu cached at the end "
+              "(%zu blocks)\n",
               static_cast<unsigned long long>(stats.evicted_blocks),
-              static_cast<unsigned long long>(stats.evicted_blocks) * o.layers,
+              static_cast<unsigned long long>(stats.window_evictions),
               static_cast<unsigned long long>(stats.inserted_blocks),
-              must_evict ? "required (the pool cannot hold every prefix)" : "none required", stats.cached_blocks);
+              must_evict ? "required (the pool cannot hold every prefix)" : "none required", stats.cached_blocks,
+              stats.held_blocks);
+  if (o.window) std::printf("  layout:      %s\n", describe(layout).c_str());
   std::printf("  events:      %llu stored, %llu removed: the router's mirror %s the cache\n",
               static_cast<unsigned long long>(mirror.stored()), static_cast<unsigned long long>(mirror.removed()),
               router_disagrees ? "DISAGREES with" : "matches");

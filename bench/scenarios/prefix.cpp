@@ -196,6 +196,7 @@ void prefix_attach(const options& o, report& out) {
     metric& rate = declare(m, "1 rate", "sequences holding " + shape, "ops/s");
     metric& taken = declare(m, "2 blocks", "blocks one takes from the budget", "blocks", false);
     metric& memory = declare(m, "3 memory", "new block memory one allocates", "blocks", false);
+    metric& referenced = declare(m, "4 referenced", "cached blocks one references", "blocks", false);
 
     asio::thread_pool threads(o.threads);
     const auto appended = [&](const kv_block_pool& pool) {  // a new sequence taking the tokens by one append
@@ -213,7 +214,8 @@ void prefix_attach(const options& o, report& out) {
         const kv_pool_stats after = pool.stats();
         taken.values[impl] = double(after.blocks_in_use - before.blocks_in_use);
         memory.values[impl] = double(after.blocks_allocated - before.blocks_allocated);
-        if (impl == "ghostlink" &&
+        referenced.values[impl] = double(after.blocks_cached - after.blocks_cached_idle);
+        if ((impl == "ghostlink" || impl == "hybrid") &&
             (after.blocks_in_use != before.blocks_in_use || after.blocks_allocated != before.blocks_allocated))
           fail("prefix_attach", "an attach allocated blocks");
       }
@@ -237,6 +239,18 @@ void prefix_attach(const options& o, report& out) {
       }
       measure("ghostlink", pool, [&] { return cache.attach(threads, ids); });
     }
+    if (o.wants("hybrid")) {  // interleaved(L, 6, 4 * B): what its windowed layers need at the end
+      const auto pool = kv_block_pool::for_caches(o.config());
+      const kv_model_layout layout = kv_model_layout::interleaved(o.layers, 6, 4 * o.block_tokens);
+      kv_prefix_cache cache(layout, o.config(), pool);
+      {
+        sequence_kv_cache seq(threads, layout, o.config(), pool);
+        cache.track(seq);  // every block cached as it fills
+        seq.async_append(std::span<const token_id>(ids), keys, values, asio::use_future).get();
+        seq.async_truncate(0, asio::use_future).get();
+      }
+      measure("hybrid", pool, [&] { return cache.attach(threads, ids); });
+    }
     if (o.wants("fork")) {
       const auto pool = kv_block_pool::for_caches(o.config());
       const sequence_kv_cache seq = appended(pool);
@@ -249,7 +263,10 @@ void prefix_attach(const options& o, report& out) {
     threads.join();
   });
   out.add_note("prefix_attach", "ghostlink: attach() of " + shape +
-                                    " cached (idle entries); fork: async_fork of a sequence holding them; append: a "
+                                    " cached (idle entries); hybrid: the same of interleaved(" +
+                                    std::to_string(o.layers) + ", 6, " + std::to_string(4 * o.block_tokens) +
+                                    "), tracked as it filled, whose windowed layers reference the blocks of their "
+                                    "windows alone; fork: async_fork of a sequence holding them; append: a "
                                     "new sequence and one async_append of them with their ids. Each makes a new "
                                     "sequence; its destruction is not timed");
 }

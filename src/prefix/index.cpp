@@ -396,10 +396,7 @@ bool prefix_index::evict_one() noexcept {
       }
       written_back = copied_entry::make(geometry_, e.hash, halves_);
     }
-    const kv_block_hash hash = e.hash;
     remove(e);
-    evicted_.fetch_add(1, std::memory_order_relaxed);
-    emit(kv_prefix_event::kind::removed, hash, nullptr);
     publish_counts();
   }
   if (written_back) {
@@ -432,27 +429,26 @@ void prefix_index::drop_window(prefix_entry& e) noexcept {
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l] && e.nodes[l]->windowed) detach_node(e, l);
   if (e.held == 0 && e.children == 0) {
-    const kv_block_hash hash = e.hash;
     if (e.in_lru()) lru_remove(e);
     remove(e);
-    emit(kv_prefix_event::kind::removed, hash, nullptr);
   }
 }
 
 void prefix_index::remove(prefix_entry& e) noexcept {
   prefix_entry* const parent = e.parent;
+  const kv_block_hash hash = e.hash;
   if (e.in_use == 0) --idle_entries_;
   if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l]) detach_node(e, l);
-  entries_.erase(e.hash);  // destroys e
+  entries_.erase(hash);  // destroys e
+  evicted_.fetch_add(1, std::memory_order_relaxed);
+  emit(kv_prefix_event::kind::removed, hash, nullptr);  // before its parent's
   if (!parent || --parent->children != 0) return;
   if (parent->held == 0) {
     // Hollow and childless: it matches nothing any more.
     if (parent->in_lru()) lru_remove(*parent);
-    const kv_block_hash hash = parent->hash;
     remove(*parent);
-    emit(kv_prefix_event::kind::removed, hash, nullptr);
   } else if (parent->in_use == 0) {
     lru_add(*parent);
   }

@@ -295,9 +295,10 @@ class prefix_index final : public reclaimer {
   void refresh_pin(prefix_entry* e) noexcept;
   void refresh_node(prefix_node& n) noexcept;
   void lru_remove(prefix_entry& e) noexcept;
-  /// Drops `e` from the index and its nodes; the blocks no entry holds any
-  /// more lose their cached bit (freed if idle). Its parent goes too when
-  /// that leaves it hollow without children, and so on up.
+  /// Evicts `e` (counted, a removed event): drops it from the index and its
+  /// nodes; the blocks no entry holds any more lose their cached bit (freed
+  /// if idle). Its parent goes too when that leaves it hollow without
+  /// children, and so on up.
   void remove(prefix_entry& e) noexcept;
   /// Under mutex_: the hashes of the entries not in the store, and in
   /// `refs` (reserved by the caller's side of the lock, released after

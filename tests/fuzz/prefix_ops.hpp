@@ -3,7 +3,7 @@
 // stores, ids given with it, or ids that are not its own: the caller's
 // promise broken, which the model mirrors), insert from a sequence of
 // another layer count (layer_mismatch, nothing inserted) or with windowed
-// layers (invalid_config: not reused yet), attach of a
+// layers (invalid_config: another layout than the cache's), attach of a
 // sequence's ids (whole, cut, or with other ids after them) as a new
 // sequence that the other operations then write, and clear. Eviction runs
 // inside the other operations' writes whenever pool 0's budget is spent.
@@ -51,10 +51,8 @@ void prefix_op(world<T>& w, std::size_t seq) {
         (void)(stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
         fail("prefix insert from a windowed sequence, or one of another layer count or pool, did not throw");
       } catch (const std::system_error& e) {
-        expect_ec(
-            e.code(),
-            !q.windowed() && q.layers.size() != w.m.prefix_layers ? kv_errc::layer_mismatch : kv_errc::invalid_config,
-            "prefix insert");
+        expect_ec(e.code(), q.layers.size() != w.m.prefix_layers ? kv_errc::layer_mismatch : kv_errc::invalid_config,
+                  "prefix insert");
       }
       return;
     }
