@@ -239,6 +239,11 @@ constexpr std::array prefix_families{
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.cached_blocks}; }},
   prefix_family{"ghostlink_prefix_cache_idle_entries", "gauge", "Of the entries, those nothing but the cache uses.",
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.idle_blocks}; }},
+  prefix_family{"ghostlink_prefix_cache_window_evictions_total", "counter",
+    "Windowed layers' blocks of an entry evicted on their own, the entry staying (hybrid layouts).",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.window_evictions}; }},
+  prefix_family{"ghostlink_prefix_cache_blocks", "gauge", "Pool blocks the entries hold now.",
+    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.held_blocks}; }},
 };
 // clang-format on
 

@@ -65,6 +65,8 @@ def prefix_series(x):
         'ghostlink_prefix_cache_evictions_total': x['evicted_blocks'],
         'ghostlink_prefix_cache_entries': x['cached_blocks'],
         'ghostlink_prefix_cache_idle_entries': x['idle_blocks'],
+        'ghostlink_prefix_cache_window_evictions_total': x['window_evictions'],
+        'ghostlink_prefix_cache_blocks': x['held_blocks'],
     }
 
 
