@@ -73,7 +73,7 @@ struct figures {
       conflicts_rejected{0}, generations{0}, epochs{0}, layer_snapshots{0}, arena_snapshots{0}, seq_snapshots{0},
       hot_pins{0}, writer_checks{0}, retained_checks{0}, async_reads{0}, tokens_checked{0}, delayed{0},
       prefix_inserts{0}, prefix_added{0}, prefix_attaches{0}, prefix_attached_tokens{0}, prefix_adopted{0},
-      prefix_clears{0}, windowed_sequences{0}, window_truncates_refused{0}, dropped_reads{0};
+      prefix_clears{0}, prefix_tracks{0}, windowed_sequences{0}, window_truncates_refused{0}, dropped_reads{0};
 };
 inline figures g_figures;
 inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }

@@ -69,13 +69,24 @@ inline std::string failed_claim(const claim& c) {
 }
 
 struct seq_world {
-  seq_world(asio::thread_pool& io, std::size_t sequences)
-      : io(io), pool(kv_block_pool::for_caches(config, {.max_blocks = 12 * (sequences + 2)})) {}
+  seq_world(asio::thread_pool& io, std::size_t sequences) : io(io) {
+    for (std::size_t k = 0; k < 3; ++k) {
+      pools.push_back(kv_block_pool::for_caches(config, {.max_blocks = 12 * (sequences + 2)}));
+      prefixes.emplace_back(layout(k), config, pools.back());
+    }
+  }
   asio::thread_pool& io;
   const kv_cache_config config{.max_tokens_per_seq = 24, .num_heads = 2, .head_dim = 4, .block_tokens = 4};
   static constexpr std::size_t layers = 3, max_active_forks = 3;
-  kv_block_pool pool;
-  kv_prefix_cache prefix{layers, config, pool};
+  /// pools[k] holds the sequences of layout(k), and prefixes[k], a prefix
+  /// cache of that layout.
+  std::vector<kv_block_pool> pools;
+  std::vector<kv_prefix_cache> prefixes;
+  kv_prefix_cache& prefix_for(const kv_model_layout& l) {
+    for (std::size_t k = 0; k < 3; ++k)
+      if (layout(k) == l) return prefixes[k];
+    return prefixes[0];
+  }
   /// A new sequence's layout, by `pick % 3`: full; two windowed layers
   /// beside a full one, with a sink and 2 tokens of rollback; or every
   /// layer windowed, with 2 sinks and 1 token of rollback.
@@ -256,8 +267,10 @@ inline std::vector<kv_errc> truncate_errors(const seq_target& t, std::size_t n) 
   return {};
 }
 
+/// `high_water`: at least the child's own (an attached windowed sequence's
+/// is the match's length plus rollback_tokens).
 inline void adopt_child(seq_world& w, seq_target& parent, sequence_kv_cache child, const state& at, rng& r,
-                        std::deque<std::shared_ptr<seq_target>>& frozen) {
+                        std::deque<std::shared_ptr<seq_target>>& frozen, std::size_t high_water = 0) {
   bump(g_figures.seq_forks);
   if (!child.valid()) return fail(parent.name + ": fork succeeded with an empty handle");
   bool active = false;
@@ -266,7 +279,7 @@ inline void adopt_child(seq_world& w, seq_target& parent, sequence_kv_cache chil
     if (!active) w.active_forks.fetch_sub(1);
   }
   const std::uint64_t gen = new_generation();
-  const std::size_t high_water = child.layout().windowed() ? parent.high_water : at.tags.size();
+  high_water = std::max(high_water, child.layout().windowed() ? parent.high_water : at.tags.size());
   auto c = std::make_shared<seq_target>(str("sequence fork g", gen, " of ", parent.name), gen, std::move(child),
                                         active ? r.between(16, 200) : 1, at, high_water);
   verify_settled(*c, r);
@@ -421,25 +434,25 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
 inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
                       std::deque<std::shared_ptr<seq_target>>& frozen) {
   const std::size_t roll = r.below(100);
+  kv_prefix_cache& prefix = w.prefix_for(t.layout);
   if (roll < 2) {
     bump(g_figures.prefix_clears);
-    w.prefix.clear();
+    prefix.clear();
     return;
   }
-  if (roll < 45 && t.layout.windowed()) {
-    // Not reused yet: refused, whole.
-    try {
-      (void)w.prefix.insert(t.seq, ids_of(s.tags));
-      fail(str(t.name, ": a prefix cache took a windowed sequence"));
-    } catch (const std::system_error& e) {
-      if (e.code() != kv_errc::invalid_config) fail(str(t.name, ": a windowed insert failed with ", e.what()));
-    }
+  if (roll < 10) {
+    // Its blocks cached as they fill (those whose tokens carry ids), or no more.
+    bump(g_figures.prefix_tracks);
+    if (r.percent(80))
+      prefix.track(t.seq);
+    else
+      prefix.untrack(t.seq);
     return;
   }
   if (roll < 45) {
     bump(g_figures.prefix_inserts);
     const std::size_t added =
-        r.percent(20) ? w.prefix.insert_stored_tokens(t.seq) : w.prefix.insert(t.seq, ids_of(s.tags));
+        r.percent(20) ? prefix.insert_stored_tokens(t.seq) : prefix.insert(t.seq, ids_of(s.tags));
     bump(g_figures.prefix_added, added);
     return;
   }
@@ -451,7 +464,7 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
   const std::vector<std::uint64_t> tags = t.hist.at(p).tags;
   std::vector<token_id> prompt = ids_of(tags);
   if (r.percent(30)) prompt.insert(prompt.end(), r.between(1, 6), no_token_id);
-  sequence_kv_cache attached = w.prefix.attach(w.io, prompt);
+  sequence_kv_cache attached = prefix.attach(w.io, prompt);
   bump(g_figures.prefix_attaches);
   const std::size_t n = attached.size();
   bump(g_figures.prefix_attached_tokens, n);
@@ -462,8 +475,10 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
   const auto snap = attached.snapshot();
   std::vector<std::uint64_t> seen;
   for (std::size_t l = 0; l < seq_world::layers; ++l) {
-    const std::string error = decode_all(snap.layer(l), l, seen);
-    if (!error.empty() || seen != want)
+    // A windowed layer holds the window at n and its sinks alone.
+    std::string error = decode_all(snap.layer(l), l, seen);
+    if (error.empty()) error = window_held(snap.layer(l), t.layout.layers[l]);
+    if (!error.empty() || !shows(seen, want))
       return fail(
           str(t.name, ": attached layer ", l, " of ", n, " tokens: ", error, error.empty() ? "tags differ" : ""));
   }
@@ -471,7 +486,7 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
     return fail(str(t.name, ": attached ", n, " tokens whose ids are not the prompt's"));
   if (n > 0 && r.percent(50)) {
     bump(g_figures.prefix_adopted);
-    adopt_child(w, t, std::move(attached), state{true, want}, r, frozen);
+    adopt_child(w, t, std::move(attached), state{true, want}, r, frozen, n + t.layout.rollback_tokens);
   }
 }
 
@@ -534,7 +549,8 @@ inline asio::awaitable<void> seq_lineage(seq_world& w, std::size_t j, rng r) {
     const kv_model_layout layout = seq_world::layout(j + gen);
     if (layout.windowed()) bump(g_figures.windowed_sequences);
     auto t = std::make_shared<seq_target>(str("sequence g", gen, " (lineage ", j, ", ", layout, ")"), gen,
-                                          sequence_kv_cache(w.io, layout, w.config, w.pool), r.between(32, 600),
+                                          sequence_kv_cache(w.io, layout, w.config, w.pools[(j + gen) % 3]),
+                                          r.between(32, 600),
                                           state{true, {}}, 0);
     co_await seq_drive(w, std::move(t), rng(r.next()));
   }

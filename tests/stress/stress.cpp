@@ -86,7 +86,7 @@ void print_figures(const options& o, double elapsed) {
             << "  prefix cache: inserts " << v(f.prefix_inserts) << " (" << v(f.prefix_added)
             << " entries added), attaches " << v(f.prefix_attaches) << " (" << v(f.prefix_attached_tokens)
             << " tokens attached and checked; " << v(f.prefix_adopted) << " written on), clears " << v(f.prefix_clears)
-            << "\n"
+            << ", tracks " << v(f.prefix_tracks) << " (each layout has its own pool and prefix cache)\n"
             << "  generations (caches, forks, arena regions, sequences): " << v(f.generations) << "\n"
             << "  distinct epochs observed: " << v(f.epochs) << "\n"
             << "  snapshots verified: layer " << v(f.layer_snapshots) << ", arena " << v(f.arena_snapshots)
@@ -162,23 +162,31 @@ int main(int argc, char** argv) try {
     lw.current_arena.reset();
     // Every sequence gone, every entry must be idle; the clear then gives
     // their blocks back.
-    prefix_after = sw.prefix.stats();
-    if (prefix_after.idle_blocks != prefix_after.cached_blocks)
-      fail(str("prefix cache after teardown: ", prefix_after.cached_blocks, " entries, only ", prefix_after.idle_blocks,
-               " idle"));
-    if (sw.pool.stats().blocks_cached_idle != sw.pool.stats().blocks_cached)
-      fail(str("pool after teardown: ", sw.pool.stats().blocks_cached, " cached blocks, only ",
-               sw.pool.stats().blocks_cached_idle, " idle"));
-    sw.prefix.clear();
+    for (std::size_t k = 0; k < sw.pools.size(); ++k) {
+      const kv_prefix_stats s = sw.prefixes[k].stats();
+      if (s.idle_blocks != s.cached_blocks)
+        fail(str("prefix cache ", k, " after teardown: ", s.cached_blocks, " entries, only ", s.idle_blocks, " idle"));
+      const kv_pool_stats p = sw.pools[k].stats();
+      if (p.blocks_cached_idle != p.blocks_cached)
+        fail(str("pool ", k, " after teardown: ", p.blocks_cached, " cached blocks, only ", p.blocks_cached_idle,
+                 " idle"));
+      prefix_after.cached_blocks += s.cached_blocks;
+      prefix_after.evicted_blocks += s.evicted_blocks;
+      prefix_after.window_evictions += s.window_evictions;
+      prefix_after.hit_tokens += s.hit_tokens;
+      prefix_after.query_tokens += s.query_tokens;
+      sw.prefixes[k].clear();
+      seq_peak += p.peak_blocks_in_use;
+      seq_pool_blocks_after += sw.pools[k].stats().blocks_in_use;
+    }
     layer_peak = lw.pool.stats().peak_blocks_in_use;
-    seq_peak = sw.pool.stats().peak_blocks_in_use;
     pool_blocks_after = lw.pool.stats().blocks_in_use;
-    seq_pool_blocks_after = sw.pool.stats().blocks_in_use;
   }
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   print_figures(o, elapsed);
   std::cout << "  prefix cache at the end: " << prefix_after.cached_blocks << " entries, "
-            << prefix_after.evicted_blocks << " evicted by appends, hit rate " << prefix_after.hit_tokens << "/"
+            << prefix_after.evicted_blocks << " evicted by appends (and " << prefix_after.window_evictions
+            << " windowed parts), hit rate " << prefix_after.hit_tokens << "/"
             << prefix_after.query_tokens << " tokens\n";
   std::cout << "  teardown: layer pool blocks_in_use " << pool_blocks_after << " (peak " << layer_peak
             << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak << "), pools alive "
