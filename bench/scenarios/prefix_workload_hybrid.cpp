@@ -136,6 +136,7 @@ void prefix_workload_hybrid(const options& o, report& out) {
       metric& saved = declare(m, order + " 4 saved", "prompt tokens saved, pool " + at, "%");
       metric& held = declare(m, order + " 5 held", "blocks the cache holds at the end, pool " + at, "blocks", false);
       metric& window = declare(m, order + " 6 windowed", "windowed parts evicted alone, pool " + at, "parts", false);
+      metric& cached = declare(m, order + " 7 entries", "entries cached at the end, pool " + at, "entries");
       const std::size_t budget = std::max(one_request, every * p / 100);
       replay_result got[2];
       for (std::size_t i = 0; i < 2; ++i) {
@@ -152,6 +153,7 @@ void prefix_workload_hybrid(const options& o, report& out) {
         saved.values[impl] = 100.0 * (1.0 - double(r.prefilled) / double(prompt_tokens));
         held.values[impl] = double(r.stats.held_blocks);
         window.values[impl] = double(r.stats.window_evictions);
+        cached.values[impl] = double(r.stats.cached_entries);
         if (r.failed != 0) failure = impl + ": " + std::to_string(r.failed) + " requests did not fit a pool of " + at;
       }
       if (o.wants("full") && o.wants("hybrid")) {

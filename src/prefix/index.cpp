@@ -66,7 +66,7 @@ std::size_t prefix_index::valid_run(std::span<const kv_block_hash> hashes, std::
 std::size_t prefix_index::match(std::span<const kv_block_hash> hashes) const {
   std::size_t found = 0;
   std::vector<prefix_entry*> chain;
-  chain.reserve(hashes.size());
+  if (rule_.windowed()) chain.reserve(hashes.size());  // a full layout's run needs none
   {
     std::lock_guard lock(mutex_);
     found = rule_.windowed() ? valid_run(hashes, chain) : cached_run(hashes);

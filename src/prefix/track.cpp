@@ -8,6 +8,14 @@
 // hashes the blocks it filled and inserts them, and a truncate forgets the
 // blocks it cut. It holds the index weakly: the cache's last handle going
 // ends the tracking.
+//
+// A block goes into the index before the drain publishes it: its tokens
+// are all stored, and nothing writes them in place again. The drain's
+// publish raises the block's readable() over them before any later request
+// of the sequence is applied (one operation at a time), and from then on
+// a rewrite after a truncate finds the cache's hold among its references
+// (working_state::rewritable_in_place) and copies. An attach on another
+// thread meanwhile reads what the drain stored before the insert's lock.
 
 #include <algorithm>
 #include <memory>

@@ -48,6 +48,17 @@ struct event_log {
   }
 };
 
+/// Every two of `seen` (the hashes of one prompt by caches that must not
+/// share an entry) differ in their first two blocks.
+inline void check_apart(const std::vector<std::vector<kv_block_hash>>& seen) {
+  for (std::size_t i = 0; i < seen.size(); ++i)
+    for (std::size_t j = i + 1; j < seen.size(); ++j) {
+      INFO(i << " vs " << j);
+      CHECK(seen[i][0] != seen[j][0]);
+      CHECK(seen[i][1] != seen[j][1]);
+    }
+}
+
 /// Tokens `first, first + 1, ...`: `n` of them.
 inline std::vector<token_id> run(token_id first, std::size_t n) {
   std::vector<token_id> t(n);

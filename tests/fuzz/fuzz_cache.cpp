@@ -348,7 +348,18 @@ void run(input& in, const std::uint8_t (&head)[7]) {
     // Pool 0's prefix cache, for sequences of 1-3 layers (the others'
     // inserts must fail).
     w.m.prefix_layers = 1 + head[6] / 64 % 3;
-    w.prefix.emplace(w.m.prefix_layers, geometry, w.pools[0]);
+    // Its layout (head[2] / 40): full layers, or windows (with sinks) on
+    // every other layer or on every layer.
+    const std::size_t n = w.m.prefix_layers;
+    switch (head[2] / 40) {
+      case 2: w.m.prefix_layout = kv_model_layout::interleaved(n, 2, 3); break;
+      case 3: w.m.prefix_layout = kv_model_layout::interleaved(n, 2, 5, 1); break;
+      case 4: w.m.prefix_layout = kv_model_layout::sliding(n, 4); break;
+      case 5: w.m.prefix_layout = kv_model_layout::sliding(n, 2, 2); break;
+      default: w.m.prefix_layout = kv_model_layout::full(n); break;
+    }
+    t.config += str(" prefix layout ", w.m.prefix_layout);
+    w.prefix.emplace(w.m.prefix_layout, geometry, w.pools[0]);
     w.new_cache(head[6] & 1, 1 + (head[6] >> 1) % 16);
     if (head[6] & 0x20)
       w.new_sequence(kv_model_layout::full(1 + (head[6] >> 6) % 3), head[6] & 0x10, 1 + (head[6] >> 1) % 16);

@@ -16,6 +16,7 @@
 
 #include <ghostlink/config.hpp>
 #include <ghostlink/error.hpp>
+#include <ghostlink/layout.hpp>
 #include <ghostlink/prefix_cache.hpp>
 #include <ghostlink/types.hpp>
 
@@ -164,9 +165,10 @@ inline std::size_t ceil_div(std::size_t n, std::size_t d) { return n / d + (n % 
 struct mentry {
   kv_block_hash hash;
   std::optional<kv_block_hash> parent;
-  std::vector<std::uint32_t> blocks;      // one per layer
-  std::vector<std::vector<recipe>> data;  // per layer, block_tokens tokens
+  std::vector<std::uint32_t> blocks;      // one per layer; dropped_block: a windowed layer holds none
+  std::vector<std::vector<recipe>> data;  // per layer, block_tokens tokens (none where no block)
   std::uint64_t tick = 0;                 // last attached or inserted
+  std::uint64_t wtick = 0;                // its windowed blocks': last inserted, or read by an attach's window
 };
 
 class model {
@@ -182,8 +184,48 @@ class model {
   // The prefix cache on pool 0: its entries (the contract's eviction order
   // by tick), and its counters.
   std::vector<mentry> entries;
-  std::uint64_t clock = 0, evicted = 0, inserted = 0;
+  std::uint64_t clock = 0, evicted = 0, inserted = 0, window_evicted = 0;
   std::size_t prefix_layers = 0;
+  kv_model_layout prefix_layout;  // prefix_layers layers
+
+  /// Whether the prefix cache's layer `l` has a window.
+  bool windowed_layer(std::size_t l) const { return prefix_layout.layers[l].window != 0; }
+  /// The prefix layout's kept_from for a match of `k` blocks (src/prefix/window_rule.hpp).
+  std::size_t kept_from(std::size_t l, std::size_t k) const {
+    const kv_layer_layout& w = prefix_layout.layers[l];
+    const std::size_t bt = geometry_.block_tokens, end = k * bt;
+    const std::size_t first = end + 1 > w.window ? end + 1 - w.window : 0;
+    return std::max(w.sink_tokens, first / bt * bt);
+  }
+  /// Whether layer `l` needs block `j` for a match of `k` blocks.
+  bool needs(std::size_t l, std::size_t j, std::size_t k) const {
+    const kv_layer_layout& w = prefix_layout.layers[l];
+    const std::size_t bt = geometry_.block_tokens;
+    return w.window == 0 || j * bt < w.sink_tokens || (j + 1) * bt > kept_from(l, k);
+  }
+  /// The longest k <= run.size() whose needs `run`'s entries meet.
+  std::size_t longest(const std::vector<mentry*>& run) const {
+    for (std::size_t k = run.size(); k > 0; --k) {
+      bool ok = true;
+      for (std::size_t j = 0; j < k && ok; ++j)
+        for (std::size_t l = 0; l < prefix_layers && ok; ++l)
+          ok = !needs(l, j, k) || run[j]->blocks[l] != dropped_block;
+      if (ok) return k;
+    }
+    return 0;
+  }
+  /// The cached run of `hashes` from block 0.
+  std::vector<mentry*> run_of(const std::vector<kv_block_hash>& hashes) {
+    std::vector<mentry*> run;
+    for (const kv_block_hash& h : hashes) {
+      mentry* e = find(h);
+      if (!e) break;
+      run.push_back(e);
+    }
+    return run;
+  }
+  /// match(): the blocks of the longest valid match.
+  std::size_t match(const std::vector<kv_block_hash>& hashes) { return longest(run_of(hashes)); }
 
   std::size_t add_pool(std::size_t max) {
     pools.push_back({max, 0, 0, 0});
@@ -241,7 +283,22 @@ class model {
   }
   /// After mark_outside(): nothing but the cache references `e`'s blocks.
   GHOSTLINK_FUZZ_QUIET bool idle(const mentry& e) const {
-    return std::none_of(e.blocks.begin(), e.blocks.end(), [&](std::uint32_t id) { return mark_[id] != 0; });
+    return std::none_of(e.blocks.begin(), e.blocks.end(),
+                        [&](std::uint32_t id) { return id != dropped_block && mark_[id] != 0; });
+  }
+  /// After mark_outside(): whether `e` holds a windowed block, and one in use.
+  GHOSTLINK_FUZZ_QUIET bool holds_window(const mentry& e) const {
+    for (std::size_t l = 0; l < prefix_layers; ++l)
+      if (windowed_layer(l) && e.blocks[l] != dropped_block) return true;
+    return false;
+  }
+  GHOSTLINK_FUZZ_QUIET bool window_busy(const mentry& e) const {
+    for (std::size_t l = 0; l < prefix_layers; ++l)
+      if (windowed_layer(l) && e.blocks[l] != dropped_block && mark_[e.blocks[l]]) return true;
+    return false;
+  }
+  GHOSTLINK_FUZZ_QUIET bool has_child(const mentry& e) const {
+    return std::any_of(entries.begin(), entries.end(), [&](const mentry& c) { return c.parent == e.hash; });
   }
   /// Entries idle now, and the distinct blocks cached and idle.
   GHOSTLINK_FUZZ_QUIET std::size_t idle_entries() {
@@ -252,7 +309,9 @@ class model {
   GHOSTLINK_FUZZ_QUIET std::pair<std::size_t, std::size_t> cached_blocks() {
     mark_outside();
     std::vector<std::uint32_t> all;
-    for (const mentry& e : entries) all.insert(all.end(), e.blocks.begin(), e.blocks.end());
+    for (const mentry& e : entries)
+      for (std::uint32_t id : e.blocks)
+        if (id != dropped_block) all.push_back(id);
     std::sort(all.begin(), all.end());
     all.erase(std::unique(all.begin(), all.end()), all.end());
     const auto idle_n = std::count_if(all.begin(), all.end(), [&](std::uint32_t id) { return mark_[id] == 0; });
@@ -274,47 +333,83 @@ class model {
         if (p) pinned[i] = 1, changed = true;
       }
     }
+    // A windowed block goes with its entries' windowed parts (none of their
+    // windowed blocks in use), a full one only with its unpinned entries.
     std::vector<std::uint32_t> all, blocked;
     for (std::size_t i = 0; i < entries.size(); ++i)
-      for (std::uint32_t id : entries[i].blocks) (pinned[i] || mark_[id] ? blocked : all).push_back(id);
+      for (std::size_t l = 0; l < prefix_layers; ++l) {
+        const std::uint32_t id = entries[i].blocks[l];
+        if (id == dropped_block) continue;
+        const bool held = windowed_layer(l) ? window_busy(entries[i]) : pinned[i] != 0;
+        (held || mark_[id] ? blocked : all).push_back(id);
+      }
     std::sort(all.begin(), all.end());
     all.erase(std::unique(all.begin(), all.end()), all.end());
     return static_cast<std::size_t>(std::count_if(all.begin(), all.end(), [&](std::uint32_t id) {
       return std::find(blocked.begin(), blocked.end(), id) == blocked.end();
     }));
   }
-  /// The least recently used idle entry with no cached child evicted; false
-  /// if none. Only pool 0 has a prefix cache.
+  /// The least recent of the idle entries with no cached child (by tick)
+  /// and the windowed parts no sequence uses (by wtick, first at a tie)
+  /// evicted; false if none. Only pool 0 has a prefix cache.
   GHOSTLINK_FUZZ_QUIET bool evict(std::size_t pool) {
     if (pool != 0 || entries.empty()) return false;
     mark_outside();
-    std::size_t best = entries.size();
+    std::size_t best = entries.size(), part = entries.size();
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const mentry& e = entries[i];
-      const bool parent =
-          std::any_of(entries.begin(), entries.end(), [&](const mentry& c) { return c.parent == e.hash; });
-      if (idle(e) && !parent && (best == entries.size() || e.tick < entries[best].tick)) best = i;
+      if (idle(e) && !has_child(e) && (best == entries.size() || e.tick < entries[best].tick)) best = i;
+      if (holds_window(e) && !window_busy(e) && (part == entries.size() || e.wtick < entries[part].wtick)) part = i;
+    }
+    if (part != entries.size() && (best == entries.size() || entries[part].wtick <= entries[best].tick)) {
+      mentry& e = entries[part];
+      for (std::size_t l = 0; l < prefix_layers; ++l)
+        if (windowed_layer(l)) e.blocks[l] = dropped_block, e.data[l].clear();
+      ++window_evicted;
+      if (!holds_any(e) && !has_child(e)) remove(part);
+      return true;
     }
     if (best == entries.size()) return false;
-    entries.erase(entries.begin() + static_cast<std::ptrdiff_t>(best));
-    ++evicted;
+    remove(best);
     return true;
+  }
+  /// Whether `e` holds some block.
+  GHOSTLINK_FUZZ_QUIET static bool holds_any(const mentry& e) {
+    return std::any_of(e.blocks.begin(), e.blocks.end(), [](std::uint32_t id) { return id != dropped_block; });
+  }
+  /// Evicts entry `i`, then its parent while that is left holding nothing
+  /// and without children.
+  GHOSTLINK_FUZZ_QUIET void remove(std::size_t i) {
+    std::optional<kv_block_hash> parent = entries[i].parent;
+    entries.erase(entries.begin() + static_cast<std::ptrdiff_t>(i));
+    ++evicted;
+    while (parent) {
+      mentry* p = find(*parent);
+      if (!p || holds_any(*p) || has_child(*p)) return;
+      parent = p->parent;
+      entries.erase(entries.begin() + (p - entries.data()));
+      ++evicted;
+    }
   }
   GHOSTLINK_FUZZ_QUIET mentry* find(const kv_block_hash& h) {
     for (mentry& e : entries)
       if (e.hash == h) return &e;
     return nullptr;
   }
-  /// attach(): the cached run of `hashes` from block 0, touched (later
-  /// blocks first), as a new sequence's layers; its ids are the caller's.
+  /// attach(): the longest valid match of `hashes` from block 0, touched
+  /// (later blocks first; then the windowed parts its windows read, in
+  /// block order), as a new sequence's layers (a windowed layer holding
+  /// only what the match needs); its ids are the caller's.
   std::vector<std::shared_ptr<mcache>> attach(const std::vector<kv_block_hash>& hashes) {
-    std::vector<mentry*> run;
-    for (const kv_block_hash& h : hashes) {
-      mentry* e = find(h);
-      if (!e) break;
-      run.push_back(e);
-    }
+    std::vector<mentry*> run = run_of(hashes);
+    const std::size_t k = longest(run);
+    run.resize(k);
     for (mentry* e : std::views::reverse(run)) e->tick = ++clock;
+    for (std::size_t j = 0; j < k; ++j) {
+      bool read = false;
+      for (std::size_t l = 0; l < prefix_layers; ++l) read = read || (windowed_layer(l) && needs(l, j, k));
+      if (read) run[j]->wtick = ++clock;
+    }
     std::vector<std::shared_ptr<mcache>> layers;
     const std::size_t bt = geometry_.block_tokens;
     for (std::size_t l = 0; l < prefix_layers; ++l) {
@@ -322,11 +417,21 @@ class model {
       c->pool = 0;
       c->owner = ++owners_;
       c->initialized = true;
-      for (const mentry* e : run) {
-        c->table.push_back(e->blocks[l]);
-        c->data.insert(c->data.end(), e->data[l].begin(), e->data[l].end());
+      const kv_layer_layout& w = prefix_layout.layers[l];
+      use_window(*c, w.window, w.sink_tokens);
+      for (std::size_t j = 0; j < k; ++j) {
+        const bool held = needs(l, j, k);
+        c->table.push_back(held ? run[j]->blocks[l] : dropped_block);
+        if (held)
+          c->data.insert(c->data.end(), run[j]->data[l].begin(), run[j]->data[l].end());
+        else
+          c->data.insert(c->data.end(), bt, recipe{});
       }
-      c->length = c->stored = run.size() * bt;
+      if (w.window != 0 && kept_from(l, k) > w.sink_tokens) {  // working_state::restore_kept_from
+        c->kept_from = kept_from(l, k);
+        c->dropped_to = std::max(ceil_div(w.sink_tokens, bt), c->kept_from / bt);
+      }
+      c->length = c->stored = k * bt;
       c->changed = true;
       publish(*c);
       caches_.push_back(c);
@@ -335,27 +440,59 @@ class model {
     return layers;
   }
   /// insert(): entries for the full blocks of the first `hashes.size()`
-  /// blocks that every layer's latest epoch holds as blocks of its own;
-  /// returns the entries added.
+  /// blocks that every full layer's latest epoch holds as blocks of its
+  /// own, and each windowed layer's where it holds all of the block (less
+  /// those at the end holding no block at all); an existing entry takes the
+  /// windowed blocks it lacks. Returns the entries added.
   std::size_t insert(const mseq& q, const std::vector<kv_block_hash>& hashes) {
     const std::size_t bt = geometry_.block_tokens;
-    std::size_t added = 0, whole_blocks = 0;
+    std::vector<std::vector<std::uint32_t>> blocks;
     for (std::size_t b = 0; b < hashes.size(); ++b) {
-      bool whole = true;
-      for (const auto& l : q.layers) whole = whole && l->current->stored >= (b + 1) * bt && l->current->blocks[b] != 0;
-      if (!whole) break;
-      ++whole_blocks;
-      if (find(hashes[b])) continue;
-      mentry fresh{hashes[b], b == 0 ? std::nullopt : std::optional(hashes[b - 1]), {}, {}, 0};
-      for (const auto& l : q.layers) {
-        fresh.blocks.push_back(l->current->blocks[b]);
-        fresh.data.emplace_back(l->current->data.begin() + static_cast<std::ptrdiff_t>(b * bt),
-                                l->current->data.begin() + static_cast<std::ptrdiff_t>((b + 1) * bt));
+      std::vector<std::uint32_t> per_layer;
+      for (std::size_t l = 0; l < q.layers.size(); ++l) {
+        const mepoch& e = *q.layers[l]->current;
+        std::uint32_t id = e.stored >= (b + 1) * bt ? e.blocks[b] : 0;
+        if (id == dropped_block) id = 0;
+        if (id != 0 && e.window != 0 && (b + 1) * bt > e.sinks && std::max(b * bt, e.sinks) < e.kept_from) id = 0;
+        if (id == 0 && e.window == 0) break;  // a full layer's block is never missing
+        per_layer.push_back(id == 0 ? dropped_block : id);
+      }
+      if (per_layer.size() != q.layers.size()) break;
+      blocks.push_back(std::move(per_layer));
+    }
+    const auto none = [](const std::vector<std::uint32_t>& v) {
+      return std::all_of(v.begin(), v.end(), [](std::uint32_t id) { return id == dropped_block; });
+    };
+    while (!blocks.empty() && none(blocks.back())) blocks.pop_back();
+    const auto data_of = [&](std::size_t l, std::size_t b) {
+      const mepoch& e = *q.layers[l]->current;
+      return std::vector<recipe>(e.data.begin() + static_cast<std::ptrdiff_t>(b * bt),
+                                 e.data.begin() + static_cast<std::ptrdiff_t>((b + 1) * bt));
+    };
+    std::size_t added = 0;
+    for (std::size_t b = 0; b < blocks.size(); ++b) {
+      if (mentry* e = find(hashes[b])) {
+        for (std::size_t l = 0; l < prefix_layers; ++l)
+          if (e->blocks[l] == dropped_block && blocks[b][l] != dropped_block)
+            e->blocks[l] = blocks[b][l], e->data[l] = data_of(l, b);
+        continue;
+      }
+      mentry fresh{hashes[b], b == 0 ? std::nullopt : std::optional(hashes[b - 1]), {}, {}, 0, 0};
+      for (std::size_t l = 0; l < prefix_layers; ++l) {
+        fresh.blocks.push_back(blocks[b][l]);
+        fresh.data.push_back(blocks[b][l] == dropped_block ? std::vector<recipe>{} : data_of(l, b));
       }
       entries.push_back(std::move(fresh));
       ++added;
     }
-    for (std::size_t b = whole_blocks; b-- > 0;) find(hashes[b])->tick = ++clock;
+    for (std::size_t b = blocks.size(); b-- > 0;) {
+      mentry& e = *find(hashes[b]);
+      e.tick = ++clock;
+      bool window_given = false;
+      for (std::size_t l = 0; l < prefix_layers; ++l)
+        window_given = window_given || (windowed_layer(l) && blocks[b][l] != dropped_block);
+      if (window_given && holds_window(e)) e.wtick = ++clock;
+    }
     inserted += added;
     return added;
   }

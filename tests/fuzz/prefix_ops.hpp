@@ -2,8 +2,8 @@
 // Prefix-cache operations on pool 0's cache: insert (the ids a sequence
 // stores, ids given with it, or ids that are not its own: the caller's
 // promise broken, which the model mirrors), insert from a sequence of
-// another layer count (layer_mismatch, nothing inserted) or with windowed
-// layers (invalid_config: another layout than the cache's), attach of a
+// another layer count (layer_mismatch, nothing inserted) or of another
+// layout (invalid_config), attach of a
 // sequence's ids (whole, cut, or with other ids after them) as a new
 // sequence that the other operations then write, and clear. Eviction runs
 // inside the other operations' writes whenever pool 0's budget is spent.
@@ -46,10 +46,14 @@ void prefix_op(world<T>& w, std::size_t seq) {
     std::vector<token_id> ids = stored ? q.ids : (what == 2 ? q.ids : pick_ids(w, q));
     if (stored) ids.resize(static_cast<std::size_t>(std::find(ids.begin(), ids.end(), no_token_id) - ids.begin()));
     current_trace().add(stored ? "prefix_insert_stored" : "prefix_insert", seq % w.seqs.size(), ids.size());
-    if (q.windowed() || q.layers.size() != w.m.prefix_layers || q.pool != 0) {
+    bool same_layout = q.layers.size() == w.m.prefix_layers;
+    for (std::size_t l = 0; same_layout && l < q.layers.size(); ++l)
+      same_layout = q.layers[l]->window == w.m.prefix_layout.layers[l].window &&
+                    q.layers[l]->sinks == w.m.prefix_layout.layers[l].sink_tokens;
+    if (!same_layout || q.pool != 0) {
       try {
         (void)(stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
-        fail("prefix insert from a windowed sequence, or one of another layer count or pool, did not throw");
+        fail("prefix insert from a sequence of another layout or pool did not throw");
       } catch (const std::system_error& e) {
         expect_ec(e.code(), q.layers.size() != w.m.prefix_layers ? kv_errc::layer_mismatch : kv_errc::invalid_config,
                   "prefix insert");
@@ -68,16 +72,13 @@ void prefix_op(world<T>& w, std::size_t seq) {
   if (!w.seqs.empty()) prompt = pick_ids(w, *w.seqs[seq % w.seqs.size()].m);
   current_trace().add("prefix_attach", prompt.size());
   const std::vector<kv_block_hash> hashes = w.prefix->block_hashes(prompt);
-  expect_eq(w.prefix->match(prompt) / bt,
-            static_cast<std::size_t>(
-                std::find_if(hashes.begin(), hashes.end(), [&](const kv_block_hash& h) { return !w.m.find(h); }) -
-                hashes.begin()),
-            "prefix match: blocks");
+  expect_eq(w.prefix->match(prompt) / bt, w.m.match(hashes), "prefix match: blocks");
   basic_sequence_kv_cache<T> real = w.prefix->attach(w.io, prompt);
   auto q = std::make_shared<mseq>();
   q->pool = 0;
   q->layers = w.m.attach(hashes);
   q->length = q->layers.empty() ? 0 : q->layers[0]->length;
+  q->high_water = q->length;  // the match's length (the cache's layout has no rollback)
   q->ids.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(q->length));
   typename world<T>::seq_slot slot{std::move(real), std::move(q), w.geometry};
   w.check_seq(slot, w.seqs.size());

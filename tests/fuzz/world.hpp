@@ -262,6 +262,7 @@ struct world {
     expect_eq(st.cached_blocks, m.entries.size(), what, "stats().cached_blocks");
     expect_eq(st.idle_blocks, m.idle_entries(), what, "stats().idle_blocks");
     expect_eq(st.evicted_blocks, m.evicted, what, "stats().evicted_blocks");
+    expect_eq(st.window_evictions, m.window_evicted, what, "stats().window_evictions");
     expect_eq(st.inserted_blocks, m.inserted, what, "stats().inserted_blocks");
     const auto [cached, idle] = m.cached_blocks();
     const kv_pool_stats ps = pools[0].stats();
@@ -321,6 +322,11 @@ struct world {
   kv_model_layout pick_layout(std::size_t layers) {
     const std::uint8_t b = in.byte();
     if (b % 2 == 0) return kv_model_layout::full(layers);
+    if (b % 4 == 1 && m.prefix_layout.windowed()) {  // the prefix cache's, so that its inserts take it
+      kv_model_layout l = m.prefix_layout;
+      l.rollback_tokens = b / 4 % 4;
+      return l;
+    }
     const std::size_t window = 1 + b / 2 % 8, sinks = b / 16 % 4, period = 1 + b / 64 % 3;
     kv_model_layout l = period == 1 ? kv_model_layout::sliding(layers, window, sinks)
                                     : kv_model_layout::interleaved(layers, period, window, sinks);

@@ -82,12 +82,7 @@ TEST_CASE("block_hashes: the salt, the model, the layers, the geometry and the e
     fixture<bfloat16> f;
     seen.push_back(f.cache.block_hashes(t));
   }
-  for (std::size_t i = 0; i < seen.size(); ++i)
-    for (std::size_t j = i + 1; j < seen.size(); ++j) {
-      INFO(i << " vs " << j);
-      CHECK(seen[i][0] != seen[j][0]);
-      CHECK(seen[i][1] != seen[j][1]);
-    }
+  check_apart(seen);
 }
 
 TEST_CASE("match: the tokens of the longest run of cached blocks from block 0; pins nothing", "[prefix]") {
