@@ -99,7 +99,8 @@ struct options {
   std::size_t window = 0;  // every other layer windowed; 0: every layer full
   std::size_t conversations() const { return (requests + turns - 1) / turns; }
   ghostlink::kv_model_layout layout() const {
-    return window ? ghostlink::kv_model_layout::interleaved(layers, 2, window) : ghostlink::kv_model_layout::full(layers);
+    return window ? ghostlink::kv_model_layout::interleaved(layers, 2, window)
+                  : ghostlink::kv_model_layout::full(layers);
   }
 };
 

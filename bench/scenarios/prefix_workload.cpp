@@ -32,8 +32,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../scenarios.hpp"
 #include "../chat_trace.hpp"
+#include "../scenarios.hpp"
 #include "../workload.hpp"
 
 namespace ghostlink::bench {

@@ -298,9 +298,7 @@ class basic_kv_prefix_cache {
     detail::prefix_track(index_, detail::cache_access::state_of(seq).get(), salt);
   }
   /// Ends the tracking of `seq` (by any cache), from its next drain on.
-  void untrack(const sequence_type& seq) noexcept {
-    detail::prefix_untrack(detail::cache_access::state_of(seq).get());
-  }
+  void untrack(const sequence_type& seq) noexcept { detail::prefix_untrack(detail::cache_access::state_of(seq).get()); }
 
   /// Drops every entry: blocks in use elsewhere stay with their users, idle
   /// ones go back to the pool. Not an eviction: `evicted_blocks` stays, and

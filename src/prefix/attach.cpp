@@ -229,8 +229,8 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
       // The longest match over RAM's blocks and the fetched ones (a
       // fetched entry may lack a windowed layer's block); RAM's hold every
       // block the windows of a longer match need (they start later).
-      const std::size_t matched = p->rule().longest(
-          next_, [&](std::size_t l, std::size_t j) { return blocks_[l][j].get() != nullptr; });
+      const std::size_t matched =
+          p->rule().longest(next_, [&](std::size_t l, std::size_t j) { return blocks_[l][j].get() != nullptr; });
       const std::size_t fetched = next_ - in_ram_;
       if (fetched != 0) {
         p->count_store_hits((std::max(matched, in_ram_) - in_ram_) * p->config().block_tokens);

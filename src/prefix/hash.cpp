@@ -103,8 +103,8 @@ kv_block_hash root_hash(std::string_view model, std::string_view salt, const kv_
   }
   // A layout other than full layers storing values: what each layer keeps.
   // (rollback_tokens changes nothing stored: not part of it).
-  const bool full = std::all_of(layout.layers.begin(), layout.layers.end(),
-                                [](const kv_layer_layout& l) { return l.window == 0; });
+  const bool full =
+      std::all_of(layout.layers.begin(), layout.layers.end(), [](const kv_layer_layout& l) { return l.window == 0; });
   if (!full || layout.keys_only) {
     const auto keys_only = static_cast<std::uint8_t>(layout.keys_only ? 1 : 0);
     h.add(&keys_only, 1);

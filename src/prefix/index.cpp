@@ -246,8 +246,9 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   // attached sequence's windowed layers hold the blocks its window read).
   for (std::size_t i = n; i-- > 0;) {
     touch(*at[i]);
-    const bool window_held = std::ranges::any_of(
-        std::views::iota(std::size_t{0}, num_layers_), [&](std::size_t l) { return blocks[i][l] && rule_.layer_windowed(l); });
+    const bool window_held = std::ranges::any_of(std::views::iota(std::size_t{0}, num_layers_), [&](std::size_t l) {
+      return blocks[i][l] && rule_.layer_windowed(l);
+    });
     if (window_held && at[i]->windowed_held != 0) touch_window(*at[i]);
   }
   for (prefix_entry* e : std::views::reverse(revived)) touch(*e);
@@ -318,10 +319,9 @@ void prefix_index::window_use_changed(prefix_entry& e) noexcept {
 void prefix_index::refresh_node(prefix_node& n) noexcept {
   // A windowed node goes with its entries' windowed parts, a full one only
   // with its entries.
-  const bool reclaimable =
-      !n.in_use && std::none_of(n.entries.begin(), n.entries.end(), [&](const prefix_entry* e) {
-        return n.windowed ? e->w_in_use != 0 : e->pinned;
-      });
+  const bool reclaimable = !n.in_use && std::none_of(n.entries.begin(), n.entries.end(), [&](const prefix_entry* e) {
+    return n.windowed ? e->w_in_use != 0 : e->pinned;
+  });
   if (reclaimable == n.reclaimable) return;
   n.reclaimable = reclaimable;
   if (reclaimable)

@@ -64,8 +64,8 @@ class window_rule {
     std::vector<std::vector<std::size_t>> missing(classes_.size(), std::vector<std::size_t>(n + 1, 0));
     for (std::size_t c = 0; c < classes_.size(); ++c)
       for (std::size_t j = 0; j < n; ++j) {
-        const bool all = std::all_of(classes_[c].layers.begin(), classes_[c].layers.end(),
-                                     [&](std::size_t l) { return has(l, j); });
+        const bool all =
+            std::all_of(classes_[c].layers.begin(), classes_[c].layers.end(), [&](std::size_t l) { return has(l, j); });
         missing[c][j + 1] = missing[c][j] + (all ? 0 : 1);
       }
     for (std::size_t k = n; k > 0; --k) {

@@ -81,7 +81,8 @@ struct layout_fixture {
       for (std::size_t p = 0; p < ids.size(); ++p) {
         if (p >= layer.sink_tokens() && p < layer.kept_from()) continue;
         kv_range r;
-        if (ghostlink::error_code ec = layer.read_range(p, p + 1, r)) return str("layer ", l, " @", p, ": ", ec.message());
+        if (ghostlink::error_code ec = layer.read_range(p, p + 1, r))
+          return str("layer ", l, " @", p, ": ", ec.message());
         for (std::size_t lane = 0; lane < width; ++lane) {
           const float k = static_cast<float>(T(key(l, p, ids[p], lane)));
           if (r.keys[lane] != k) return str("layer ", l, " @", p, " lane ", lane, ": key ", r.keys[lane], " not ", k);
@@ -195,7 +196,8 @@ TEST_CASE("track caches every block as it fills, before the window drops it", "[
   rolled.rollback_tokens = 8;
   const sequence_kv_cache decoded(f.threads, rolled, f.conf, f.pool);
   f.cache.track(decoded);
-  for (std::size_t i = 0; i < u.size(); ++i) REQUIRE(f.append(decoded, std::span(u).subspan(i, 1)) == ghostlink::error_code());
+  for (std::size_t i = 0; i < u.size(); ++i)
+    REQUIRE(f.append(decoded, std::span(u).subspan(i, 1)) == ghostlink::error_code());
   for (std::size_t n = 4; n <= 24; n += 4) CHECK(f.cache.match(first(u, n)) == n);
   // A truncate forgets what it cut: what follows is hashed after the new tokens.
   REQUIRE(truncate(decoded, 18) == ghostlink::error_code());
@@ -232,14 +234,12 @@ TEST_CASE("track: a token without an id stops it; refusals are insert's; a track
   asio::thread_pool io(1);
   sequence_kv_cache full(io, kv_model_layout::full(2), config(), f.pool);
   CHECK_THROWS_MATCHES(f.cache.track(full), std::system_error,
-                       Catch::Predicate<std::system_error>([](const std::system_error& e) {
-                         return e.code() == kv_errc::invalid_config;
-                       }));
+                       Catch::Predicate<std::system_error>(
+                           [](const std::system_error& e) { return e.code() == kv_errc::invalid_config; }));
   sequence_kv_cache three(io, kv_model_layout::interleaved(3, 3, 8), config(), f.pool);
   CHECK_THROWS_MATCHES(f.cache.track(three), std::system_error,
-                       Catch::Predicate<std::system_error>([](const std::system_error& e) {
-                         return e.code() == kv_errc::layer_mismatch;
-                       }));
+                       Catch::Predicate<std::system_error>(
+                           [](const std::system_error& e) { return e.code() == kv_errc::layer_mismatch; }));
   // A fork of a tracked sequence is not tracked.
   const auto t = run(40, 8);
   auto parent = f.tracked(t);
@@ -325,6 +325,36 @@ TEST_CASE("keys-only and quantized layouts reuse their entries", "[prefix][layou
   }
 }
 
+TEST_CASE("insert and track refuse an fp8 sequence of other scales: invalid_config, nothing cached",
+          "[prefix][layouts]") {
+  const kv_cache_config c{.max_tokens_per_seq = 64,
+                          .num_heads = 2,
+                          .head_dim = 4,
+                          .block_tokens = 4,
+                          .key_scale = 0.5f,
+                          .value_scale = 2.0f};
+  layout_fixture<fp8_e4m3> f(hybrid_layout(), 1000, {}, c);
+  kv_cache_config other = c;
+  other.value_scale = 4.0f;
+  const basic_sequence_kv_cache<fp8_e4m3> seq(f.threads, hybrid_layout(), other, f.pool);  // the same block bytes
+  const auto t = run(10, 8);
+  REQUIRE(f.append(seq, t) == ghostlink::error_code());
+  const auto refused = [](auto call) {
+    try {
+      call();
+    } catch (const std::system_error& e) {
+      return e.code() == kv_errc::invalid_config;
+    }
+    return false;
+  };
+  CHECK(refused([&] { (void)f.cache.insert(seq, t); }));
+  CHECK(refused([&] { f.cache.track(seq); }));
+  CHECK(f.cache.stats().cached_entries == 0);
+  // The cache's own scales: taken.
+  const auto same = f.tracked(t);
+  CHECK(f.cache.stats().cached_entries == 2);
+}
+
 TEST_CASE("hybrid eviction: windowed parts no window read go first, oldest first; full layers' blocks stay",
           "[prefix][layouts]") {
   // 2 layers: 12 blocks for the 6 entries; a sequence of 4 tokens takes 2
@@ -355,7 +385,8 @@ TEST_CASE("hybrid eviction: windowed parts no window read go first, oldest first
   CHECK(f.cache.stats().held_blocks == 6);  // 5 entries' full blocks and block 4's windowed one
 }
 
-TEST_CASE("hybrid eviction: an entry left with no block is removed, and so are its hollow parents", "[prefix][layouts]") {
+TEST_CASE("hybrid eviction: an entry left with no block is removed, and so are its hollow parents",
+          "[prefix][layouts]") {
   // Every layer windowed (a Mistral-like layout).
   layout_fixture f(kv_model_layout::sliding(2, 8), 12);
   event_log log;
@@ -424,13 +455,14 @@ TEST_CASE("a file store round-trips hybrid entries, stores what each entry holds
     }
   }
   // Write-through from a tracked sequence: every entry with both layers.
-  auto through = std::make_shared<kv_file_store>(dir.path / "through",
-                                                 kv_file_store_limits{.io_executor = io.get_executor()});
+  auto through =
+      std::make_shared<kv_file_store>(dir.path / "through", kv_file_store_limits{.io_executor = io.get_executor()});
   {
     layout_fixture f(hybrid_layout(), 1000, {.store = through});
     { const auto seq = f.tracked(t); }
     through->flush();
-    for (const kv_block_hash& h : f.cache.block_hashes(t)) CHECK(fs::file_size(through->path_of(h)) == g.entry_bytes(2));
+    for (const kv_block_hash& h : f.cache.block_hashes(t))
+      CHECK(fs::file_size(through->path_of(h)) == g.entry_bytes(2));
   }
   const auto attach_from = [&](const std::shared_ptr<kv_file_store>& s) {
     layout_fixture f(hybrid_layout(), 1000, {.store = s});

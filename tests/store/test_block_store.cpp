@@ -400,7 +400,8 @@ TEST_CASE("every single flipped byte of an entry file makes it a miss") {
   f.store->flush();
   const fs::path file = f.file_of(ids, 0);
   const std::vector<std::byte> good = read_file(file);
-  REQUIRE(good.size() == detail::entry_geometry(kv_model_layout::full(2), config(), detail::codec_of<float>).entry_bytes(2));
+  REQUIRE(good.size() ==
+          detail::entry_geometry(kv_model_layout::full(2), config(), detail::codec_of<float>).entry_bytes(2));
   std::size_t attached = 0;
   for (std::size_t i = 0; i < good.size(); ++i) {
     std::vector<std::byte> bad = good;
@@ -511,7 +512,8 @@ TEST_CASE("a directory that cannot be made throws from the store's constructor")
 }
 
 TEST_CASE("the disk budget evicts the least recently used entries, and never exceeds the budget") {
-  const std::size_t entry = detail::entry_geometry(kv_model_layout::full(2), config(), detail::codec_of<float>).entry_bytes(2);
+  const std::size_t entry =
+      detail::entry_geometry(kv_model_layout::full(2), config(), detail::codec_of<float>).entry_bytes(2);
   store_fixture f({.max_bytes = 3 * entry});
   const std::vector<token_id> a = run(0, 8), b = run(1000, 8);
   REQUIRE(f.insert(a) == 2);

@@ -451,8 +451,7 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
   }
   if (roll < 45) {
     bump(g_figures.prefix_inserts);
-    const std::size_t added =
-        r.percent(20) ? prefix.insert_stored_tokens(t.seq) : prefix.insert(t.seq, ids_of(s.tags));
+    const std::size_t added = r.percent(20) ? prefix.insert_stored_tokens(t.seq) : prefix.insert(t.seq, ids_of(s.tags));
     bump(g_figures.prefix_added, added);
     return;
   }
@@ -550,8 +549,7 @@ inline asio::awaitable<void> seq_lineage(seq_world& w, std::size_t j, rng r) {
     if (layout.windowed()) bump(g_figures.windowed_sequences);
     auto t = std::make_shared<seq_target>(str("sequence g", gen, " (lineage ", j, ", ", layout, ")"), gen,
                                           sequence_kv_cache(w.io, layout, w.config, w.pools[(j + gen) % 3]),
-                                          r.between(32, 600),
-                                          state{true, {}}, 0);
+                                          r.between(32, 600), state{true, {}}, 0);
     co_await seq_drive(w, std::move(t), rng(r.next()));
   }
 }

@@ -186,8 +186,8 @@ int main(int argc, char** argv) try {
   print_figures(o, elapsed);
   std::cout << "  prefix cache at the end: " << prefix_after.cached_blocks << " entries, "
             << prefix_after.evicted_blocks << " evicted by appends (and " << prefix_after.window_evictions
-            << " windowed parts), hit rate " << prefix_after.hit_tokens << "/"
-            << prefix_after.query_tokens << " tokens\n";
+            << " windowed parts), hit rate " << prefix_after.hit_tokens << "/" << prefix_after.query_tokens
+            << " tokens\n";
   std::cout << "  teardown: layer pool blocks_in_use " << pool_blocks_after << " (peak " << layer_peak
             << "), sequence pool blocks_in_use " << seq_pool_blocks_after << " (peak " << seq_peak << "), pools alive "
             << ghostlink::detail::pools_alive() << ", destroyed unbalanced "
