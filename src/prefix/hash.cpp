@@ -120,7 +120,7 @@ kv_block_hash prefix_index::root(std::string_view salt) const {
   return salt.empty() ? unsalted_root_ : root_hash(model_, salt, layout(), config_, codec_.code);
 }
 
-kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) const {
+kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) {
   // The previous hash, then the block's tokens as little-endian i32.
   thread_local std::vector<std::uint8_t> buffer;
   buffer.resize(32 + 4 * tokens.size());

@@ -216,7 +216,7 @@ class prefix_index final : public reclaimer {
   /// The hash before block 0's under `salt`.
   kv_block_hash root(std::string_view salt) const;
   /// The hash of the block of `tokens` (block_tokens of them) after `prev`.
-  kv_block_hash next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) const;
+  static kv_block_hash next_hash(const kv_block_hash& prev, std::span<const token_id> tokens);
 
   /// The blocks of the longest match of `hashes` from block 0 (the rule);
   /// counts a query of `hashes.size()` blocks. Throws std::bad_alloc.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <utility>
 #include <vector>
 #include "ghostlink/detail/flavour.hpp"
 
@@ -17,7 +18,7 @@ namespace detail {
 
 class window_rule {
  public:
-  window_rule(const kv_model_layout& layout, std::size_t block_tokens) : layout_(layout), bt_(block_tokens) {
+  window_rule(kv_model_layout layout, std::size_t block_tokens) : layout_(std::move(layout)), bt_(block_tokens) {
     for (std::size_t l = 0; l < layout_.num_layers(); ++l) {
       const kv_layer_layout& w = layout_.layers[l];
       if (w.window == 0) continue;

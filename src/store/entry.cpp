@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstring>
 #include <new>
+#include <utility>
 
 #include "io/bytes.hpp"
 #include "io/checksum.hpp"
@@ -58,8 +59,8 @@ void encode_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<
   put_le<std::uint32_t>(p + at_value_scale, std::bit_cast<std::uint32_t>(g.value_scale));
   for (std::size_t l = 0; l < g.num_layers; ++l) {
     std::byte* r = layer_record(p, l);
-    put_le<std::uint64_t>(r, g.layers[l].window);
-    put_le<std::uint64_t>(r + 8, g.layers[l].sink_tokens);
+    put_le<std::uint64_t>(r, (*g.layers)[l].window);
+    put_le<std::uint64_t>(r + 8, (*g.layers)[l].sink_tokens);
     put_le<std::uint64_t>(r + 16, halves[2 * l] ? 1 : 0);
   }
   put_le<std::uint64_t>(p + header - 8, xxh3_64(out.first(header - 8)));
@@ -96,8 +97,9 @@ bool check_entry(const entry_geometry& g, const kv_block_hash& hash, std::span<c
   for (std::size_t l = 0; l < g.num_layers; ++l) {
     const std::byte* r = layer_record(p, l);
     const std::uint64_t has = get_le<std::uint64_t>(r + 16);
-    if (get_le<std::uint64_t>(r) != g.layers[l].window || get_le<std::uint64_t>(r + 8) != g.layers[l].sink_tokens ||
-        has > 1 || (has == 0 && g.layers[l].window == 0))
+    const kv_layer_layout& want = (*g.layers)[l];
+    if (get_le<std::uint64_t>(r) != want.window || get_le<std::uint64_t>(r + 8) != want.sink_tokens || has > 1 ||
+        (has == 0 && want.window == 0))
       return false;
     present += has;
   }
@@ -114,8 +116,8 @@ const std::byte* entry_layer(const entry_geometry& g, std::span<const std::byte>
   return p + g.header_bytes() + before * g.block_bytes();
 }
 
-held_entry::held_entry(const entry_geometry& g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks)
-    : geometry_(g), hash_(hash), blocks_(std::move(blocks)) {
+held_entry::held_entry(entry_geometry g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks)
+    : geometry_(std::move(g)), hash_(hash), blocks_(std::move(blocks)) {
   halves_.reserve(2 * blocks_.size());
   for (const ref_ptr<block>& b : blocks_) {
     halves_.push_back(b ? b->keys() : nullptr);

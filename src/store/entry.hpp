@@ -42,7 +42,7 @@ struct entry_geometry {
   std::size_t group = 1;            // elements per T (32 for q8_0, q4_0)
   float key_scale = 1.0f, value_scale = 1.0f;  // fp8's (1 for the others)
   bool keys_only = false;
-  std::vector<kv_layer_layout> layers;  // num_layers of them
+  std::shared_ptr<const std::vector<kv_layer_layout>> layers;  // num_layers of them (shared: a copy allocates nothing)
 
   entry_geometry() = default;
   /// @throws std::bad_alloc
@@ -57,7 +57,7 @@ struct entry_geometry {
         key_scale(c.key_scale),
         value_scale(c.value_scale),
         keys_only(layout.keys_only),
-        layers(layout.layers) {}
+        layers(std::make_shared<const std::vector<kv_layer_layout>>(layout.layers)) {}
 
   /// One half of a layer's block: its keys (or its values).
   std::size_t half_bytes() const noexcept { return block_tokens * (num_heads * head_dim / group) * element_bytes; }
@@ -98,7 +98,7 @@ class held_entry final : public kv_store_value {
  public:
   /// `blocks[l]` null: the entry holds none for layer l.
   /// @throws std::bad_alloc
-  held_entry(const entry_geometry& g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks);
+  held_entry(entry_geometry g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks);
   const kv_block_hash& hash() const noexcept override { return hash_; }
   std::size_t size() const noexcept override { return geometry_.entry_bytes(present_layers(halves_)); }
   void encode(std::span<std::byte> out) const noexcept override;
