@@ -155,7 +155,6 @@ void actor::observe(std::shared_ptr<fill_observer> o) noexcept {
 }
 
 std::shared_ptr<fill_observer> actor::observed() const noexcept {
-  if (!observed_.load(std::memory_order_acquire)) return nullptr;
   std::lock_guard lock(observer_mutex_);
   return observer_;
 }
@@ -163,7 +162,8 @@ std::shared_ptr<fill_observer> actor::observed() const noexcept {
 void actor::advance(std::size_t size) noexcept {
   // Before any window drops: a tracked sequence's blocks are cached as
   // they fill (src/prefix/track.cpp).
-  if (const auto o = observed()) o->filled(*this, size);
+  if (observed_.load(std::memory_order_acquire))
+    if (const auto o = observed()) o->filled(*this, size);
   high_water_ = std::max(high_water_, size);
   for (const auto& l : layers_) {
     const std::size_t reach = l->state->layer_layout().window + rollback_;  // validated: no overflow
@@ -350,7 +350,8 @@ error_code actor::truncate(std::size_t size) {
   // later truncate within rollback_tokens of it would need: every truncate
   // to h - rollback or more must then still find its window.
   if (rewinds) high_water_ = least_high_water(size);
-  if (const auto o = observed()) o->truncated(size);
+  if (observed_.load(std::memory_order_acquire))
+    if (const auto o = observed()) o->truncated(size);
   return {};
 }
 

@@ -449,8 +449,8 @@ class model {
     std::vector<std::vector<std::uint32_t>> blocks;
     for (std::size_t b = 0; b < hashes.size(); ++b) {
       std::vector<std::uint32_t> per_layer;
-      for (std::size_t l = 0; l < q.layers.size(); ++l) {
-        const mepoch& e = *q.layers[l]->current;
+      for (const auto& layer : q.layers) {
+        const mepoch& e = *layer->current;
         std::uint32_t id = e.stored >= (b + 1) * bt ? e.blocks[b] : 0;
         if (id == dropped_block) id = 0;
         if (id != 0 && e.window != 0 && (b + 1) * bt > e.sinks && std::max(b * bt, e.sinks) < e.kept_from) id = 0;

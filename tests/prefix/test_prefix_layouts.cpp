@@ -100,7 +100,9 @@ struct layout_fixture {
   basic_kv_prefix_cache<T> cache;
 };
 
-std::vector<token_id> first(const std::vector<token_id>& t, std::size_t n) { return {t.begin(), t.begin() + n}; }
+std::vector<token_id> first(const std::vector<token_id>& t, std::size_t n) {
+  return {t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n)};
+}
 
 }  // namespace
 
@@ -280,7 +282,8 @@ TEST_CASE("an attach's windowed layers hold only the window's blocks, and decode
     REQUIRE(f.append(recompute, whole) == ghostlink::error_code());
     CHECK(f.held_diff(hit, whole) == "");
     const attention_shape shape{.query_heads = 2, .kv_heads = 2, .head_dim = 4};
-    std::vector<float> q(2 * 4), out_hit(2 * 4), out_recompute(2 * 4);
+    constexpr std::size_t row = 2 * 4;  // query_heads * head_dim
+    std::vector<float> q(row), out_hit(row), out_recompute(row);
     for (std::size_t i = 0; i < q.size(); ++i) q[i] = 0.001f * static_cast<float>(i + 1);
     const auto a = hit.snapshot(), b = recompute.snapshot();
     for (std::size_t l = 0; l < 2; ++l) {
