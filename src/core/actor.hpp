@@ -228,6 +228,13 @@ class actor : public std::enable_shared_from_this<actor> {
   // windows (kv_model_layout); 0 for a layer cache, whose truncates ignore them.
   std::size_t high_water_ = 0;
   std::size_t rollback_ = 0;
+  // The observer of a tracked sequence: set from any thread under its mutex,
+  // read by the drain (observed_ first, so an untracked drain takes no lock).
+  /// The observer now (under its mutex).
+  std::shared_ptr<fill_observer> observed() const noexcept;
+  mutable std::mutex observer_mutex_;
+  std::shared_ptr<fill_observer> observer_;
+  std::atomic<bool> observed_{false};
   std::atomic<std::int64_t> pending_{0};  // enqueued and not yet drained; may dip below 0 briefly
   std::atomic<unsigned> posting_{0};      // submitters outside the context inside their post (post_from_outside)
   // Counters the drain alone writes (on the strand); stats() reads them.
@@ -236,13 +243,6 @@ class actor : public std::enable_shared_from_this<actor> {
   std::atomic<std::uint64_t> failed_{0};
   std::atomic<std::uint64_t> cancelled_{0};
   std::array<std::atomic<std::uint64_t>, kv_cache_stats::drain_histogram{}.size()> drain_sizes_{};
-  // Last, away from the hot fields above: the observer of a tracked sequence: set from any thread under its mutex,
-  // read by the drain (observed_ first, so an untracked drain takes no lock).
-  /// The observer now (under its mutex).
-  std::shared_ptr<fill_observer> observed() const noexcept;
-  mutable std::mutex observer_mutex_;
-  std::shared_ptr<fill_observer> observer_;
-  std::atomic<bool> observed_{false};
 };
 
 }  // namespace detail
