@@ -64,7 +64,7 @@ std::shared_ptr<sequence_state> attached_sequence(const prefix_index& p, asio::a
   const window_rule& rule = p.rule();
   std::vector<std::size_t> kept_from;
   if (rule.windowed()) kept_from.assign(p.num_layers(), 0);
-  for (std::size_t l = 0; l < p.num_layers(); ++l) {
+  for (std::size_t l = 0; l < p.num_layers() && rule.windowed(); ++l) {
     blocks[l].resize(attached);
     if (!rule.layer_windowed(l)) continue;
     for (std::size_t j = 0; j < attached; ++j)

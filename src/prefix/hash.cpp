@@ -120,9 +120,12 @@ kv_block_hash prefix_index::root(std::string_view salt) const {
   return salt.empty() ? unsalted_root_ : root_hash(model_, salt, layout(), config_, codec_.code);
 }
 
-kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) {
-  // The previous hash, then the block's tokens as little-endian i32.
-  thread_local std::vector<std::uint8_t> buffer;
+namespace {
+
+/// h[i] from h[i - 1] (`prev`) and block i's `tokens`, through `h` and the
+/// scratch `buffer`: the previous hash, then the tokens as little-endian i32.
+kv_block_hash chain_hash(sha256& h, std::vector<std::uint8_t>& buffer, const kv_block_hash& prev,
+                         std::span<const token_id> tokens) {
   buffer.resize(32 + 4 * tokens.size());
   std::memcpy(buffer.data(), prev.bytes.data(), 32);
   if constexpr (std::endian::native == std::endian::little) {
@@ -133,10 +136,16 @@ kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const
       for (std::size_t k = 0; k < 4; ++k) buffer[32 + 4 * i + k] = static_cast<std::uint8_t>(v >> (8 * k));
     }
   }
-  sha256& h = sha256::for_this_thread();
   h.begin();
   h.add(buffer.data(), buffer.size());
   return h.end();
+}
+
+}  // namespace
+
+kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) {
+  std::vector<std::uint8_t> buffer;
+  return chain_hash(sha256::for_this_thread(), buffer, prev, tokens);
 }
 
 std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens, std::string_view salt) const {
@@ -145,9 +154,13 @@ std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens
   std::vector<kv_block_hash> out;
   out.reserve(n);
   if (n == 0) return out;
+  // One context and one buffer for every block (a thread-local lookup each
+  // would cost about as much as a 96-byte digest's bookkeeping).
+  sha256& h = sha256::for_this_thread();
+  std::vector<std::uint8_t> buffer(32 + 4 * bt);
   kv_block_hash prev = root(salt);
   for (std::size_t b = 0; b < n; ++b) {
-    prev = next_hash(prev, tokens.subspan(b * bt, bt));
+    prev = chain_hash(h, buffer, prev, tokens.subspan(b * bt, bt));
     out.push_back(prev);
   }
   return out;

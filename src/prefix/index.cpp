@@ -88,11 +88,12 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
   matched.resize(k);
   // Later blocks count as used first, so a child is older than its parent.
   for (prefix_entry* e : std::views::reverse(matched)) touch(*e);
+  const bool windowed = rule_.windowed();  // else every layer needs every block
   for (std::size_t j = 0; j < k; ++j) {
     prefix_entry* e = matched[j];
     bool window_read = false;
     for (std::size_t l = 0; l < num_layers_; ++l) {
-      if (!rule_.needs(l, j, k)) {
+      if (windowed && !rule_.needs(l, j, k)) {
         out[l].emplace_back();
         continue;
       }

@@ -93,16 +93,17 @@ struct prefix_entry {
   prefix_entry* parent = nullptr;   // null for block 0
   std::size_t children = 0;         // cached entries whose parent this is
   std::uint64_t tick = 0;           // last attached or inserted
-  std::uint64_t wtick = 0;          // its windowed part's: last inserted, or read by an attach's window
   std::size_t in_use = 0;           // nodes held outside the cache
-  std::size_t w_in_use = 0;         // windowed nodes held outside the cache
-  std::size_t held = 0;             // non-null nodes
-  std::size_t windowed_held = 0;    // non-null nodes of windowed layers
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // in use, or a pinned child: eviction cannot reach it now
   std::vector<prefix_node*> nodes;  // one per layer, null where a windowed layer holds none
   bool in_store = false;            // fetched from the store or handed to it: nothing puts it again
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
+  // A layout's windows (what an attach of a full layout never reads, last):
+  std::uint64_t wtick = 0;          // its windowed part's: last inserted, or read by an attach's window
+  std::size_t w_in_use = 0;         // windowed nodes held outside the cache
+  std::size_t held = 0;             // non-null nodes
+  std::size_t windowed_held = 0;    // non-null nodes of windowed layers
   lru_set::node_type window_node;   // its place in window_lru_, likewise
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
