@@ -214,11 +214,15 @@ class basic_kv_prefix_cache {
   /// As `attach()`, then from the store (`kv_prefix_options::store`): the
   /// blocks after the RAM hits are looked up in the store, pipelined, and
   /// each value, in block order, is checked (its checksums, and that it is
-  /// this entry: hash, geometry, element type), copied into new blocks of
+  /// this entry: hash, geometry, element type, layout), copied into new blocks of
   /// the pool, and attached; the fetched entries are then inserted, so the
   /// next attach finds them in RAM. A block that is missing, corrupt, of
   /// another entry, late (past `options.timeout`) or that the pool has no
   /// room for ends the match there: the rest is a miss, never wrong data.
+  /// With a layout, the blocks after the RAM match are fetched (a value may
+  /// also fill an entry's windowed blocks that RAM lacks), and the match is
+  /// the longest valid one over RAM's blocks and the fetched ones (a stored
+  /// entry may hold no block for a windowed layer).
   /// Without a store it is `attach()`, completing through the executor.
   ///
   /// Completion signature: `void(error_code, sequence_type)`. The sequence
