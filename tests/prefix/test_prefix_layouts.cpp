@@ -282,7 +282,7 @@ TEST_CASE("an attach's windowed layers hold only the window's blocks, and decode
     REQUIRE(f.append(recompute, whole) == ghostlink::error_code());
     CHECK(f.held_diff(hit, whole) == "");
     const attention_shape shape{.query_heads = 2, .kv_heads = 2, .head_dim = 4};
-    constexpr std::size_t row = 2 * 4;  // query_heads * head_dim
+    constexpr std::size_t row = std::size_t{2} * 4;  // query_heads * head_dim
     std::vector<float> q(row), out_hit(row), out_recompute(row);
     for (std::size_t i = 0; i < q.size(); ++i) q[i] = 0.001f * static_cast<float>(i + 1);
     const auto a = hit.snapshot(), b = recompute.snapshot();
