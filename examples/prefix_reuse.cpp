@@ -617,7 +617,7 @@ int main(int argc, char** argv) try {
               static_cast<unsigned long long>(stats.window_evictions),
               static_cast<unsigned long long>(stats.inserted_blocks),
               must_evict ? "required (the pool cannot hold every prefix)" : "none required", stats.cached_blocks,
-              stats.held_blocks);
+              pool_stats.blocks_cached);
   if (o.window) std::printf("  layout:      %s\n", describe(layout).c_str());
   std::printf("  events:      %llu stored, %llu removed: the router's mirror %s the cache\n",
               static_cast<unsigned long long>(mirror.stored()), static_cast<unsigned long long>(mirror.removed()),

@@ -242,8 +242,6 @@ constexpr std::array prefix_families{
   prefix_family{"ghostlink_prefix_cache_window_evictions_total", "counter",
     "Windowed layers' blocks of an entry evicted on their own, the entry staying (hybrid layouts).",
     [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.window_evictions}; }},
-  prefix_family{"ghostlink_prefix_cache_blocks", "gauge", "Pool blocks the entries hold now.",
-    [](const kv_prefix_stats& s) -> number { return std::uint64_t{s.held_blocks}; }},
 };
 // clang-format on
 

@@ -42,6 +42,7 @@ struct replay_result {
   std::array<std::uint64_t, 3> query{}, hit{};  // tokens, per request_kind
   std::uint64_t prefilled = 0, failed = 0;
   kv_prefix_stats stats;
+  std::size_t blocks_cached = 0;  // the pool's, at the end
 
   double hit_rate(std::size_t k) const { return query[k] ? 100.0 * double(hit[k]) / double(query[k]) : 0.0; }
   double overall() const {
@@ -81,6 +82,7 @@ asio::awaitable<void> replay(kv_prefix_cache& cache, const std::vector<request>&
     co_await seq.async_truncate(0, asio::use_awaitable);
   }
   r.stats = cache.stats();
+  r.blocks_cached = cache.pool().stats().blocks_cached;
 }
 
 /// Blocks of every layer that would keep every prefix the trace holds.
@@ -151,7 +153,7 @@ void prefix_workload_hybrid(const options& o, report& out) {
         overall.values[impl] = r.overall();
         for (std::size_t k = 0; k < 3; ++k) per_class[k]->values[impl] = r.hit_rate(k);
         saved.values[impl] = 100.0 * (1.0 - double(r.prefilled) / double(prompt_tokens));
-        held.values[impl] = double(r.stats.held_blocks);
+        held.values[impl] = double(r.blocks_cached);
         window.values[impl] = double(r.stats.window_evictions);
         cached.values[impl] = double(r.stats.cached_entries);
         if (r.failed != 0) failure = impl + ": " + std::to_string(r.failed) + " requests did not fit a pool of " + at;

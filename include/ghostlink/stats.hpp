@@ -106,7 +106,6 @@ struct kv_prefix_stats {
   /// Windowed parts evicted on their own: an entry's blocks of its windowed
   /// layers, the entry staying (a hybrid layout's; see docs/API.md).
   std::uint64_t window_evictions = 0;
-  std::size_t held_blocks = 0;  ///< Pool blocks the entries hold now (at most one per layer per entry).
 };
 
 /// A store's counters, each read separately: exact when the store is idle.

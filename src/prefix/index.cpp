@@ -558,7 +558,6 @@ void prefix_index::clear() noexcept {
 
 void prefix_index::publish_counts() noexcept {
   cached_.store(entries_.size(), std::memory_order_relaxed);
-  held_.store(nodes_.size(), std::memory_order_relaxed);
   idle_.store(idle_entries_, std::memory_order_relaxed);
   pool_->set_kept({nodes_.size(), idle_nodes_, reclaimable_});
 }
@@ -587,7 +586,6 @@ kv_prefix_stats prefix_index::stats() const noexcept {
   s.inserted_blocks = inserted_.load(std::memory_order_relaxed);
   s.evicted_blocks = evicted_.load(std::memory_order_relaxed);
   s.window_evictions = window_evicted_.load(std::memory_order_relaxed);
-  s.held_blocks = held_.load(std::memory_order_relaxed);
   s.cached_entries = s.cached_blocks = cached_.load(std::memory_order_relaxed);
   s.idle_blocks = idle_.load(std::memory_order_relaxed);
   s.store_hit_tokens = store_hit_tokens_.load(std::memory_order_relaxed);

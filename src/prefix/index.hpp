@@ -351,7 +351,6 @@ class prefix_index final : public reclaimer {
   std::atomic<std::uint64_t> inserted_{0};
   std::atomic<std::uint64_t> evicted_{0};
   std::atomic<std::uint64_t> window_evicted_{0};
-  std::atomic<std::size_t> held_{0};
   std::atomic<std::size_t> cached_{0};
   std::atomic<std::size_t> idle_{0};
   std::atomic<std::uint64_t> store_hit_tokens_{0};

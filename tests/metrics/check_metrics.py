@@ -66,7 +66,6 @@ def prefix_series(x):
         'ghostlink_prefix_cache_entries': x['cached_blocks'],
         'ghostlink_prefix_cache_idle_entries': x['idle_blocks'],
         'ghostlink_prefix_cache_window_evictions_total': x['window_evictions'],
-        'ghostlink_prefix_cache_blocks': x['held_blocks'],
     }
 
 

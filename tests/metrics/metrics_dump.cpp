@@ -101,8 +101,7 @@ void json(std::ostream& out, const std::vector<gl::kv_metrics_source>& sources) 
       field(out, "evicted_blocks", x.evicted_blocks);
       field(out, "cached_blocks", x.cached_blocks);
       field(out, "idle_blocks", x.idle_blocks);
-      field(out, "window_evictions", x.window_evictions);
-      field(out, "held_blocks", x.held_blocks, true);
+      field(out, "window_evictions", x.window_evictions, true);
       out << '}';
     } else {
       out << "null";

@@ -183,7 +183,6 @@ TEST_CASE("the prefix cache's families name tokens as vLLM does, and only pools 
   x.cached_blocks = 5;
   x.idle_blocks = 2;
   x.window_evictions = 7;
-  x.held_blocks = 11;
   std::vector<kv_metrics_source> sources(2);
   sources[0] = {.pool = "with", .prefix = x};
   sources[1] = {.pool = "without"};
@@ -196,7 +195,6 @@ TEST_CASE("the prefix cache's families name tokens as vLLM does, and only pools 
   CHECK(value_of(text, R"(ghostlink_prefix_cache_evictions_total{pool="with"})") == "4");
   CHECK(value_of(text, R"(ghostlink_prefix_cache_entries{pool="with"})") == "5");
   CHECK(value_of(text, R"(ghostlink_prefix_cache_window_evictions_total{pool="with"})") == "7");
-  CHECK(value_of(text, R"(ghostlink_prefix_cache_blocks{pool="with"})") == "11");
   CHECK(value_of(text, R"(ghostlink_prefix_cache_idle_entries{pool="with"})") == "2");
   CHECK(count_lines(text, "# TYPE ghostlink_prefix_cache_hits_total counter") == 1);
   CHECK(text.find(R"(ghostlink_prefix_cache_hits_total{pool="without"})") == std::string::npos);

@@ -177,7 +177,7 @@ TEST_CASE("the match rule through a cache: after the window dropped the early bl
   CHECK(f.cache.match(first(t, 23)) == 0);
   CHECK(f.cache.match(first(t, 20)) == 0);
   CHECK(f.cache.match(first(t, 8)) == 0);
-  CHECK(f.cache.stats().held_blocks == 6 + 2);
+  CHECK(f.pool.stats().blocks_cached == 6 + 2);
   const auto hit = f.cache.attach(f.threads, t);
   CHECK(hit.size() == 24);
   CHECK(f.held_diff(hit, t) == "");
@@ -189,7 +189,7 @@ TEST_CASE("track caches every block as it fills, before the window drops it", "[
   // One prefill of 24 tokens: the window drops blocks 0 to 3 in the same drain.
   const auto seq = f.tracked(t);
   CHECK(f.cache.stats().cached_entries == 6);
-  CHECK(f.cache.stats().held_blocks == 12);
+  CHECK(f.pool.stats().blocks_cached == 12);
   for (std::size_t n = 4; n <= 24; n += 4) CHECK(f.cache.match(first(t, n)) == n);
   // Token by token, as a decoder appends: each block at the append that
   // fills it (a sequence that keeps 8 more tokens for rollbacks: the same
@@ -301,7 +301,7 @@ TEST_CASE("keys-only and quantized layouts reuse their entries", "[prefix][layou
     layout_fixture f(layout);
     const auto t = run(10, 24);
     { const auto seq = f.tracked(t); }
-    CHECK(f.cache.stats().held_blocks == 12);
+    CHECK(f.pool.stats().blocks_cached == 12);
     const auto hit = f.cache.attach(f.threads, t);
     REQUIRE(hit.size() == 24);
     CHECK(hit.snapshot().layer(0).value_width() == 0);
@@ -385,7 +385,7 @@ TEST_CASE("hybrid eviction: windowed parts no window read go first, oldest first
   CHECK(f.cache.stats().evicted_blocks == 1);
   CHECK(f.cache.stats().cached_entries == 5);
   CHECK(f.cache.match(t) == 0);  // 20 needs block 3's windowed part
-  CHECK(f.cache.stats().held_blocks == 6);  // 5 entries' full blocks and block 4's windowed one
+  CHECK(f.pool.stats().blocks_cached == 6);  // 5 entries' full blocks and block 4's windowed one
 }
 
 TEST_CASE("hybrid eviction: an entry left with no block is removed, and so are its hollow parents",
@@ -411,7 +411,7 @@ TEST_CASE("hybrid eviction: an entry left with no block is removed, and so are i
   CHECK(f.cache.stats().cached_entries == 5);
   REQUIRE(f.append(other, run(900, 4)) == ghostlink::error_code());
   CHECK(f.cache.stats().cached_entries == 0);
-  CHECK(f.cache.stats().held_blocks == 0);
+  CHECK(f.pool.stats().blocks_cached == 0);
   CHECK(log.size() == 6 + 6);  // a removed event for each
   CHECK(f.cache.match(t) == 0);
 }
