@@ -211,12 +211,11 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
     e.in_store = in_store;
     e.parent = p;
     if (p && p->children++ == 0 && p->in_lru()) lru_remove(*p);
-    for (std::size_t l = 0; l < num_layers_; ++l) {
-      if (!e.nodes[l]) continue;
-      ++e.held;
-      if (e.nodes[l]->windowed) ++e.windowed_held;
+    for (const prefix_node* nd : e.nodes) {
+      if (!nd) continue;
+      ++e.in_use;
+      if (nd->windowed) ++e.windowed_held;
     }
-    e.in_use = e.held;
     e.w_in_use = e.windowed_held;
     if (e.in_use == 0) entry_idle(e);  // hollow: its child follows at once
     refresh_pin(&e);
@@ -236,7 +235,6 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   for (const fill& f : fills) {
     prefix_entry& e = *f.e;
     e.nodes[f.layer] = f.node;
-    ++e.held;
     ++e.windowed_held;
     if (e.in_use++ == 0) entry_in_use(e);
     ++e.w_in_use;
@@ -386,7 +384,6 @@ bool prefix_index::evict_one() noexcept {
       return true;
     }
     prefix_entry& e = *lru_.begin()->second;
-    lru_remove(e);
     if (writes_back() && !e.in_store) {
       // The copy is made here, as the blocks are about to be freed; memory
       // refused only loses the write-back.
@@ -409,7 +406,6 @@ bool prefix_index::evict_one() noexcept {
 
 void prefix_index::detach_node(prefix_entry& e, std::size_t l) noexcept {
   prefix_node* n = std::exchange(e.nodes[l], nullptr);
-  --e.held;
   if (n->windowed) --e.windowed_held;
   std::erase(n->entries, &e);
   if (!n->entries.empty()) {
@@ -429,15 +425,13 @@ void prefix_index::drop_window(prefix_entry& e) noexcept {
   e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l] && e.nodes[l]->windowed) detach_node(e, l);
-  if (e.held == 0 && e.children == 0) {
-    if (e.in_lru()) lru_remove(e);
-    remove(e);
-  }
+  if (e.children == 0 && e.hollow()) remove(e);
 }
 
 void prefix_index::remove(prefix_entry& e) noexcept {
   prefix_entry* const parent = e.parent;
   const kv_block_hash hash = e.hash;
+  if (e.in_lru()) lru_remove(e);
   if (e.in_use == 0) --idle_entries_;
   if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
   for (std::size_t l = 0; l < num_layers_; ++l)
@@ -446,10 +440,8 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   evicted_.fetch_add(1, std::memory_order_relaxed);
   emit(kv_prefix_event::kind::removed, hash, nullptr);  // before its parent's
   if (!parent || --parent->children != 0) return;
-  if (parent->held == 0) {
-    // Hollow and childless: it matches nothing any more.
-    if (parent->in_lru()) lru_remove(*parent);
-    remove(*parent);
+  if (parent->hollow()) {
+    remove(*parent);  // childless now: it matches nothing any more
   } else if (parent->in_use == 0) {
     lru_add(*parent);
   }

@@ -9,8 +9,8 @@
 //   same prefix) is cached while it is; `children` counts the cached
 //   entries whose parent it is.
 // - An entry holds one node per layer, or none (null) for a windowed layer
-//   (rule_): `held` counts its nodes, `windowed_held` those of windowed
-//   layers; a full layer's node is never null. An entry holding no node
+//   (rule_): `windowed_held` counts those of windowed layers; a full
+//   layer's node is never null. An entry holding no node
 //   (hollow: every layer windowed, none held) has a child: the last
 //   child's removal removes it.
 // - nodes_ holds one node per distinct block some entry references, with
@@ -102,11 +102,14 @@ struct prefix_entry {
   // A layout's windows (what an attach of a full layout never reads, last):
   std::uint64_t wtick = 0;          // its windowed part's: last inserted, or read by an attach's window
   std::size_t w_in_use = 0;         // windowed nodes held outside the cache
-  std::size_t held = 0;             // non-null nodes
   std::size_t windowed_held = 0;    // non-null nodes of windowed layers
   lru_set::node_type window_node;   // its place in window_lru_, likewise
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
+  /// It holds no block (every layer windowed and dropped): only its children need it.
+  bool hollow() const noexcept {
+    return std::none_of(nodes.begin(), nodes.end(), [](const prefix_node* n) { return n != nullptr; });
+  }
   /// Its windowed part is evictable: its node is in window_lru_.
   bool in_window_lru() const noexcept { return window_node.empty(); }
 };
@@ -296,8 +299,8 @@ class prefix_index final : public reclaimer {
   void refresh_pin(prefix_entry* e) noexcept;
   void refresh_node(prefix_node& n) noexcept;
   void lru_remove(prefix_entry& e) noexcept;
-  /// Evicts `e` (counted, a removed event): drops it from the index and its
-  /// nodes; the blocks no entry holds any more lose their cached bit (freed
+  /// Evicts `e` (counted, a removed event): drops it from the index, its
+  /// eviction sets and its nodes; the blocks no entry holds any more lose their cached bit (freed
   /// if idle). Its parent goes too when that leaves it hollow without
   /// children, and so on up.
   void remove(prefix_entry& e) noexcept;
