@@ -143,9 +143,9 @@ kv_block_hash chain_hash(sha256& h, std::vector<std::uint8_t>& buffer, const kv_
 
 }  // namespace
 
-kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const token_id> tokens) {
-  std::vector<std::uint8_t> buffer;
-  return chain_hash(sha256::for_this_thread(), buffer, prev, tokens);
+kv_block_hash prefix_index::next_hash(const kv_block_hash& prev, std::span<const token_id> tokens,
+                                      std::vector<std::uint8_t>& scratch) {
+  return chain_hash(sha256::for_this_thread(), scratch, prev, tokens);
 }
 
 std::vector<kv_block_hash> prefix_index::hashes(std::span<const token_id> tokens, std::string_view salt) const {

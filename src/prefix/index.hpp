@@ -219,8 +219,10 @@ class prefix_index final : public reclaimer {
   std::vector<kv_block_hash> hashes(std::span<const token_id> tokens, std::string_view salt) const;
   /// The hash before block 0's under `salt`.
   kv_block_hash root(std::string_view salt) const;
-  /// The hash of the block of `tokens` (block_tokens of them) after `prev`.
-  static kv_block_hash next_hash(const kv_block_hash& prev, std::span<const token_id> tokens);
+  /// The hash of the block of `tokens` (block_tokens of them) after `prev`,
+  /// in `scratch` (kept by the caller, so that it allocates once).
+  static kv_block_hash next_hash(const kv_block_hash& prev, std::span<const token_id> tokens,
+                                 std::vector<std::uint8_t>& scratch);
 
   /// The blocks of the longest match of `hashes` from block 0 (the rule);
   /// counts a query of `hashes.size()` blocks. Throws std::bad_alloc.

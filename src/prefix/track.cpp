@@ -18,6 +18,7 @@
 // thread meanwhile reads what the drain stored before the insert's lock.
 
 #include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <new>
 #include <string>
@@ -48,22 +49,21 @@ class sequence_tracker final : public fill_observer {
     const std::size_t first = done_;
     try {
       const std::size_t n = p->num_layers();
-      std::vector<layer_blocks> layers;
-      layers.reserve(n);
-      for (std::size_t l = 0; l < n; ++l) layers.push_back(group.working(l).blocks());
+      layers_.clear();
+      for (std::size_t l = 0; l < n; ++l) layers_.push_back(group.working(l).blocks());
       const layer_blocks ids = group.working(n).blocks();
-      std::vector<token_id> tokens(bt_);
+      tokens_.resize(bt_);
       std::vector<std::vector<const block*>> blocks;
       blocks.reserve(full - first);
-      hashes_.reserve(full);
       for (std::size_t b = first; b < full; ++b) {
-        for (std::size_t i = 0; i < bt_; ++i) tokens[i] = ids.stored_id(b * bt_ + i);
+        for (std::size_t i = 0; i < bt_; ++i) tokens_[i] = ids.stored_id(b * bt_ + i);
         // A token stored without its id, or a full layer's zero block: no
         // entry for it, nor for what follows, until a truncate cuts it.
-        if (std::ranges::find(tokens, no_token_id) != tokens.end()) break;
-        std::vector<const block*> per_layer = entry_blocks(*p, layers, b);
+        if (std::ranges::find(tokens_, no_token_id) != tokens_.end()) break;
+        std::vector<const block*> per_layer = entry_blocks(*p, layers_, b);
         if (per_layer.empty()) break;
-        hashes_.push_back(p->next_hash(hashes_.empty() ? p->root(salt_) : hashes_.back(), tokens));
+        hashes_.push_back(
+            prefix_index::next_hash(hashes_.empty() ? p->root(salt_) : hashes_.back(), tokens_, scratch_));
         blocks.push_back(std::move(per_layer));
       }
       if (blocks.empty()) {
@@ -89,6 +89,11 @@ class sequence_tracker final : public fill_observer {
   const std::size_t bt_;
   std::vector<kv_block_hash> hashes_;  // blocks [0, done_)
   std::size_t done_ = 0;
+  // Scratch of filled(), kept so that a decode step's drain allocates none
+  // of them again.
+  std::vector<layer_blocks> layers_;
+  std::vector<token_id> tokens_;
+  std::vector<std::uint8_t> scratch_;
 };
 
 }  // namespace
