@@ -311,6 +311,22 @@ void write_stores(exposition& e, std::span<const kv_metrics_source> sources) {
                static_cast<double>(source.store->last_error.value()));
 }
 
+/// The labels of kv_prefix_stats::evictions_by_priority's bands
+/// (kv_priority_band): a fixed few, never one series per priority.
+constexpr std::array<std::string_view, 4> priority_bands{"0-24", "25-49", "50-74", "75-100"};
+static_assert(priority_bands.size() == std::tuple_size_v<decltype(kv_prefix_stats::evictions_by_priority)>);
+
+void write_priority_bands(exposition& e, std::span<const kv_metrics_source> sources) {
+  e.family("ghostlink_prefix_cache_evictions_by_priority_total", "counter",
+           "Entries evicted, by the band of their retention priority when they went (0-24, 25-49 with the default "
+           "35, 50-74, 75-100); the bands sum to ghostlink_prefix_cache_evictions_total.");
+  for (const kv_metrics_source& source : sources)
+    if (source.prefix)
+      for (std::size_t b = 0; b < priority_bands.size(); ++b)
+        e.sample("ghostlink_prefix_cache_evictions_by_priority_total", {{"pool", source.pool}, {"priority", priority_bands[b]}},
+                 source.prefix->evictions_by_priority[b]);
+}
+
 /// One cache's readings, or several caches' summed.
 struct cache_totals {
   std::uint64_t applied = 0, failed = 0, cancelled = 0, delayed = 0;
@@ -414,9 +430,11 @@ void write_prometheus(std::ostream& out, std::span<const kv_metrics_source> sour
   exposition e;
 
   write_families(e, pool_families, sources, [](const kv_metrics_source& s) { return &s.pool_stats; });
-  if (any_has(sources, &kv_metrics_source::prefix))
+  if (any_has(sources, &kv_metrics_source::prefix)) {
     write_families(e, prefix_families, sources,
                    [](const kv_metrics_source& s) { return s.prefix ? &*s.prefix : nullptr; });
+    write_priority_bands(e, sources);
+  }
 
   write_stores(e, sources);
 

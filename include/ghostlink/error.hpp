@@ -53,6 +53,8 @@ enum class kv_errc {
   store_unavailable,  ///< a store's server did not answer in time (nothing listening, refused, unreachable).
   outside_window,  ///< a read of a position a windowed layer no longer keeps, or a truncate that would need one.
   layout_mismatch,  ///< a saved sequence of another model layout than expected.
+  invalid_retention,  ///< a `kv_retention` with a priority above 100, a range whose `first > last`, or a
+                      ///< negative duration.
 };
 
 /// The category of `kv_errc`; its name is `"ghostlink.kv"`. In the Boost

@@ -53,6 +53,11 @@ struct kv_prefix_event {
   std::uint64_t sequence = 0;               ///< 1, 2, 3, ... per handler, no gaps.
   kv_block_hash hash{};                     ///< stored, removed (all zero for cleared).
   std::optional<kv_block_hash> parent;      ///< stored: the previous block's, none for block 0.
+  /// stored: the entry's retention priority (0-100, `kv_retention`);
+  /// removed: its priority when it went (its default once a duration
+  /// ended). A re-insert that changes a cached entry's priority emits no
+  /// event. vLLM's wire format has no field for it.
+  std::uint8_t priority = 35;
 };
 
 /// Receives a prefix cache's events (see `basic_kv_prefix_cache::set_event_handler`).

@@ -64,6 +64,36 @@ struct kv_prefix_options {
   kv_store_policy store_policy = kv_store_policy::write_through;
 };
 
+/// What must stay cached, said by the request (TensorRT-LLM's
+/// `KvCacheRetentionConfig`): retention priorities 0-100 over ranges of the
+/// inserted tokens, each for a duration. Eviction takes the evictable entry
+/// of the lowest priority first, least recently used among equals (see
+/// `basic_kv_prefix_cache`, "Eviction"). A priority is an order, not a pin:
+/// entries of priority 100 are evicted too when nothing lower is evictable.
+struct kv_retention {
+  /// The priority every token has that no range covers, and that the
+  /// plain `insert()` gives: TensorRT-LLM's default.
+  static constexpr std::uint8_t default_value = 35;
+  /// The highest priority.
+  static constexpr std::uint8_t max_priority = 100;
+
+  /// Tokens `[first, last)` of the inserted tokens (by position from 0,
+  /// the sequence's positions for `track()`), at `priority`.
+  struct range {
+    std::size_t first = 0;                  ///< The first token of the range.
+    std::size_t last = SIZE_MAX;            ///< One past its last token (past the end: to the end).
+    std::uint8_t priority = default_value;  ///< 0 .. 100.
+    /// How long the priority holds from the insert, on the steady clock;
+    /// then the entry has `default_priority`. 0: for as long as the entry
+    /// is cached.
+    std::chrono::milliseconds duration{0};
+  };
+  /// The ranges; a later range wins where they overlap.
+  std::vector<range> ranges{};
+  /// For tokens in no range, and for an entry whose range's duration ended.
+  std::uint8_t default_priority = default_value;
+};
+
 /// Limits of one `async_attach`.
 struct kv_attach_options {
   /// How long the store may take: when it passes, the blocks fetched so far
@@ -117,18 +147,26 @@ struct kv_attach_options {
 /// evictable when no cached entry is its child (the next block of the same
 /// prefix), so the cached set stays prefix-closed. When a cache on the pool
 /// needs a block and the budget is spent, evictable entries are evicted
-/// one at a time, least recently used first (last attached or inserted),
-/// until the block can be had; only when none is evictable does the write
-/// fail with `kv_errc::capacity_exhausted`. With windowed layers, an
+/// one at a time, the lowest retention priority first and least recently
+/// used (last attached or inserted) among equals, until the block can be
+/// had; only when none is evictable does the write fail with
+/// `kv_errc::capacity_exhausted`. An entry's priority is the one its last
+/// insert gave it (`kv_retention`: the range its block's last token falls
+/// in; the plain `insert()` gives 35), back to that insert's
+/// `default_priority` once the range's duration has ended on the steady
+/// clock. A parent is never evictable before its children, whatever their
+/// priorities: a cached child keeps its parent cached. With windowed layers, an
 /// entry's windowed blocks are also evictable on their own once no
 /// sequence uses them (the entry stays, and a full layer's blocks with it):
 /// they have their own recency, renewed only by an insert and by an attach
-/// whose window reads them, and the eviction takes the least recent of the
-/// oldest evictable entry and the oldest evictable windowed part, a
-/// windowed part first at equal age. An entry left holding no block (every
+/// whose window reads them, and the entry's priority, and the eviction
+/// takes the lower in (priority, recency) of the first evictable entry and
+/// the first evictable windowed part, a windowed part first at equal
+/// priority and age. An entry left holding no block (every
 /// layer windowed) goes when it has no cached child; its parent in turn. The allocation path takes the
-/// least recently used evictable entry from an ordered set of the
-/// evictable ones: no entry in use is ever looked at. Within one attach or
+/// next evictable entry from an ordered set of the evictable ones, by
+/// (priority, recency), and the durations that ended from an ordered set
+/// of deadlines: O(log n), and no entry in use is ever looked at. Within one attach or
 /// insert, later blocks count as used before earlier ones, so a child is
 /// always older than its parent.
 ///
@@ -275,14 +313,34 @@ class basic_kv_prefix_cache {
   ///         layout (its `rollback_tokens` aside); nothing is inserted then.
   ///         std::bad_alloc, inserting nothing.
   std::size_t insert(const sequence_type& seq, std::span<const token_id> tokens, std::string_view salt = {}) {
-    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), &tokens, salt);
+    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), &tokens, salt, nullptr);
+  }
+
+  /// As `insert()`, each entry (those added and those already cached) at
+  /// the priority `retention` gives its block's last token (block `i`:
+  /// token `(i + 1) * block_tokens - 1`), for its range's duration from
+  /// now. A cached entry takes the new priority and duration, and so does
+  /// every entry the plain `insert()` re-inserts (at 35, with none): a
+  /// server passes the same retention for a prefix on every insert, and to
+  /// `track()`.
+  /// @throws std::system_error with `kv_errc::invalid_retention` for a
+  ///         priority above 100, a range whose `first > last` or a negative
+  ///         duration, and as `insert()` does; nothing is inserted then.
+  std::size_t insert(const sequence_type& seq, std::span<const token_id> tokens, std::string_view salt,
+                     const kv_retention& retention) {
+    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), &tokens, salt, &retention);
   }
 
   /// As `insert()`, with the token ids `seq` stores with its tokens (its
   /// snapshot's `token_ids()`), so they cannot mismatch. Stops at the first
   /// block holding a token stored without an id.
   std::size_t insert_stored_tokens(const sequence_type& seq, std::string_view salt = {}) {
-    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), nullptr, salt);
+    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), nullptr, salt, nullptr);
+  }
+  /// As `insert_stored_tokens()`, at the priorities of `retention` (as the
+  /// `insert()` taking one).
+  std::size_t insert_stored_tokens(const sequence_type& seq, std::string_view salt, const kv_retention& retention) {
+    return detail::prefix_insert(*index_, detail::cache_access::state_of(seq).get(), nullptr, salt, &retention);
   }
 
   /// Caches `seq`'s blocks as they fill: every full block `seq` stores from
@@ -299,7 +357,17 @@ class basic_kv_prefix_cache {
   /// @throws std::system_error as `insert()` does, tracking nothing then.
   ///         std::bad_alloc.
   void track(const sequence_type& seq, std::string_view salt = {}) {
-    detail::prefix_track(index_, detail::cache_access::state_of(seq).get(), salt);
+    detail::prefix_track(index_, detail::cache_access::state_of(seq).get(), salt, nullptr);
+  }
+  /// As above, each block inserted at the priority `retention` gives its
+  /// last token's position in `seq` (as the `insert()` taking one), its
+  /// duration running from the drain that inserts it. The blocks `seq`
+  /// held already (an attached prefix) are re-inserted at its next drain,
+  /// and take these priorities too.
+  /// @throws std::system_error with `kv_errc::invalid_retention` as
+  ///         `insert()` does, and as the `track()` above; tracking nothing then.
+  void track(const sequence_type& seq, std::string_view salt, const kv_retention& retention) {
+    detail::prefix_track(index_, detail::cache_access::state_of(seq).get(), salt, &retention);
   }
   /// Ends the tracking of `seq` (by any cache), from its next drain on.
   void untrack(const sequence_type& seq) noexcept { detail::prefix_untrack(detail::cache_access::state_of(seq).get()); }

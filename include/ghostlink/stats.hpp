@@ -106,7 +106,17 @@ struct kv_prefix_stats {
   /// Windowed parts evicted on their own: an entry's blocks of its windowed
   /// layers, the entry staying (a hybrid layout's; see docs/API.md).
   std::uint64_t window_evictions = 0;
+  /// `evicted_blocks` by the entry's retention priority when it went, in
+  /// bands of `kv_priority_band()`: 0-24, 25-49 (the default 35), 50-74,
+  /// 75-100. They sum to `evicted_blocks`.
+  std::array<std::uint64_t, 4> evictions_by_priority{};
 };
+
+/// The band of `kv_prefix_stats::evictions_by_priority` that `priority`
+/// (0-100) counts in: `priority / 25`, 100 in the last.
+constexpr std::size_t kv_priority_band(std::uint8_t priority) noexcept {
+  return priority >= 75 ? 3 : priority / 25;
+}
 
 /// A store's counters, each read separately: exact when the store is idle.
 struct kv_store_stats {

@@ -54,6 +54,8 @@ class kv_category_impl final : public category_base {
       case kv_errc::store_unavailable: return "the store's server did not answer";
       case kv_errc::outside_window: return "the position is outside what the layer's window keeps";
       case kv_errc::layout_mismatch: return "the saved sequence has another model layout";
+      case kv_errc::invalid_retention:
+        return "the retention has a priority above 100, a range whose first is past its last, or a negative duration";
     }
     return "unknown ghostlink.kv error " + std::to_string(ev);
   }

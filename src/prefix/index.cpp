@@ -113,9 +113,11 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
 }
 
 std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size_t first,
-                                 std::span<const std::vector<const block*>> blocks, std::vector<std::size_t>* added,
-                                 bool in_store) {
+                                 std::span<const std::vector<const block*>> blocks, const retention_rule* retention,
+                                 std::vector<std::size_t>* added, bool in_store) {
   const std::size_t n = blocks.size();
+  const bool timed = retention && retention->timed();
+  const std::chrono::steady_clock::time_point now = timed ? retention_now() : std::chrono::steady_clock::time_point{};
   std::vector<prefix_entry*> at(n, nullptr);  // the entry of blocks[i]
   std::vector<bool> is_new(n, false);
   std::vector<kv_block_hash> created;
@@ -158,16 +160,23 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
     e.window_node = window_lru_.extract(window_lru_.emplace(0, &e).first);
     return e;
   };
+  // The expiry node of chain[i]'s entry `e`, if its retention has a duration.
+  auto timed_at = [&](prefix_entry& e, std::size_t i) {
+    if (timed && !e.expires && e.expiry_node.empty() && retention->at(i).duration.count() != 0)
+      e.expiry_node = expiry_.extract(expiry_.emplace(std::chrono::steady_clock::time_point{}, &e).first);
+  };
   try {
     for (std::size_t i = start; i < first; ++i) {
       prefix_entry& e = new_entry(chain[i]);
       e.nodes.assign(num_layers_, nullptr);
       revived.push_back(&e);
+      timed_at(e, i);
     }
     for (std::size_t i = 0; i < n; ++i) {
       if (auto it = entries_.find(chain[first + i]); it != entries_.end()) {
         prefix_entry& e = *it->second;
         at[i] = &e;
+        timed_at(e, first + i);  // a spare node if a throw follows: kept for later
         for (std::size_t l = 0; l < num_layers_; ++l) {
           if (e.nodes[l] || !blocks[i][l]) continue;
           prefix_node& nd = node_of(blocks[i][l], l);
@@ -179,6 +188,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
       prefix_entry& e = new_entry(chain[first + i]);
       at[i] = &e;
       is_new[i] = true;
+      timed_at(e, first + i);
       for (std::size_t l = 0; l < num_layers_; ++l) {
         if (!blocks[i][l]) {
           e.nodes.push_back(nullptr);
@@ -207,7 +217,8 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   // The caller holds every block it passes, so every node of them is in use
   // (an idle node's block has no outside reference, and only an attach
   // gives one out).
-  auto link = [&](prefix_entry& e, prefix_entry* p) {
+  auto link = [&](prefix_entry& e, prefix_entry* p, std::size_t i) {
+    if (retention) retain(e, retention->at(i), now);  // before it enters an eviction set
     e.in_store = in_store;
     e.parent = p;
     if (p && p->children++ == 0 && p->in_lru()) lru_remove(*p);
@@ -219,17 +230,19 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
     e.w_in_use = e.windowed_held;
     if (e.in_use == 0) entry_idle(e);  // hollow: its child follows at once
     refresh_pin(&e);
-    emit(kv_prefix_event::kind::stored, e.hash, p ? &p->hash : nullptr);
+    emit(kv_prefix_event::kind::stored, e.hash, p ? &p->hash : nullptr, e.priority);
   };
   prefix_entry* prev = parent;
-  for (prefix_entry* e : revived) {
-    link(*e, prev);
-    prev = e;
+  for (std::size_t i = start; i < first; ++i) {
+    link(*revived[i - start], prev, i);
+    prev = revived[i - start];
   }
   for (std::size_t i = 0; i < n; ++i) {
     if (is_new[i]) {
-      link(*at[i], i == 0 ? prev : at[i - 1]);
+      link(*at[i], i == 0 ? prev : at[i - 1], first + i);
       if (added) added->push_back(i);  // room reserved by the caller
+    } else if (retention) {
+      retain(*at[i], retention->at(first + i), now);  // a re-insert takes the new priority
     }
   }
   for (const fill& f : fills) {
@@ -265,19 +278,54 @@ void prefix_index::touch(prefix_entry& e) noexcept {
 
 void prefix_index::touch_window(prefix_entry& e) noexcept {
   const bool was = e.in_window_lru();
-  if (was) e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+  if (was) e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
   e.wtick = ++clock_;
   if (was) refresh_window(e);
+}
+
+void prefix_index::set_priority(prefix_entry& e, std::uint8_t p) noexcept {
+  if (p == e.priority) return;
+  const bool entry = e.in_lru(), window = e.in_window_lru();
+  if (entry) lru_remove(e);
+  if (window) e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
+  e.priority = p;
+  if (entry) lru_add(e);
+  if (window) refresh_window(e);
+}
+
+void prefix_index::retain(prefix_entry& e, const block_retention& r, std::chrono::steady_clock::time_point now) noexcept {
+  if (e.expires) {
+    e.expiry_node = expiry_.extract(std::pair{e.deadline, &e});
+    e.expires = false;
+  }
+  set_priority(e, r.priority);
+  if (r.duration.count() == 0) return;
+  e.after = r.after;
+  e.deadline = now + r.duration;
+  e.expiry_node.value() = {e.deadline, &e};  // allocated by the insert's first phase
+  expiry_.insert(std::move(e.expiry_node));
+  e.expires = true;
+}
+
+void prefix_index::expire() noexcept {
+  if (expiry_.empty()) return;
+  const std::chrono::steady_clock::time_point now = retention_now();
+  while (!expiry_.empty() && expiry_.begin()->first <= now) {
+    prefix_entry& e = *expiry_.begin()->second;
+    e.expiry_node = expiry_.extract(expiry_.begin());
+    e.expires = false;
+    set_priority(e, e.after);
+  }
 }
 
 void prefix_index::refresh_window(prefix_entry& e) noexcept {
   const bool evictable = e.windowed_held != 0 && e.w_in_use == 0;
   if (evictable == e.in_window_lru()) return;
   if (evictable) {
-    e.window_node.value() = {e.wtick, &e};
+    e.window_node.value() = {e.window_key(), &e};
     window_lru_.insert(std::move(e.window_node));
   } else {
-    e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+    e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
   }
 }
 
@@ -340,11 +388,11 @@ void prefix_index::entry_idle(prefix_entry& e) noexcept {
 }
 
 void prefix_index::lru_add(prefix_entry& e) noexcept {
-  e.lru_node.value() = {e.tick, &e};
+  e.lru_node.value() = {e.lru_key(), &e};
   lru_.insert(std::move(e.lru_node));
 }
 
-void prefix_index::lru_remove(prefix_entry& e) noexcept { e.lru_node = lru_.extract(std::pair{e.tick, &e}); }
+void prefix_index::lru_remove(prefix_entry& e) noexcept { e.lru_node = lru_.extract(std::pair{e.lru_key(), &e}); }
 
 void prefix_index::block_idle(const block* b) noexcept {
   std::lock_guard lock(mutex_);
@@ -370,10 +418,12 @@ bool prefix_index::evict_one() noexcept {
   if (writes_back()) handoff = handing();  // until the put: a flush waits for it
   {
     std::lock_guard lock(mutex_);
-    // The least recently used of the evictable entries and the evictable
-    // windowed parts (docs/API.md, "Eviction"): a windowed part ages only
-    // when no attach's window reads it, so one that no match ends near goes
-    // before the full layers' blocks that every longer match needs.
+    expire();
+    // The first in (priority, recency) of the evictable entries and the
+    // evictable windowed parts (docs/API.md, "Eviction"): a windowed part
+    // ages only when no attach's window reads it, so one that no match
+    // ends near goes before the full layers' blocks that every longer
+    // match needs.
     const bool entry = !lru_.empty();
     const bool window = !window_lru_.empty();
     if (!entry && !window) return false;
@@ -422,7 +472,7 @@ void prefix_index::detach_node(prefix_entry& e, std::size_t l) noexcept {
 void prefix_index::drop_window(prefix_entry& e) noexcept {
   // None of its windowed nodes is in use (w_in_use == 0): dropping them
   // changes no use count.
-  e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+  e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l] && e.nodes[l]->windowed) detach_node(e, l);
   if (e.children == 0 && e.hollow()) remove(e);
@@ -431,14 +481,17 @@ void prefix_index::drop_window(prefix_entry& e) noexcept {
 void prefix_index::remove(prefix_entry& e) noexcept {
   prefix_entry* const parent = e.parent;
   const kv_block_hash hash = e.hash;
+  const std::uint8_t priority = e.priority;
   if (e.in_lru()) lru_remove(e);
   if (e.in_use == 0) --idle_entries_;
-  if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.wtick, &e});
+  if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
+  if (e.expires) expiry_.erase(std::pair{e.deadline, &e});
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l]) detach_node(e, l);
   entries_.erase(hash);  // destroys e
   evicted_.fetch_add(1, std::memory_order_relaxed);
-  emit(kv_prefix_event::kind::removed, hash, nullptr);  // before its parent's
+  evicted_by_band_[kv_priority_band(priority)].fetch_add(1, std::memory_order_relaxed);
+  emit(kv_prefix_event::kind::removed, hash, nullptr, priority);  // before its parent's
   if (!parent || --parent->children != 0) return;
   if (parent->hollow()) {
     remove(*parent);  // childless now: it matches nothing any more
@@ -538,6 +591,7 @@ void prefix_index::clear() noexcept {
     if (store_) collect_unstored(hashes, refs, false);
     lru_.clear();
     window_lru_.clear();
+    expiry_.clear();
     for (auto& [blk, node] : nodes_) blk->drop_cached();
     nodes_.clear();
     entries_.clear();
@@ -554,10 +608,12 @@ void prefix_index::publish_counts() noexcept {
   pool_->set_kept({nodes_.size(), idle_nodes_, reclaimable_});
 }
 
-void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent) noexcept {
+void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent,
+                        std::uint8_t priority) noexcept {
   if (!handler_) return;
   kv_prefix_event e;
   e.what = what;
+  e.priority = priority;
   e.sequence = ++event_sequence_;
   e.hash = hash;
   if (parent) e.parent = *parent;
@@ -578,6 +634,8 @@ kv_prefix_stats prefix_index::stats() const noexcept {
   s.inserted_blocks = inserted_.load(std::memory_order_relaxed);
   s.evicted_blocks = evicted_.load(std::memory_order_relaxed);
   s.window_evictions = window_evicted_.load(std::memory_order_relaxed);
+  for (std::size_t b = 0; b < s.evictions_by_priority.size(); ++b)
+    s.evictions_by_priority[b] = evicted_by_band_[b].load(std::memory_order_relaxed);
   s.cached_entries = s.cached_blocks = cached_.load(std::memory_order_relaxed);
   s.idle_blocks = idle_.load(std::memory_order_relaxed);
   s.store_hit_tokens = store_hit_tokens_.load(std::memory_order_relaxed);

@@ -22,14 +22,21 @@
 //   the release that leaves the block with its cached bit alone calls.
 // - entry.in_use counts its nodes that are in use; an entry is idle at 0.
 // - lru_ holds exactly the evictable entries (idle, no cached child),
-//   ordered by tick (last attached or inserted); `in_lru()` says which. Each
+//   ordered by (priority, tick) (order(): retention priority, then last
+//   attached or inserted); `in_lru()` says which. Each
 //   entry's set node is allocated with it and moves between lru_ and the
 //   entry, so no eviction or release allocates.
 // - window_lru_ holds exactly the entries whose windowed part is evictable
 //   on its own (windowed_held > 0, w_in_use == 0: none of its windowed
-//   nodes in use), ordered by wtick (last inserted, or attached with a
-//   window that read them); `in_window_lru()` says which, with the same
-//   allocation-free moves.
+//   nodes in use), ordered by (priority, wtick) (wtick: last inserted, or
+//   attached with a window that read them); `in_window_lru()` says which,
+//   with the same allocation-free moves.
+// - An entry's priority changes only through set_priority(), which moves
+//   it in both sets. expiry_ holds exactly the entries whose priority has a
+//   duration (`expires`), ordered by deadline; each deadline is due at
+//   most once: expire() sets the entry's `after` priority and takes it out.
+//   Its set node is allocated in an insert's first phase and kept for the
+//   entry's life.
 // - idle_nodes_ counts nodes that are not in use; idle_entries_ entries at 0.
 // - An entry is pinned when it is in use or has a pinned child (an idle
 //   parent of an entry in use: two requests computed the same block, one
@@ -47,7 +54,9 @@
 // call block_idle().
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -67,6 +76,7 @@
 #include "memory/block.hpp"
 #include "memory/block_pool.hpp"
 #include "memory/reclaimer.hpp"
+#include "prefix/retention.hpp"
 #include "prefix/window_rule.hpp"
 #include "store/entry.hpp"
 
@@ -75,8 +85,16 @@ namespace detail {
 
 struct prefix_entry;
 
-/// The evictable entries by (tick, entry).
+/// The evictable entries by (order(priority, tick), entry).
 using lru_set = std::set<std::pair<std::uint64_t, prefix_entry*>>;
+/// The entries whose priority has a duration, by (deadline, entry).
+using expiry_set = std::set<std::pair<std::chrono::steady_clock::time_point, prefix_entry*>>;
+
+/// The eviction order's key: the retention priority first, then the tick
+/// (a 56-bit count of touches: 2^56 of them take centuries).
+constexpr std::uint64_t order(std::uint8_t priority, std::uint64_t tick) noexcept {
+  return std::uint64_t{priority} << 56 | tick;
+}
 
 /// One block some entries reference.
 struct prefix_node {
@@ -96,6 +114,7 @@ struct prefix_entry {
   std::size_t in_use = 0;           // nodes held outside the cache
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // in use, or a pinned child: eviction cannot reach it now
+  std::uint8_t priority = kv_retention::default_value;  // retention: the eviction order's first key
   std::vector<prefix_node*> nodes;  // one per layer, null where a windowed layer holds none
   bool in_store = false;            // fetched from the store or handed to it: nothing puts it again
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
@@ -104,8 +123,16 @@ struct prefix_entry {
   std::size_t w_in_use = 0;         // windowed nodes held outside the cache
   std::size_t windowed_held = 0;    // non-null nodes of windowed layers
   lru_set::node_type window_node;   // its place in window_lru_, likewise
+  // A duration on its priority (what an entry without one never reads):
+  bool expires = false;                                // in expiry_
+  std::uint8_t after = kv_retention::default_value;    // its priority once deadline has passed
+  std::chrono::steady_clock::time_point deadline{};
+  expiry_set::node_type expiry_node;                   // its place in expiry_ while out of it (allocated once)
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
+  /// Its keys in lru_ and window_lru_.
+  std::uint64_t lru_key() const noexcept { return order(priority, tick); }
+  std::uint64_t window_key() const noexcept { return order(priority, wtick); }
   /// It holds no block (every layer windowed and dropped): only its children need it.
   bool hollow() const noexcept {
     return std::none_of(nodes.begin(), nodes.end(), [](const prefix_node* n) { return n != nullptr; });
@@ -238,14 +265,17 @@ class prefix_index final : public reclaimer {
   /// by the caller throughout) for `chain[first + i]`; an existing one
   /// takes the windowed blocks it lacks, and becomes the most recently
   /// used. `chain` is the prefix's hashes from block 0: ancestors evicted
-  /// meanwhile come back as entries holding nothing. Returns the entries
+  /// meanwhile come back as entries holding nothing. Each entry of
+  /// `chain[i]`, added or not (ancestors revived too), takes
+  /// `retention->at(i)`; null (a store's entries): those added take the
+  /// default priority, the others keep theirs. Returns the entries
   /// added, and appends their indices into `blocks` to `added` (if given,
   /// with room for `blocks.size()` reserved). `in_store`: they came from
   /// the store, or the caller hands them to it (write-through).
   /// Throws std::bad_alloc, changing nothing.
   std::size_t insert(std::span<const kv_block_hash> chain, std::size_t first,
-                     std::span<const std::vector<const block*>> blocks, std::vector<std::size_t>* added = nullptr,
-                     bool in_store = false);
+                     std::span<const std::vector<const block*>> blocks, const retention_rule* retention,
+                     std::vector<std::size_t>* added = nullptr, bool in_store = false);
   /// The entries of `hashes` (those still cached) are not in the store
   /// after all: their handing was refused memory.
   void mark_unstored(std::span<const kv_block_hash> hashes) noexcept;
@@ -280,6 +310,13 @@ class prefix_index final : public reclaimer {
   std::size_t valid_run(std::span<const kv_block_hash> hashes, std::vector<prefix_entry*>& chain) const;
   /// Marks `e` used now (its eviction order).
   void touch(prefix_entry& e) noexcept;
+  /// Gives `e` priority `p`, moving it in the eviction sets it is in.
+  void set_priority(prefix_entry& e, std::uint8_t p) noexcept;
+  /// Gives `e` what an insert at `now` with `r` gives it: the priority,
+  /// and the deadline (its expiry node allocated already) or none.
+  void retain(prefix_entry& e, const block_retention& r, std::chrono::steady_clock::time_point now) noexcept;
+  /// The durations due by now end: their entries take their `after` priority.
+  void expire() noexcept;
   /// Marks `e`'s windowed part used now.
   void touch_window(prefix_entry& e) noexcept;
   /// Puts `e` in window_lru_ or takes it out, as its counts say.
@@ -320,7 +357,8 @@ class prefix_index final : public reclaimer {
                             std::vector<std::shared_ptr<const kv_store_value>>& values) noexcept;
   /// Whether entries leaving RAM are written back.
   bool writes_back() const noexcept { return store_ && policy_ == kv_store_policy::write_back; }
-  void emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent) noexcept;
+  void emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent,
+            std::uint8_t priority = kv_retention::default_value) noexcept;
   void publish_counts() noexcept;
 
   const window_rule rule_;
@@ -340,6 +378,7 @@ class prefix_index final : public reclaimer {
   std::unordered_map<const block*, prefix_node> nodes_;
   lru_set lru_;
   lru_set window_lru_;
+  expiry_set expiry_;
   std::uint64_t clock_ = 0;
   std::size_t idle_nodes_ = 0;
   std::size_t idle_entries_ = 0;
@@ -355,6 +394,7 @@ class prefix_index final : public reclaimer {
   mutable std::atomic<std::uint64_t> hit_tokens_{0};
   std::atomic<std::uint64_t> inserted_{0};
   std::atomic<std::uint64_t> evicted_{0};
+  std::array<std::atomic<std::uint64_t>, 4> evicted_by_band_{};  // kv_priority_band()
   std::atomic<std::uint64_t> window_evicted_{0};
   std::atomic<std::size_t> cached_{0};
   std::atomic<std::size_t> idle_{0};
@@ -376,7 +416,7 @@ std::vector<const block*> entry_blocks(const prefix_index& p, std::span<const la
 /// the end holding no block at all), handing the new entries to a
 /// write-through store. Returns the entries added. Throws std::bad_alloc.
 std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain, std::size_t first,
-                          std::span<const std::vector<const block*>> blocks);
+                          std::span<const std::vector<const block*>> blocks, const retention_rule& retention = {});
 
 /// What an attach returns: a sequence on `ex` of `blocks` (`blocks[l]`
 /// layer l's, in block order, null where a windowed layer has none),

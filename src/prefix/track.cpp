@@ -38,8 +38,9 @@ namespace {
 
 class sequence_tracker final : public fill_observer {
  public:
-  sequence_tracker(std::weak_ptr<prefix_index> index, std::string salt, std::size_t block_tokens)
-      : index_(std::move(index)), salt_(std::move(salt)), bt_(block_tokens) {}
+  sequence_tracker(std::weak_ptr<prefix_index> index, std::string salt, retention_rule retention,
+                   std::size_t block_tokens)
+      : index_(std::move(index)), salt_(std::move(salt)), retention_(std::move(retention)), bt_(block_tokens) {}
 
   void filled(const actor& group, std::size_t size) noexcept override {
     const std::size_t full = size / bt_;
@@ -70,7 +71,7 @@ class sequence_tracker final : public fill_observer {
         hashes_.resize(first);
         return;
       }
-      insert_blocks(*p, hashes_, first, blocks);
+      insert_blocks(*p, hashes_, first, blocks, retention_);
       done_ = first + blocks.size();
     } catch (const std::bad_alloc&) {
       // Not cached: the next drain that fills a block tries from here again.
@@ -86,6 +87,7 @@ class sequence_tracker final : public fill_observer {
  private:
   const std::weak_ptr<prefix_index> index_;
   const std::string salt_;
+  const retention_rule retention_;  // by the blocks' positions in the sequence
   const std::size_t bt_;
   std::vector<kv_block_hash> hashes_;  // blocks [0, done_)
   std::size_t done_ = 0;
@@ -98,9 +100,12 @@ class sequence_tracker final : public fill_observer {
 
 }  // namespace
 
-void prefix_track(const std::shared_ptr<prefix_index>& p, const sequence_state* seq, std::string_view salt) {
+void prefix_track(const std::shared_ptr<prefix_index>& p, const sequence_state* seq, std::string_view salt,
+                  const kv_retention* retention) {
   check_insertable(*p, seq);
-  seq->group->observe(std::make_shared<sequence_tracker>(p, std::string(salt), p->config().block_tokens));
+  const std::size_t bt = p->config().block_tokens;
+  retention_rule rule = retention ? retention_rule(*retention, bt) : retention_rule();
+  seq->group->observe(std::make_shared<sequence_tracker>(p, std::string(salt), std::move(rule), bt));
 }
 
 void prefix_untrack(const sequence_state* seq) noexcept {

@@ -4,6 +4,7 @@
 #include "base/fault_countdown.hpp"
 #include "core/mailbox.hpp"
 #include "memory/block_pool.hpp"
+#include "prefix/retention.hpp"
 #include "store/hooks.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
@@ -24,6 +25,10 @@ void set_step_write_hook(void (*hook)()) noexcept { step_write_hook.store(hook, 
 
 void set_file_store_reserved_hook(void (*hook)(std::uint64_t used, std::uint64_t budget)) noexcept {
   file_store_reserved_hook.store(hook, std::memory_order_relaxed);
+}
+
+void set_retention_clock(std::chrono::steady_clock::time_point (*now)()) noexcept {
+  retention_clock_hook.store(now, std::memory_order_relaxed);
 }
 
 extent_census census(const kv_block_pool& pool) noexcept {

@@ -3,6 +3,7 @@
 // header (its directory is on no consumer's include path); the library
 // defines these functions, and production code never calls them.
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include "ghostlink/detail/flavour.hpp"
@@ -43,6 +44,11 @@ void set_step_write_hook(void (*hook)()) noexcept;
 /// file a lookup found), under the store's lock, with its bytes then
 /// indexed plus reserved and its budget. Null removes it.
 void set_file_store_reserved_hook(void (*hook)(std::uint64_t used, std::uint64_t budget)) noexcept;
+
+/// The clock retention durations run on (kv_retention): `now` from this
+/// call on, std::chrono::steady_clock again when null. Read by every
+/// prefix cache in the process.
+void set_retention_clock(std::chrono::steady_clock::time_point (*now)()) noexcept;
 
 /// Block pools alive in this process. Every block holds its pool, so none
 /// alive once every cache and snapshot is gone means no block leaked.

@@ -28,6 +28,7 @@ except ImportError:
 INF = math.inf
 MOST = 2**64 - 1  # SIZE_MAX
 DRAIN_BOUNDS = ['1', '3', '7', '15', '31', '63', '127', '128']
+PRIORITY_BANDS = ['0-24', '25-49', '50-74', '75-100']
 
 
 def pool_series(p):
@@ -126,6 +127,8 @@ def expected(readings):
         if r['prefix'] is not None:
             for name, v in prefix_series(r['prefix']).items():
                 out[key(name)] = v
+            for band, v in zip(PRIORITY_BANDS, r['prefix']['evictions_by_priority']):
+                out[key('ghostlink_prefix_cache_evictions_by_priority_total', {**pool, 'priority': band})] = v
         if r['store'] is not None:
             out.update(store_series(r['store'], r['pool']))
         out[key('ghostlink_kv_caches')] = len(r['caches'])

@@ -101,7 +101,11 @@ void json(std::ostream& out, const std::vector<gl::kv_metrics_source>& sources) 
       field(out, "evicted_blocks", x.evicted_blocks);
       field(out, "cached_blocks", x.cached_blocks);
       field(out, "idle_blocks", x.idle_blocks);
-      field(out, "window_evictions", x.window_evictions, true);
+      field(out, "window_evictions", x.window_evictions);
+      out << "\"evictions_by_priority\": [";
+      for (std::size_t i = 0; i < x.evictions_by_priority.size(); ++i)
+        out << (i ? ", " : "") << x.evictions_by_priority[i];
+      out << ']';
       out << '}';
     } else {
       out << "null";
@@ -163,7 +167,7 @@ int dump(const char* readings_path) {
 
   // Pool 1: a model's pool of 24 blocks with a prefix cache on it. Three
   // prompts of 16 tokens (4 blocks, 8 blocks with both layers) are inserted
-  // and let go; a fourth that shares the first's opening blocks attaches
+  // at three priorities and let go; a fourth that shares the first's opening blocks attaches
   // them; the budget runs out, so idle entries are evicted.
   auto pool1 = gl::kv_block_pool::for_caches(config, {.max_blocks = 24});
   const std::filesystem::path directory = std::filesystem::path(readings_path).parent_path() / "store";
@@ -173,7 +177,8 @@ int dump(const char* readings_path) {
     gl::sequence_kv_cache seq(threads, layers, config, pool1);
     const auto ids = run(1000 * (p + 1), 16);
     append(seq, ids);
-    prefix.insert(seq, ids);
+    // Three retention bands: the first prompt kept at 90, the last at 10.
+    prefix.insert(seq, ids, "", {.default_priority = static_cast<std::uint8_t>(p == 0 ? 90 : p == 1 ? 35 : 10)});
     seq.async_truncate(0, asio::use_future).get();
   }
   // The write-through puts hold their entries' blocks until written: let

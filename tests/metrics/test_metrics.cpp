@@ -183,6 +183,7 @@ TEST_CASE("the prefix cache's families name tokens as vLLM does, and only pools 
   x.cached_blocks = 5;
   x.idle_blocks = 2;
   x.window_evictions = 7;
+  x.evictions_by_priority = {1, 2, 0, 1};
   std::vector<kv_metrics_source> sources(2);
   sources[0] = {.pool = "with", .prefix = x};
   sources[1] = {.pool = "without"};
@@ -196,6 +197,12 @@ TEST_CASE("the prefix cache's families name tokens as vLLM does, and only pools 
   CHECK(value_of(text, R"(ghostlink_prefix_cache_entries{pool="with"})") == "5");
   CHECK(value_of(text, R"(ghostlink_prefix_cache_window_evictions_total{pool="with"})") == "7");
   CHECK(value_of(text, R"(ghostlink_prefix_cache_idle_entries{pool="with"})") == "2");
+  // Four fixed bands, whatever the priorities: a bounded label.
+  CHECK(value_of(text, R"(ghostlink_prefix_cache_evictions_by_priority_total{pool="with",priority="0-24"})") == "1");
+  CHECK(value_of(text, R"(ghostlink_prefix_cache_evictions_by_priority_total{pool="with",priority="25-49"})") == "2");
+  CHECK(value_of(text, R"(ghostlink_prefix_cache_evictions_by_priority_total{pool="with",priority="50-74"})") == "0");
+  CHECK(value_of(text, R"(ghostlink_prefix_cache_evictions_by_priority_total{pool="with",priority="75-100"})") == "1");
+  CHECK(count_lines(text, "ghostlink_prefix_cache_evictions_by_priority_total{") == 4);
   CHECK(count_lines(text, "# TYPE ghostlink_prefix_cache_hits_total counter") == 1);
   CHECK(text.find(R"(ghostlink_prefix_cache_hits_total{pool="without"})") == std::string::npos);
   // No pool with a prefix cache: no prefix family at all.

@@ -25,6 +25,7 @@ GHOSTLINK_NAMESPACE_BEGIN
 
 struct kv_prefix_options;
 struct kv_attach_options;
+struct kv_retention;
 
 namespace detail {
 
@@ -43,11 +44,12 @@ std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const t
 std::size_t prefix_match(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
 std::shared_ptr<sequence_state> prefix_attach(prefix_index& p, asio::any_io_executor ex,
                                               std::span<const token_id> tokens, std::string_view salt);
-/// `tokens` null: the token ids `seq` stores.
+/// `tokens` null: the token ids `seq` stores; `retention` null: the default priority.
 std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std::span<const token_id>* tokens,
-                          std::string_view salt);
+                          std::string_view salt, const kv_retention* retention);
 /// Caches `seq`'s blocks as its drains fill them (src/prefix/track.cpp).
-void prefix_track(const std::shared_ptr<prefix_index>& p, const sequence_state* seq, std::string_view salt);
+void prefix_track(const std::shared_ptr<prefix_index>& p, const sequence_state* seq, std::string_view salt,
+                  const kv_retention* retention);
 void prefix_untrack(const sequence_state* seq) noexcept;
 void prefix_clear(prefix_index& p) noexcept;
 kv_prefix_stats prefix_stats(const prefix_index& p) noexcept;
