@@ -323,8 +323,8 @@ void write_priority_bands(exposition& e, std::span<const kv_metrics_source> sour
   for (const kv_metrics_source& source : sources)
     if (source.prefix)
       for (std::size_t b = 0; b < priority_bands.size(); ++b)
-        e.sample("ghostlink_prefix_cache_evictions_by_priority_total", {{"pool", source.pool}, {"priority", priority_bands[b]}},
-                 source.prefix->evictions_by_priority[b]);
+        e.sample("ghostlink_prefix_cache_evictions_by_priority_total",
+                 {{"pool", source.pool}, {"priority", priority_bands[b]}}, source.prefix->evictions_by_priority[b]);
 }
 
 /// One cache's readings, or several caches' summed.

@@ -114,9 +114,7 @@ struct kv_prefix_stats {
 
 /// The band of `kv_prefix_stats::evictions_by_priority` that `priority`
 /// (0-100) counts in: `priority / 25`, 100 in the last.
-constexpr std::size_t kv_priority_band(std::uint8_t priority) noexcept {
-  return priority >= 75 ? 3 : priority / 25;
-}
+constexpr std::size_t kv_priority_band(std::uint8_t priority) noexcept { return priority >= 75 ? 3 : priority / 25; }
 
 /// A store's counters, each read separately: exact when the store is idle.
 struct kv_store_stats {

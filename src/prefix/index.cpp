@@ -293,7 +293,8 @@ void prefix_index::set_priority(prefix_entry& e, std::uint8_t p) noexcept {
   if (window) refresh_window(e);
 }
 
-void prefix_index::retain(prefix_entry& e, const block_retention& r, std::chrono::steady_clock::time_point now) noexcept {
+void prefix_index::retain(prefix_entry& e, const block_retention& r,
+                          std::chrono::steady_clock::time_point now) noexcept {
   if (e.expires) {
     e.expiry_node = expiry_.extract(std::pair{e.deadline, &e});
     e.expires = false;

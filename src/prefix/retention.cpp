@@ -21,8 +21,8 @@ retention_rule::retention_rule(const kv_retention& r, std::size_t block_tokens)
   for (const kv_retention::range& g : r.ranges) {
     if (g.first == g.last) continue;  // holds no token
     // A duration past what the clock can add is as good as none.
-    const auto longest = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::chrono::steady_clock::duration::max() / 4);
+    const auto longest =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::duration::max() / 4);
     const auto d = g.duration > longest ? std::chrono::steady_clock::duration{0}
                                         : std::chrono::duration_cast<std::chrono::steady_clock::duration>(g.duration);
     ranges_.push_back({g.first, g.last, g.priority, d});
