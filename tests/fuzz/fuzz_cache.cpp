@@ -360,6 +360,8 @@ void run(input& in, const std::uint8_t (&head)[7]) {
     }
     t.config += str(" prefix layout ", w.m.prefix_layout);
     w.prefix.emplace(w.m.prefix_layout, geometry, w.pools[0]);
+    clock_ms() = w.m.now_ms;  // the retention clock is the model's
+    ghostlink::detail::set_retention_clock(&model_now);
     w.new_cache(head[6] & 1, 1 + (head[6] >> 1) % 16);
     if (head[6] & 0x20)
       w.new_sequence(kv_model_layout::full(1 + (head[6] >> 6) % 3), head[6] & 0x10, 1 + (head[6] >> 1) % 16);

@@ -169,6 +169,27 @@ struct mentry {
   std::vector<std::vector<recipe>> data;  // per layer, block_tokens tokens (none where no block)
   std::uint64_t tick = 0;                 // last attached or inserted
   std::uint64_t wtick = 0;                // its windowed blocks': last inserted, or read by an attach's window
+  int priority = 35;                      // its retention priority (kv_retention)
+  int after = 35;                         // its priority once `deadline` has passed
+  std::optional<std::int64_t> deadline;   // in the model's milliseconds
+};
+
+/// An insert's retention as the model reads it: block `b`'s priority and
+/// duration (ms, 0: none) from the last range holding its last token.
+struct mretention {
+  struct range {
+    std::size_t first, last;
+    int priority;
+    std::int64_t duration;
+  };
+  std::vector<range> ranges;
+  int default_priority = 35;
+  std::pair<int, std::int64_t> at(std::size_t b, std::size_t bt) const {
+    const std::size_t last_token = (b + 1) * bt - 1;
+    for (std::size_t i = ranges.size(); i-- > 0;)
+      if (ranges[i].first <= last_token && last_token < ranges[i].last) return {ranges[i].priority, ranges[i].duration};
+    return {default_priority, 0};
+  }
 };
 
 class model {
@@ -185,6 +206,8 @@ class model {
   // by tick), and its counters.
   std::vector<mentry> entries;
   std::uint64_t clock = 0, evicted = 0, inserted = 0, window_evicted = 0;
+  std::int64_t now_ms = 0;  // the retention clock (the real cache's, through detail::set_retention_clock)
+  std::array<std::uint64_t, 4> evicted_by_band{};
   std::size_t prefix_layers = 0;
   kv_model_layout prefix_layout;  // prefix_layers layers
 
@@ -349,19 +372,29 @@ class model {
       return std::find(blocked.begin(), blocked.end(), id) == blocked.end();
     }));
   }
-  /// The least recent of the idle entries with no cached child (by tick)
-  /// and the windowed parts no sequence uses (by wtick, first at a tie)
-  /// evicted; false if none. Only pool 0 has a prefix cache.
+  /// The first in (priority, tick) of the idle entries with no cached
+  /// child and in (priority, wtick) of the windowed parts no sequence uses
+  /// (first at a tie) evicted, once the durations due have ended; false if
+  /// none. Only pool 0 has a prefix cache.
   GHOSTLINK_FUZZ_QUIET bool evict(std::size_t pool) {
     if (pool != 0 || entries.empty()) return false;
+    for (mentry& e : entries)
+      if (e.deadline && *e.deadline <= now_ms) e.priority = e.after, e.deadline.reset();
     mark_outside();
+    using key = std::pair<int, std::uint64_t>;
     std::size_t best = entries.size(), part = entries.size();
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const mentry& e = entries[i];
-      if (idle(e) && !has_child(e) && (best == entries.size() || e.tick < entries[best].tick)) best = i;
-      if (holds_window(e) && !window_busy(e) && (part == entries.size() || e.wtick < entries[part].wtick)) part = i;
+      if (idle(e) && !has_child(e) &&
+          (best == entries.size() || key{e.priority, e.tick} < key{entries[best].priority, entries[best].tick}))
+        best = i;
+      if (holds_window(e) && !window_busy(e) &&
+          (part == entries.size() || key{e.priority, e.wtick} < key{entries[part].priority, entries[part].wtick}))
+        part = i;
     }
-    if (part != entries.size() && (best == entries.size() || entries[part].wtick <= entries[best].tick)) {
+    if (part != entries.size() &&
+        (best == entries.size() ||
+         key{entries[part].priority, entries[part].wtick} <= key{entries[best].priority, entries[best].tick})) {
       mentry& e = entries[part];
       for (std::size_t l = 0; l < prefix_layers; ++l)
         if (windowed_layer(l)) e.blocks[l] = dropped_block, e.data[l].clear();
@@ -381,15 +414,19 @@ class model {
   /// and without children.
   GHOSTLINK_FUZZ_QUIET void remove(std::size_t i) {
     std::optional<kv_block_hash> parent = entries[i].parent;
+    count_eviction(entries[i]);
     entries.erase(entries.begin() + static_cast<std::ptrdiff_t>(i));
-    ++evicted;
     while (parent) {
       mentry* p = find(*parent);
       if (!p || holds_any(*p) || has_child(*p)) return;
       parent = p->parent;
+      count_eviction(*p);
       entries.erase(entries.begin() + (p - entries.data()));
-      ++evicted;
     }
+  }
+  void count_eviction(const mentry& e) {
+    ++evicted;
+    ++evicted_by_band[e.priority >= 75 ? 3 : static_cast<std::size_t>(e.priority / 25)];
   }
   GHOSTLINK_FUZZ_QUIET mentry* find(const kv_block_hash& h) {
     for (mentry& e : entries)
@@ -444,7 +481,7 @@ class model {
   /// own, and each windowed layer's where it holds all of the block (less
   /// those at the end holding no block at all); an existing entry takes the
   /// windowed blocks it lacks. Returns the entries added.
-  std::size_t insert(const mseq& q, const std::vector<kv_block_hash>& hashes) {
+  std::size_t insert(const mseq& q, const std::vector<kv_block_hash>& hashes, const mretention& retention = {}) {
     const std::size_t bt = geometry_.block_tokens;
     std::vector<std::vector<std::uint32_t>> blocks;
     for (std::size_t b = 0; b < hashes.size(); ++b) {
@@ -477,13 +514,21 @@ class model {
             e->blocks[l] = blocks[b][l], e->data[l] = data_of(l, b);
         continue;
       }
-      mentry fresh{hashes[b], b == 0 ? std::nullopt : std::optional(hashes[b - 1]), {}, {}, 0, 0};
+      mentry fresh{hashes[b], b == 0 ? std::nullopt : std::optional(hashes[b - 1]), {}, {}, 0, 0, 35, 35, {}};
       for (std::size_t l = 0; l < prefix_layers; ++l) {
         fresh.blocks.push_back(blocks[b][l]);
         fresh.data.push_back(blocks[b][l] == dropped_block ? std::vector<recipe>{} : data_of(l, b));
       }
       entries.push_back(std::move(fresh));
       ++added;
+    }
+    for (std::size_t b = 0; b < blocks.size(); ++b) {  // added or not, each takes its block's retention
+      mentry& e = *find(hashes[b]);
+      const auto [priority, duration] = retention.at(b, bt);
+      e.priority = priority;
+      e.after = retention.default_priority;
+      e.deadline.reset();
+      if (duration != 0) e.deadline = now_ms + duration;
     }
     for (std::size_t b = blocks.size(); b-- > 0;) {
       mentry& e = *find(hashes[b]);

@@ -7,9 +7,17 @@
 // sequence's ids (whole, cut, or with other ids after them) as a new
 // sequence that the other operations then write, and clear. Eviction runs
 // inside the other operations' writes whenever pool 0's budget is spent.
+// An insert's byte also picks its retention (none, a priority for every
+// token, overlapping ranges, or a duration), and an attach's moves the
+// retention clock on by 0-3 ms: the model's clock, which the real cache
+// reads through detail::set_retention_clock.
 
 #include "world.hpp"
 
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,10 +35,48 @@ std::vector<token_id> pick_ids(world<T>& w, const mseq& q) {
   return ids;
 }
 
+/// The retention clock of the run: the model's now_ms, as the real cache
+/// reads it (a copy, which outlives the model if a run is abandoned).
+inline std::atomic<std::int64_t>& clock_ms() {
+  static std::atomic<std::int64_t> ms{0};
+  return ms;
+}
+inline std::chrono::steady_clock::time_point model_now() {
+  return std::chrono::steady_clock::time_point{} + std::chrono::milliseconds(clock_ms().load());
+}
+
+/// An insert's retention from the high bits `r` (0-31) of its byte: none
+/// (r % 4 == 0), or priority p for every token, for blocks 0-1 with block
+/// 1's last token in a later range at 100 - p (the last-token rule over
+/// overlapping ranges), or for every token for 1-3 ms; `real` gets the
+/// same as `modelled`.
+inline std::optional<kv_retention> pick_retention(unsigned r, std::size_t bt, mretention& modelled) {
+  static constexpr std::array<std::uint8_t, 8> priorities{0, 10, 50, 90, 100, 35, 20, 70};
+  if (r % 4 == 0) return std::nullopt;
+  const std::uint8_t p = priorities[(r >> 2) % 8];
+  kv_retention real;
+  switch (r % 4) {
+    case 1: real.default_priority = p; break;
+    case 2:
+      real.ranges = {{.first = 0, .last = 2 * bt, .priority = p},
+                     {.first = 2 * bt - 1, .last = 3 * bt - 1, .priority = static_cast<std::uint8_t>(100 - p)}};
+      break;
+    default:
+      real.ranges = {{.priority = p, .duration = std::chrono::milliseconds(1 + (r >> 2) % 3)}};
+      real.default_priority = static_cast<std::uint8_t>(100 - p);
+      break;
+  }
+  modelled.default_priority = real.default_priority;
+  for (const kv_retention::range& g : real.ranges)
+    modelled.ranges.push_back({g.first, g.last, g.priority, g.duration.count()});
+  return real;
+}
+
 template <class T>
 void prefix_op(world<T>& w, std::size_t seq) {
   if (!w.prefix) return;
-  const std::uint8_t what = w.in.byte() % 8;
+  const std::uint8_t byte = w.in.byte();
+  const std::uint8_t what = byte % 8;
   const std::size_t bt = w.geometry.block_tokens;
   if (what == 0) {
     current_trace().add("prefix_clear");
@@ -62,12 +108,19 @@ void prefix_op(world<T>& w, std::size_t seq) {
     }
     const std::size_t n = std::min(ids.size(), q.length) / bt * bt;
     const std::vector<kv_block_hash> hashes = w.prefix->block_hashes(std::span(ids).first(n));
-    const std::size_t want = w.m.insert(q, hashes);
-    const std::size_t got = stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids);
+    mretention modelled;
+    const std::optional<kv_retention> r = pick_retention(byte >> 3, bt, modelled);
+    if (r) current_trace().add("retention", byte >> 3);
+    const std::size_t want = w.m.insert(q, hashes, modelled);
+    const std::size_t got = r ? (stored ? w.prefix->insert_stored_tokens(s.real, "", *r)
+                                        : w.prefix->insert(s.real, ids, "", *r))
+                              : (stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
     expect_eq(got, want, "prefix insert: entries added");
     return;
   }
   // attach, as a new sequence (when there is room) or looked at and dropped
+  w.m.now_ms += (byte >> 3) % 4;
+  clock_ms() = w.m.now_ms;
   std::vector<token_id> prompt;
   if (!w.seqs.empty()) prompt = pick_ids(w, *w.seqs[seq % w.seqs.size()].m);
   current_trace().add("prefix_attach", prompt.size());

@@ -263,6 +263,7 @@ struct world {
     expect_eq(st.idle_blocks, m.idle_entries(), what, "stats().idle_blocks");
     expect_eq(st.evicted_blocks, m.evicted, what, "stats().evicted_blocks");
     expect_eq(st.window_evictions, m.window_evicted, what, "stats().window_evictions");
+    expect_eq(st.evictions_by_priority == m.evicted_by_band, true, what, "stats().evictions_by_priority");
     expect_eq(st.inserted_blocks, m.inserted, what, "stats().inserted_blocks");
     const auto [cached, idle] = m.cached_blocks();
     const kv_pool_stats ps = pools[0].stats();
