@@ -44,7 +44,7 @@ void usage(int code) {
               "                      quantized_memory attend_quantized write_quantized fork prefill memory_waste\n"
               "                      storage_16bit\n"
               "                      prefix_attach prefix_hash prefix_match prefix_eviction prefix_workload\n"
-              "                      prefix_workload_hybrid\n"
+              "                      prefix_workload_hybrid retention\n"
               "                      save_load decode_with_offload attach_from_disk\n"
               "                      redis_store redis_store_tls attach_from_redis\n"
               "  --impl A,B          only these of ghostlink rwlock_zero_copy rwlock mutex strand_only (default: all)\n"

@@ -37,6 +37,7 @@ void prefix_match(const options& opts, report& out);
 void prefix_eviction(const options& opts, report& out);
 void prefix_workload(const options& opts, report& out);
 void prefix_workload_hybrid(const options& opts, report& out);
+void retention(const options& opts, report& out);
 void save_load(const options& opts, report& out);
 void decode_with_offload(const options& opts, report& out);
 void attach_from_disk(const options& opts, report& out);

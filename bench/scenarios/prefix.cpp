@@ -9,8 +9,9 @@
 // - prefix_match: match() of cached P-token prompts with 100k entries
 //   cached, against hashing those prompts alone.
 // - prefix_eviction: the latency of a one-token append that must evict an
-//   idle entry (the pool's budget full of 100k of them) against one that
-//   takes its block from the free list.
+//   idle entry (the pool's budget full of 100k of them), plain LRU and with
+//   retention priorities, against one that takes its block from the free
+//   list.
 #include <ghostlink/kv_cache.hpp>
 
 #include <asio/co_spawn.hpp>
@@ -24,10 +25,12 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -64,9 +67,10 @@ std::vector<std::vector<token_id>> random_prompts(std::size_t count, std::size_t
 
 /// Caches every block of `prompts` in `cache`, all entries idle as between
 /// requests: each prompt appended with its ids to one sequence on
-/// `threads`, inserted, and truncated away.
+/// `threads`, inserted (at `retentions[i]` if given), and truncated away.
 void insert_idle(const std::string& scenario, kv_prefix_cache& cache, asio::thread_pool& threads,
-                 const std::vector<std::vector<token_id>>& prompts) {
+                 const std::vector<std::vector<token_id>>& prompts,
+                 const std::vector<kv_retention>* retentions = nullptr) {
   const kv_cache_config& c = cache.config();
   std::size_t longest = 0, blocks = 0;
   for (const auto& p : prompts) {
@@ -75,11 +79,15 @@ void insert_idle(const std::string& scenario, kv_prefix_cache& cache, asio::thre
   }
   const token_rows data(c.token_width(), longest);
   const sequence_kv_cache seq(threads, cache.num_layers(), c, cache.pool());
-  for (const auto& p : prompts) {
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    const std::vector<token_id>& p = prompts[i];
     const std::vector<std::span<const float>> keys(cache.num_layers(), data.keys_of(0, p.size()));
     const std::vector<std::span<const float>> values(cache.num_layers(), data.values_of(0, p.size()));
     seq.async_append(std::span<const token_id>(p), keys, values, asio::use_future).get();
-    cache.insert_stored_tokens(seq);
+    if (retentions)
+      cache.insert_stored_tokens(seq, "", (*retentions)[i]);
+    else
+      cache.insert_stored_tokens(seq);
     seq.async_truncate(0, asio::use_future).get();
   }
   const kv_prefix_stats s = cache.stats();
@@ -361,6 +369,10 @@ void prefix_eviction(const options& o, report& out) {
     ratio.name = "p99 evicting / p99 free list";
     ratio.unit = "x";
     metric& evicted = declare(m, "4 evicted", "entries evicted per append", "entries");
+    metric& versus = m["5 vs lru"];
+    versus = p50;
+    versus.name = "p99 with priorities / p99 plain LRU";
+    versus.unit = "x";
 
     {  // The budget full of idle entries: every append evicts one.
       asio::thread_pool threads(1);
@@ -373,6 +385,32 @@ void prefix_eviction(const options& o, report& out) {
       p50.values["ghostlink"] = lat.p(0.5);
       p99.values["ghostlink"] = lat.p(0.99);
       evicted.values["ghostlink"] = double(cache.stats().evicted_blocks) / double(appends);
+      if (cache.stats().evicted_blocks != appends) fail("prefix_eviction", "not every append evicted one entry");
+      threads.join();
+    }
+    {  // The same, each prompt's entries at random priorities over four ranges,
+       // a quarter with a duration (an hour: none ends, each is in the
+       // set of deadlines that every eviction looks at).
+      std::mt19937_64 rng(5);
+      std::uniform_int_distribution<int> priority(0, 100);
+      std::vector<kv_retention> retentions(prompts.size());
+      for (kv_retention& r : retentions) {
+        r.default_priority = static_cast<std::uint8_t>(priority(rng));
+        for (std::size_t q = 0; q < 4; ++q)
+          r.ranges.push_back({.first = q * per_prompt / 4,
+                              .last = (q + 1) * per_prompt / 4,
+                              .priority = static_cast<std::uint8_t>(priority(rng)),
+                              .duration = rng() % 4 == 0 ? std::chrono::milliseconds(std::chrono::hours(1))
+                                                          : std::chrono::milliseconds(0)});
+      }
+      asio::thread_pool threads(1);
+      const auto pool = kv_block_pool::for_caches(config, {.max_blocks = entries});
+      kv_prefix_cache cache(1, config, pool);
+      insert_idle("prefix_eviction", cache, threads, prompts, &retentions);
+      latencies lat = one_token_appends(config, pool, appends);
+      p50.values["priorities"] = lat.p(0.5);
+      p99.values["priorities"] = lat.p(0.99);
+      evicted.values["priorities"] = double(cache.stats().evicted_blocks) / double(appends);
       if (cache.stats().evicted_blocks != appends) fail("prefix_eviction", "not every append evicted one entry");
       threads.join();
     }
@@ -390,14 +428,19 @@ void prefix_eviction(const options& o, report& out) {
         fail("prefix_eviction", "an append took memory the free list did not hold");
     }
     ratio.values["ghostlink"] = p99.values["ghostlink"] / p99.values["free_list"];
+    ratio.values["priorities"] = p99.values["priorities"] / p99.values["free_list"];
+    versus.values["priorities"] = p99.values["priorities"] / p99.values["ghostlink"];
   });
   out.add_note("prefix_eviction", std::to_string(appends) +
                                       " one-token appends (co_await on a one-thread io_context) to a sequence of "
                                       "1 layer, 1 head x 8 dims, 1-token blocks. ghostlink: the budget full of " +
                                       std::to_string(entries) + " idle entries (" + std::to_string(count) +
                                       " prompts of " + std::to_string(per_prompt) +
-                                      " blocks), each append evicts one; free_list: the same budget "
-                                      "and no entry, each append pops a freed block; target p99 ratio <= 2x");
+                                      " blocks), each append evicts one (plain LRU: every entry at the default "
+                                      "priority); priorities: the same, each prompt's entries at random "
+                                      "priorities 0-100 over four ranges, a quarter of them with a duration; "
+                                      "free_list: the same budget and no entry, each append pops a freed block; "
+                                      "targets: p99 ratio <= 2x, priorities / plain LRU p99 <= 1.2x");
 }
 
 }  // namespace ghostlink::bench
