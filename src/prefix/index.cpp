@@ -162,8 +162,10 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   };
   // The expiry node of chain[i]'s entry `e`, if its retention has a duration.
   auto timed_at = [&](prefix_entry& e, std::size_t i) {
-    if (timed && !e.expires && e.expiry_node.empty() && retention->at(i).duration.count() != 0)
-      e.expiry_node = expiry_.extract(expiry_.emplace(std::chrono::steady_clock::time_point{}, &e).first);
+    if (!timed || e.expires || retention->at(i).duration.count() == 0) return;
+    if (!e.deadline) e.deadline = std::make_unique<entry_deadline>();
+    if (e.deadline->node.empty())
+      e.deadline->node = expiry_.extract(expiry_.emplace(std::chrono::steady_clock::time_point{}, &e).first);
   };
   try {
     for (std::size_t i = start; i < first; ++i) {
@@ -296,15 +298,16 @@ void prefix_index::set_priority(prefix_entry& e, std::uint8_t p) noexcept {
 void prefix_index::retain(prefix_entry& e, const block_retention& r,
                           std::chrono::steady_clock::time_point now) noexcept {
   if (e.expires) {
-    e.expiry_node = expiry_.extract(std::pair{e.deadline, &e});
+    e.deadline->node = expiry_.extract(std::pair{e.deadline->at, &e});
     e.expires = false;
   }
   set_priority(e, r.priority);
   if (r.duration.count() == 0) return;
   e.after = r.after;
-  e.deadline = now + r.duration;
-  e.expiry_node.value() = {e.deadline, &e};  // allocated by the insert's first phase
-  expiry_.insert(std::move(e.expiry_node));
+  entry_deadline& d = *e.deadline;  // allocated by the insert's first phase, with its node
+  d.at = now + r.duration;
+  d.node.value() = {d.at, &e};
+  expiry_.insert(std::move(d.node));
   e.expires = true;
 }
 
@@ -313,7 +316,7 @@ void prefix_index::expire() noexcept {
   const std::chrono::steady_clock::time_point now = retention_now();
   while (!expiry_.empty() && expiry_.begin()->first <= now) {
     prefix_entry& e = *expiry_.begin()->second;
-    e.expiry_node = expiry_.extract(expiry_.begin());
+    e.deadline->node = expiry_.extract(expiry_.begin());
     e.expires = false;
     set_priority(e, e.after);
   }
@@ -486,7 +489,7 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   if (e.in_lru()) lru_remove(e);
   if (e.in_use == 0) --idle_entries_;
   if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
-  if (e.expires) expiry_.erase(std::pair{e.deadline, &e});
+  if (e.expires) expiry_.erase(std::pair{e.deadline->at, &e});
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l]) detach_node(e, l);
   entries_.erase(hash);  // destroys e

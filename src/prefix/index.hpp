@@ -90,6 +90,14 @@ using lru_set = std::set<std::pair<std::uint64_t, prefix_entry*>>;
 /// The entries whose priority has a duration, by (deadline, entry).
 using expiry_set = std::set<std::pair<std::chrono::steady_clock::time_point, prefix_entry*>>;
 
+/// When an entry's priority ends, apart from the entry: most entries never
+/// have one, and the entry stays as small as it was without (the eviction
+/// path touches every entry it removes).
+struct entry_deadline {
+  std::chrono::steady_clock::time_point at{};
+  expiry_set::node_type node;  // its place in expiry_ while out of it
+};
+
 /// The eviction order's key: the retention priority first, then the tick
 /// (a 56-bit count of touches: 2^56 of them take centuries).
 constexpr std::uint64_t order(std::uint8_t priority, std::uint64_t tick) noexcept {
@@ -115,19 +123,17 @@ struct prefix_entry {
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // in use, or a pinned child: eviction cannot reach it now
   std::uint8_t priority = kv_retention::default_value;  // retention: the eviction order's first key
-  std::vector<prefix_node*> nodes;  // one per layer, null where a windowed layer holds none
+  std::uint8_t after = kv_retention::default_value;     // its priority once `deadline` has passed
+  bool expires = false;             // its priority has a duration: in expiry_ by deadline->at
   bool in_store = false;            // fetched from the store or handed to it: nothing puts it again
+  std::vector<prefix_node*> nodes;  // one per layer, null where a windowed layer holds none
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
   // A layout's windows (what an attach of a full layout never reads, last):
   std::uint64_t wtick = 0;          // its windowed part's: last inserted, or read by an attach's window
   std::size_t w_in_use = 0;         // windowed nodes held outside the cache
   std::size_t windowed_held = 0;    // non-null nodes of windowed layers
   lru_set::node_type window_node;   // its place in window_lru_, likewise
-  // A duration on its priority (what an entry without one never reads):
-  bool expires = false;                                // in expiry_
-  std::uint8_t after = kv_retention::default_value;    // its priority once deadline has passed
-  std::chrono::steady_clock::time_point deadline{};
-  expiry_set::node_type expiry_node;                   // its place in expiry_ while out of it (allocated once)
+  std::unique_ptr<entry_deadline> deadline;  // allocated for the first duration it is given, kept
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
   /// Its keys in lru_ and window_lru_.

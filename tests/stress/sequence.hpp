@@ -13,6 +13,8 @@
 
 #include "layer.hpp"
 
+#include <chrono>
+#include <optional>
 #include <thread>
 
 namespace stress {
@@ -425,6 +427,21 @@ inline asio::awaitable<void> step_append(seq_target& t, const state& s, std::uin
   settle(t, p, cec, {}, "step commit");
 }
 
+/// A retention of up to 3 ranges over the first 64 tokens at priorities
+/// 0-100, some for a few milliseconds (durations end during the run).
+inline kv_retention some_retention(rng& r) {
+  kv_retention k;
+  k.default_priority = static_cast<std::uint8_t>(r.below(101));
+  for (std::size_t n = r.below(4); n > 0; --n) {
+    const std::size_t first = r.below(64);
+    k.ranges.push_back({.first = first,
+                        .last = r.between(first, 64),
+                        .priority = static_cast<std::uint8_t>(r.below(101)),
+                        .duration = std::chrono::milliseconds(r.percent(30) ? r.between(1, 20) : 0)});
+  }
+  return k;
+}
+
 /// A prefix-cache operation on `t`'s settled state `s`: insert its tokens
 /// (their ids, or the ids it stores), or attach a prompt (this state's
 /// tokens, an earlier state's, or either with tokens no one wrote after
@@ -443,15 +460,22 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
   if (roll < 10) {
     // Its blocks cached as they fill (those whose tokens carry ids), or no more.
     bump(g_figures.prefix_tracks);
-    if (r.percent(80))
+    if (r.percent(40))
       prefix.track(t.seq);
+    else if (r.percent(70))
+      prefix.track(t.seq, "", some_retention(r));
     else
       prefix.untrack(t.seq);
     return;
   }
   if (roll < 45) {
     bump(g_figures.prefix_inserts);
-    const std::size_t added = r.percent(20) ? prefix.insert_stored_tokens(t.seq) : prefix.insert(t.seq, ids_of(s.tags));
+    // Half of them at priorities, so that evictions take them in that order.
+    const std::optional<kv_retention> keep = r.percent(50) ? std::optional(some_retention(r)) : std::nullopt;
+    const std::size_t added = r.percent(20)
+                                  ? (keep ? prefix.insert_stored_tokens(t.seq, "", *keep) : prefix.insert_stored_tokens(t.seq))
+                                  : (keep ? prefix.insert(t.seq, ids_of(s.tags), "", *keep)
+                                          : prefix.insert(t.seq, ids_of(s.tags)));
     bump(g_figures.prefix_added, added);
     return;
   }
