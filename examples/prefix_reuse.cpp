@@ -13,12 +13,14 @@
 //     prompt token is always computed, so its logits are there to sample);
 //     its token ids must be the prompt's;
 //   - admission: reserve() the blocks the rest of the request will write
-//     (evicting idle cached entries, least recently used first), as a
-//     scheduler admits a request only when its blocks can be had;
+//     (evicting idle cached entries, the lowest retention priority first,
+//     least recently used among equals), as a scheduler admits a request
+//     only when its blocks can be had;
 //   - prefill of the uncached tokens as one causal step, then a few decode
 //     steps (tiny_llama::forward: ghostlink::attend over the sequence);
-//   - insert_stored_tokens(seq): its full blocks become entries, for the
-//     next turn and for other conversations on the same system prompt.
+//   - insert_stored_tokens(seq, "", keep): its full blocks become entries,
+//     for the next turn and for other conversations on the same system
+//     prompt, whose blocks `keep` holds at priority 90 (the rest at 35).
 //
 // `--in-flight` coroutines (lanes) on a `--threads` asio::thread_pool serve
 // the requests: lane w takes conversations w, w + in_flight, ... turn by
@@ -295,9 +297,14 @@ asio::awaitable<void> serve_turn(server& srv, std::size_t c, std::size_t k) {
   const auto ex = co_await asio::this_coro::executor;
   ghostlink::sequence_kv_cache seq = srv.cache.attach(ex, std::span<const token_id>(prompt).first(prompt.size() - 1));
   r.attached = seq.size();
+  // The system prompt every conversation on it shares stays cached at
+  // priority 90 through other conversations' turns; the rest of the
+  // conversation at the default 35.
+  const ghostlink::kv_retention keep{
+      .ranges = {{.first = 0, .last = srv.work.systems[conv.system].size(), .priority = 90}}};
   // A hybrid model's blocks are cached as they fill: the windowed layers
   // drop theirs as the request goes on.
-  if (srv.o.window) srv.cache.track(seq);
+  if (srv.o.window) srv.cache.track(seq, "", keep);
   const std::vector<token_id> attached_ids = seq.snapshot().token_ids();
   r.attached_ids_ok =
       attached_ids.size() == r.attached && std::equal(attached_ids.begin(), attached_ids.end(), prompt.begin());
@@ -330,7 +337,7 @@ asio::awaitable<void> serve_turn(server& srv, std::size_t c, std::size_t k) {
 
   // Its full blocks become entries: the prompt's and the reply's (tracked:
   // they are already).
-  r.inserted = srv.o.window ? 0 : srv.cache.insert_stored_tokens(seq);
+  r.inserted = srv.o.window ? 0 : srv.cache.insert_stored_tokens(seq, "", keep);
   seq = {};  // the blocks are the cache's alone now (idle once the layers let go)
   srv.blocks.finish(own);
   conv.turns.push_back(std::move(r));

@@ -401,7 +401,7 @@ void prefix_eviction(const options& o, report& out) {
                               .last = (q + 1) * per_prompt / 4,
                               .priority = static_cast<std::uint8_t>(priority(rng)),
                               .duration = rng() % 4 == 0 ? std::chrono::milliseconds(std::chrono::hours(1))
-                                                          : std::chrono::milliseconds(0)});
+                                                         : std::chrono::milliseconds(0)});
       }
       asio::thread_pool threads(1);
       const auto pool = kv_block_pool::for_caches(config, {.max_blocks = entries});

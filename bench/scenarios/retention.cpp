@@ -156,16 +156,15 @@ void retention(const options& o, report& out) {
       failure = "plain LRU kept the system prompt: the scan does not evict it";
   });
   if (!failure.empty()) fail("retention", failure);
-  out.add_note("retention", std::to_string(shape.layers) + " layers of 2 heads x 64, " + std::to_string(bt) +
-                                "-token blocks, a pool of " + std::to_string(shape.pool_tokens) +
-                                " tokens per layer; " + std::to_string(shape.rounds + 1) + " chats (a " +
-                                std::to_string(shape.system_tokens) + "-token system prompt and a " +
-                                std::to_string(shape.question_tokens) + "-token question), between each two " +
-                                std::to_string(shape.pool_tokens / shape.document_tokens) + " one-off documents of " +
-                                std::to_string(shape.document_tokens) +
-                                " tokens (10x the pool in all); every request attached, tracked, prefilled, " +
-                                std::to_string(shape.decode) +
-                                " tokens decoded; priorities: chats tracked with the system prompt at 90");
+  out.add_note(
+      "retention",
+      std::to_string(shape.layers) + " layers of 2 heads x 64, " + std::to_string(bt) + "-token blocks, a pool of " +
+          std::to_string(shape.pool_tokens) + " tokens per layer; " + std::to_string(shape.rounds + 1) + " chats (a " +
+          std::to_string(shape.system_tokens) + "-token system prompt and a " + std::to_string(shape.question_tokens) +
+          "-token question), between each two " + std::to_string(shape.pool_tokens / shape.document_tokens) +
+          " one-off documents of " + std::to_string(shape.document_tokens) +
+          " tokens (10x the pool in all); every request attached, tracked, prefilled, " + std::to_string(shape.decode) +
+          " tokens decoded; priorities: chats tracked with the system prompt at 90");
 }
 
 }  // namespace ghostlink::bench

@@ -392,9 +392,8 @@ class model {
           (part == entries.size() || key{e.priority, e.wtick} < key{entries[part].priority, entries[part].wtick}))
         part = i;
     }
-    if (part != entries.size() &&
-        (best == entries.size() ||
-         key{entries[part].priority, entries[part].wtick} <= key{entries[best].priority, entries[best].tick})) {
+    if (part != entries.size() && (best == entries.size() || key{entries[part].priority, entries[part].wtick} <=
+                                                                 key{entries[best].priority, entries[best].tick})) {
       mentry& e = entries[part];
       for (std::size_t l = 0; l < prefix_layers; ++l)
         if (windowed_layer(l)) e.blocks[l] = dropped_block, e.data[l].clear();

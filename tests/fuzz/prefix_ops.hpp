@@ -112,9 +112,9 @@ void prefix_op(world<T>& w, std::size_t seq) {
     const std::optional<kv_retention> r = pick_retention(byte >> 3, bt, modelled);
     if (r) current_trace().add("retention", byte >> 3);
     const std::size_t want = w.m.insert(q, hashes, modelled);
-    const std::size_t got = r ? (stored ? w.prefix->insert_stored_tokens(s.real, "", *r)
-                                        : w.prefix->insert(s.real, ids, "", *r))
-                              : (stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
+    const std::size_t got =
+        r ? (stored ? w.prefix->insert_stored_tokens(s.real, "", *r) : w.prefix->insert(s.real, ids, "", *r))
+          : (stored ? w.prefix->insert_stored_tokens(s.real) : w.prefix->insert(s.real, ids));
     expect_eq(got, want, "prefix insert: entries added");
     return;
   }

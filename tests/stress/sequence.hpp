@@ -472,10 +472,9 @@ inline void prefix_op(seq_world& w, seq_target& t, const state& s, rng& r,
     bump(g_figures.prefix_inserts);
     // Half of them at priorities, so that evictions take them in that order.
     const std::optional<kv_retention> keep = r.percent(50) ? std::optional(some_retention(r)) : std::nullopt;
-    const std::size_t added = r.percent(20)
-                                  ? (keep ? prefix.insert_stored_tokens(t.seq, "", *keep) : prefix.insert_stored_tokens(t.seq))
-                                  : (keep ? prefix.insert(t.seq, ids_of(s.tags), "", *keep)
-                                          : prefix.insert(t.seq, ids_of(s.tags)));
+    const std::size_t added =
+        r.percent(20) ? (keep ? prefix.insert_stored_tokens(t.seq, "", *keep) : prefix.insert_stored_tokens(t.seq))
+                      : (keep ? prefix.insert(t.seq, ids_of(s.tags), "", *keep) : prefix.insert(t.seq, ids_of(s.tags)));
     bump(g_figures.prefix_added, added);
     return;
   }
