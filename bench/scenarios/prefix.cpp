@@ -374,23 +374,26 @@ void prefix_eviction(const options& o, report& out) {
     versus.name = "p99 with priorities / p99 plain LRU";
     versus.unit = "x";
 
-    {  // The budget full of idle entries: every append evicts one.
+    // The budget full of idle entries: every append evicts one. `name`'s
+    // entries at `retentions` (none: plain LRU).
+    const auto evicting = [&](const std::string& name, const std::vector<kv_retention>* retentions) {
       asio::thread_pool threads(1);
       const auto pool = kv_block_pool::for_caches(config, {.max_blocks = entries});
       kv_prefix_cache cache(1, config, pool);
-      insert_idle("prefix_eviction", cache, threads, prompts);
+      insert_idle("prefix_eviction", cache, threads, prompts, retentions);
       if (pool.stats().blocks_in_use != entries || pool.stats().blocks_cached_idle != entries)
         fail("prefix_eviction", "the budget is not full of idle entries");
       latencies lat = one_token_appends(config, pool, appends);
-      p50.values["ghostlink"] = lat.p(0.5);
-      p99.values["ghostlink"] = lat.p(0.99);
-      evicted.values["ghostlink"] = double(cache.stats().evicted_blocks) / double(appends);
+      p50.values[name] = lat.p(0.5);
+      p99.values[name] = lat.p(0.99);
+      evicted.values[name] = double(cache.stats().evicted_blocks) / double(appends);
       if (cache.stats().evicted_blocks != appends) fail("prefix_eviction", "not every append evicted one entry");
       threads.join();
-    }
-    {  // The same, each prompt's entries at random priorities over four ranges,
-       // a quarter with a duration (an hour: none ends, each is in the
-       // set of deadlines that every eviction looks at).
+    };
+    evicting("ghostlink", nullptr);
+    {  // Each prompt's entries at random priorities over four ranges, a
+       // quarter with a duration (an hour: none ends, each is in the set of
+       // deadlines that every eviction looks at).
       std::mt19937_64 rng(5);
       std::uniform_int_distribution<int> priority(0, 100);
       std::vector<kv_retention> retentions(prompts.size());
@@ -403,16 +406,7 @@ void prefix_eviction(const options& o, report& out) {
                               .duration = rng() % 4 == 0 ? std::chrono::milliseconds(std::chrono::hours(1))
                                                          : std::chrono::milliseconds(0)});
       }
-      asio::thread_pool threads(1);
-      const auto pool = kv_block_pool::for_caches(config, {.max_blocks = entries});
-      kv_prefix_cache cache(1, config, pool);
-      insert_idle("prefix_eviction", cache, threads, prompts, &retentions);
-      latencies lat = one_token_appends(config, pool, appends);
-      p50.values["priorities"] = lat.p(0.5);
-      p99.values["priorities"] = lat.p(0.99);
-      evicted.values["priorities"] = double(cache.stats().evicted_blocks) / double(appends);
-      if (cache.stats().evicted_blocks != appends) fail("prefix_eviction", "not every append evicted one entry");
-      threads.join();
+      evicting("priorities", &retentions);
     }
     {  // The same budget, no entry: every append takes a block the free list holds.
       const auto pool = kv_block_pool::for_caches(config, {.max_blocks = entries});

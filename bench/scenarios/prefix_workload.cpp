@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "../chat_trace.hpp"
+#include "../row_appender.hpp"
 #include "../scenarios.hpp"
 #include "../workload.hpp"
 
@@ -202,33 +203,17 @@ counters read(const kv_prefix_cache& cache, std::uint64_t prefilled) {
           .blocks_cached_idle = p.blocks_cached_idle};
 }
 
-/// Prefills `ids` into `seq` from its size on (one append), with token i's
-/// data `data`'s token i in every layer.
-asio::awaitable<void> append(const sequence_kv_cache& seq, std::span<const token_id> ids, const token_rows& data,
-                             std::vector<std::span<const float>>& keys, std::vector<std::span<const float>>& values) {
-  std::fill(keys.begin(), keys.end(), data.keys_of(seq.size(), ids.size()));
-  std::fill(values.begin(), values.end(), data.values_of(seq.size(), ids.size()));
-  co_await seq.async_append(ids, keys, values, asio::use_awaitable);
-}
-
-/// The request's decode: its output tokens one append each.
-asio::awaitable<void> decode(const sequence_kv_cache& seq, const request& r, const token_rows& data,
-                             std::vector<std::span<const float>>& keys, std::vector<std::span<const float>>& values) {
-  for (std::size_t j = 0; j < r.output.size(); ++j)
-    co_await append(seq, std::span(r.output).subspan(j, 1), data, keys, values);
-}
-
 asio::awaitable<void> replay_cached(kv_prefix_cache& cache, const std::vector<request>& trace, const token_rows& data,
                                     std::vector<counters>& seen) {
   const auto ex = co_await asio::this_coro::executor;
-  std::vector<std::span<const float>> keys(cache.num_layers()), values(cache.num_layers());
+  row_appender append(data, cache.num_layers());
   std::uint64_t prefilled = 0;
   for (const request& r : trace) {
     const std::span<const token_id> prompt(r.prompt);
     const sequence_kv_cache seq = cache.attach(ex, prompt.first(prompt.size() - 1));
     prefilled += prompt.size() - seq.size();
-    co_await append(seq, prompt.subspan(seq.size()), data, keys, values);
-    co_await decode(seq, r, data, keys, values);
+    co_await append(seq, prompt.subspan(seq.size()));
+    co_await append.one_by_one(seq, r.output);
     cache.insert_stored_tokens(seq);
     co_await seq.async_truncate(0, asio::use_awaitable);
     seen.push_back(read(cache, prefilled));
@@ -239,11 +224,11 @@ asio::awaitable<void> replay_uncached(const kv_block_pool& pool, std::size_t lay
                                       const std::vector<request>& trace, const token_rows& data,
                                       std::uint64_t& prefilled) {
   const auto ex = co_await asio::this_coro::executor;
-  std::vector<std::span<const float>> keys(layers), values(layers);
+  row_appender append(data, layers);
   for (const request& r : trace) {
     const sequence_kv_cache seq(ex, layers, config, pool);
-    co_await append(seq, r.prompt, data, keys, values);
-    co_await decode(seq, r, data, keys, values);
+    co_await append(seq, r.prompt);
+    co_await append.one_by_one(seq, r.output);
     co_await seq.async_truncate(0, asio::use_awaitable);
     prefilled += r.prompt.size();
   }

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "../chat_trace.hpp"
+#include "../row_appender.hpp"
 #include "../scenarios.hpp"
 #include "../workload.hpp"
 
@@ -59,12 +60,7 @@ asio::awaitable<void> replay(kv_prefix_cache& cache, const std::vector<request>&
                              replay_result& r) {
   const auto ex = co_await asio::this_coro::executor;
   const std::size_t bt = cache.config().block_tokens;
-  std::vector<std::span<const float>> keys(cache.num_layers()), values(cache.num_layers());
-  const auto append = [&](const sequence_kv_cache& seq, std::span<const token_id> ids) -> asio::awaitable<void> {
-    std::fill(keys.begin(), keys.end(), data.keys_of(seq.size(), ids.size()));
-    std::fill(values.begin(), values.end(), data.values_of(seq.size(), ids.size()));
-    co_await seq.async_append(ids, keys, values, asio::use_awaitable);
-  };
+  row_appender append(data, cache.num_layers());
   for (const request& q : trace) {
     const std::span<const token_id> prompt(q.prompt);
     const sequence_kv_cache seq = cache.attach(ex, prompt.first(prompt.size() - 1));
@@ -75,7 +71,7 @@ asio::awaitable<void> replay(kv_prefix_cache& cache, const std::vector<request>&
     cache.track(seq);
     try {
       co_await append(seq, prompt.subspan(seq.size()));
-      for (std::size_t j = 0; j < q.output.size(); ++j) co_await append(seq, std::span(q.output).subspan(j, 1));
+      co_await append.one_by_one(seq, q.output);
     } catch (const std::system_error&) {  // the pool could not hold the request
       ++r.failed;
     }

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../row_appender.hpp"
 #include "../scenarios.hpp"
 #include "../workload.hpp"
 
@@ -73,12 +74,7 @@ asio::awaitable<void> replay(kv_prefix_cache& cache, const std::vector<trace_req
                              const std::optional<kv_retention>& keep, replay_result& r) {
   const auto ex = co_await asio::this_coro::executor;
   const std::size_t bt = cache.config().block_tokens;
-  std::vector<std::span<const float>> keys(cache.num_layers()), values(cache.num_layers());
-  const auto append = [&](const sequence_kv_cache& seq, std::span<const token_id> ids) -> asio::awaitable<void> {
-    std::fill(keys.begin(), keys.end(), data.keys_of(seq.size(), ids.size()));
-    std::fill(values.begin(), values.end(), data.values_of(seq.size(), ids.size()));
-    co_await seq.async_append(ids, keys, values, asio::use_awaitable);
-  };
+  row_appender append(data, cache.num_layers());
   std::mt19937_64 rng(11);
   bool first_chat = true;
   for (const trace_request& q : trace) {
@@ -104,7 +100,7 @@ asio::awaitable<void> replay(kv_prefix_cache& cache, const std::vector<trace_req
       cache.track(seq);
     co_await append(seq, prompt.subspan(seq.size()));
     const std::vector<token_id> output = random_token_ids(rng, shape.decode);
-    for (std::size_t j = 0; j < output.size(); ++j) co_await append(seq, std::span(output).subspan(j, 1));
+    co_await append.one_by_one(seq, output);
     co_await seq.async_truncate(0, asio::use_awaitable);
   }
   r.stats = cache.stats();
