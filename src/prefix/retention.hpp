@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <ranges>
 #include <vector>
 #include "ghostlink/detail/flavour.hpp"
 
@@ -36,8 +37,8 @@ class retention_rule {
   /// token, else the default.
   block_retention at(std::size_t b) const noexcept {
     const std::size_t last_token = (b + 1) * block_tokens_ - 1;
-    for (auto it = ranges_.rbegin(); it != ranges_.rend(); ++it)
-      if (it->first <= last_token && last_token < it->last) return {it->priority, default_, it->duration};
+    for (const range& g : std::views::reverse(ranges_))  // the later range wins
+      if (g.first <= last_token && last_token < g.last) return {g.priority, default_, g.duration};
     return {default_, default_, {}};
   }
   /// Some range has a duration: the insert reads the clock.

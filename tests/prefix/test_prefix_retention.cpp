@@ -33,7 +33,7 @@ class fake_clock {
   ~fake_clock() { detail::set_retention_clock(nullptr); }
   fake_clock(const fake_clock&) = delete;
   fake_clock& operator=(const fake_clock&) = delete;
-  void advance(std::chrono::milliseconds d) { offset().fetch_add(d.count()); }
+  static void advance(std::chrono::milliseconds d) { offset().fetch_add(d.count()); }
 
  private:
   static std::atomic<std::int64_t>& offset() {
