@@ -222,7 +222,8 @@ TEST_CASE("track caches every block as it fills, before the window drops it", "[
   CHECK(f.cache.match(w) == 24);
 }
 
-TEST_CASE("track after clear(): ancestors come back holding nothing, and no match reads past them", "[prefix][layouts]") {
+TEST_CASE("track after clear(): ancestors come back holding nothing, and no match reads past them",
+          "[prefix][layouts]") {
   // A full layout and a hybrid one: clear() drops entries a tracked
   // sequence still uses; its next blocks go in after ancestors revived
   // empty, which hold no full layer's block: a match stops before them.
