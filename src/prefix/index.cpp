@@ -12,6 +12,19 @@
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
+namespace {
+
+/// Sets `flag` to `value`, keeping `count` (of the flags set) in step.
+void set_counted(bool& flag, bool value, std::size_t& count) noexcept {
+  if (value == flag) return;
+  flag = value;
+  if (value)
+    ++count;
+  else
+    --count;
+}
+
+}  // namespace
 
 prefix_index::prefix_index(const kv_model_layout& layout, const kv_cache_config& config, element_codec codec,
                            ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
@@ -284,12 +297,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
 void prefix_index::refresh_lacks_full(prefix_entry& e) noexcept {
   bool lacks = false;
   for (std::size_t l = 0; l < num_layers_ && !lacks; ++l) lacks = !e.nodes[l] && !rule_.layer_windowed(l);
-  if (lacks == e.lacks_full) return;
-  e.lacks_full = lacks;
-  if (lacks)
-    ++lacking_full_;
-  else
-    --lacking_full_;
+  set_counted(e.lacks_full, lacks, lacking_full_);
 }
 
 void prefix_index::touch(prefix_entry& e) noexcept {
@@ -394,12 +402,7 @@ void prefix_index::refresh_node(prefix_node& n) noexcept {
   const bool reclaimable = !n.in_use && std::none_of(n.entries.begin(), n.entries.end(), [&](const prefix_entry* e) {
     return n.windowed ? e->w_in_use != 0 : e->pinned;
   });
-  if (reclaimable == n.reclaimable) return;
-  n.reclaimable = reclaimable;
-  if (reclaimable)
-    ++reclaimable_;
-  else
-    --reclaimable_;
+  set_counted(n.reclaimable, reclaimable, reclaimable_);
 }
 
 void prefix_index::entry_in_use(prefix_entry& e) noexcept {
