@@ -12,19 +12,6 @@
 
 GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
-namespace {
-
-/// Sets `flag` to `value`, keeping `count` (of the flags set) in step.
-void set_counted(bool& flag, bool value, std::size_t& count) noexcept {
-  if (value == flag) return;
-  flag = value;
-  if (value)
-    ++count;
-  else
-    --count;
-}
-
-}  // namespace
 
 prefix_index::prefix_index(const kv_model_layout& layout, const kv_cache_config& config, element_codec codec,
                            ref_ptr<block_pool> pool, std::string model, std::shared_ptr<kv_block_store> store,
@@ -73,13 +60,7 @@ std::size_t prefix_index::valid_run(std::span<const kv_block_hash> hashes, std::
   // The run's last entry, then its parents: one lookup in all.
   prefix_entry* e = run == 0 ? nullptr : entries_.find(hashes[run - 1])->second.get();
   for (std::size_t i = run; i-- > 0; e = e->parent) chain[i] = e;
-  // The rule looks at windowed layers only: a full layer's blocks are
-  // there up to the first entry revived empty.
-  std::size_t whole = run;
-  if (lacking_full_ != 0)
-    whole = static_cast<std::size_t>(
-        std::find_if(chain.begin(), chain.end(), [](const prefix_entry* c) { return c->lacks_full; }) - chain.begin());
-  return rule_.longest(whole, [&](std::size_t l, std::size_t j) { return chain[j]->nodes[l] != nullptr; });
+  return rule_.longest(run, [&](std::size_t l, std::size_t j) { return chain[j]->nodes[l] != nullptr; });
 }
 
 std::size_t prefix_index::match(std::span<const kv_block_hash> hashes) const {
@@ -88,7 +69,7 @@ std::size_t prefix_index::match(std::span<const kv_block_hash> hashes) const {
   if (rule_.windowed()) chain.reserve(hashes.size());  // a full layout's run needs none
   {
     std::lock_guard lock(mutex_);
-    found = rule_.windowed() || lacking_full_ != 0 ? valid_run(hashes, chain) : cached_run(hashes);
+    found = rule_.windowed() ? valid_run(hashes, chain) : cached_run(hashes);
   }
   queries_.fetch_add(1, std::memory_order_relaxed);
   query_tokens_.fetch_add(hashes.size() * config_.block_tokens, std::memory_order_relaxed);
@@ -152,8 +133,11 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   std::lock_guard lock(mutex_);
   // Ancestors evicted meanwhile (a tracked sequence's, whose windows let go
   // of them) come back holding nothing, so the index stays prefix-closed.
+  // Only where every layer is windowed: a full layer's block is never null,
+  // and only the caller could give it (its entry went with clear(), say).
   std::size_t start = first;
   while (start > 0 && !entries_.contains(chain[start - 1])) --start;
+  if (start < first && !rule_.all_windowed()) return 0;
   prefix_entry* const parent = start == 0 ? nullptr : entries_.find(chain[start - 1])->second.get();
   created.reserve(first - start + n);
   revived.reserve(first - start);
@@ -248,7 +232,6 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
       ++e.in_use;
       if (nd->windowed) ++e.windowed_held;
     }
-    refresh_lacks_full(e);
     e.w_in_use = e.windowed_held;
     if (e.in_use == 0) entry_idle(e);  // hollow: its child follows at once
     refresh_pin(&e);
@@ -267,17 +250,14 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
       retain(*at[i], retention->at(first + i), now);  // a re-insert takes the new priority
     }
   }
-  for (const fill& f : fills) {  // a windowed layer's block, or a full layer's of an entry revived empty
+  for (const fill& f : fills) {  // a windowed layer's block (a full layer's is never null)
     prefix_entry& e = *f.e;
     e.nodes[f.layer] = f.node;
+    ++e.windowed_held;
     if (e.in_use++ == 0) entry_in_use(e);
-    if (f.node->windowed) {
-      ++e.windowed_held;
-      ++e.w_in_use;
-      window_use_changed(e);
-    }
+    ++e.w_in_use;
+    window_use_changed(e);
     refresh_pin(&e);
-    refresh_lacks_full(e);
   }
   // A windowed part is used again only where the caller holds it too (an
   // attached sequence's windowed layers hold the blocks its window read).
@@ -292,12 +272,6 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   inserted_.fetch_add(created.size(), std::memory_order_relaxed);
   publish_counts();
   return created.size();
-}
-
-void prefix_index::refresh_lacks_full(prefix_entry& e) noexcept {
-  bool lacks = false;
-  for (std::size_t l = 0; l < num_layers_ && !lacks; ++l) lacks = !e.nodes[l] && !rule_.layer_windowed(l);
-  set_counted(e.lacks_full, lacks, lacking_full_);
 }
 
 void prefix_index::touch(prefix_entry& e) noexcept {
@@ -402,7 +376,12 @@ void prefix_index::refresh_node(prefix_node& n) noexcept {
   const bool reclaimable = !n.in_use && std::none_of(n.entries.begin(), n.entries.end(), [&](const prefix_entry* e) {
     return n.windowed ? e->w_in_use != 0 : e->pinned;
   });
-  set_counted(n.reclaimable, reclaimable, reclaimable_);
+  if (reclaimable == n.reclaimable) return;
+  n.reclaimable = reclaimable;
+  if (reclaimable)
+    ++reclaimable_;
+  else
+    --reclaimable_;
 }
 
 void prefix_index::entry_in_use(prefix_entry& e) noexcept {
@@ -514,7 +493,6 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   if (e.in_use == 0) --idle_entries_;
   if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
   if (e.expires) expiry_.erase(std::pair{e.deadline->at, &e});
-  if (e.lacks_full) --lacking_full_;
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l]) detach_node(e, l);
   entries_.erase(hash);  // destroys e
@@ -624,7 +602,7 @@ void prefix_index::clear() noexcept {
     for (auto& [blk, node] : nodes_) blk->drop_cached();
     nodes_.clear();
     entries_.clear();
-    idle_nodes_ = idle_entries_ = reclaimable_ = lacking_full_ = 0;
+    idle_nodes_ = idle_entries_ = reclaimable_ = 0;
     emit(kv_prefix_event::kind::cleared, {}, nullptr);
     publish_counts();
   }

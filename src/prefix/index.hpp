@@ -9,13 +9,11 @@
 //   same prefix) is cached while it is; `children` counts the cached
 //   entries whose parent it is.
 // - An entry holds one node per layer, or none (null) for a windowed layer
-//   (rule_): `windowed_held` counts those of windowed layers. A full
-//   layer's node is null only in an ancestor an insert revived empty (its
-//   entry was evicted or cleared while a tracked sequence went on):
-//   `lacks_full` says which, lacking_full_ counts them, and no match reads
-//   past one (valid_run). An entry holding no node (hollow: revived, or
-//   every layer windowed, none held) has a child: the last child's removal
-//   removes it.
+//   (rule_): `windowed_held` counts those of windowed layers; a full
+//   layer's node is never null (so an insert revives missing ancestors
+//   only where every layer is windowed). An entry holding no node (hollow:
+//   every layer windowed, none held) has a child: the last child's
+//   removal removes it.
 // - nodes_ holds one node per distinct block some entry references, with
 //   the entries that do; the block carries block::cached_bit exactly while
 //   its node exists.
@@ -129,7 +127,6 @@ struct prefix_entry {
   std::uint8_t after = kv_retention::default_value;     // its priority once `deadline` has passed
   bool expires = false;             // its priority has a duration: in expiry_ by deadline->at
   bool in_store = false;            // fetched from the store or handed to it: nothing puts it again
-  bool lacks_full = false;          // a full layer's node is null (revived empty): matches stop before it
   std::vector<prefix_node*> nodes;  // one per layer, null where a windowed layer holds none
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
   // A layout's windows (what an attach of a full layout never reads, last):
@@ -275,7 +272,9 @@ class prefix_index final : public reclaimer {
   /// by the caller throughout) for `chain[first + i]`; an existing one
   /// takes the windowed blocks it lacks, and becomes the most recently
   /// used. `chain` is the prefix's hashes from block 0: ancestors evicted
-  /// meanwhile come back as entries holding nothing. Each entry of
+  /// meanwhile come back as entries holding nothing where every layer is
+  /// windowed; with a full layer, whose blocks only the caller could
+  /// give, nothing is inserted then (returns 0). Each entry of
   /// `chain[i]`, added or not (ancestors revived too), takes
   /// `retention->at(i)`; null (a store's entries): those added take the
   /// default priority, the others keep theirs. Returns the entries
@@ -315,14 +314,11 @@ class prefix_index final : public reclaimer {
  private:
   /// The cached run of `hashes` from block 0, in blocks (under mutex_).
   std::size_t cached_run(std::span<const kv_block_hash> hashes) const noexcept;
-  /// The longest match of `hashes` (under mutex_): the rule over the cached
-  /// run up to its first entry lacking a full layer's block; its entries in
-  /// `chain` (resized to the cached run). Throws std::bad_alloc.
+  /// The longest match of `hashes` (under mutex_); its entries in `chain`
+  /// (resized to the cached run). Throws std::bad_alloc.
   std::size_t valid_run(std::span<const kv_block_hash> hashes, std::vector<prefix_entry*>& chain) const;
   /// Marks `e` used now (its eviction order).
   void touch(prefix_entry& e) noexcept;
-  /// Recomputes `e.lacks_full` from its nodes, and lacking_full_.
-  void refresh_lacks_full(prefix_entry& e) noexcept;
   /// Gives `e` priority `p`, moving it in the eviction sets it is in.
   void set_priority(prefix_entry& e, std::uint8_t p) noexcept;
   /// Gives `e` what an insert at `now` with `r` gives it: the priority,
@@ -396,7 +392,6 @@ class prefix_index final : public reclaimer {
   std::size_t idle_nodes_ = 0;
   std::size_t idle_entries_ = 0;
   std::size_t reclaimable_ = 0;
-  std::size_t lacking_full_ = 0;  // entries with lacks_full
   kv_prefix_event_handler handler_;
   std::uint64_t event_sequence_ = 0;
   std::vector<const std::byte*> halves_;  // a write-back's, two per layer: eviction allocates no room for them

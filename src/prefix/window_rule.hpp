@@ -33,6 +33,11 @@ class window_rule {
   std::size_t num_layers() const noexcept { return layout_.num_layers(); }
   /// True when some layer has a window (the rule is then not the plain run).
   bool windowed() const noexcept { return !classes_.empty(); }
+  /// True when every layer has a window (an entry may then hold no block).
+  bool all_windowed() const noexcept {
+    return std::all_of(layout_.layers.begin(), layout_.layers.end(),
+                       [](const kv_layer_layout& w) { return w.window != 0; });
+  }
   bool layer_windowed(std::size_t l) const noexcept { return layout_.layers[l].window != 0; }
 
   /// Where the blocks past its sinks that windowed layer `l` needs for a

@@ -222,11 +222,11 @@ TEST_CASE("track caches every block as it fills, before the window drops it", "[
   CHECK(f.cache.match(w) == 24);
 }
 
-TEST_CASE("track after clear(): ancestors come back holding nothing, and no match reads past them",
+TEST_CASE("track after clear(): with a full layer nothing goes in past the gap, and no match reads past it",
           "[prefix][layouts]") {
   // A full layout and a hybrid one: clear() drops entries a tracked
-  // sequence still uses; its next blocks go in after ancestors revived
-  // empty, which hold no full layer's block: a match stops before them.
+  // sequence still uses; its next blocks would need ancestors holding no
+  // full layer's block: they are not inserted, and nothing matches.
   for (const kv_model_layout& layout : {kv_model_layout::full(2), hybrid_layout()}) {
     INFO(layout);
     layout_fixture f(layout);
@@ -237,16 +237,31 @@ TEST_CASE("track after clear(): ancestors come back holding nothing, and no matc
     CHECK(f.cache.match(t) == 8);
     f.cache.clear();
     REQUIRE(f.append(seq, std::span(t).subspan(8)) == ghostlink::error_code());
-    CHECK(f.cache.stats().cached_entries == 4);  // blocks 0 and 1 revived empty, 2 and 3 whole
+    CHECK(f.cache.stats().cached_entries == 0);
     CHECK(f.cache.match(t) == 0);
     const auto hit = f.cache.attach(f.threads, t);
     CHECK(hit.size() == 0);
-    // An insert of the whole prompt fills the empty ones: all of it matches.
-    CHECK(f.cache.insert(seq, t) == 0);
+    // An insert of the whole prompt puts the chain back: all of it matches.
+    CHECK(f.cache.insert(seq, t) == 4);
     CHECK(f.cache.match(t) == 16);
     const auto again = f.cache.attach(f.threads, t);
     CHECK(f.held_diff(again, t) == "");
   }
+  // Every layer windowed: the ancestors come back holding nothing (the
+  // windows had dropped them), and a match that needs only the window's
+  // blocks still finds them.
+  layout_fixture f(kv_model_layout::sliding(2, 8));
+  const auto t = run(10, 16);
+  const auto seq = f.make();
+  f.cache.track(seq);
+  REQUIRE(f.append(seq, first(t, 8)) == ghostlink::error_code());
+  f.cache.clear();
+  REQUIRE(f.append(seq, std::span(t).subspan(8)) == ghostlink::error_code());
+  CHECK(f.cache.stats().cached_entries == 4);  // blocks 0 and 1 revived empty, 2 and 3 whole
+  CHECK(f.cache.match(t) == 16);               // the window at 16 reads blocks 2 and 3 only
+  CHECK(f.cache.match(first(t, 12)) == 0);     // 12 needs block 1's
+  const auto hit = f.cache.attach(f.threads, t);
+  CHECK(f.held_diff(hit, t) == "");
 }
 
 TEST_CASE("track: a token without an id stops it; refusals are insert's; a tracked fork is not", "[prefix][layouts]") {
