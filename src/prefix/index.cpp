@@ -165,10 +165,10 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   };
   // The expiry node of chain[i]'s entry `e`, if its retention has a duration.
   auto timed_at = [&](prefix_entry& e, std::size_t i) {
-    if (!timed || e.expires || retention->at(i).duration.count() == 0) return;
-    if (!e.deadline) e.deadline = std::make_unique<entry_deadline>();
-    if (e.deadline->node.empty())
-      e.deadline->node = expiry_.extract(expiry_.emplace(std::chrono::steady_clock::time_point{}, &e).first);
+    if (!timed || e.deadline || retention->at(i).duration.count() == 0) return;  // a deadline keeps its node
+    expiry_set::node_type node = expiry_.extract(expiry_.emplace(std::chrono::steady_clock::time_point{}, &e).first);
+    e.deadline = std::make_unique<entry_deadline>();
+    e.deadline->node = std::move(node);
   };
   try {
     for (std::size_t i = start; i < first; ++i) {
@@ -300,18 +300,14 @@ void prefix_index::set_priority(prefix_entry& e, std::uint8_t p) noexcept {
 
 void prefix_index::retain(prefix_entry& e, const block_retention& r,
                           std::chrono::steady_clock::time_point now) noexcept {
-  if (e.expires) {
-    e.deadline->node = expiry_.extract(std::pair{e.deadline->at, &e});
-    e.expires = false;
-  }
+  if (e.expires()) e.deadline->node = expiry_.extract(std::pair{e.deadline->at, &e});
   set_priority(e, r.priority);
   if (r.duration.count() == 0) return;
-  e.after = r.after;
   entry_deadline& d = *e.deadline;  // allocated by the insert's first phase, with its node
+  d.after = r.after;
   d.at = now + r.duration;
   d.node.value() = {d.at, &e};
   expiry_.insert(std::move(d.node));
-  e.expires = true;
 }
 
 void prefix_index::expire() noexcept {
@@ -320,8 +316,7 @@ void prefix_index::expire() noexcept {
   while (!expiry_.empty() && expiry_.begin()->first <= now) {
     prefix_entry& e = *expiry_.begin()->second;
     e.deadline->node = expiry_.extract(expiry_.begin());
-    e.expires = false;
-    set_priority(e, e.after);
+    set_priority(e, e.deadline->after);
   }
 }
 
@@ -492,7 +487,7 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   if (e.in_lru()) lru_remove(e);
   if (e.in_use == 0) --idle_entries_;
   if (e.in_window_lru()) e.window_node = window_lru_.extract(std::pair{e.window_key(), &e});
-  if (e.expires) expiry_.erase(std::pair{e.deadline->at, &e});
+  if (e.expires()) expiry_.erase(std::pair{e.deadline->at, &e});
   for (std::size_t l = 0; l < num_layers_; ++l)
     if (e.nodes[l]) detach_node(e, l);
   entries_.erase(hash);  // destroys e

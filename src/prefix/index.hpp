@@ -34,10 +34,11 @@
 //   with the same allocation-free moves.
 // - An entry's priority changes only through set_priority(), which moves
 //   it in both sets. expiry_ holds exactly the entries whose priority has a
-//   duration (`expires`), ordered by deadline; each deadline is due at
-//   most once: expire() sets the entry's `after` priority and takes it out.
-//   Its set node is allocated in an insert's first phase and kept for the
-//   entry's life.
+//   duration (`expires()`: its deadline's node is in the set), ordered by
+//   deadline; each deadline is due at most once: expire() takes it out and
+//   gives the entry the deadline's `after` priority. An entry's deadline
+//   and its set node are allocated together in the first phase of the
+//   insert that first gives it a duration, and kept for its life.
 // - idle_nodes_ counts nodes that are not in use; idle_entries_ entries at 0.
 // - An entry is pinned when it is in use or has a pinned child (an idle
 //   parent of an entry in use: two requests computed the same block, one
@@ -96,7 +97,8 @@ using expiry_set = std::set<std::pair<std::chrono::steady_clock::time_point, pre
 /// path touches every entry it removes).
 struct entry_deadline {
   std::chrono::steady_clock::time_point at{};
-  expiry_set::node_type node;  // its place in expiry_ while out of it
+  std::uint8_t after = kv_retention::default_value;  // the entry's priority once `at` has passed
+  expiry_set::node_type node;                        // its place in expiry_ while out of it
 };
 
 /// The eviction order's key: the retention priority first, then the tick
@@ -124,8 +126,6 @@ struct prefix_entry {
   std::size_t pinned_children = 0;  // cached children that are pinned
   bool pinned = false;              // in use, or a pinned child: eviction cannot reach it now
   std::uint8_t priority = kv_retention::default_value;  // retention: the eviction order's first key
-  std::uint8_t after = kv_retention::default_value;     // its priority once `deadline` has passed
-  bool expires = false;             // its priority has a duration: in expiry_ by deadline->at
   bool in_store = false;            // fetched from the store or handed to it: nothing puts it again
   std::vector<prefix_node*> nodes;  // one per layer, null where a windowed layer holds none
   lru_set::node_type lru_node;      // its place in lru_ while out of it: moving in and out allocates nothing
@@ -144,6 +144,8 @@ struct prefix_entry {
   bool hollow() const noexcept {
     return std::none_of(nodes.begin(), nodes.end(), [](const prefix_node* n) { return n != nullptr; });
   }
+  /// Its priority has a duration that has not ended: its deadline's node is in expiry_.
+  bool expires() const noexcept { return deadline && deadline->node.empty(); }
   /// Its windowed part is evictable: its node is in window_lru_.
   bool in_window_lru() const noexcept { return window_node.empty(); }
 };
