@@ -8,9 +8,12 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
+#include <vector>
 #include "ghostlink/detail/flavour.hpp"
 
 #include "ghostlink/block_hash.hpp"
+#include "ghostlink/types.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 
@@ -58,6 +61,29 @@ struct kv_prefix_event {
   /// ended). A re-insert that changes a cached entry's priority emits no
   /// event. vLLM's wire format has no field for it.
   std::uint8_t priority = 35;
+  /// stored: the block's `block_tokens` token ids, valid during the call
+  /// (empty for an entry inserted without them: none so far).
+  std::span<const token_id> token_ids{};
+};
+
+/// Every entry of a prefix cache, to join its event stream from
+/// (`basic_kv_prefix_cache::dump`).
+struct kv_prefix_dump {
+  /// One cached entry: one full block of a prefix, in RAM.
+  struct entry {
+    kv_block_hash hash{};                 ///< Its block hash.
+    std::optional<kv_block_hash> parent;  ///< The previous block's, none for block 0.
+    std::vector<token_id> token_ids;      ///< Its block's `block_tokens` token ids.
+    std::uint8_t priority = 35;           ///< Its retention priority now.
+  };
+  /// The number (`kv_prefix_event::sequence`) of the last event the
+  /// cache's handler had been given when the dump began (0: none). Applying
+  /// every event numbered after it to `entries`, in order, as a mirror does
+  /// (`stored`: put the entry, `removed`: erase it if present, `cleared`:
+  /// erase all), gives the cache's entries exactly.
+  std::uint64_t sequence = 0;
+  /// The entries, in no particular order (a child may come before its parent).
+  std::vector<entry> entries;
 };
 
 /// Receives a prefix cache's events (see `basic_kv_prefix_cache::set_event_handler`).

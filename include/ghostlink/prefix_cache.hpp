@@ -440,6 +440,16 @@ class basic_kv_prefix_cache {
     detail::prefix_set_event_handler(*index_, std::move(handler));
   }
 
+  /// Every cached entry (hash, parent, token ids, priority), and the
+  /// number of the last event the handler had been given when the dump
+  /// began: what a mirror joining late starts from (see `kv_prefix_dump`).
+  /// An entry copied while events change the cache is as it was at some
+  /// moment after that event, and the events after it settle it: a mirror
+  /// applies them idempotently. Inserts and evictions wait at most for a
+  /// chunk of 512 entries to be copied, never for the whole dump.
+  /// @throws std::bad_alloc.
+  kv_prefix_dump dump() const { return detail::prefix_dump(*index_); }
+
  private:
   std::shared_ptr<detail::prefix_index> index_;
 };

@@ -240,7 +240,7 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
             per_block[b].reserve(blocks_.size());
             for (const auto& layer : blocks_) per_block[b].push_back(layer[in_ram_ + b].get());
           }
-          p->insert(std::span(hashes_).first(next_), in_ram_, per_block, nullptr, nullptr, true);
+          p->insert(std::span(hashes_).first(next_), tokens_, in_ram_, per_block, nullptr, nullptr, true);
         } catch (const std::bad_alloc&) {  // not cached for the next attach; this one has them
         }
       }

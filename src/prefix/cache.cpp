@@ -134,19 +134,20 @@ std::vector<const block*> entry_blocks(const prefix_index& p, std::span<const la
   return out;
 }
 
-std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain, std::size_t first,
-                          std::span<const std::vector<const block*>> blocks, const retention_rule& retention) {
+std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain, std::span<const token_id> tokens,
+                          std::size_t first, std::span<const std::vector<const block*>> blocks,
+                          const retention_rule& retention) {
   // An entry holding nothing at the end would match nothing (nor lead to
   // anything that does): the windows dropped it.
   while (!blocks.empty() && std::ranges::all_of(blocks.back(), [](const block* b) { return b == nullptr; }))
     blocks = blocks.first(blocks.size() - 1);
   if (blocks.empty()) return 0;
   if (!p.store() || p.store_policy() != kv_store_policy::write_through)
-    return p.insert(chain, first, blocks, &retention);
+    return p.insert(chain, tokens, first, blocks, &retention);
   std::vector<std::size_t> added;
   added.reserve(blocks.size());
   const auto handoff = p.handing();  // from marking the entries in the store until they are put
-  const std::size_t n = p.insert(chain, first, blocks, &retention, &added, true);
+  const std::size_t n = p.insert(chain, tokens, first, blocks, &retention, &added, true);
   write_through(p, chain.subspan(first), blocks, added);
   return n;
 }
@@ -188,7 +189,7 @@ std::size_t prefix_insert(prefix_index& p, const sequence_state* seq, const std:
   const std::span<const token_id> used =
       tokens ? tokens->first(blocks.size() * bt) : std::span<const token_id>(stored).first(blocks.size() * bt);
   const std::vector<kv_block_hash> h = p.hashes(used, salt);
-  return insert_blocks(p, h, 0, blocks, rule);
+  return insert_blocks(p, h, used, 0, blocks, rule);
 }
 
 void check_insertable(const prefix_index& p, const sequence_state* seq) {
@@ -232,6 +233,7 @@ kv_prefix_stats prefix_stats(const prefix_index& p) noexcept { return p.stats();
 void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler) {
   p.set_event_handler(std::move(handler));
 }
+kv_prefix_dump prefix_dump(const prefix_index& p) { return p.dump(); }
 
 }  // namespace detail
 GHOSTLINK_NAMESPACE_END

@@ -112,9 +112,9 @@ std::size_t prefix_index::take(std::span<const kv_block_hash> hashes, std::vecto
   return matched.size();
 }
 
-std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size_t first,
-                                 std::span<const std::vector<const block*>> blocks, const retention_rule* retention,
-                                 std::vector<std::size_t>* added, bool in_store) {
+std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::span<const token_id> tokens,
+                                 std::size_t first, std::span<const std::vector<const block*>> blocks,
+                                 const retention_rule* retention, std::vector<std::size_t>* added, bool in_store) {
   const std::size_t n = blocks.size();
   const bool timed = retention && retention->timed();
   const std::chrono::steady_clock::time_point now = timed ? retention_now() : std::chrono::steady_clock::time_point{};
@@ -152,12 +152,18 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
     }
     return nd;
   };
-  auto new_entry = [&](const kv_block_hash& h) -> prefix_entry& {
+  const std::size_t bt = config_.block_tokens;
+  auto new_entry = [&](std::size_t i) -> prefix_entry& {
+    const kv_block_hash& h = chain[i];
     auto it = entries_.try_emplace(h).first;
     created.push_back(h);
     it->second = std::make_unique<prefix_entry>();
     prefix_entry& e = *it->second;
     e.hash = h;
+    if (tokens.size() >= (i + 1) * bt) {
+      e.tokens = std::make_unique_for_overwrite<token_id[]>(bt);
+      std::ranges::copy(tokens.subspan(i * bt, bt), e.tokens.get());
+    }
     e.nodes.reserve(num_layers_);
     e.lru_node = lru_.extract(lru_.emplace(0, &e).first);
     e.window_node = window_lru_.extract(window_lru_.emplace(0, &e).first);
@@ -172,7 +178,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
   };
   try {
     for (std::size_t i = start; i < first; ++i) {
-      prefix_entry& e = new_entry(chain[i]);
+      prefix_entry& e = new_entry(i);
       e.nodes.assign(num_layers_, nullptr);
       revived.push_back(&e);
       timed_at(e, i);
@@ -190,7 +196,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
         }
         continue;
       }
-      prefix_entry& e = new_entry(chain[first + i]);
+      prefix_entry& e = new_entry(first + i);
       at[i] = &e;
       is_new[i] = true;
       timed_at(e, first + i);
@@ -235,7 +241,7 @@ std::size_t prefix_index::insert(std::span<const kv_block_hash> chain, std::size
     e.w_in_use = e.windowed_held;
     if (e.in_use == 0) entry_idle(e);  // hollow: its child follows at once
     refresh_pin(&e);
-    emit(kv_prefix_event::kind::stored, e.hash, p ? &p->hash : nullptr, e.priority);
+    emit(kv_prefix_event::kind::stored, e.hash, p ? &p->hash : nullptr, e.priority, e.tokens.get());
   };
   prefix_entry* prev = parent;
   for (std::size_t i = start; i < first; ++i) {
@@ -611,7 +617,7 @@ void prefix_index::publish_counts() noexcept {
 }
 
 void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent,
-                        std::uint8_t priority) noexcept {
+                        std::uint8_t priority, const token_id* tokens) noexcept {
   if (!handler_) return;
   kv_prefix_event e;
   e.what = what;
@@ -619,7 +625,46 @@ void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, c
   e.sequence = ++event_sequence_;
   e.hash = hash;
   if (parent) e.parent = *parent;
+  if (tokens) e.token_ids = std::span(tokens, config_.block_tokens);
   handler_(e);
+}
+
+kv_prefix_dump prefix_index::dump() const {
+  // Each chunk is copied under the lock, and an entry's bucket does not
+  // change until a rehash: an entry cached throughout is copied once, from
+  // the bucket it stays in; one that an event changes meanwhile is copied
+  // or not, as of some moment after `d.sequence`, and that event (after
+  // it) settles it. A rehash moves entries between buckets: the copy
+  // starts over (the sequence still holds).
+  constexpr std::size_t chunk_entries = 512;
+  kv_prefix_dump d;
+  std::size_t buckets = 0;
+  {
+    std::lock_guard lock(mutex_);
+    d.sequence = event_sequence_;
+    buckets = entries_.bucket_count();
+  }
+  const std::size_t bt = config_.block_tokens;
+  for (std::size_t b = 0; b < buckets;) {
+    std::lock_guard lock(mutex_);
+    if (entries_.bucket_count() != buckets) {
+      buckets = entries_.bucket_count();
+      b = 0;
+      d.entries.clear();
+    }
+    d.entries.reserve(d.entries.size() + std::min(entries_.size(), 2 * chunk_entries));
+    for (const std::size_t stop = d.entries.size() + chunk_entries; b < buckets && d.entries.size() < stop; ++b) {
+      for (auto it = entries_.begin(b); it != entries_.end(b); ++it) {
+        const prefix_entry& e = *it->second;
+        kv_prefix_dump::entry& out = d.entries.emplace_back();
+        out.hash = e.hash;
+        if (e.parent) out.parent = e.parent->hash;
+        if (e.tokens) out.token_ids.assign(e.tokens.get(), e.tokens.get() + bt);
+        out.priority = e.priority;
+      }
+    }
+  }
+  return d;
 }
 
 void prefix_index::set_event_handler(kv_prefix_event_handler handler) {

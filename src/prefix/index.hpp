@@ -135,6 +135,7 @@ struct prefix_entry {
   std::size_t windowed_held = 0;    // non-null nodes of windowed layers
   lru_set::node_type window_node;   // its place in window_lru_, likewise
   std::unique_ptr<entry_deadline> deadline;  // allocated for the first duration it is given, kept
+  std::unique_ptr<token_id[]> tokens;        // its block's block_tokens ids (null if its insert had none)
   /// Evictable: its node is in lru_.
   bool in_lru() const noexcept { return lru_node.empty(); }
   /// Its keys in lru_ and window_lru_.
@@ -281,10 +282,12 @@ class prefix_index final : public reclaimer {
   /// `retention->at(i)`; null (a store's entries): those added take the
   /// default priority, the others keep theirs. Returns the entries
   /// added, and appends their indices into `blocks` to `added` (if given,
-  /// with room for `blocks.size()` reserved). `in_store`: they came from
-  /// the store, or the caller hands them to it (write-through).
-  /// Throws std::bad_alloc, changing nothing.
-  std::size_t insert(std::span<const kv_block_hash> chain, std::size_t first,
+  /// with room for `blocks.size()` reserved). `tokens`: the token ids of
+  /// `chain`'s blocks from block 0, which each entry added keeps (for its
+  /// stored event and dump()); an entry past their end keeps none.
+  /// `in_store`: they came from the store, or the caller hands them to it
+  /// (write-through). Throws std::bad_alloc, changing nothing.
+  std::size_t insert(std::span<const kv_block_hash> chain, std::span<const token_id> tokens, std::size_t first,
                      std::span<const std::vector<const block*>> blocks, const retention_rule* retention,
                      std::vector<std::size_t>* added = nullptr, bool in_store = false);
   /// The entries of `hashes` (those still cached) are not in the store
@@ -306,6 +309,11 @@ class prefix_index final : public reclaimer {
   void clear() noexcept;
   kv_prefix_stats stats() const noexcept;
   void set_event_handler(kv_prefix_event_handler handler);
+  /// Every entry, as of the events after the handler's event number it
+  /// reports (see basic_kv_prefix_cache::dump): copied under mutex_ a few
+  /// buckets at a time, so that an insert waits for one chunk at most.
+  /// Throws std::bad_alloc.
+  kv_prefix_dump dump() const;
 
   // The pool's calls, under its reclaimer mutex.
   /// Evicts the least recently used evictable entry; false if none.
@@ -369,7 +377,7 @@ class prefix_index final : public reclaimer {
   /// Whether entries leaving RAM are written back.
   bool writes_back() const noexcept { return store_ && policy_ == kv_store_policy::write_back; }
   void emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent,
-            std::uint8_t priority = kv_retention::default_value) noexcept;
+            std::uint8_t priority = kv_retention::default_value, const token_id* tokens = nullptr) noexcept;
   void publish_counts() noexcept;
 
   const window_rule rule_;
@@ -424,10 +432,12 @@ void check_insertable(const prefix_index& p, const sequence_state* seq);
 std::vector<const block*> entry_blocks(const prefix_index& p, std::span<const layer_blocks> layers, std::size_t b);
 
 /// prefix_index::insert() of `blocks` for `chain[first..]` (less those at
-/// the end holding no block at all), handing the new entries to a
-/// write-through store. Returns the entries added. Throws std::bad_alloc.
-std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain, std::size_t first,
-                          std::span<const std::vector<const block*>> blocks, const retention_rule& retention = {});
+/// the end holding no block at all; `tokens` those of `chain` from block
+/// 0), handing the new entries to a write-through store. Returns the
+/// entries added. Throws std::bad_alloc.
+std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain, std::span<const token_id> tokens,
+                          std::size_t first, std::span<const std::vector<const block*>> blocks,
+                          const retention_rule& retention = {});
 
 /// What an attach returns: a sequence on `ex` of `blocks` (`blocks[l]`
 /// layer l's, in block order, null where a windowed layer has none),

@@ -53,35 +53,37 @@ class sequence_tracker final : public fill_observer {
       layers_.clear();
       for (std::size_t l = 0; l < n; ++l) layers_.push_back(group.working(l).blocks());
       const layer_blocks ids = group.working(n).blocks();
-      tokens_.resize(bt_);
       std::vector<std::vector<const block*>> blocks;
       blocks.reserve(full - first);
       for (std::size_t b = first; b < full; ++b) {
-        for (std::size_t i = 0; i < bt_; ++i) tokens_[i] = ids.stored_id(b * bt_ + i);
+        tokens_.resize((b + 1) * bt_);
+        const std::span<token_id> block_ids = std::span(tokens_).subspan(b * bt_);
+        for (std::size_t i = 0; i < bt_; ++i) block_ids[i] = ids.stored_id(b * bt_ + i);
         // A token stored without its id, or a full layer's zero block: no
         // entry for it, nor for what follows, until a truncate cuts it.
-        if (std::ranges::find(tokens_, no_token_id) != tokens_.end()) break;
+        if (std::ranges::find(block_ids, no_token_id) != block_ids.end()) break;
         std::vector<const block*> per_layer = entry_blocks(*p, layers_, b);
         if (per_layer.empty()) break;
         hashes_.push_back(
-            prefix_index::next_hash(hashes_.empty() ? p->root(salt_) : hashes_.back(), tokens_, scratch_));
+            prefix_index::next_hash(hashes_.empty() ? p->root(salt_) : hashes_.back(), block_ids, scratch_));
         blocks.push_back(std::move(per_layer));
       }
+      tokens_.resize(hashes_.size() * bt_);
       if (blocks.empty()) {
-        hashes_.resize(first);
+        cut(first);
         return;
       }
-      insert_blocks(*p, hashes_, first, blocks, retention_);
+      insert_blocks(*p, hashes_, tokens_, first, blocks, retention_);
       done_ = first + blocks.size();
     } catch (const std::bad_alloc&) {
       // Not cached: the next drain that fills a block tries from here again.
-      hashes_.resize(first);
+      cut(first);
     }
   }
 
   void truncated(std::size_t size) noexcept override {
     done_ = std::min(done_, size / bt_);
-    hashes_.resize(done_);
+    cut(done_);
   }
 
  private:
@@ -89,12 +91,18 @@ class sequence_tracker final : public fill_observer {
   const std::string salt_;
   const retention_rule retention_;  // by the blocks' positions in the sequence
   const std::size_t bt_;
+  /// Keeps blocks [0, n) (none grows: no allocation).
+  void cut(std::size_t n) noexcept {
+    hashes_.resize(std::min(hashes_.size(), n));
+    tokens_.resize(std::min(tokens_.size(), n * bt_));
+  }
+
   std::vector<kv_block_hash> hashes_;  // blocks [0, done_)
+  std::vector<token_id> tokens_;       // their ids, block_tokens a block
   std::size_t done_ = 0;
   // Scratch of filled(), kept so that a decode step's drain allocates none
   // of them again.
   std::vector<layer_blocks> layers_;
-  std::vector<token_id> tokens_;
   std::vector<std::uint8_t> scratch_;
 };
 

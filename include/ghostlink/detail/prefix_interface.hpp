@@ -54,6 +54,7 @@ void prefix_untrack(const sequence_state* seq) noexcept;
 void prefix_clear(prefix_index& p) noexcept;
 kv_prefix_stats prefix_stats(const prefix_index& p) noexcept;
 void prefix_set_event_handler(prefix_index& p, kv_prefix_event_handler handler);
+kv_prefix_dump prefix_dump(const prefix_index& p);
 /// Wakes an attach that waits on its store when its handler's cancellation
 /// slot is emitted (src/prefix/attach.cpp).
 class attach_wakeup;

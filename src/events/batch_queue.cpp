@@ -1,0 +1,96 @@
+#include "events/batch_queue.hpp"
+
+#include <new>
+#include <utility>
+#include "ghostlink/detail/flavour.hpp"
+
+GHOSTLINK_NAMESPACE_BEGIN
+namespace detail {
+
+bool batch_queue::push(const kv_prefix_event& e) noexcept {
+  std::lock_guard lock(mutex_);
+  const bool was_empty = batches_.empty();
+  if (queued_ < max_events_) {
+    try {
+      if (!open_ || batches_.back().lost || batches_.back().events.size() >= max_batch_) {
+        queued_batch& b = batches_.emplace_back();
+        b.seq = next_seq_++;
+        b.first_event = b.last_event = e.sequence;
+        open_ = true;
+        add_span(b.seq, e.sequence);
+      }
+      queued_batch& b = batches_.back();
+      wire_event w{e.what, e.hash, e.parent, b.tokens.size(), e.token_ids.size()};
+      b.tokens.insert(b.tokens.end(), e.token_ids.begin(), e.token_ids.end());
+      try {
+        b.events.push_back(w);
+      } catch (const std::bad_alloc&) {
+        b.tokens.resize(w.tokens_at);
+        throw;
+      }
+      b.last_event = e.sequence;
+      if (!spans_.empty() && spans_.back().seq == b.seq) spans_.back().last_event = e.sequence;
+      ++queued_;
+      return was_empty;
+    } catch (const std::bad_alloc&) {
+      // A batch opened for it alone stays empty: it becomes the lost one.
+      if (open_ && batches_.back().events.empty()) batches_.back().lost = true;
+    }
+  }
+  ++dropped_;
+  if (open_ && batches_.back().lost) {
+    batches_.back().last_event = e.sequence;
+    if (!spans_.empty() && spans_.back().seq == batches_.back().seq) spans_.back().last_event = e.sequence;
+    return was_empty;
+  }
+  // A new lost batch: its number is taken even if memory is refused for
+  // its record, so the gap shows all the same.
+  const std::uint64_t seq = next_seq_++;
+  open_ = false;
+  try {
+    queued_batch& b = batches_.emplace_back();
+    b.seq = seq;
+    b.first_event = b.last_event = e.sequence;
+    b.lost = true;
+    open_ = true;
+  } catch (const std::bad_alloc&) {
+  }
+  add_span(seq, e.sequence);
+  return was_empty;
+}
+
+void batch_queue::add_span(std::uint64_t seq, std::uint64_t event) noexcept {
+  try {
+    spans_.push_back({seq, event, event});
+  } catch (const std::bad_alloc&) {  // unrecorded: a dump just maps past it (first_after)
+  }
+  while (spans_.size() > keep_spans_ + batches_.size()) spans_.pop_front();
+}
+
+std::deque<queued_batch> batch_queue::take() noexcept {
+  std::lock_guard lock(mutex_);
+  open_ = false;
+  queued_ = 0;
+  return std::exchange(batches_, {});
+}
+
+std::uint64_t batch_queue::first_after(std::uint64_t event) noexcept {
+  std::lock_guard lock(mutex_);
+  open_ = false;
+  for (const span& s : spans_) {
+    if (s.last_event <= event) continue;
+    // Events after `event` in batches no longer recorded: a number the
+    // replay buffer no longer holds either, which the mirror sees.
+    if (&s == &spans_.front() && s.first_event > event + 1 && s.seq > 0) return s.seq - 1;
+    return s.seq;
+  }
+  return next_seq_;
+}
+
+std::uint64_t batch_queue::dropped_events() const noexcept {
+  std::lock_guard lock(mutex_);
+  return dropped_;
+}
+
+}  // namespace detail
+GHOSTLINK_NAMESPACE_END
