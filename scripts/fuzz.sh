@@ -4,8 +4,10 @@
 #   scripts/fuzz.sh SECONDS [BUILD_DIR [TARGET]]
 #
 # BUILD_DIR defaults to build-fuzz; TARGET to fuzz_cache (the cache against
-# its model, corpus tests/fuzz/corpus), or fuzz_resp (the Redis tier's RESP
-# parser, corpus tests/fuzz/resp_corpus).
+# its model, corpus tests/fuzz/corpus), fuzz_resp (the Redis tier's RESP
+# parser, corpus tests/fuzz/resp_corpus) or fuzz_events (the KV event
+# publisher's request parser, replay buffer and batch queue, corpus
+# tests/fuzz/events_corpus).
 #
 # Clang 16 with ASan + UBSan, the library instrumented for coverage too.
 # Fuzzes a copy of the target's corpus: the committed corpus is only written
@@ -27,7 +29,8 @@ target=${3:-fuzz_cache}
 case $target in
   fuzz_cache) corpus=$root/tests/fuzz/corpus ;;
   fuzz_resp) corpus=$root/tests/fuzz/resp_corpus ;;
-  *) echo "unknown target $target (fuzz_cache or fuzz_resp)" >&2; exit 2 ;;
+  fuzz_events) corpus=$root/tests/fuzz/events_corpus ;;
+  *) echo "unknown target $target (fuzz_cache, fuzz_resp or fuzz_events)" >&2; exit 2 ;;
 esac
 
 if [[ ! -f $build/build.ninja ]]; then

@@ -62,7 +62,8 @@ bool batch_queue::push(const kv_prefix_event& e) noexcept {
 void batch_queue::add_span(std::uint64_t seq, std::uint64_t event) noexcept {
   try {
     spans_.push_back({seq, event, event});
-  } catch (const std::bad_alloc&) {  // unrecorded: a dump just maps past it (first_after)
+  } catch (const std::bad_alloc&) {  // the record starts again after it (first_after)
+    spans_.clear();
   }
   while (spans_.size() > keep_spans_ + batches_.size()) spans_.pop_front();
 }
@@ -74,16 +75,13 @@ std::deque<queued_batch> batch_queue::take() noexcept {
   return std::exchange(batches_, {});
 }
 
-std::uint64_t batch_queue::first_after(std::uint64_t event) noexcept {
+std::optional<std::uint64_t> batch_queue::first_after(std::uint64_t event) noexcept {
   std::lock_guard lock(mutex_);
   open_ = false;
-  for (const span& s : spans_) {
-    if (s.last_event <= event) continue;
-    // Events after `event` in batches no longer recorded: a number the
-    // replay buffer no longer holds either, which the mirror sees.
-    if (&s == &spans_.front() && s.first_event > event + 1 && s.seq > 0) return s.seq - 1;
-    return s.seq;
-  }
+  // The events after `event` start in a recorded batch, or none came yet.
+  if (!spans_.empty() && spans_.front().first_event > event + 1) return std::nullopt;
+  for (const span& s : spans_)
+    if (s.last_event > event) return s.seq;
   return next_seq_;
 }
 

@@ -10,8 +10,10 @@
 //   full or memory was refused), so its number is a gap on the wire.
 // - queued_ counts the events in batches_; it never exceeds max_events_.
 // - spans_ holds (number, first event, last event) of the last batches
-//   numbered, sent or lost, up to keep_spans_ of them past those queued:
-//   what maps a dump's event number to the first batch after it.
+//   numbered, sent or lost, up to keep_spans_ of them past those queued,
+//   consecutive (a span memory was refused for clears them, so the record
+//   starts again after it): what maps a dump's event number to the first
+//   batch after it.
 
 #include <cstddef>
 #include <cstdint>
@@ -63,9 +65,11 @@ class batch_queue {
   /// The first batch whose events a mirror must apply after a dump taken
   /// as of event `event` (kv_prefix_dump::sequence): every batch from it on
   /// holds only events after `event` or some it applies again, which is
-  /// harmless. Closes the open batch, so no later event joins a batch
-  /// before it.
-  std::uint64_t first_after(std::uint64_t event) noexcept;
+  /// harmless. None if the batches holding the events right after it are
+  /// no longer recorded (the dump is older than the spans kept: take
+  /// another). Closes the open batch, so no later event joins a batch
+  /// before the one returned.
+  std::optional<std::uint64_t> first_after(std::uint64_t event) noexcept;
 
   /// Events and batches dropped so far.
   std::uint64_t dropped_events() const noexcept;

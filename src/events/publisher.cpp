@@ -252,8 +252,16 @@ struct kv_event_publisher::impl {
     dump_reply r;
     r.clients = std::move(clients);
     try {
-      const kv_prefix_dump d = src.dump();
-      r.first_batch = state->queue.first_after(d.sequence);
+      // A dump that took longer than the spans kept cannot say where the
+      // batches after it start: another is taken (a few tries).
+      kv_prefix_dump d;
+      std::optional<std::uint64_t> first;
+      for (int attempt = 0; attempt < 3 && !first; ++attempt) {
+        d = src.dump();
+        first = state->queue.first_after(d.sequence);
+      }
+      if (!first) throw std::runtime_error("dump older than the batches recorded");
+      r.first_batch = *first;
       const double ts = now_seconds();
       const std::span<const kv_prefix_dump::entry> all(d.entries);
       // One chunk at least, empty for an empty cache: it carries the number.

@@ -1,7 +1,7 @@
 // KV events on the wire (include/ghostlink/event_publisher.hpp; docs/API.md,
 // "KV events on the wire"): batch numbering and overflow, the replay
 // buffer and request parser, and a publisher end to end over ipc:// with a
-// subscriber written to vLLM's protocol (tests/events/wire_client.hpp):
+// subscriber written to vLLM's protocol (examples/kv_mirror.hpp):
 // the frames and the map layout, integer hashes, gaps recovered through
 // replay, a late join from a dump of 100k entries while 2 threads insert,
 // overflow, bad requests and shutdown.
@@ -11,8 +11,9 @@
 #include "events/publisher_hooks.hpp"
 #include "events/replay.hpp"
 #include "events/wire.hpp"
-#include "events/wire_client.hpp"
 #include "testing/temp_dir.hpp"
+
+#include "../examples/kv_mirror.hpp"
 
 #include <atomic>
 #include <cstring>
@@ -22,7 +23,7 @@ namespace events_tests {
 
 using namespace ghostlink;
 using namespace ghostlink::test::prefix;
-using namespace ghostlink::test::events;
+using namespace kv_mirror;
 
 namespace {
 
@@ -98,7 +99,7 @@ TEST_CASE("events: batches are numbered as they are queued, and an overflow lose
   for (std::uint64_t n = 4; n <= 8; ++n) q.push(stored(n));
   for (std::uint64_t n = 9; n <= 11; ++n) q.push(stored(n));
   CHECK(q.dropped_events() == 3);
-  CHECK(q.first_after(8) == 5);  // batch 5 is the lost one: events 9-11
+  CHECK(q.first_after(8) == std::optional<std::uint64_t>(5));  // batch 5 is the lost one: events 9-11
   taken = q.take();
   REQUIRE(taken.size() == 4);
   CHECK(taken[3].seq == 5);
@@ -111,21 +112,31 @@ TEST_CASE("events: batches are numbered as they are queued, and an overflow lose
   CHECK_FALSE(taken[0].lost);
 
   // A dump as of event 4 (inside batch 2: events 4-5): apply from batch 2.
-  CHECK(q.first_after(4) == 2);
-  CHECK(q.first_after(5) == 3);
-  CHECK(q.first_after(12) == 7);  // nothing after it yet: the next number
-  CHECK(q.first_after(0) == 0);
+  CHECK(q.first_after(4) == std::optional<std::uint64_t>(2));
+  CHECK(q.first_after(5) == std::optional<std::uint64_t>(3));
+  CHECK(q.first_after(12) == std::optional<std::uint64_t>(7));  // nothing after it yet: the next number
+  CHECK(q.first_after(0) == std::optional<std::uint64_t>(0));
 }
 
 TEST_CASE("events: first_after closes the open batch, so no later event joins a batch before it", "[events]") {
   detail::batch_queue q(100, 10, 100);
   q.push(stored(1));
-  CHECK(q.first_after(1) == 1);
+  CHECK(q.first_after(1) == std::optional<std::uint64_t>(1));
   q.push(stored(2));  // batch 1, not batch 0
   const auto taken = q.take();
   REQUIRE(taken.size() == 2);
   CHECK(taken[0].events.size() == 1);
   CHECK(taken[1].seq == 1);
+}
+
+TEST_CASE("events: a dump older than the batches recorded maps to none (the publisher dumps again)", "[events]") {
+  detail::batch_queue q(100, 1, 2);  // spans of 2 batches kept past those queued
+  for (std::uint64_t n = 1; n <= 5; ++n) q.push(stored(n));
+  CHECK(q.take().size() == 5);
+  q.push(stored(6));
+  CHECK_FALSE(q.first_after(1));  // events 2 and 3 are in batches no longer recorded
+  CHECK(q.first_after(4) == std::optional<std::uint64_t>(4));
+  CHECK(q.first_after(6) == std::optional<std::uint64_t>(6));
 }
 
 TEST_CASE("events: the replay request parser", "[events]") {

@@ -1,8 +1,11 @@
 #pragma once
-// A subscriber of kv_event_publisher for the tests, as a router would be
-// written to vLLM's protocol: a SUB socket for the batches, a DEALER for
-// replays and dumps, and a mirror of the cache from the payloads (decoded
-// with nlohmann::json's from_msgpack). Every wait is bounded (10 s).
+// A router's view of a server's prefix cache, from its KV events as
+// kv_event_publisher sends them in vLLM v0.25.1's format (docs/API.md, "KV
+// events on the wire"): a SUB socket for the batches, a DEALER for replays
+// and dumps, and a mirror of the cache's entries from the payloads
+// (decoded with nlohmann::json's from_msgpack). follower joins from a dump
+// and keeps the mirror exact through gaps. Every wait is bounded (10 s).
+// Shared by kv_router and tests/events.
 
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
@@ -19,7 +22,12 @@
 
 #include "ghostlink/event_publisher.hpp"
 
-namespace ghostlink::test::events {
+namespace kv_mirror {
+
+using ghostlink::kv_block_hash;
+using ghostlink::kv_prefix_dump;
+using ghostlink::kv_wire_hash;
+using ghostlink::token_id;
 
 using json = nlohmann::json;
 inline constexpr std::chrono::milliseconds patience{10'000};
@@ -155,7 +163,8 @@ class wire_client {
 /// batch is gone for good.
 class follower {
  public:
-  follower(const kv_event_publisher& p) : client_(p.endpoint(), p.replay_endpoint()) {}
+  follower(const std::string& endpoint, const std::string& replay_endpoint) : client_(endpoint, replay_endpoint) {}
+  explicit follower(const ghostlink::kv_event_publisher& p) : follower(p.endpoint(), p.replay_endpoint()) {}
 
   /// Joins from a dump; false if no reply came.
   bool join() {
@@ -170,9 +179,10 @@ class follower {
     ++joins;
     return true;
   }
-  /// Applies the batches up to (about) now: false if none came within the patience.
-  bool step() {
-    const std::optional<batch> b = client_.next();
+  /// Applies the next batch (and those it lacked before it): false if none
+  /// came within `wait`.
+  bool step(std::chrono::milliseconds wait = patience) {
+    const std::optional<batch> b = client_.next(wait);
     if (!b) return false;
     return take(*b);
   }
@@ -213,4 +223,4 @@ class follower {
   std::uint64_t next_ = 0;
 };
 
-}  // namespace ghostlink::test::events
+}  // namespace kv_mirror
