@@ -48,7 +48,13 @@ int main(int argc, char** argv) {
       {"attach_from_disk", attach_from_disk},
       {"redis_store", redis_store},
       {"redis_store_tls", redis_store_tls},
-      {"attach_from_redis", attach_from_redis}};
+      {"attach_from_redis", attach_from_redis},
+#if GHOSTLINK_BENCH_EVENTS
+      {"events_insert", events_insert},
+      {"events_rate", events_rate},
+      {"dump_pause", dump_pause},
+#endif
+  };
   if (!opts.only.empty() && !scenarios.contains(opts.only)) {
     std::fprintf(stderr, "unknown scenario %s\n", opts.only.c_str());
     return 2;
@@ -91,8 +97,11 @@ int main(int argc, char** argv) {
                            "attach_from_disk",
                            "redis_store",
                            "redis_store_tls",
-                           "attach_from_redis"})
-    if (opts.only.empty() || opts.only == name) scenarios.at(name)(opts, out);
+                           "attach_from_redis",
+                           "events_insert",
+                           "events_rate",
+                           "dump_pause"})
+    if ((opts.only.empty() || opts.only == name) && scenarios.contains(name)) scenarios.at(name)(opts, out);
   std::printf("ghostlink-bench: %zu tokens x %zu heads x %zu dims, %zu-token blocks, median of %zu run(s)%s\n",
               opts.tokens, opts.heads, opts.head_dim, opts.block_tokens, opts.runs, opts.quick ? ", --quick" : "");
   out.print();

@@ -44,5 +44,10 @@ void attach_from_disk(const options& opts, report& out);
 void redis_store(const options& opts, report& out);
 void redis_store_tls(const options& opts, report& out);
 void attach_from_redis(const options& opts, report& out);
+#if GHOSTLINK_BENCH_EVENTS
+void events_insert(const options& opts, report& out);
+void events_rate(const options& opts, report& out);
+void dump_pause(const options& opts, report& out);
+#endif
 
 }  // namespace ghostlink::bench

@@ -24,7 +24,8 @@ ORDER = [
     ["sequence"],                 # sequences over many layer actors, steps
     ["persist", "store"],         # saving and loading sequences; the tiers below RAM
     ["prefix"],                   # the prefix cache: hashes, index, attach
-    ["attend", "metrics", "testing"],  # top: the kernel, the exposition, test hooks
+    ["attend", "metrics", "testing", "events"],  # top: the kernel, the exposition, test hooks,
+                                                 # ghostlink-events (a library of its own)
 ]
 RANK = {folder: rank for rank, folders in enumerate(ORDER) for folder in folders}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

@@ -7,6 +7,7 @@
 /// `ghostlink::events`), which needs libzmq. docs/API.md, "KV events on the
 /// wire", gives every frame and field.
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -55,6 +56,10 @@ struct kv_event_publisher_options {
   std::size_t max_queued_events = 100'000;
   /// Events in one batch at most.
   std::size_t max_batch_events = 1'024;
+  /// A batch is sent at most this often: the events of an interval go in
+  /// one batch (or several of `max_batch_events`), so a busy cache sends
+  /// fewer, fuller batches. 0: each batch as soon as the thread is free.
+  std::chrono::milliseconds batch_interval{1};
   /// The PUB socket's send high-water mark per subscriber, in messages
   /// (vLLM's `hwm`): a subscriber further behind misses batches (ZeroMQ
   /// drops them), which it sees as a gap.

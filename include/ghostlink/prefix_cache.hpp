@@ -446,7 +446,7 @@ class basic_kv_prefix_cache {
   /// An entry copied while events change the cache is as it was at some
   /// moment after that event, and the events after it settle it: a mirror
   /// applies them idempotently. Inserts and evictions wait at most for a
-  /// chunk of 512 entries to be copied, never for the whole dump.
+  /// chunk of 256 entries to be copied, never for the whole dump.
   /// @throws std::bad_alloc.
   kv_prefix_dump dump() const { return detail::prefix_dump(*index_); }
 

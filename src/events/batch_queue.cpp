@@ -85,6 +85,11 @@ std::optional<std::uint64_t> batch_queue::first_after(std::uint64_t event) noexc
   return next_seq_;
 }
 
+bool batch_queue::empty() const noexcept {
+  std::lock_guard lock(mutex_);
+  return batches_.empty();
+}
+
 std::uint64_t batch_queue::dropped_events() const noexcept {
   std::lock_guard lock(mutex_);
   return dropped_;

@@ -71,6 +71,8 @@ class batch_queue {
   /// before the one returned.
   std::optional<std::uint64_t> first_after(std::uint64_t event) noexcept;
 
+  /// No batch is queued.
+  bool empty() const noexcept;
   /// Events and batches dropped so far.
   std::uint64_t dropped_events() const noexcept;
 

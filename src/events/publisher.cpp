@@ -2,7 +2,8 @@
 //
 // Threads: the cache's handler (any thread, one call at a time, under the
 // cache's lock) only queues into handler_state::queue and, when the queue
-// was empty, writes a byte to the wake pipe. The publisher's thread owns
+// was empty and the publisher's thread sleeps, writes a byte to the wake
+// pipe. The publisher's thread owns
 // both sockets: it waits on the pipe and the ROUTER socket, sends the
 // queued batches, keeps them for replay and answers requests. A dump runs
 // on a thread of its own (the cache copies its entries a chunk at a time
@@ -60,6 +61,7 @@ struct handler_state {
       : queue(max_events, max_batch, keep_spans) {}
   detail::batch_queue queue;
   std::atomic<int> wake_fd{-1};
+  std::atomic<bool> sleeping{false};  // the publisher's thread waits for a wake
 
   void wake() const noexcept {
     const int fd = wake_fd.load(std::memory_order_acquire);
@@ -131,20 +133,48 @@ struct kv_event_publisher::impl {
   void run() noexcept {
     std::vector<zmq::pollitem_t> items{{nullptr, wake_read, ZMQ_POLLIN, 0}};
     if (router) items.push_back({router.handle(), 0, ZMQ_POLLIN, 0});
+    auto next_take = std::chrono::steady_clock::now();
     for (;;) {
-      try {
-        zmq::poll(items);
-      } catch (const zmq::error_t&) {  // EINTR: look again
-      }
-      char buf[256];
-      while (::read(wake_read, buf, sizeof buf) > 0) {
+      wait_for_work(items);
+      // A batch gathers until `batch_interval` after the last was taken:
+      // under load, fewer and fuller batches; requests answered meanwhile.
+      for (auto now = std::chrono::steady_clock::now(); now < next_take && !stop.load(std::memory_order_acquire);
+           now = std::chrono::steady_clock::now()) {
+        poll(items, std::chrono::ceil<std::chrono::milliseconds>(next_take - now));
+        if (router) serve_requests();
       }
       const bool stopping = stop.load(std::memory_order_acquire);
-      if (!held.load(std::memory_order_acquire) || stopping) publish_queued();
+      if (!held.load(std::memory_order_acquire) || stopping) {
+        publish_queued();
+        next_take = std::chrono::steady_clock::now() + options.batch_interval;
+      }
       send_dumps();
       if (router) serve_requests();
       if (stopping) return;
     }
+  }
+
+  /// Waits on the pipe and the ROUTER socket, then empties the pipe.
+  void poll(std::vector<zmq::pollitem_t>& items, std::chrono::milliseconds timeout) noexcept {
+    try {
+      zmq::poll(items, timeout);
+    } catch (const zmq::error_t&) {  // EINTR: the caller looks again
+    }
+    char buf[256];
+    while (::read(wake_read, buf, sizeof buf) > 0) {
+    }
+  }
+
+  /// Returns at once if events are queued (and not held), else sleeps
+  /// until woken: the handler writes to the pipe only while this sleeps
+  /// (`sleeping`), so that a busy publisher costs an insert no system call.
+  void wait_for_work(std::vector<zmq::pollitem_t>& items) noexcept {
+    state->sleeping.store(true);
+    // After the store: an event queued from here on finds `sleeping` set.
+    const bool work =
+        stop.load(std::memory_order_acquire) || (!held.load(std::memory_order_acquire) && !state->queue.empty());
+    if (!work) poll(items, std::chrono::milliseconds(-1));
+    state->sleeping.store(false);
   }
 
   void publish_queued() noexcept {
@@ -339,7 +369,7 @@ kv_event_publisher::kv_event_publisher(source cache, kv_event_publisher_options 
   impl_->thread = std::thread([p = impl_.get()] { p->run(); });
   try {
     impl_->src.set_handler([state = impl_->state](const kv_prefix_event& e) {
-      if (state->queue.push(e)) state->wake();
+      if (state->queue.push(e) && state->sleeping.exchange(false)) state->wake();
     });
   } catch (...) {
     impl_->stop.store(true, std::memory_order_release);
