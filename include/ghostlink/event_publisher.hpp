@@ -49,8 +49,10 @@ struct kv_event_publisher_options {
   std::string replay_endpoint{};
   /// The first frame of every published message (vLLM's `topic`).
   std::string topic{};
-  /// The batches kept for replay (vLLM's `buffer_steps`).
+  /// The batches kept for replay (vLLM's `buffer_steps`)...
   std::size_t buffer_steps = 10'000;
+  /// ... and their payload bytes at most (the newest batch always kept).
+  std::size_t buffer_bytes = std::size_t{256} << 20;
   /// Events queued for the publishing thread at most; an event past it is
   /// dropped, and its batch's number with it: a gap every subscriber sees.
   std::size_t max_queued_events = 100'000;

@@ -87,7 +87,7 @@ struct kv_event_publisher::impl {
         options(std::move(o)),
         state(
             std::make_shared<handler_state>(options.max_queued_events, options.max_batch_events, options.buffer_steps)),
-        replay(options.buffer_steps) {
+        replay(options.buffer_steps, options.buffer_bytes) {
     format.hashes = options.hashes;
     format.medium = options.medium;
     format.block_size = src.block_tokens;

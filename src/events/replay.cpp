@@ -24,8 +24,14 @@ std::optional<replay_request> parse_replay_request(std::span<const std::span<con
 
 void replay_buffer::push(std::uint64_t seq, std::shared_ptr<const std::string> payload) {
   if (capacity_ == 0) return;
+  const std::size_t n = payload ? payload->size() : 0;
   batches_.push_back({seq, std::move(payload)});
-  if (size() > capacity_) batches_[head_++].payload.reset();
+  bytes_ += n;
+  while (size() > capacity_ || (bytes_ > max_bytes_ && size() > 1)) {
+    batch& oldest = batches_[head_++];
+    bytes_ -= oldest.payload ? oldest.payload->size() : 0;
+    oldest.payload.reset();
+  }
   if (head_ >= capacity_) {
     batches_.erase(batches_.begin(), batches_.begin() + static_cast<std::ptrdiff_t>(head_));
     head_ = 0;

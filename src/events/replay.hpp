@@ -36,7 +36,8 @@ inline constexpr std::string_view dump_request_body = "dump";
 /// reply's envelope would be a guess), as vLLM's publisher does.
 std::optional<replay_request> parse_replay_request(std::span<const std::span<const std::byte>> frames) noexcept;
 
-/// The last `capacity` batches sent, by number (increasing, with gaps
+/// The last batches sent, up to `capacity` of them and `max_bytes` of
+/// payload (the newest always kept), by number (increasing, with gaps
 /// where batches were lost), their payloads shared with replies in flight.
 class replay_buffer {
  public:
@@ -44,21 +45,25 @@ class replay_buffer {
     std::uint64_t seq;
     std::shared_ptr<const std::string> payload;
   };
-  explicit replay_buffer(std::size_t capacity) noexcept : capacity_(capacity) {}
+  replay_buffer(std::size_t capacity, std::size_t max_bytes = SIZE_MAX) noexcept
+      : capacity_(capacity), max_bytes_(max_bytes) {}
   /// Keeps batch `seq` (later than any kept), dropping the oldest past the
-  /// capacity. Throws std::bad_alloc, keeping nothing new.
+  /// capacity or the bytes. Throws std::bad_alloc, keeping nothing new.
   void push(std::uint64_t seq, std::shared_ptr<const std::string> payload);
   /// The batches numbered `start` or later, oldest first (valid until the next push).
   std::span<const batch> from(std::uint64_t start) const noexcept;
   std::size_t size() const noexcept { return batches_.size() - head_; }
+  /// The payload bytes kept.
+  std::size_t bytes() const noexcept { return bytes_; }
 
  private:
   // The kept batches are batches_[head_..]: dropping the oldest moves
   // head_, and the dropped ones are erased at once when head_ reaches the
   // capacity (amortised O(1)), so that the kept ones stay one span.
-  const std::size_t capacity_;
+  const std::size_t capacity_, max_bytes_;
   std::vector<batch> batches_;
   std::size_t head_ = 0;
+  std::size_t bytes_ = 0;  // of batches_[head_..]
 };
 
 }  // namespace detail

@@ -174,6 +174,18 @@ TEST_CASE("events: the replay buffer keeps the last batches, with gaps, in order
   CHECK(seqs(~std::uint64_t{0}).empty());
   for (std::uint64_t s = 7; s < 20; ++s) b.push(s, std::make_shared<const std::string>());
   CHECK(seqs(0) == std::vector<std::uint64_t>{17, 18, 19});
+
+  // Bounded in bytes too, the newest always kept.
+  detail::replay_buffer small(100, 10);
+  small.push(0, std::make_shared<const std::string>(4, 'a'));
+  small.push(1, std::make_shared<const std::string>(4, 'b'));
+  CHECK(small.size() == 2);
+  small.push(2, std::make_shared<const std::string>(4, 'c'));  // 12 bytes: the oldest goes
+  CHECK(small.size() == 2);
+  CHECK(small.bytes() == 8);
+  small.push(3, std::make_shared<const std::string>(50, 'd'));  // alone over the bound: kept alone
+  CHECK(small.size() == 1);
+  CHECK(small.from(0).front().seq == 3);
 }
 
 /// The events of every batch a replay from 0 gives, asked until `n` came

@@ -5,8 +5,9 @@
 // - parse_replay_request: a message [empty, body] is a request (8 bytes:
 //   a replay from their big-endian number; "dump": a dump; anything else:
 //   invalid, answered with the end alone), anything else none;
-// - replay_buffer: from(start) is exactly the last `capacity` batches
-//   pushed that are numbered `start` or later, in order;
+// - replay_buffer: from(start) is exactly the last batches pushed (as
+//   many as its capacity and its bytes allow, the newest always) that are
+//   numbered `start` or later, in order;
 // - batch_queue: the batches taken are numbered from 0 without gaps, hold
 //   the events pushed in order (a lost batch where they were dropped,
 //   counted), never more queued than the bound, and every event after a
@@ -77,21 +78,35 @@ void fuzz_parser(reader r) {
 
 void fuzz_buffer(reader r) {
   const std::size_t capacity = r.byte() % 17;
-  detail::replay_buffer b(capacity);
+  const std::uint8_t limit = r.byte();
+  const std::size_t max_bytes = limit == 0 ? SIZE_MAX : limit % 32;
+  detail::replay_buffer b(capacity, max_bytes);
   std::vector<std::uint64_t> pushed;
   std::uint64_t next = 0;
+  // The model: the last batches pushed, as many as the capacity and the
+  // bytes allow (the newest always).
+  auto kept = [&] {
+    std::size_t n = 0, bytes = 0;
+    for (std::size_t i = pushed.size(); i-- > 0 && n < capacity;) {
+      bytes += std::to_string(pushed[i]).size();
+      if (n > 0 && bytes > max_bytes) break;
+      ++n;
+    }
+    return n;
+  };
+  std::size_t keep = 0;  // kept() only shrinks from the front: once dropped, a batch stays dropped
   while (r.more()) {
     const std::uint8_t op = r.byte();
     if (op & 1) {
       next += op >> 5;  // a gap of 0-7
       b.push(next, std::make_shared<const std::string>(std::to_string(next)));
       pushed.push_back(next++);
+      keep = std::min(keep + 1, kept());
       continue;
     }
     const std::uint64_t start = op == 0xfe ? ~std::uint64_t{0} : r.byte();
     std::vector<std::uint64_t> expect;
-    const std::size_t kept = std::min(capacity, pushed.size());
-    for (std::size_t i = pushed.size() - kept; i < pushed.size(); ++i)
+    for (std::size_t i = pushed.size() - keep; i < pushed.size(); ++i)
       if (pushed[i] >= start) expect.push_back(pushed[i]);
     std::vector<std::uint64_t> seen;
     for (const detail::replay_buffer::batch& x : b.from(start)) {
@@ -99,7 +114,7 @@ void fuzz_buffer(reader r) {
       seen.push_back(x.seq);
     }
     if (seen != expect) mismatch("replay_buffer::from");
-    if (b.size() != kept) mismatch("replay_buffer::size");
+    if (b.size() != keep) mismatch("replay_buffer::size");
   }
 }
 
