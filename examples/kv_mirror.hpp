@@ -145,8 +145,8 @@ class wire_client {
       zmq::pollitem_t item{dealer_.handle(), 0, ZMQ_POLLIN, 0};
       if (zmq::poll(&item, 1, wait) == 0) return false;
       std::vector<zmq::message_t> m;
-      if (!zmq::recv_multipart(dealer_, std::back_inserter(m)) || m.size() != 3 || m[0].size() != 0) return false;
-      if (seq_of(m[1]) == ~std::uint64_t{0} && m[2].size() == 0) return true;
+      if (!zmq::recv_multipart(dealer_, std::back_inserter(m)) || m.size() != 3 || !m[0].empty()) return false;
+      if (seq_of(m[1]) == ~std::uint64_t{0} && m[2].empty()) return true;
       out.push_back({seq_of(m[1]), m[2].to_string()});
     }
   }

@@ -34,12 +34,12 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -242,6 +242,7 @@ class fleet {
                                         "--turns",  std::to_string(o.turns),
                                         "--decode", std::to_string(o.decode)};
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
     s.pid = ::fork();
@@ -419,6 +420,7 @@ run_result run(const options& o, const workload& work, policy how, const char* s
     for (server_process& s : servers)
       if (s.take_line(line)) return finish(line);
     std::vector<pollfd> fds;
+    fds.reserve(servers.size());
     for (const server_process& s : servers) fds.push_back({s.from, POLLIN, 0});
     if (::poll(fds.data(), fds.size(), 60'000) <= 0) throw std::runtime_error("kv_router: no server answered");
     for (std::size_t i = 0; i < fds.size(); ++i)

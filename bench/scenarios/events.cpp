@@ -143,7 +143,7 @@ void events_insert(const options& o, report& out) {
         sub.emplace(*publisher, false);
         wait_connected(cache, threads, pool, *sub);
       }
-      rate.values[impl] = double(prompts * tokens / block) / work.insert_all(cache);
+      rate.values[impl] = double(prompts * (tokens / block)) / work.insert_all(cache);
       sub.reset();
       publisher.reset();
       threads.join();

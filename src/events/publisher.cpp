@@ -237,8 +237,10 @@ struct kv_event_publisher::impl {
       switch (r->what) {
         case detail::replay_request::kind::replay: {
           bool whole = true;
-          for (const detail::replay_buffer::batch& b : replay.from(r->start))
-            if (!(whole = reply(client, b.seq, *b.payload))) break;
+          for (const detail::replay_buffer::batch& b : replay.from(r->start)) {
+            whole = reply(client, b.seq, *b.payload);
+            if (!whole) break;
+          }
           if (!whole || !reply(client, detail::end_of_replay, {})) {
             replies_dropped.fetch_add(1, std::memory_order_relaxed);
           } else {
@@ -325,8 +327,10 @@ struct kv_event_publisher::impl {
     for (const dump_reply& r : done) {
       for (const std::string& client : r.clients) {
         bool whole = true;
-        for (const std::string& chunk : r.chunks)
-          if (!(whole = reply(client, r.first_batch, chunk))) break;
+        for (const std::string& chunk : r.chunks) {
+          whole = reply(client, r.first_batch, chunk);
+          if (!whole) break;
+        }
         if (whole && !r.failed && reply(client, detail::end_of_replay, {})) {
           dumps_served.fetch_add(1, std::memory_order_relaxed);
         } else {

@@ -140,7 +140,7 @@ TEST_CASE("events: a dump older than the batches recorded maps to none (the publ
 }
 
 TEST_CASE("events: the replay request parser", "[events]") {
-  auto parse = [](std::vector<std::string> frames) {
+  auto parse = [](const std::vector<std::string>& frames) {
     std::vector<std::span<const std::byte>> spans;
     for (const std::string& f : frames) spans.emplace_back(reinterpret_cast<const std::byte*>(f.data()), f.size());
     return detail::parse_replay_request(spans);
