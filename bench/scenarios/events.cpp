@@ -126,6 +126,7 @@ kv_event_publisher_options ipc(const testing::temp_dir& dir) {
 
 void events_insert(const options& o, report& out) {
   const std::size_t prompts = o.quick ? 50 : 10'000, tokens = 256;
+  const std::size_t entries = prompts * tokens / block;
   out.run("events_insert", o, [&](std::map<std::string, metric>& m) {
     metric& rate = declare(m, "inserts", "entries inserted per second", "entries/s");
     for (const std::string impl : {"none", "publisher", "no_subscriber"}) {
@@ -143,7 +144,7 @@ void events_insert(const options& o, report& out) {
         sub.emplace(*publisher, false);
         wait_connected(cache, threads, pool, *sub);
       }
-      rate.values[impl] = double(prompts * (tokens / block)) / work.insert_all(cache);
+      rate.values[impl] = static_cast<double>(entries) / work.insert_all(cache);
       sub.reset();
       publisher.reset();
       threads.join();
