@@ -11,6 +11,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <deque>
 #include <future>
 #include <mutex>
 #include <string>
@@ -32,14 +33,17 @@ inline float key(std::size_t l, std::size_t position, token_id id, std::size_t l
   return static_cast<float>(l * 100000 + position * 1000 + static_cast<std::size_t>(id % 100) * 10 + lane) + tag * 1e6f;
 }
 
-/// Every event a handler got, in order.
+/// Every event a handler got, in order; a stored event's token ids (valid
+/// during the call only) are copied, and its span points at the copy.
 struct event_log {
   std::mutex mutex;
   std::vector<kv_prefix_event> events;
+  std::deque<std::vector<token_id>> token_ids;  // a deque: the spans into it stay valid
   kv_prefix_event_handler handler() {
     return [this](const kv_prefix_event& e) {
       std::lock_guard lock(mutex);
-      events.push_back(e);
+      kv_prefix_event& copy = events.emplace_back(e);
+      copy.token_ids = token_ids.emplace_back(e.token_ids.begin(), e.token_ids.end());
     };
   }
   std::size_t size() {

@@ -45,34 +45,14 @@ struct mirror {
   }
 };
 
-/// Every event, with its token ids copied (they live for the call only).
-struct copying_log {
-  struct copied {
-    kv_prefix_event event;
-    std::vector<token_id> tokens;
-  };
-  std::mutex mutex;
-  std::vector<copied> events;
-  kv_prefix_event_handler handler() {
-    return [this](const kv_prefix_event& e) {
-      std::lock_guard lock(mutex);
-      copied& c = events.emplace_back(copied{e, {e.token_ids.begin(), e.token_ids.end()}});
-      c.event.token_ids = {};
-    };
-  }
-  /// The mirror of `d` with the events after its number applied.
-  mirror replay_onto(const kv_prefix_dump& d) {
-    std::lock_guard lock(mutex);
-    mirror m(d);
-    for (copied& c : events) {
-      if (c.event.sequence <= d.sequence) continue;
-      c.event.token_ids = c.tokens;
-      m.apply(c.event);
-      c.event.token_ids = {};
-    }
-    return m;
-  }
-};
+/// The mirror of `d` with the events of `log` after its number applied.
+mirror replay_onto(event_log& log, const kv_prefix_dump& d) {
+  std::lock_guard lock(log.mutex);
+  mirror m(d);
+  for (const kv_prefix_event& e : log.events)
+    if (e.sequence > d.sequence) m.apply(e);
+  return m;
+}
 
 /// The block `b` of `ids`.
 std::vector<token_id> block_of(const std::vector<token_id>& ids, std::size_t b) {
@@ -83,7 +63,7 @@ std::vector<token_id> block_of(const std::vector<token_id>& ids, std::size_t b) 
 
 TEST_CASE("dump: every entry with its parent and token ids, and the number of the last event", "[prefix][dump]") {
   fixture<> f(1000, 2);
-  copying_log log;
+  event_log log;
   f.cache.set_event_handler(log.handler());
   CHECK(f.cache.dump().entries.empty());
   CHECK(f.cache.dump().sequence == 0);
@@ -103,7 +83,7 @@ TEST_CASE("dump: every entry with its parent and token ids, and the number of th
   for (const kv_prefix_dump::entry& e : d.entries) CHECK(e.priority == kv_retention::default_value);
 
   // The stored events carry the same token ids.
-  CHECK(log.replay_onto({}).entries == m.entries);
+  CHECK(replay_onto(log, {}).entries == m.entries);
 
   // clear(): nothing left, the cleared event counted.
   f.cache.clear();
@@ -114,7 +94,7 @@ TEST_CASE("dump: every entry with its parent and token ids, and the number of th
 
 TEST_CASE("dump: entries a tracked sequence caches carry its token ids", "[prefix][dump]") {
   fixture<> f(1000, 2);
-  copying_log log;
+  event_log log;
   f.cache.set_event_handler(log.handler());
   const auto ids = run(100, 2 * bt + 1);
   sequence_kv_cache seq = f.prefill({});
@@ -126,14 +106,14 @@ TEST_CASE("dump: entries a tracked sequence caches carry its token ids", "[prefi
   REQUIRE(m.entries.size() == 2);
   CHECK(m.entries.at(h[0]) == mirror::entry{std::nullopt, block_of(ids, 0)});
   CHECK(m.entries.at(h[1]) == mirror::entry{h[0], block_of(ids, 1)});
-  CHECK(log.replay_onto({}).entries == m.entries);
+  CHECK(replay_onto(log, {}).entries == m.entries);
 }
 
 TEST_CASE("dump: the dump and the events after its number mirror the cache while 2 threads insert and evict",
           "[prefix][dump][concurrency]") {
   // 64 blocks for 2 layers: each thread's 3-block prompts evict others' all along.
   fixture<> f(64, 2);
-  copying_log log;
+  event_log log;
   f.cache.set_event_handler(log.handler());
   std::atomic<bool> go_on{true};
   std::atomic<std::size_t> inserts{0}, failures{0};
@@ -163,11 +143,11 @@ TEST_CASE("dump: the dump and the events after its number mirror the cache while
   const kv_prefix_dump last = f.cache.dump();
   CHECK(last.sequence == log.events.size());
   const mirror truth(last);
-  CHECK(log.replay_onto({}).entries == truth.entries);
+  CHECK(replay_onto(log, {}).entries == truth.entries);
   CHECK(f.cache.stats().evicted_blocks > 0);
   for (std::size_t i = 0; i < dumps.size(); ++i) {
     INFO("dump " << i << " as of event " << dumps[i].sequence << " of " << log.events.size());
-    CHECK(log.replay_onto(dumps[i]).entries == truth.entries);
+    CHECK(replay_onto(log, dumps[i]).entries == truth.entries);
   }
 }
 
