@@ -23,8 +23,10 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -215,6 +217,26 @@ struct kv_event_publisher::impl {
     }
   }
 
+  /// Sends `n` messages, `message(i)` giving each one's number and
+  /// payload, then the end; counts the reply in `served`, or in
+  /// replies_dropped when it was cut short (no end then).
+  template <class Message>
+  void reply_all(const std::string& client, std::size_t n, Message message,
+                 std::atomic<std::uint64_t>& served) noexcept {
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto [seq, payload] = message(i);
+      if (!reply(client, seq, payload)) {
+        replies_dropped.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+    }
+    if (reply(client, detail::end_of_replay, {})) {
+      served.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      replies_dropped.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
   void serve_requests() noexcept {
     for (int served = 0; served < 1'024; ++served) {  // then publish again
       std::vector<zmq::message_t> frames;
@@ -236,16 +258,13 @@ struct kv_event_publisher::impl {
       std::string client = frames[0].to_string();
       switch (r->what) {
         case detail::replay_request::kind::replay: {
-          bool whole = true;
-          for (const detail::replay_buffer::batch& b : replay.from(r->start)) {
-            whole = reply(client, b.seq, *b.payload);
-            if (!whole) break;
-          }
-          if (!whole || !reply(client, detail::end_of_replay, {})) {
-            replies_dropped.fetch_add(1, std::memory_order_relaxed);
-          } else {
-            replays_served.fetch_add(1, std::memory_order_relaxed);
-          }
+          const std::span<const detail::replay_buffer::batch> batches = replay.from(r->start);
+          reply_all(
+              client, batches.size(),
+              [&](std::size_t i) {
+                return std::pair<std::uint64_t, std::string_view>(batches[i].seq, *batches[i].payload);
+              },
+              replays_served);
           break;
         }
         case detail::replay_request::kind::dump: start_dump(std::move(client)); break;
@@ -326,17 +345,15 @@ struct kv_event_publisher::impl {
     }
     for (const dump_reply& r : done) {
       for (const std::string& client : r.clients) {
-        bool whole = true;
-        for (const std::string& chunk : r.chunks) {
-          whole = reply(client, r.first_batch, chunk);
-          if (!whole) break;
-        }
-        if (whole && !r.failed && reply(client, detail::end_of_replay, {})) {
-          dumps_served.fetch_add(1, std::memory_order_relaxed);
-        } else {
-          if (whole) reply(client, detail::end_of_replay, {});
+        if (r.failed) {  // the end alone: the client asks again
+          reply(client, detail::end_of_replay, {});
           replies_dropped.fetch_add(1, std::memory_order_relaxed);
+          continue;
         }
+        reply_all(
+            client, r.chunks.size(),
+            [&](std::size_t i) { return std::pair<std::uint64_t, std::string_view>(r.first_batch, r.chunks[i]); },
+            dumps_served);
       }
     }
   }
