@@ -10,6 +10,7 @@ namespace detail {
 bool batch_queue::push(const kv_prefix_event& e) noexcept {
   std::lock_guard lock(mutex_);
   const bool was_empty = batches_.empty();
+  last_event_ = e.sequence;
   if (queued_ < max_events_) {
     try {
       if (!open_ || batches_.back().lost || batches_.back().events.size() >= max_batch_) {
@@ -17,7 +18,6 @@ bool batch_queue::push(const kv_prefix_event& e) noexcept {
         b.seq = next_seq_++;
         b.first_event = b.last_event = e.sequence;
         open_ = true;
-        add_span(b.seq, e.sequence);
       }
       queued_batch& b = batches_.back();
       wire_event w{e.what, e.hash, e.parent, b.tokens.size(), e.token_ids.size()};
@@ -29,7 +29,6 @@ bool batch_queue::push(const kv_prefix_event& e) noexcept {
         throw;
       }
       b.last_event = e.sequence;
-      if (!spans_.empty() && spans_.back().seq == b.seq) spans_.back().last_event = e.sequence;
       ++queued_;
       return was_empty;
     } catch (const std::bad_alloc&) {
@@ -40,7 +39,6 @@ bool batch_queue::push(const kv_prefix_event& e) noexcept {
   ++dropped_;
   if (open_ && batches_.back().lost) {
     batches_.back().last_event = e.sequence;
-    if (!spans_.empty() && spans_.back().seq == batches_.back().seq) spans_.back().last_event = e.sequence;
     return was_empty;
   }
   // A new lost batch: its number is taken even if memory is refused for
@@ -53,35 +51,42 @@ bool batch_queue::push(const kv_prefix_event& e) noexcept {
     b.first_event = b.last_event = e.sequence;
     b.lost = true;
     open_ = true;
-  } catch (const std::bad_alloc&) {
+  } catch (const std::bad_alloc&) {  // unrecorded: first_after() sees the hole
   }
-  add_span(seq, e.sequence);
   return was_empty;
-}
-
-void batch_queue::add_span(std::uint64_t seq, std::uint64_t event) noexcept {
-  try {
-    spans_.push_back({seq, event, event});
-  } catch (const std::bad_alloc&) {  // the record starts again after it (first_after)
-    spans_.clear();
-  }
-  while (spans_.size() > keep_spans_ + batches_.size()) spans_.pop_front();
 }
 
 std::deque<queued_batch> batch_queue::take() noexcept {
   std::lock_guard lock(mutex_);
   open_ = false;
   queued_ = 0;
+  for (const queued_batch& b : batches_) {
+    try {
+      spans_.push_back({b.seq, b.first_event, b.last_event});
+    } catch (const std::bad_alloc&) {  // a hole: first_after() sees it
+    }
+  }
+  while (spans_.size() > keep_spans_) spans_.pop_front();
   return std::exchange(batches_, {});
 }
 
 std::optional<std::uint64_t> batch_queue::first_after(std::uint64_t event) noexcept {
   std::lock_guard lock(mutex_);
   open_ = false;
-  // The events after `event` start in a recorded batch, or none came yet.
-  if (!spans_.empty() && spans_.front().first_event > event + 1) return std::nullopt;
+  // Every event is in some batch, in order: the first batch recorded that
+  // ends after `event` starts right after it, unless the batch between was
+  // never recorded (older than the spans kept, or memory refused).
+  const auto first = [&](std::uint64_t seq, std::uint64_t first_event,
+                         std::uint64_t last_event) -> std::optional<std::optional<std::uint64_t>> {
+    if (last_event <= event) return std::nullopt;
+    if (first_event > event + 1) return std::optional<std::uint64_t>();
+    return std::optional<std::uint64_t>(seq);
+  };
   for (const span& s : spans_)
-    if (s.last_event > event) return s.seq;
+    if (const auto r = first(s.seq, s.first_event, s.last_event)) return *r;
+  for (const queued_batch& b : batches_)
+    if (const auto r = first(b.seq, b.first_event, b.last_event)) return *r;
+  if (last_event_ > event) return std::nullopt;  // in the newest batch, unrecorded
   return next_seq_;
 }
 

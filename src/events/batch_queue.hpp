@@ -9,11 +9,11 @@
 // - A lost batch holds no event: its events were dropped (the queue was
 //   full or memory was refused), so its number is a gap on the wire.
 // - queued_ counts the events in batches_; it never exceeds max_events_.
-// - spans_ holds (number, first event, last event) of the last batches
-//   numbered, sent or lost, up to keep_spans_ of them past those queued,
-//   consecutive (a span memory was refused for clears them, so the record
-//   starts again after it): what maps a dump's event number to the first
-//   batch after it.
+// - spans_ holds (number, first event, last event) of the last
+//   keep_spans_ batches taken, sent or lost, in order (a batch memory was
+//   refused for, or its record, is a hole): with batches_, what maps a
+//   dump's event number to the first batch after it. last_event_ is the
+//   last event pushed, queued or dropped.
 
 #include <cstddef>
 #include <cstdint>
@@ -51,8 +51,8 @@ struct queued_batch {
 
 class batch_queue {
  public:
-  /// At most `max_events` queued, `max_batch` in a batch; the spans of
-  /// `keep_spans` batches kept past those queued.
+  /// At most `max_events` queued, `max_batch` in a batch; the spans of the
+  /// last `keep_spans` batches taken kept.
   batch_queue(std::size_t max_events, std::size_t max_batch, std::size_t keep_spans) noexcept
       : max_events_(max_events), max_batch_(max_batch), keep_spans_(keep_spans) {}
 
@@ -77,9 +77,6 @@ class batch_queue {
   std::uint64_t dropped_events() const noexcept;
 
  private:
-  /// Records a new batch's span (under mutex_).
-  void add_span(std::uint64_t seq, std::uint64_t event) noexcept;
-
   struct span {
     std::uint64_t seq, first_event, last_event;
   };
@@ -88,6 +85,7 @@ class batch_queue {
   std::deque<queued_batch> batches_;
   std::deque<span> spans_;
   std::uint64_t next_seq_ = 0;
+  std::uint64_t last_event_ = 0;
   std::size_t queued_ = 0;
   bool open_ = false;
   std::uint64_t dropped_ = 0;
