@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ghostlink/event_publisher.hpp"
@@ -64,14 +65,16 @@ inline std::string key_of(const kv_block_hash& h, kv_wire_hash form) {
   return std::to_string(v);
 }
 
-/// A cache's entries as a router keeps them.
+/// A cache's entries as a router keeps them: by tier (the events'
+/// `medium`: "RAM", and the store's, "FILE" or "REDIS") and hash.
 struct mirror {
   struct entry {
     std::optional<std::string> parent;
     std::vector<token_id> tokens;
     bool operator==(const entry&) const = default;
   };
-  std::map<std::string, entry> entries;
+  using key = std::pair<std::string, std::string>;  // medium, hash
+  std::map<key, entry> entries;
 
   /// Applies one payload's events (idempotently, as after a dump).
   void apply(std::string_view payload) {
@@ -83,8 +86,9 @@ struct mirror {
         continue;
       }
       const json& hashes = e.at("block_hashes");
+      const std::string medium = e.at("medium");
       if (type == "BlockRemoved") {
-        for (const json& h : hashes) entries.erase(key_of(h));
+        for (const json& h : hashes) entries.erase({medium, key_of(h)});
         continue;
       }
       const std::size_t bs = e.at("block_size");
@@ -97,18 +101,21 @@ struct mirror {
         if (tokens.size() >= (i + 1) * bs)
           t.assign(tokens.begin() + static_cast<std::ptrdiff_t>(i * bs),
                    tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bs));
-        entries[k] = {parent, std::move(t)};
+        entries[{medium, k}] = {parent, std::move(t)};
         parent = k;
       }
     }
   }
-  /// The mirror a dump of the cache itself gives.
-  static mirror of(const kv_prefix_dump& d, kv_wire_hash form) {
+  /// The mirror a dump of the cache itself gives (its store tier's medium `store`).
+  static mirror of(const kv_prefix_dump& d, kv_wire_hash form, const std::string& store = "STORE") {
     mirror m;
     for (const kv_prefix_dump::entry& e : d.entries)
-      m.entries[key_of(e.hash, form)] = {e.parent ? std::optional(key_of(*e.parent, form)) : std::nullopt, e.token_ids};
+      m.entries[{e.tier == ghostlink::kv_prefix_tier::store ? store : "RAM", key_of(e.hash, form)}] = {
+          e.parent ? std::optional(key_of(*e.parent, form)) : std::nullopt, e.token_ids};
     return m;
   }
+  /// Whether `medium` holds the entry of `hash` (key_of's).
+  bool holds(const std::string& medium, const std::string& hash) const { return entries.contains({medium, hash}); }
 };
 
 class wire_client {

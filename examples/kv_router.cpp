@@ -317,7 +317,7 @@ class hasher {
 /// The blocks of `keys` from block 0 that `view` holds.
 std::size_t cached_run(const kv_mirror::mirror& view, const std::vector<std::string>& keys) {
   std::size_t n = 0;
-  while (n < keys.size() && view.entries.contains(keys[n])) ++n;
+  while (n < keys.size() && view.holds("RAM", keys[n])) ++n;
   return n;
 }
 
@@ -409,7 +409,7 @@ run_result run(const options& o, const workload& work, policy how, const char* s
     // The router's view catches up with the insert before it routes on it.
     if (s.follow) {
       const std::vector<std::string> keys = hashes.keys(cs.tokens);
-      for (int i = 0; i < 1'000 && !keys.empty() && !s.follow->view.entries.contains(keys.back()); ++i)
+      for (int i = 0; i < 1'000 && !keys.empty() && !s.follow->view.holds("RAM", keys.back()); ++i)
         if (!s.follow->step()) break;
     }
   };

@@ -207,6 +207,9 @@ class router_mirror {
     using kind = ghostlink::kv_prefix_event::kind;
     std::lock_guard lock(mutex_);
     violations_ += e.sequence != ++sequence_;
+    // This router routes on RAM: the store tier's events (the disk's
+    // entries, with --disk) are another mirror's.
+    if (e.what != kind::cleared && e.tier != ghostlink::kv_prefix_tier::ram) return;
     switch (e.what) {
       case kind::stored: {
         ++stored_;

@@ -153,6 +153,7 @@ struct family {
 using pool_family = family<kv_pool_stats>;
 using prefix_family = family<kv_prefix_stats>;
 using store_family = family<kv_store_stats>;
+using events_family = family<kv_event_publisher_stats>;
 
 /// Each of `families` (its HELP and TYPE), then a sample of it for every
 /// source whose reading `of` gives (null: the source has none).
@@ -311,6 +312,30 @@ void write_stores(exposition& e, std::span<const kv_metrics_source> sources) {
                static_cast<double>(source.store->last_error.value()));
 }
 
+// clang-format off
+constexpr std::array events_families{
+  events_family{"ghostlink_events_published_total", "counter", "KV events sent in batches on the PUB socket.",
+    [](const kv_event_publisher_stats& s) -> number { return s.events_published; }},
+  events_family{"ghostlink_events_batches_published_total", "counter", "Event batches sent on the PUB socket.",
+    [](const kv_event_publisher_stats& s) -> number { return s.batches_published; }},
+  events_family{"ghostlink_events_dropped_total", "counter",
+    "KV events the publisher's full queue dropped: a gap every subscriber sees.",
+    [](const kv_event_publisher_stats& s) -> number { return s.events_dropped; }},
+  events_family{"ghostlink_events_batches_lost_total", "counter",
+    "Batch numbers never sent, their events dropped: the gaps subscribers replay or rejoin over.",
+    [](const kv_event_publisher_stats& s) -> number { return s.batches_lost; }},
+  events_family{"ghostlink_events_replays_served_total", "counter", "Replay requests answered.",
+    [](const kv_event_publisher_stats& s) -> number { return s.replays_served; }},
+  events_family{"ghostlink_events_dumps_served_total", "counter", "Dump requests answered.",
+    [](const kv_event_publisher_stats& s) -> number { return s.dumps_served; }},
+  events_family{"ghostlink_events_bad_requests_total", "counter", "Replay-socket messages that were not a request.",
+    [](const kv_event_publisher_stats& s) -> number { return s.bad_requests; }},
+  events_family{"ghostlink_events_replies_dropped_total", "counter",
+    "Replies cut short because the client was not reading.",
+    [](const kv_event_publisher_stats& s) -> number { return s.replies_dropped; }},
+};
+// clang-format on
+
 /// The labels of kv_prefix_stats::evictions_by_priority's bands
 /// (kv_priority_band): a fixed few, never one series per priority.
 constexpr std::array<std::string_view, 4> priority_bands{"0-24", "25-49", "50-74", "75-100"};
@@ -437,6 +462,9 @@ void write_prometheus(std::ostream& out, std::span<const kv_metrics_source> sour
   }
 
   write_stores(e, sources);
+  if (any_has(sources, &kv_metrics_source::events))
+    write_families(e, events_families, sources,
+                   [](const kv_metrics_source& s) { return s.events ? &*s.events : nullptr; });
 
   e.family("ghostlink_kv_caches", "gauge",
            "Caches (layers) the readings of the pool's ghostlink_kv_cache_* series sum.");

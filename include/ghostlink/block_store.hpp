@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "ghostlink/detail/asio_config.hpp"
@@ -30,6 +31,32 @@
 #include "ghostlink/stats.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
+
+/// What the putter of a value learns of it from a store that can tell:
+/// when the value is stored, and when the store lets it go. A prefix cache
+/// gives its values one, to report its store's entries as a tier of their
+/// own (`kv_prefix_event::tier`, and so on the wire, `kv_event_publisher`).
+///
+/// A store calls them from any of its threads (possibly under its own
+/// locks, never inside `put()` or `fetch()`), for each hash in the order
+/// the changes happened; they are quick and never call the store.
+class kv_store_receipt {
+ public:
+  kv_store_receipt() = default;
+  kv_store_receipt(const kv_store_receipt&) = delete;
+  kv_store_receipt& operator=(const kv_store_receipt&) = delete;
+  virtual ~kv_store_receipt() = default;
+
+  /// The value is stored: a `fetch()` of its hash finds it from now on
+  /// (until `removed()`). At most once.
+  virtual void stored() noexcept = 0;
+  /// The store no longer holds the value `stored()` reported: evicted, or
+  /// replaced by a later put of its hash (whose `stored()` came first). At
+  /// most once, after `stored()`. A store that cannot tell (a shared
+  /// server evicting on its own) never calls it: the putter then learns of
+  /// the loss from a `fetch()` that misses.
+  virtual void removed() noexcept = 0;
+};
 
 /// One entry as a prefix cache hands it to a store: its hash, and its bytes
 /// encoded on demand. The prefix cache makes it; the store encodes it on its
@@ -49,6 +76,10 @@ class kv_store_value {
   /// Writes its encoded bytes to `out` (of exactly `size()` bytes). Safe
   /// from any thread, any number of times.
   virtual void encode(std::span<std::byte> out) const noexcept = 0;
+  /// What the store tells of it (see `kv_store_receipt`), kept by a store
+  /// that can tell until then, after it has let go of the value itself;
+  /// null (the default): nothing to tell.
+  virtual std::shared_ptr<kv_store_receipt> receipt() const noexcept { return nullptr; }
 };
 
 /// Where a prefix cache keeps entries beyond RAM: a map from block hashes to
@@ -74,7 +105,9 @@ class kv_block_store {
   /// value stored under it. Returns at once: no I/O on the caller's thread,
   /// which may be inside an actor's drain (a write-back on eviction). A
   /// value not stored (a limit, an error) is counted, never reported: the
-  /// tier is a cache.
+  /// tier is a cache. A store that can tell calls the value's `receipt()`
+  /// as `kv_store_receipt` says; one that cannot (the default of a store
+  /// of the user's own) leaves its tier out of the prefix cache's events.
   virtual void put(std::shared_ptr<const kv_store_value> value) noexcept = 0;
 
   /// Looks up every hash of `hashes`, pipelined (all requests in flight at
@@ -88,6 +121,11 @@ class kv_block_store {
 
   /// The counters now.
   virtual kv_store_stats stats() const noexcept = 0;
+
+  /// The tier's name as a router keys on it: the `medium` of its entries'
+  /// KV events (`kv_event_publisher`). The file store's is "FILE", the
+  /// Redis store's "REDIS"; the default "STORE".
+  virtual std::string_view medium() const noexcept { return "STORE"; }
 
   /// Caps the values this store reads: a value stored larger than `bytes`
   /// is a miss, read or buffered no further than that (and a file store
@@ -166,6 +204,10 @@ class file_store_state;
 /// directory for reading; each evicts only what it knows of (its own
 /// writes, and the files found when it was made).
 ///
+/// A value's receipt (`kv_store_receipt`) is told `stored()` when its file
+/// is renamed into place, and `removed()` when this store evicts the file
+/// or a later put of its hash replaces it; the store keeps it until then.
+///
 /// Costs: a put is queued (no I/O on the caller's thread); the file I/O runs
 /// on the I/O executor, so lookups and writes of different entries overlap
 /// on its threads. A value is encoded into one buffer and written with one
@@ -188,6 +230,8 @@ class kv_file_store final : public kv_block_store {
   void put(std::shared_ptr<const kv_store_value> value) noexcept override;
   void fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) override;
   kv_store_stats stats() const noexcept override;
+  /// "FILE".
+  std::string_view medium() const noexcept override { return "FILE"; }
   /// As `kv_block_store::limit_value_size`: the cap only rises (the largest
   /// call, or `max_value_bytes`, holds). Entries indexed that are larger
   /// leave the index (they count no longer, in `entries`, `bytes` or the

@@ -20,6 +20,7 @@
 #include "ghostlink/element.hpp"
 #include "ghostlink/events.hpp"
 #include "ghostlink/prefix_cache.hpp"
+#include "ghostlink/stats.hpp"
 
 GHOSTLINK_NAMESPACE_BEGIN
 
@@ -70,20 +71,11 @@ struct kv_event_publisher_options {
   kv_wire_hash hashes = kv_wire_hash::bytes;
   /// The batch's `data_parallel_rank` (vLLM's third field).
   std::int64_t data_parallel_rank = 0;
-  /// The `medium` of the prefix cache's entries: ghostlink's RAM tier.
+  /// The `medium` of the prefix cache's entries in RAM.
   std::string medium = "RAM";
-};
-
-/// What a publisher has done, counted since it started.
-struct kv_event_publisher_stats {
-  std::uint64_t events_published = 0;  ///< Events sent in batches on the PUB socket.
-  std::uint64_t batches_published = 0; ///< Batches sent; the next one's number is this plus `batches_lost`.
-  std::uint64_t events_dropped = 0;    ///< Events the full queue (or memory refused) dropped.
-  std::uint64_t batches_lost = 0;      ///< Batch numbers never sent (their events dropped): gaps.
-  std::uint64_t replays_served = 0;    ///< Replay requests answered.
-  std::uint64_t dumps_served = 0;      ///< Dump requests answered.
-  std::uint64_t bad_requests = 0;      ///< Replay-socket messages that were not a request.
-  std::uint64_t replies_dropped = 0;   ///< Replies cut short: the client was not reading (its queue full).
+  /// The `medium` of its store tier's entries (`kv_prefix_tier::store`);
+  /// empty: its store's own (`kv_block_store::medium()`: "FILE", "REDIS").
+  std::string store_medium{};
 };
 
 /// Publishes a prefix cache's events on a ZeroMQ PUB socket, batch by
@@ -109,6 +101,7 @@ class kv_event_publisher {
   template <storage_element T>
   explicit kv_event_publisher(basic_kv_prefix_cache<T> cache, kv_event_publisher_options options = {})
       : kv_event_publisher(source{cache.config().block_tokens,
+                                  cache.store() ? std::string(cache.store()->medium()) : std::string("STORE"),
                                   [cache](kv_prefix_event_handler h) mutable { cache.set_event_handler(std::move(h)); },
                                   [cache] { return cache.dump(); }},
                            std::move(options)) {}
@@ -128,6 +121,7 @@ class kv_event_publisher {
   /// The cache, type-erased: its block size, its handler's setter, its dump.
   struct source {
     std::size_t block_tokens = 0;
+    std::string store_medium;
     std::function<void(kv_prefix_event_handler)> set_handler;
     std::function<kv_prefix_dump()> dump;
   };

@@ -43,16 +43,30 @@ struct kv_event {
 /// exception ends the process), and must not call back into the cache.
 using kv_event_handler = std::function<void(const kv_event&)>;
 
+/// Where a prefix cache's entry is: the tier an event or a dump entry is of.
+enum class kv_prefix_tier : std::uint8_t {
+  ram,    ///< In RAM: cached, an attach takes its blocks.
+  store,  ///< In the cache's block store (`kv_prefix_options::store`): an attach fetches it.
+};
+
 /// One change to a prefix cache's entries, for a consumer that mirrors them
 /// (a cache-aware router, as vLLM's KV events serve).
 struct kv_prefix_event {
   /// What happened.
   enum class kind : std::uint8_t {
-    stored,   ///< An entry was added.
-    removed,  ///< An entry was evicted.
-    cleared,  ///< `clear()` dropped every entry.
+    stored,   ///< An entry was added (to `tier`).
+    removed,  ///< An entry was evicted (from `tier`).
+    cleared,  ///< `clear()` dropped every entry, of both tiers.
   };
   kind what = kind::stored;                 ///< What happened.
+  /// stored, removed: the tier. An entry is in RAM, in the store, or in
+  /// both (a write-through entry, or one fetched back): each tier has its
+  /// own stored and removed events. The store's are the entries this
+  /// cache put there, as its store tells (`kv_store_receipt`): stored once
+  /// written, removed when the store evicts it, or when an attach's fetch
+  /// of it misses (a store that cannot tell, as a Redis server evicting on
+  /// its own). `clear()` forgets them (the store keeps its values).
+  kv_prefix_tier tier = kv_prefix_tier::ram;
   std::uint64_t sequence = 0;               ///< 1, 2, 3, ... per handler, no gaps.
   kv_block_hash hash{};                     ///< stored, removed (all zero for cleared).
   std::optional<kv_block_hash> parent;      ///< stored: the previous block's, none for block 0.
@@ -69,18 +83,21 @@ struct kv_prefix_event {
 /// Every entry of a prefix cache, to join its event stream from
 /// (`basic_kv_prefix_cache::dump`).
 struct kv_prefix_dump {
-  /// One cached entry: one full block of a prefix, in RAM.
+  /// One cached entry: one full block of a prefix, in one tier (an entry
+  /// in both is listed once for each).
   struct entry {
     kv_block_hash hash{};                 ///< Its block hash.
+    kv_prefix_tier tier = kv_prefix_tier::ram;  ///< Its tier.
     std::optional<kv_block_hash> parent;  ///< The previous block's, none for block 0.
     std::vector<token_id> token_ids;      ///< Its block's `block_tokens` token ids.
-    std::uint8_t priority = 35;           ///< Its retention priority now.
+    std::uint8_t priority = 35;           ///< Its retention priority now (the default in the store).
   };
   /// The number (`kv_prefix_event::sequence`) of the last event the
   /// cache's handler had been given when the dump began (0: none). Applying
   /// every event numbered after it to `entries`, in order, as a mirror does
   /// (`stored`: put the entry, `removed`: erase it if present, `cleared`:
-  /// erase all), gives the cache's entries exactly.
+  /// erase all; an entry keyed by its hash and tier), gives the cache's
+  /// entries exactly.
   std::uint64_t sequence = 0;
   /// The entries, in no particular order (a child may come before its parent).
   std::vector<entry> entries;

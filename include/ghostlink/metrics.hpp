@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// The counters of pools, their caches, prefix caches and their stores in the Prometheus
+/// The counters of pools, their caches, prefix caches, their stores and event publishers in the Prometheus
 /// text exposition format (version 0.0.4), for a `/metrics` endpoint.
 
 #include <optional>
@@ -37,6 +37,11 @@ struct kv_metrics_source {
   /// The counters of the prefix cache's store (`kv_block_store::stats()`),
   /// if it has one: the `ghostlink_store_*` series.
   std::optional<kv_store_stats> store{};
+  /// The counters of the prefix cache's KV-event publisher
+  /// (`kv_event_publisher::stats()`), if it has one: the
+  /// `ghostlink_events_*` series, whose drops and lost batches are the gaps
+  /// its subscribers see.
+  std::optional<kv_event_publisher_stats> events{};
 };
 
 /// Writes `sources` in the Prometheus text exposition format 0.0.4: each

@@ -212,6 +212,8 @@ class basic_kv_prefix_cache {
   const kv_cache_config& config() const noexcept { return detail::config_of(*index_); }
   /// The pool whose blocks it holds and evicts.
   kv_block_pool pool() const noexcept { return detail::pool_of(*index_); }
+  /// The tier below RAM it uses (`kv_prefix_options::store`); null: none.
+  const std::shared_ptr<kv_block_store>& store() const noexcept { return detail::store_of(*index_); }
 
   /// The hash of each full block of `tokens` under `salt`:
   /// `tokens.size() / block_tokens` of them, as defined above.
@@ -440,7 +442,8 @@ class basic_kv_prefix_cache {
     detail::prefix_set_event_handler(*index_, std::move(handler));
   }
 
-  /// Every cached entry (hash, parent, token ids, priority), and the
+  /// Every cached entry (hash, tier, parent, token ids, priority): RAM's,
+  /// then those of the store tier (see `kv_prefix_event::tier`), and the
   /// number of the last event the handler had been given when the dump
   /// began: what a mirror joining late starts from (see `kv_prefix_dump`).
   /// An entry copied while events change the cache is as it was at some

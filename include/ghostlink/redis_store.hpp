@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -235,6 +236,12 @@ class kv_redis_store final : public kv_block_store {
   void put(std::shared_ptr<const kv_store_value> value) noexcept override;
   void fetch(std::vector<kv_block_hash> hashes, fetch_handler on_value) override;
   kv_store_stats stats() const noexcept override;
+  /// "REDIS". A value's receipt (`kv_store_receipt`) is told `stored()`
+  /// when the server has replied OK to its `SET`, and never `removed()`:
+  /// the server evicts (`maxmemory`), expires (`ttl_seconds`) and takes
+  /// other clients' writes on its own, so a prefix cache learns of a loss
+  /// when a fetch misses.
+  std::string_view medium() const noexcept override { return "REDIS"; }
 
   /// The Redis key an entry is stored under: `ghostlink:v1:<hash hex>`.
   static std::string key_of(const kv_block_hash& hash);

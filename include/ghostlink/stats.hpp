@@ -116,6 +116,19 @@ struct kv_prefix_stats {
 /// (0-100) counts in: `priority / 25`, 100 in the last.
 constexpr std::size_t kv_priority_band(std::uint8_t priority) noexcept { return priority >= 75 ? 3 : priority / 25; }
 
+/// What a KV-event publisher (`kv_event_publisher`, event_publisher.hpp)
+/// has done, counted since it started.
+struct kv_event_publisher_stats {
+  std::uint64_t events_published = 0;  ///< Events sent in batches on the PUB socket.
+  std::uint64_t batches_published = 0; ///< Batches sent; the next one's number is this plus `batches_lost`.
+  std::uint64_t events_dropped = 0;    ///< Events the full queue (or memory refused) dropped.
+  std::uint64_t batches_lost = 0;      ///< Batch numbers never sent (their events dropped): gaps.
+  std::uint64_t replays_served = 0;    ///< Replay requests answered.
+  std::uint64_t dumps_served = 0;      ///< Dump requests answered.
+  std::uint64_t bad_requests = 0;      ///< Replay-socket messages that were not a request.
+  std::uint64_t replies_dropped = 0;   ///< Replies cut short: the client was not reading (its queue full).
+};
+
 /// A store's counters, each read separately: exact when the store is idle.
 struct kv_store_stats {
   std::uint64_t puts = 0;          ///< Values handed to `put()`.

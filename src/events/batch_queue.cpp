@@ -20,7 +20,7 @@ bool batch_queue::push(const kv_prefix_event& e) noexcept {
         open_ = true;
       }
       queued_batch& b = batches_.back();
-      wire_event w{e.what, e.hash, e.parent, b.tokens.size(), e.token_ids.size()};
+      wire_event w{e.what, e.tier, e.hash, e.parent, b.tokens.size(), e.token_ids.size()};
       b.tokens.insert(b.tokens.end(), e.token_ids.begin(), e.token_ids.end());
       try {
         b.events.push_back(w);

@@ -33,6 +33,7 @@ namespace detail {
 /// One event as a batch keeps it (its token ids in the batch's `tokens`).
 struct wire_event {
   kv_prefix_event::kind what = kv_prefix_event::kind::stored;
+  kv_prefix_tier tier = kv_prefix_tier::ram;
   kv_block_hash hash{};
   std::optional<kv_block_hash> parent;
   std::size_t tokens_at = 0;  // its token ids: tokens[tokens_at, tokens_at + tokens_size)

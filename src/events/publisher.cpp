@@ -92,6 +92,7 @@ struct kv_event_publisher::impl {
         replay(options.buffer_steps, options.buffer_bytes) {
     format.hashes = options.hashes;
     format.medium = options.medium;
+    format.store_medium = options.store_medium.empty() ? src.store_medium : options.store_medium;
     format.block_size = src.block_tokens;
     format.data_parallel_rank = options.data_parallel_rank;
   }

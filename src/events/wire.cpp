@@ -32,7 +32,8 @@ json wire_parent(const std::optional<kv_block_hash>& parent, kv_wire_hash form) 
 /// vLLM's BlockStored: fields without a default are always written (nil
 /// for None); those with one (extra_keys, group_idx, kv_cache_spec_kind,
 /// kv_cache_spec_sliding_window) are left out, as msgspec's omit_defaults does.
-json block_stored(json hashes, json parent, std::span<const token_id> tokens, const wire_format& f) {
+json block_stored(json hashes, json parent, std::span<const token_id> tokens, const std::string& medium,
+                  const wire_format& f) {
   json e = json::object();
   e["type"] = "BlockStored";
   e["block_hashes"] = std::move(hashes);
@@ -41,16 +42,16 @@ json block_stored(json hashes, json parent, std::span<const token_id> tokens, co
   for (const token_id t : tokens) e["token_ids"].push_back(t);
   e["block_size"] = f.block_size;
   e["lora_id"] = nullptr;
-  e["medium"] = f.medium;
+  e["medium"] = medium;
   e["lora_name"] = nullptr;
   return e;
 }
 
-json block_removed(json hashes, const wire_format& f) {
+json block_removed(json hashes, const std::string& medium) {
   json e = json::object();
   e["type"] = "BlockRemoved";
   e["block_hashes"] = std::move(hashes);
-  e["medium"] = f.medium;
+  e["medium"] = medium;
   return e;
 }
 
@@ -85,22 +86,22 @@ std::string encode_batch(const queued_batch& batch, const wire_format& f, double
     std::size_t j = i + 1;
     switch (e.what) {
       case kv_prefix_event::kind::stored: {
-        // A run that continues one prefix, its tokens following on.
-        while (j < in.size() && in[j].what == e.what && in[j].parent == in[j - 1].hash &&
+        // A run of one tier that continues one prefix, its tokens following on.
+        while (j < in.size() && in[j].what == e.what && in[j].tier == e.tier && in[j].parent == in[j - 1].hash &&
                in[j].tokens_at == in[j - 1].tokens_at + in[j - 1].tokens_size)
           ++j;
         json hashes = json::array();
         for (std::size_t k = i; k < j; ++k) hashes.push_back(wire_hash(in[k].hash, f.hashes));
         const std::size_t size = in[j - 1].tokens_at + in[j - 1].tokens_size - e.tokens_at;
-        events.push_back(
-            block_stored(std::move(hashes), wire_parent(e.parent, f.hashes), tokens.subspan(e.tokens_at, size), f));
+        events.push_back(block_stored(std::move(hashes), wire_parent(e.parent, f.hashes),
+                                      tokens.subspan(e.tokens_at, size), f.medium_of(e.tier), f));
         break;
       }
       case kv_prefix_event::kind::removed: {
-        while (j < in.size() && in[j].what == e.what) ++j;
+        while (j < in.size() && in[j].what == e.what && in[j].tier == e.tier) ++j;
         json hashes = json::array();
         for (std::size_t k = i; k < j; ++k) hashes.push_back(wire_hash(in[k].hash, f.hashes));
-        events.push_back(block_removed(std::move(hashes), f));
+        events.push_back(block_removed(std::move(hashes), f.medium_of(e.tier)));
         break;
       }
       case kv_prefix_event::kind::cleared: events.push_back(json{{"type", "AllBlocksCleared"}}); break;
@@ -115,7 +116,8 @@ std::string encode_dump(std::span<const kv_prefix_dump::entry> entries, const wi
   for (const kv_prefix_dump::entry& e : entries) {
     json hashes = json::array();
     hashes.push_back(wire_hash(e.hash, f.hashes));
-    events.push_back(block_stored(std::move(hashes), wire_parent(e.parent, f.hashes), e.token_ids, f));
+    events.push_back(
+        block_stored(std::move(hashes), wire_parent(e.parent, f.hashes), e.token_ids, f.medium_of(e.tier), f));
   }
   return envelope(events, f, ts);
 }

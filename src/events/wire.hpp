@@ -19,7 +19,12 @@ namespace detail {
 /// What every batch of one publisher shares.
 struct wire_format {
   kv_wire_hash hashes = kv_wire_hash::bytes;
-  std::string medium = "RAM";
+  std::string medium = "RAM";        // the RAM tier's
+  std::string store_medium = "STORE";  // the store tier's
+  /// The medium of `tier`.
+  const std::string& medium_of(kv_prefix_tier tier) const noexcept {
+    return tier == kv_prefix_tier::store ? store_medium : medium;
+  }
   std::size_t block_size = 0;
   std::int64_t data_parallel_rank = 0;
 };
@@ -29,12 +34,12 @@ std::array<std::byte, 8> wire_seq(std::uint64_t seq) noexcept;
 /// The end of a replay: -1 as 8 bytes.
 inline constexpr std::uint64_t end_of_replay = ~std::uint64_t{0};
 
-/// The payload of `batch` (its events in order; runs of stored events that
-/// continue one prefix become one BlockStored, runs of removed events one
-/// BlockRemoved), stamped `ts` (seconds since the epoch). Throws
+/// The payload of `batch` (its events in order; runs of stored events of
+/// one tier that continue one prefix become one BlockStored, runs of
+/// removed events of one tier one BlockRemoved), stamped `ts` (seconds since the epoch). Throws
 /// std::bad_alloc.
 std::string encode_batch(const queued_batch& batch, const wire_format& f, double ts);
-/// The payload of dump entries [first, first + count): one BlockStored each.
+/// The payload of dump entries: one BlockStored each, of its tier's medium.
 /// Throws std::bad_alloc.
 std::string encode_dump(std::span<const kv_prefix_dump::entry> entries, const wire_format& f, double ts);
 

@@ -182,7 +182,10 @@ class attach_job : public std::enable_shared_from_this<attach_job> {
   bool attach_one(std::span<const std::byte> value) noexcept {
     prefix_index& p = *index_;
     const entry_geometry& g = geometry_;
-    if (value.empty()) return false;
+    if (value.empty()) {  // not there, or not valid: the store tier has it no more
+      p.store_missed(hashes_[next_]);
+      return false;
+    }
     std::vector<ref_ptr<block>> fresh;
     try {
       fresh.reserve(g.num_layers);

@@ -36,6 +36,7 @@ std::size_t num_layers(const prefix_index& p) noexcept { return p.num_layers(); 
 const kv_model_layout& layout_of(const prefix_index& p) noexcept { return p.layout(); }
 const kv_cache_config& config_of(const prefix_index& p) noexcept { return p.config(); }
 kv_block_pool pool_of(const prefix_index& p) noexcept { return pool_access::handle(p.pool()); }
+const std::shared_ptr<kv_block_store>& store_of(const prefix_index& p) noexcept { return p.store(); }
 
 std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens,
                                         std::string_view salt) {
@@ -95,19 +96,23 @@ pinned_sequence pin_sequence(const sequence_state& seq) {
 }
 
 /// Hands the store the entries `insert()` just added (indices `added` of
-/// `hashes`), each holding its blocks until written. The caller still pins
+/// `blocks`, of `chain[first..]`; `tokens` those of `chain` from block 0),
+/// each holding its blocks until written. The caller still pins
 /// them, so they are in use: the references taken here are not an idle
 /// block's (which only an attach may hand out). Memory refused loses the
 /// write-through of the rest, which a flush then hands.
-void write_through(prefix_index& p, std::span<const kv_block_hash> hashes,
-                   std::span<const std::vector<const block*>> blocks, std::span<const std::size_t> added) noexcept {
+void write_through(prefix_index& p, std::span<const kv_block_hash> chain, std::span<const token_id> tokens,
+                   std::size_t first, std::span<const std::vector<const block*>> blocks,
+                   std::span<const std::size_t> added) noexcept {
+  const std::span<const kv_block_hash> hashes = chain.subspan(first);
   std::size_t handed = 0;
   try {
     for (const std::size_t i : added) {
       std::vector<ref_ptr<block>> held;
       held.reserve(blocks[i].size());
       for (const block* b : blocks[i]) held.push_back(ref_ptr<block>::share(const_cast<block*>(b)));
-      p.store()->put(std::make_shared<held_entry>(p.geometry(), hashes[i], std::move(held)));
+      p.store()->put(
+          std::make_shared<held_entry>(p.geometry(), hashes[i], std::move(held), p.receipt(chain, tokens, first + i)));
       ++handed;
     }
   } catch (const std::bad_alloc&) {
@@ -148,7 +153,7 @@ std::size_t insert_blocks(prefix_index& p, std::span<const kv_block_hash> chain,
   added.reserve(blocks.size());
   const auto handoff = p.handing();  // from marking the entries in the store until they are put
   const std::size_t n = p.insert(chain, tokens, first, blocks, &retention, &added, true);
-  write_through(p, chain.subspan(first), blocks, added);
+  write_through(p, chain, tokens, first, blocks, added);
   return n;
 }
 

@@ -28,12 +28,14 @@ prefix_index::prefix_index(const kv_model_layout& layout, const kv_cache_config&
       store_(std::move(store)),
       policy_(policy),
       geometry_(layout, config_, codec_),
+      link_(std::make_shared<store_link>(this)),
       halves_(2 * num_layers_) {
   if (!pool_->attach_reclaimer(this)) throw std::system_error(make_error_code(kv_errc::invalid_config));
   if (store_) store_->limit_value_size(geometry_.entry_bytes(num_layers_));
 }
 
 prefix_index::~prefix_index() {
+  link_->cut();  // a store's receipts call it no more
   pool_->detach_reclaimer();  // waits for an eviction or idle report in progress
   std::lock_guard lock(mutex_);
   for (auto& [blk, node] : nodes_) blk->drop_cached();
@@ -452,7 +454,7 @@ bool prefix_index::evict_one() noexcept {
         halves_[2 * l] = n ? n->blk->keys() : nullptr;
         halves_[2 * l + 1] = n ? n->blk->values() : nullptr;
       }
-      written_back = copied_entry::make(geometry_, e.hash, halves_);
+      written_back = copied_entry::make(geometry_, e.hash, halves_, receipt(e.hash, parent_of(e), tokens_of(e)));
     }
     remove(e);
     publish_counts();
@@ -510,11 +512,11 @@ void prefix_index::remove(prefix_entry& e) noexcept {
   }
 }
 
-bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes, std::vector<std::vector<ref_ptr<block>>>& refs,
-                                    bool pin) noexcept {
+bool prefix_index::collect_unstored(collected& out, bool pin) noexcept {
   try {
-    hashes.reserve(entries_.size());
-    refs.reserve(entries_.size());
+    out.hashes.reserve(entries_.size());
+    out.refs.reserve(entries_.size());
+    out.receipts.reserve(entries_.size());
     for (auto& [hash, entry] : entries_) {
       prefix_entry& e = *entry;
       if (e.in_store) continue;
@@ -530,8 +532,9 @@ bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes, std::vec
         if (pin && !n->in_use) node_in_use(*n);
       }
       e.in_store = true;
-      hashes.push_back(hash);       // reserved: cannot throw
-      refs.push_back(std::move(held));
+      out.hashes.push_back(hash);  // reserved: cannot throw
+      out.refs.push_back(std::move(held));
+      out.receipts.push_back(receipt(hash, parent_of(e), tokens_of(e)));  // null if refused
     }
     return true;
   } catch (const std::bad_alloc&) {
@@ -539,15 +542,14 @@ bool prefix_index::collect_unstored(std::vector<kv_block_hash>& hashes, std::vec
   }
 }
 
-std::size_t prefix_index::put_collected(std::span<const kv_block_hash> hashes,
-                                        std::span<const std::vector<ref_ptr<block>>> refs,
+std::size_t prefix_index::put_collected(const collected& in,
                                         std::vector<std::shared_ptr<const kv_store_value>>& values) noexcept {
   std::size_t put = 0;
   try {
-    values.reserve(hashes.size());
-    for (; put < hashes.size(); ++put) {
-      // A copy of the references: `refs` lets go of its own outside the locks.
-      values.push_back(std::make_shared<held_entry>(geometry_, hashes[put], refs[put]));
+    values.reserve(in.hashes.size());
+    for (; put < in.hashes.size(); ++put) {
+      // A copy of the references: `in` lets go of its own outside the locks.
+      values.push_back(std::make_shared<held_entry>(geometry_, in.hashes[put], in.refs[put], in.receipts[put]));
       store_->put(values.back());
     }
   } catch (const std::bad_alloc&) {
@@ -558,8 +560,7 @@ std::size_t prefix_index::put_collected(std::span<const kv_block_hash> hashes,
 
 bool prefix_index::flush() noexcept {
   if (!store_) return true;
-  std::vector<kv_block_hash> hashes;
-  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside the lock
+  collected c;  // its blocks let go of last, outside the lock
   std::vector<std::shared_ptr<const kv_store_value>> values;
   bool whole = false;
   std::size_t put = 0;
@@ -567,14 +568,14 @@ bool prefix_index::flush() noexcept {
     const auto handoff = handing();
     {
       std::lock_guard lock(mutex_);
-      whole = collect_unstored(hashes, refs, true);
+      whole = collect_unstored(c, true);
       publish_counts();
     }
-    put = put_collected(hashes, refs, values);
+    put = put_collected(c, values);
   }
-  if (put < hashes.size()) {
+  if (put < c.hashes.size()) {
     whole = false;
-    mark_unstored(std::span(hashes).subspan(put));
+    mark_unstored(std::span(c.hashes).subspan(put));
   }
   // The puts of other threads that took entries before this one looked
   // (a write-back, another flush, a clear()) have returned after this.
@@ -589,8 +590,7 @@ void prefix_index::mark_unstored(std::span<const kv_block_hash> hashes) noexcept
 }
 
 void prefix_index::clear() noexcept {
-  std::vector<kv_block_hash> hashes;
-  std::vector<std::vector<ref_ptr<block>>> refs;  // let go of last, outside the lock
+  collected c;  // its blocks let go of last, outside the lock
   std::vector<std::shared_ptr<const kv_store_value>> values;
   handoff_tracker::ticket handoff;
   if (store_) handoff = handing();
@@ -598,18 +598,19 @@ void prefix_index::clear() noexcept {
     std::lock_guard lock(mutex_);
     // Every entry leaves RAM here: those not in the store yet go to it,
     // holding their blocks (no copy) until it has written them.
-    if (store_) collect_unstored(hashes, refs, false);
+    if (store_) collect_unstored(c, false);
     lru_.clear();
     window_lru_.clear();
     expiry_.clear();
     for (auto& [blk, node] : nodes_) blk->drop_cached();
     nodes_.clear();
     entries_.clear();
+    stored_.clear();  // the store keeps them, but a cleared mirror forgets both tiers
     idle_nodes_ = idle_entries_ = reclaimable_ = 0;
     emit(kv_prefix_event::kind::cleared, {}, nullptr);
     publish_counts();
   }
-  if (store_) put_collected(hashes, refs, values);
+  if (store_) put_collected(c, values);
 }
 
 void prefix_index::publish_counts() noexcept {
@@ -619,10 +620,11 @@ void prefix_index::publish_counts() noexcept {
 }
 
 void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent,
-                        std::uint8_t priority, const token_id* tokens) noexcept {
+                        std::uint8_t priority, const token_id* tokens, kv_prefix_tier tier) noexcept {
   if (!handler_) return;
   kv_prefix_event e;
   e.what = what;
+  e.tier = tier;
   e.priority = priority;
   e.sequence = ++event_sequence_;
   e.hash = hash;
@@ -631,53 +633,75 @@ void prefix_index::emit(kv_prefix_event::kind what, const kv_block_hash& hash, c
   handler_(e);
 }
 
-kv_prefix_dump prefix_index::dump() const {
-  // Each chunk is copied under the lock, and an entry's bucket does not
-  // change until a rehash: an entry cached throughout is copied once, from
-  // the bucket it stays in; one that an event changes meanwhile is copied
-  // or not, as of some moment after `d.sequence`, and that event (after
-  // it) settles it. A rehash moves entries between buckets: the copy
-  // starts over (the sequence still holds). Nothing but the chunk's own
-  // copies is allocated under the lock.
+namespace {
+
+/// Appends `out`'s copy of every element of `map` (under `mutex`): a few
+/// buckets at a time, each under one hold of the lock, so that an insert
+/// waits for one chunk at most. An element's bucket does not change until a
+/// rehash: one kept throughout is copied once, from the bucket it stays
+/// in; one that an event changes meanwhile is copied or not, as of some
+/// moment after the dump's sequence, and that event (after it) settles it.
+/// A rehash moves elements between buckets: the copy of `map` starts over.
+/// Nothing but the chunk's own copies is allocated under the lock.
+template <class Map, class Copy>
+void copy_chunked(std::mutex& mutex, const Map& map, std::vector<kv_prefix_dump::entry>& out, Copy copy) {
   constexpr std::size_t chunk_entries = 256;
-  kv_prefix_dump d;
+  const std::size_t start = out.size();
   std::size_t buckets = 0;
   {
-    std::lock_guard lock(mutex_);
-    d.sequence = event_sequence_;
-    buckets = entries_.bucket_count();
+    std::lock_guard lock(mutex);
+    buckets = map.bucket_count();
   }
-  d.entries.reserve(cached_.load(std::memory_order_relaxed) + chunk_entries);
-  const std::size_t bt = config_.block_tokens;
   std::vector<kv_prefix_dump::entry> chunk;
   chunk.reserve(2 * chunk_entries);
   for (std::size_t b = 0; b < buckets;) {
     chunk.clear();
     {
-      std::lock_guard lock(mutex_);
-      if (entries_.bucket_count() != buckets) {
-        buckets = entries_.bucket_count();
+      std::lock_guard lock(mutex);
+      if (map.bucket_count() != buckets) {
+        buckets = map.bucket_count();
         b = 0;
-        d.entries.clear();
+        out.resize(start);
       }
-      for (; b < buckets && chunk.size() < chunk_entries; ++b) {
-        for (auto it = entries_.begin(b); it != entries_.end(b); ++it) {
-          const prefix_entry& e = *it->second;
-          kv_prefix_dump::entry& out = chunk.emplace_back();
-          out.hash = e.hash;
-          if (e.parent) out.parent = e.parent->hash;
-          if (e.tokens) out.token_ids.assign(e.tokens.get(), e.tokens.get() + bt);
-          out.priority = e.priority;
-        }
-      }
+      for (; b < buckets && chunk.size() < chunk_entries; ++b)
+        for (auto it = map.begin(b); it != map.end(b); ++it) copy(*it, chunk.emplace_back());
     }
-    std::ranges::move(chunk, std::back_inserter(d.entries));
+    std::ranges::move(chunk, std::back_inserter(out));
     // std::mutex is not fair: relocked at once, it keeps a waiting insert
     // (woken, not yet running) waiting for many chunks (with a yield
     // alone, 48 ms at most behind a 100k-entry dump). A pause longer than
     // a wakeup lets it in: a dump takes longer, an insert waits one chunk.
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+}
+
+}  // namespace
+
+kv_prefix_dump prefix_index::dump() const {
+  // The sequence first: every entry copied after it is as of a later
+  // moment (copy_chunked). The store tier's entries after RAM's.
+  kv_prefix_dump d;
+  std::size_t size = 0;
+  {
+    std::lock_guard lock(mutex_);
+    d.sequence = event_sequence_;
+    size = entries_.size() + stored_.size();
+  }
+  d.entries.reserve(size + 512);  // outside the lock
+  const std::size_t bt = config_.block_tokens;
+  copy_chunked(mutex_, entries_, d.entries, [&](const auto& kv, kv_prefix_dump::entry& out) {
+    const prefix_entry& e = *kv.second;
+    out.hash = e.hash;
+    out.parent = parent_of(e);
+    if (e.tokens) out.token_ids.assign(e.tokens.get(), e.tokens.get() + bt);
+    out.priority = e.priority;
+  });
+  copy_chunked(mutex_, stored_, d.entries, [&](const auto& kv, kv_prefix_dump::entry& out) {
+    out.hash = kv.first;
+    out.tier = kv_prefix_tier::store;
+    out.parent = kv.second.parent;
+    if (kv.second.tokens) out.token_ids.assign(kv.second.tokens.get(), kv.second.tokens.get() + bt);
+  });
   return d;
 }
 

@@ -78,6 +78,7 @@
 #include "memory/block.hpp"
 #include "memory/block_pool.hpp"
 #include "memory/reclaimer.hpp"
+#include "prefix/receipt.hpp"
 #include "prefix/retention.hpp"
 #include "prefix/window_rule.hpp"
 #include "store/entry.hpp"
@@ -306,6 +307,27 @@ class prefix_index final : public reclaimer {
   void count_store_hits(std::size_t tokens) noexcept { store_hit_tokens_.fetch_add(tokens, std::memory_order_relaxed); }
   void count_store_puts(std::size_t entries) noexcept { store_puts_.fetch_add(entries, std::memory_order_relaxed); }
   void count_store_reject() noexcept { store_rejects_.fetch_add(1, std::memory_order_relaxed); }
+  /// A receipt for the value of the entry `hash` (after `parent`, of
+  /// `tokens`, or none) about to be put, so that the store tells which
+  /// entries it holds; null if memory is refused (its store-tier events
+  /// are then lost: a router misses an entry, never sees one not there).
+  std::shared_ptr<kv_store_receipt> receipt(const kv_block_hash& hash, const std::optional<kv_block_hash>& parent,
+                                            std::span<const token_id> tokens) const noexcept;
+  /// The receipt of `chain[i]` (block i of a prefix): its parent
+  /// `chain[i - 1]` (none for block 0), its tokens block i's of `tokens`
+  /// (from block 0; none past their end).
+  std::shared_ptr<kv_store_receipt> receipt(std::span<const kv_block_hash> chain, std::span<const token_id> tokens,
+                                            std::size_t i) const noexcept;
+  /// The store holds `hash` (a receipt's stored()): a store-tier stored
+  /// event if no receipt held it yet.
+  void store_has(const kv_block_hash& hash, const std::optional<kv_block_hash>& parent,
+                 std::span<const token_id> tokens) noexcept;
+  /// The store let go of a value of `hash` it held (a receipt's removed()):
+  /// a store-tier removed event once no receipt holds it.
+  void store_lost(const kv_block_hash& hash) noexcept;
+  /// A fetch of `hash` found no valid value: gone from the store, whatever
+  /// its receipts said (a store-tier removed event if it was there).
+  void store_missed(const kv_block_hash& hash) noexcept;
   void clear() noexcept;
   kv_prefix_stats stats() const noexcept;
   void set_event_handler(kv_prefix_event_handler handler);
@@ -362,22 +384,36 @@ class prefix_index final : public reclaimer {
   /// if idle). Its parent goes too when that leaves it hollow without
   /// children, and so on up.
   void remove(prefix_entry& e) noexcept;
-  /// Under mutex_: the hashes of the entries not in the store, and in
-  /// `refs` (reserved by the caller's side of the lock, released after
-  /// it) their blocks, referenced; they count as in the store from now.
-  /// `pin`: their idle nodes turn in use (the entries stay cached). False
-  /// if memory was refused part way (what was collected stands).
-  bool collect_unstored(std::vector<kv_block_hash>& hashes, std::vector<std::vector<ref_ptr<block>>>& refs,
-                        bool pin) noexcept;
+  /// The entries a flush or a clear() hands the store, collected under
+  /// mutex_: their hashes, their blocks referenced (let go of outside the
+  /// lock) and their receipts.
+  struct collected {
+    std::vector<kv_block_hash> hashes;
+    std::vector<std::vector<ref_ptr<block>>> refs;
+    std::vector<std::shared_ptr<kv_store_receipt>> receipts;
+  };
+  /// Under mutex_: collects the entries not in the store into `out`; they
+  /// count as in the store from now. `pin`: their idle nodes turn in use
+  /// (the entries stay cached). False if memory was refused part way (what
+  /// was collected stands).
+  bool collect_unstored(collected& out, bool pin) noexcept;
   /// Outside mutex_, within a handing() ticket: puts a held_entry of each collected
   /// entry, keeping each value in `values` so that no block is let go of
   /// here. Returns how many were put (fewer if memory was refused).
-  std::size_t put_collected(std::span<const kv_block_hash> hashes, std::span<const std::vector<ref_ptr<block>>> refs,
-                            std::vector<std::shared_ptr<const kv_store_value>>& values) noexcept;
+  std::size_t put_collected(const collected& in, std::vector<std::shared_ptr<const kv_store_value>>& values) noexcept;
   /// Whether entries leaving RAM are written back.
   bool writes_back() const noexcept { return store_ && policy_ == kv_store_policy::write_back; }
   void emit(kv_prefix_event::kind what, const kv_block_hash& hash, const kv_block_hash* parent,
-            std::uint8_t priority = kv_retention::default_value, const token_id* tokens = nullptr) noexcept;
+            std::uint8_t priority = kv_retention::default_value, const token_id* tokens = nullptr,
+            kv_prefix_tier tier = kv_prefix_tier::ram) noexcept;
+  /// `e`'s parent's hash, none for block 0.
+  static std::optional<kv_block_hash> parent_of(const prefix_entry& e) noexcept {
+    return e.parent ? std::optional(e.parent->hash) : std::nullopt;
+  }
+  /// `e`'s token ids (empty if its insert had none).
+  std::span<const token_id> tokens_of(const prefix_entry& e) const noexcept {
+    return e.tokens ? std::span<const token_id>(e.tokens.get(), config_.block_tokens) : std::span<const token_id>();
+  }
   void publish_counts() noexcept;
 
   const window_rule rule_;
@@ -404,6 +440,15 @@ class prefix_index final : public reclaimer {
   std::size_t reclaimable_ = 0;
   kv_prefix_event_handler handler_;
   std::uint64_t event_sequence_ = 0;
+  /// The store tier's entries: those this cache put that its store says it
+  /// holds (receipts: the store's values of the hash it has not let go of).
+  struct stored_entry {
+    std::optional<kv_block_hash> parent;
+    std::unique_ptr<token_id[]> tokens;  // block_tokens of them, or null
+    std::size_t receipts = 0;
+  };
+  std::unordered_map<kv_block_hash, stored_entry, block_hash_hasher> stored_;
+  const std::shared_ptr<store_link> link_;  // what this index's receipts hold: cut first when it goes
   std::vector<const std::byte*> halves_;  // a write-back's, two per layer: eviction allocates no room for them
 
   // Counters (relaxed; stats() reads them without the lock). A match()

@@ -116,8 +116,9 @@ const std::byte* entry_layer(const entry_geometry& g, std::span<const std::byte>
   return p + g.header_bytes() + before * g.block_bytes();
 }
 
-held_entry::held_entry(entry_geometry g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks)
-    : geometry_(std::move(g)), hash_(hash), blocks_(std::move(blocks)) {
+held_entry::held_entry(entry_geometry g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks,
+                       std::shared_ptr<kv_store_receipt> receipt)
+    : entry_value(hash, std::move(receipt)), geometry_(std::move(g)), blocks_(std::move(blocks)) {
   halves_.reserve(2 * blocks_.size());
   for (const ref_ptr<block>& b : blocks_) {
     halves_.push_back(b ? b->keys() : nullptr);
@@ -125,12 +126,13 @@ held_entry::held_entry(entry_geometry g, const kv_block_hash& hash, std::vector<
   }
 }
 
-void held_entry::encode(std::span<std::byte> out) const noexcept { encode_entry(geometry_, hash_, halves_, out); }
+void held_entry::encode(std::span<std::byte> out) const noexcept { encode_entry(geometry_, hash(), halves_, out); }
 
 std::shared_ptr<copied_entry> copied_entry::make(const entry_geometry& g, const kv_block_hash& hash,
-                                                 std::span<const std::byte* const> halves) noexcept {
+                                                 std::span<const std::byte* const> halves,
+                                                 std::shared_ptr<kv_store_receipt> receipt) noexcept {
   try {
-    auto e = std::make_shared<copied_entry>(hash);
+    auto e = std::make_shared<copied_entry>(hash, std::move(receipt));
     e->bytes_.resize(g.entry_bytes(present_layers(halves)));
     encode_entry(g, hash, halves, e->bytes_);
     return e;

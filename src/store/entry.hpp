@@ -93,37 +93,52 @@ inline std::size_t present_layers(std::span<const std::byte* const> halves) noex
   return n;
 }
 
+/// What the prefix cache's values share: the hash, and the receipt (null:
+/// none) its store tells whether it is stored.
+class entry_value : public kv_store_value {
+ public:
+  const kv_block_hash& hash() const noexcept final { return hash_; }
+  std::shared_ptr<kv_store_receipt> receipt() const noexcept final { return receipt_; }
+
+ protected:
+  entry_value(const kv_block_hash& hash, std::shared_ptr<kv_store_receipt> receipt) noexcept
+      : hash_(hash), receipt_(std::move(receipt)) {}
+
+ private:
+  kv_block_hash hash_;
+  std::shared_ptr<kv_store_receipt> receipt_;
+};
+
 /// A write-through value: the entry's blocks, held until the store is done.
-class held_entry final : public kv_store_value {
+class held_entry final : public entry_value {
  public:
   /// `blocks[l]` null: the entry holds none for layer l.
   /// @throws std::bad_alloc
-  held_entry(entry_geometry g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks);
-  const kv_block_hash& hash() const noexcept override { return hash_; }
+  held_entry(entry_geometry g, const kv_block_hash& hash, std::vector<ref_ptr<block>> blocks,
+             std::shared_ptr<kv_store_receipt> receipt = nullptr);
   std::size_t size() const noexcept override { return geometry_.entry_bytes(present_layers(halves_)); }
   void encode(std::span<std::byte> out) const noexcept override;
 
  private:
   entry_geometry geometry_;
-  kv_block_hash hash_;
   std::vector<ref_ptr<block>> blocks_;
   std::vector<const std::byte*> halves_;  // blocks_[l]'s keys and values
 };
 
 /// A write-back value: the entry, encoded when it was evicted.
-class copied_entry final : public kv_store_value {
+class copied_entry final : public entry_value {
  public:
   /// Null if memory is refused.
   static std::shared_ptr<copied_entry> make(const entry_geometry& g, const kv_block_hash& hash,
-                                            std::span<const std::byte* const> halves) noexcept;
-  const kv_block_hash& hash() const noexcept override { return hash_; }
+                                            std::span<const std::byte* const> halves,
+                                            std::shared_ptr<kv_store_receipt> receipt = nullptr) noexcept;
   std::size_t size() const noexcept override { return bytes_.size(); }
   void encode(std::span<std::byte> out) const noexcept override;
 
-  explicit copied_entry(const kv_block_hash& hash) noexcept : hash_(hash) {}
+  copied_entry(const kv_block_hash& hash, std::shared_ptr<kv_store_receipt> receipt) noexcept
+      : entry_value(hash, std::move(receipt)) {}
 
  private:
-  kv_block_hash hash_;
   std::vector<std::byte> bytes_;
 };
 

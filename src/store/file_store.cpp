@@ -179,8 +179,9 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     std::lock_guard lock(mutex_);
     cap_.raise(bytes);
     for (auto it = entries_.begin(); it != entries_.end();) {
-      const auto [h, e] = *(it++);  // a copy: forget() erases it
-      if (e.bytes <= value_cap()) continue;
+      const kv_block_hash h = it->first;
+      const std::uint64_t bytes = (it++)->second.bytes;  // forget() erases it
+      if (bytes <= value_cap()) continue;
       forget(h);
       ++stats_.oversized;
     }
@@ -190,6 +191,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   struct indexed {
     std::uint64_t bytes = 0;
     std::uint64_t tick = 0;
+    std::shared_ptr<kv_store_receipt> receipt;  // its putter's, told removed() when the file goes
   };
   struct fetch_request {
     fetch_request(std::vector<kv_block_hash> h, kv_block_store::fetch_handler f)
@@ -210,14 +212,16 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     lru_.emplace(e.tick, h);
   }
 
-  /// Drops `h` from the index (under mutex_); true if it was there.
-  bool forget(const kv_block_hash& h) {
+  /// Drops `h` from the index (under mutex_); returns its receipt (null
+  /// if none, or not there).
+  std::shared_ptr<kv_store_receipt> forget(const kv_block_hash& h) {
     auto it = entries_.find(h);
-    if (it == entries_.end()) return false;
+    if (it == entries_.end()) return nullptr;
     bytes_ -= it->second.bytes;
     lru_.erase({it->second.tick, h});
+    std::shared_ptr<kv_store_receipt> r = std::move(it->second.receipt);
     entries_.erase(it);
-    return true;
+    return r;
   }
 
   /// Evicts the least recently used entries, their files unlinked, until
@@ -229,8 +233,9 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
     while (it != lru_.end() && bytes_ + bytes_in_flight_ + incoming > limits_.max_bytes) {
       const kv_block_hash h = (it++)->second;
       if (writing_.contains(h)) continue;
-      forget(h);
+      const std::shared_ptr<kv_store_receipt> r = forget(h);
       (void)::unlink(path_of(h).c_str());
+      if (r) r->removed();  // under mutex_: after its stored(), before any later put's
       ++stats_.evictions;
     }
   }
@@ -271,12 +276,18 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
   }
 
   /// Indexes the file of `h`, `size` bytes, as the most recently used
-  /// (under mutex_), in place of any entry of `h` indexed before.
-  void index(const kv_block_hash& h, std::uint64_t size) {
-    forget(h);
+  /// (under mutex_), in place of any entry of `h` indexed before: a
+  /// write's, whose `receipt` is told stored() (then the replaced one's
+  /// removed()), or a file a lookup found (no receipt).
+  void index(const kv_block_hash& h, std::uint64_t size, std::shared_ptr<kv_store_receipt> receipt = nullptr) {
+    const std::shared_ptr<kv_store_receipt> replaced = forget(h);
     touch(h);
-    entries_[h].bytes = size;
+    indexed& e = entries_[h];
+    e.bytes = size;
     bytes_ += size;
+    if (receipt) receipt->stored();
+    e.receipt = std::move(receipt);
+    if (replaced) replaced->removed();
   }
 
   /// Every error met (a write's, a read's, a value refused) is recorded
@@ -311,7 +322,7 @@ class file_store_state : public std::enable_shared_from_this<file_store_state> {
           std::lock_guard lock(mutex_);
           ec = file.rename();
           if (!ec) {
-            index(h, size);
+            index(h, size, value->receipt());
             release(h, size);  // in the same hold: never counted twice
             holding = false;
           }

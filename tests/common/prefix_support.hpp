@@ -9,11 +9,14 @@
 
 #include "common/asio_compat.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <deque>
 #include <future>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,6 +54,49 @@ struct event_log {
     return events.size();
   }
 };
+
+/// What a router keeps of a cache: its entries by tier and hash, as events
+/// and dumps say them.
+struct event_mirror {
+  struct entry {
+    std::optional<kv_block_hash> parent;
+    std::vector<token_id> tokens;
+    bool operator==(const entry&) const = default;
+  };
+  std::map<std::pair<kv_prefix_tier, kv_block_hash>, entry> entries;
+
+  explicit event_mirror(const kv_prefix_dump& d = {}) {
+    for (const kv_prefix_dump::entry& e : d.entries) entries[{e.tier, e.hash}] = {e.parent, e.token_ids};
+  }
+  /// As a router applies one: idempotently.
+  void apply(const kv_prefix_event& e) {
+    switch (e.what) {
+      case kv_prefix_event::kind::stored:
+        entries[{e.tier, e.hash}] = {e.parent, std::vector<token_id>(e.token_ids.begin(), e.token_ids.end())};
+        break;
+      case kv_prefix_event::kind::removed: entries.erase({e.tier, e.hash}); break;
+      case kv_prefix_event::kind::cleared: entries.clear(); break;
+    }
+  }
+  /// The entry of `hash` in `tier` (throws std::out_of_range if none).
+  const entry& at(const kv_block_hash& hash, kv_prefix_tier tier = kv_prefix_tier::ram) const {
+    return entries.at({tier, hash});
+  }
+  /// How many entries `tier` holds.
+  std::size_t count(kv_prefix_tier tier) const {
+    return static_cast<std::size_t>(
+        std::ranges::count_if(entries, [&](const auto& kv) { return kv.first.first == tier; }));
+  }
+};
+
+/// The mirror of `d` with the events of `log` after its number applied.
+inline event_mirror replay_onto(event_log& log, const kv_prefix_dump& d) {
+  std::lock_guard lock(log.mutex);
+  event_mirror m(d);
+  for (const kv_prefix_event& e : log.events)
+    if (e.sequence > d.sequence) m.apply(e);
+  return m;
+}
 
 /// Every two of `seen` (the hashes of one prompt by caches that must not
 /// share an entry) differ in their first two blocks.

@@ -40,9 +40,10 @@ kv_prefix_event stored(std::uint64_t n, std::span<const token_id> tokens = {}) {
 
 /// A publisher over ipc:// in a temporary directory, on a cache of its own.
 struct server {
-  explicit server(kv_event_publisher_options o = {}, std::size_t max_blocks = 4'000, std::size_t max_tokens = 64)
+  explicit server(kv_event_publisher_options o = {}, std::size_t max_blocks = 4'000, std::size_t max_tokens = 64,
+                  kv_prefix_options prefix = {})
       : pool(kv_block_pool::for_caches(cfg(max_tokens), {.max_blocks = max_blocks})),
-        cache(1, cfg(max_tokens), pool),
+        cache(1, cfg(max_tokens), pool, std::move(prefix)),
         publisher(cache, with_endpoints(std::move(o))) {}
   static kv_cache_config cfg(std::size_t max_tokens) {
     kv_cache_config c = config();
@@ -311,14 +312,44 @@ TEST_CASE("events: removed and cleared on the wire; a mirror of the stream equal
   for (token_id p = 0; p < 6; ++p) REQUIRE(s.insert(run(100 * p, 3 * bt)) == 3);
   const std::vector<kv_block_hash> last = s.cache.block_hashes(run(500, 3 * bt));
   const std::string tail = key_of(last[2], kv_wire_hash::bytes);
-  REQUIRE(follow_until(f, [&](const mirror& m) { return m.entries.contains(tail); }));
+  REQUIRE(follow_until(f, [&](const mirror& m) { return m.holds("RAM", tail); }));
   CHECK(s.cache.stats().evicted_blocks > 0);
   CHECK(f.view.entries == mirror::of(s.cache.dump(), kv_wire_hash::bytes).entries);
   s.cache.clear();
   REQUIRE(s.insert(run(900, bt)) == 1);
   const std::string after = key_of(s.cache.block_hashes(run(900, bt))[0], kv_wire_hash::bytes);
-  REQUIRE(follow_until(f, [&](const mirror& m) { return m.entries.contains(after); }));
+  REQUIRE(follow_until(f, [&](const mirror& m) { return m.holds("RAM", after); }));
   CHECK(f.view.entries.size() == 1);
+}
+
+TEST_CASE("events: the store tier on the wire, as its store names it; a late joiner mirrors both tiers", "[events]") {
+  ghostlink::testing::temp_dir dir;
+  asio::thread_pool io(2);
+  kv_event_publisher_options o;
+  std::string medium = "FILE";  // the file store's own
+  SECTION("the store's medium") {}
+  SECTION("the medium the options give") {
+    o.store_medium = "DISK";
+    medium = "DISK";
+  }
+  const auto store = std::make_shared<kv_file_store>(dir.path, kv_file_store_limits{.io_executor = io.get_executor()});
+  {
+    server s(o, 4'000, 64, {.store = store});
+    follower early(s.publisher);
+    REQUIRE(early.join());
+    const std::vector<token_id> ids = run(100, 3 * bt);
+    REQUIRE(s.insert(ids) == 3);
+    store->flush();
+    const std::string tail = key_of(s.cache.block_hashes(ids)[2], kv_wire_hash::bytes);
+    REQUIRE(follow_until(early, [&](const mirror& m) { return m.holds(medium, tail) && m.holds("RAM", tail); }));
+    const mirror truth = mirror::of(s.cache.dump(), kv_wire_hash::bytes, medium);
+    CHECK(truth.entries.size() == 6);
+    CHECK(early.view.entries == truth.entries);
+    follower late(s.publisher);  // from a dump that lists both tiers
+    REQUIRE(late.join());
+    CHECK(late.view.entries == truth.entries);
+  }
+  io.join();
 }
 
 TEST_CASE("events: a subscriber that drops batches recovers through replay to an exact mirror", "[events]") {
@@ -336,7 +367,7 @@ TEST_CASE("events: a subscriber that drops batches recovers through replay to an
       REQUIRE(f.step());
     }
   }
-  REQUIRE(follow_until(f, [&](const mirror& m) { return m.entries.contains(tail); }));
+  REQUIRE(follow_until(f, [&](const mirror& m) { return m.holds("RAM", tail); }));
   CHECK(f.replays > 0);
   CHECK(f.view.entries == mirror::of(s.cache.dump(), kv_wire_hash::bytes).entries);
 }
@@ -367,7 +398,7 @@ TEST_CASE("events: a late join from a dump of 100k entries mirrors the cache whi
   const auto sentinel = run(9'000'000, bt);
   REQUIRE(s.insert(sentinel) == 1);
   const std::string tail = key_of(s.cache.block_hashes(sentinel)[0], kv_wire_hash::bytes);
-  REQUIRE(follow_until(f, [&](const mirror& m) { return m.entries.contains(tail); }));
+  REQUIRE(follow_until(f, [&](const mirror& m) { return m.holds("RAM", tail); }));
   const mirror truth = mirror::of(s.cache.dump(), kv_wire_hash::bytes);
   CHECK(truth.entries.size() >= 100'000);
   CHECK(f.view.entries == truth.entries);

@@ -70,6 +70,12 @@ def prefix_series(x):
     }
 
 
+# The publisher's counters; each is the series ghostlink_events_<field less
+# its "events_" prefix>_total.
+EVENTS_FIELDS = ('events_published', 'batches_published', 'events_dropped', 'batches_lost', 'replays_served',
+                 'dumps_served', 'bad_requests', 'replies_dropped')
+
+
 def store_series(x, pool):
     """The store's families, as {(sample name, frozenset(labels)): value}."""
     out = {}
@@ -131,6 +137,9 @@ def expected(readings):
                 out[key('ghostlink_prefix_cache_evictions_by_priority_total', {**pool, 'priority': band})] = v
         if r['store'] is not None:
             out.update(store_series(r['store'], r['pool']))
+        if r['events'] is not None:
+            for field in EVENTS_FIELDS:
+                out[key('ghostlink_events_%s_total' % field.replace('events_', ''))] = r['events'][field]
         out[key('ghostlink_kv_caches')] = len(r['caches'])
         out.update(request_series('ghostlink_kv_cache', r['caches'], pool))
         if r['per_cache_series']:
@@ -198,7 +207,8 @@ def main():
     nonzero = sum(1 for v in want.values() if v)
     for name in ('ghostlink_prefix_cache_hits_total', 'ghostlink_prefix_cache_evictions_total',
                  'ghostlink_kv_blocks_in_use', 'ghostlink_kv_block_copies_total', 'ghostlink_kv_cache_usage_ratio',
-                 'ghostlink_store_puts_total', 'ghostlink_store_hits_total', 'ghostlink_store_last_error_code'):
+                 'ghostlink_store_puts_total', 'ghostlink_store_hits_total', 'ghostlink_store_last_error_code',
+                 'ghostlink_events_dropped_total', 'ghostlink_events_batches_lost_total'):
         if not any(v for (n, _), v in want.items() if n == name):
             failures += 1
             print('the dump left %s at zero in every pool' % name)

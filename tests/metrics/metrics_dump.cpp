@@ -136,6 +136,22 @@ void json(std::ostream& out, const std::vector<gl::kv_metrics_source>& sources) 
     } else {
       out << "null";
     }
+    out << ",\n \"events\": ";
+    if (s.events) {
+      const gl::kv_event_publisher_stats& x = *s.events;
+      out << '{';
+      field(out, "events_published", x.events_published);
+      field(out, "batches_published", x.batches_published);
+      field(out, "events_dropped", x.events_dropped);
+      field(out, "batches_lost", x.batches_lost);
+      field(out, "replays_served", x.replays_served);
+      field(out, "dumps_served", x.dumps_served);
+      field(out, "bad_requests", x.bad_requests);
+      field(out, "replies_dropped", x.replies_dropped, true);
+      out << '}';
+    } else {
+      out << "null";
+    }
     out << ",\n \"caches\": [";
     for (std::size_t c = 0; c < s.caches.size(); ++c) {
       const gl::kv_cache_stats& k = s.caches[c];
@@ -231,6 +247,15 @@ int dump(const char* readings_path) {
   odd.store->last_error = gl::kv_errc::store_auth_failed;
   odd.store->last_error_time = std::chrono::system_clock::now();
   odd.store->directory_writable_by_others = true;
+  // A publisher's readings with drops in them (its own tests count them).
+  odd.events = gl::kv_event_publisher_stats{.events_published = 40,
+                                            .batches_published = 5,
+                                            .events_dropped = 3,
+                                            .batches_lost = 1,
+                                            .replays_served = 2,
+                                            .dumps_served = 1,
+                                            .bad_requests = 1,
+                                            .replies_dropped = 1};
 
   const std::vector<gl::kv_metrics_source> sources{model, odd};
   gl::write_prometheus(std::cout, sources);

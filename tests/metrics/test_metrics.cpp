@@ -212,6 +212,34 @@ TEST_CASE("the prefix cache's families name tokens as vLLM does, and only pools 
                  R"(ghostlink_prefix_cache_hit_ratio{pool="new"})") == "0");
 }
 
+TEST_CASE("an event publisher's families: events and batches published, dropped and lost, requests served",
+          "[metrics]") {
+  kv_event_publisher_stats x;
+  x.events_published = 100;
+  x.batches_published = 9;
+  x.events_dropped = 7;
+  x.batches_lost = 2;
+  x.replays_served = 3;
+  x.dumps_served = 4;
+  x.bad_requests = 5;
+  x.replies_dropped = 6;
+  std::vector<kv_metrics_source> sources(2);
+  sources[0] = {.pool = "with", .events = x};
+  sources[1] = {.pool = "without"};
+  const std::string text = exposition(sources);
+  CHECK(value_of(text, R"(ghostlink_events_published_total{pool="with"})") == "100");
+  CHECK(value_of(text, R"(ghostlink_events_batches_published_total{pool="with"})") == "9");
+  CHECK(value_of(text, R"(ghostlink_events_dropped_total{pool="with"})") == "7");
+  CHECK(value_of(text, R"(ghostlink_events_batches_lost_total{pool="with"})") == "2");
+  CHECK(value_of(text, R"(ghostlink_events_replays_served_total{pool="with"})") == "3");
+  CHECK(value_of(text, R"(ghostlink_events_dumps_served_total{pool="with"})") == "4");
+  CHECK(value_of(text, R"(ghostlink_events_bad_requests_total{pool="with"})") == "5");
+  CHECK(value_of(text, R"(ghostlink_events_replies_dropped_total{pool="with"})") == "6");
+  CHECK(count_lines(text, "# TYPE ghostlink_events_dropped_total counter") == 1);
+  CHECK(text.find(R"(ghostlink_events_published_total{pool="without"})") == std::string::npos);
+  CHECK(exposition(sources[1]).find("ghostlink_events") == std::string::npos);
+}
+
 TEST_CASE("a store's families: writes by outcome, refused connections by kind, the last error's code and time",
           "[metrics]") {
   kv_store_stats x;

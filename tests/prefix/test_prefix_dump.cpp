@@ -20,40 +20,6 @@ namespace {
 
 constexpr std::size_t bt = 4;  // config().block_tokens
 
-/// What a router keeps of a cache: its entries by hash, as events and
-/// dumps say them.
-struct mirror {
-  struct entry {
-    std::optional<kv_block_hash> parent;
-    std::vector<token_id> tokens;
-    bool operator==(const entry&) const = default;
-  };
-  std::map<kv_block_hash, entry> entries;
-
-  explicit mirror(const kv_prefix_dump& d = {}) {
-    for (const kv_prefix_dump::entry& e : d.entries) entries[e.hash] = {e.parent, e.token_ids};
-  }
-  /// As a router applies one: idempotently.
-  void apply(const kv_prefix_event& e) {
-    switch (e.what) {
-      case kv_prefix_event::kind::stored:
-        entries[e.hash] = {e.parent, std::vector<token_id>(e.token_ids.begin(), e.token_ids.end())};
-        break;
-      case kv_prefix_event::kind::removed: entries.erase(e.hash); break;
-      case kv_prefix_event::kind::cleared: entries.clear(); break;
-    }
-  }
-};
-
-/// The mirror of `d` with the events of `log` after its number applied.
-mirror replay_onto(event_log& log, const kv_prefix_dump& d) {
-  std::lock_guard lock(log.mutex);
-  mirror m(d);
-  for (const kv_prefix_event& e : log.events)
-    if (e.sequence > d.sequence) m.apply(e);
-  return m;
-}
-
 /// The block `b` of `ids`.
 std::vector<token_id> block_of(const std::vector<token_id>& ids, std::size_t b) {
   return {ids.begin() + static_cast<std::ptrdiff_t>(b * bt), ids.begin() + static_cast<std::ptrdiff_t>((b + 1) * bt)};
@@ -75,11 +41,11 @@ TEST_CASE("dump: every entry with its parent and token ids, and the number of th
   CHECK(d.sequence == 4);
   REQUIRE(d.entries.size() == 4);
   const std::vector<kv_block_hash> ha = f.cache.block_hashes(a), hb = f.cache.block_hashes(b);
-  const mirror m(d);
-  CHECK(m.entries.at(ha[0]) == mirror::entry{std::nullopt, block_of(a, 0)});
-  CHECK(m.entries.at(ha[1]) == mirror::entry{ha[0], block_of(a, 1)});
-  CHECK(m.entries.at(ha[2]) == mirror::entry{ha[1], block_of(a, 2)});
-  CHECK(m.entries.at(hb[1]) == mirror::entry{ha[0], block_of(b, 1)});
+  const event_mirror m(d);
+  CHECK(m.at(ha[0]) == event_mirror::entry{std::nullopt, block_of(a, 0)});
+  CHECK(m.at(ha[1]) == event_mirror::entry{ha[0], block_of(a, 1)});
+  CHECK(m.at(ha[2]) == event_mirror::entry{ha[1], block_of(a, 2)});
+  CHECK(m.at(hb[1]) == event_mirror::entry{ha[0], block_of(b, 1)});
   for (const kv_prefix_dump::entry& e : d.entries) CHECK(e.priority == kv_retention::default_value);
 
   // The stored events carry the same token ids.
@@ -102,10 +68,10 @@ TEST_CASE("dump: entries a tracked sequence caches carry its token ids", "[prefi
   REQUIRE(append(seq, std::span(ids).first(bt + 2)) == ghostlink::error_code());
   REQUIRE(append(seq, std::span(ids).subspan(bt + 2)) == ghostlink::error_code());
   const std::vector<kv_block_hash> h = f.cache.block_hashes(ids);
-  const mirror m(f.cache.dump());
+  const event_mirror m(f.cache.dump());
   REQUIRE(m.entries.size() == 2);
-  CHECK(m.entries.at(h[0]) == mirror::entry{std::nullopt, block_of(ids, 0)});
-  CHECK(m.entries.at(h[1]) == mirror::entry{h[0], block_of(ids, 1)});
+  CHECK(m.at(h[0]) == event_mirror::entry{std::nullopt, block_of(ids, 0)});
+  CHECK(m.at(h[1]) == event_mirror::entry{h[0], block_of(ids, 1)});
   CHECK(replay_onto(log, {}).entries == m.entries);
 }
 
@@ -142,7 +108,7 @@ TEST_CASE("dump: the dump and the events after its number mirror the cache while
   CHECK(failures == 0);
   const kv_prefix_dump last = f.cache.dump();
   CHECK(last.sequence == log.events.size());
-  const mirror truth(last);
+  const event_mirror truth(last);
   CHECK(replay_onto(log, {}).entries == truth.entries);
   CHECK(f.cache.stats().evicted_blocks > 0);
   for (std::size_t i = 0; i < dumps.size(); ++i) {

@@ -352,4 +352,35 @@ TEST_CASE("when_flushed calls back once the puts queued before it settle; an idl
   io.join();
 }
 
+TEST_CASE("the file store tells a receipt stored once renamed, removed when evicted or replaced; FILE") {
+  temp_dir dir;
+  asio::thread_pool io(2);
+  const auto log = std::make_shared<test::receipt_log>();
+  const auto put = [&](kv_file_store& store, std::size_t i, const char* name) {
+    store.put(std::make_shared<test::bytes_value>(hash_of(i), std::vector<std::byte>(entry, std::byte{7}),
+                                                  std::make_shared<test::logging_receipt>(log, name)));
+    store.flush();
+  };
+  {
+    kv_file_store store(dir.path, {.max_bytes = 3 * entry, .io_executor = io.get_executor()});
+    CHECK(store.medium() == "FILE");
+    put(store, 0, "a");
+    put(store, 1, "b");
+    CHECK(log->get() == std::vector<std::string>{"stored a", "stored b"});
+    put(store, 0, "a2");  // replaces a: its stored first, then a's removed
+    CHECK(log->get() == std::vector<std::string>{"stored a", "stored b", "stored a2", "removed a"});
+    put(store, 2, "c");
+    put(store, 3, "d");  // over the budget: b, the least recently used, goes first
+    CHECK(log->get() == std::vector<std::string>{"stored a", "stored b", "stored a2", "removed a", "stored c",
+                                                 "removed b", "stored d"});
+    // A value too large for the budget is dropped: its receipt is told nothing.
+    store.put(std::make_shared<test::bytes_value>(hash_of(4), std::vector<std::byte>(4 * entry, std::byte{7}),
+                                                  std::make_shared<test::logging_receipt>(log, "e")));
+    store.flush();
+    CHECK(log->get().size() == 7);
+    CHECK(store.stats().dropped == 1);
+  }
+  io.join();
+}
+
 }  // namespace file_store_limits_tests

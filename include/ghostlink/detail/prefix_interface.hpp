@@ -26,6 +26,7 @@ GHOSTLINK_NAMESPACE_BEGIN
 struct kv_prefix_options;
 struct kv_attach_options;
 struct kv_retention;
+class kv_block_store;
 
 namespace detail {
 
@@ -40,6 +41,7 @@ std::size_t num_layers(const prefix_index& p) noexcept;
 const kv_model_layout& layout_of(const prefix_index& p) noexcept;
 const kv_cache_config& config_of(const prefix_index& p) noexcept;
 kv_block_pool pool_of(const prefix_index& p) noexcept;
+const std::shared_ptr<kv_block_store>& store_of(const prefix_index& p) noexcept;
 std::vector<kv_block_hash> block_hashes(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
 std::size_t prefix_match(const prefix_index& p, std::span<const token_id> tokens, std::string_view salt);
 std::shared_ptr<sequence_state> prefix_attach(prefix_index& p, asio::any_io_executor ex,

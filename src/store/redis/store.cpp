@@ -42,12 +42,15 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
-/// A put's reply, counted (an error reply recorded).
-redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, pending_puts::ticket t,
-                                     std::size_t size) {
-  return [counters = std::move(counters), t, size](const redis_reply& reply) {
+/// A put's reply, counted (an error reply recorded); its value's receipt
+/// (null: none) told stored() on OK.
+redis_connection::callback count_put(std::shared_ptr<redis_counters> counters, pending_puts::ticket t, std::size_t size,
+                                     std::shared_ptr<kv_store_receipt> receipt) {
+  return [counters = std::move(counters), t, size, receipt = std::move(receipt)](const redis_reply& reply) {
     counters->refused(reply);
-    counters->finish_put(t, size, redis_stored(reply));
+    const bool stored = redis_stored(reply);
+    if (stored && receipt) receipt->stored();
+    counters->finish_put(t, size, stored);
   };
 }
 
@@ -167,12 +170,13 @@ class redis_store_state {
         }
         // The blocks a write-through value holds go back now, before
         // flush() may return: a caller that flushed may count on them.
+        std::shared_ptr<kv_store_receipt> receipt = value->receipt();
         value.reset();
         if (!encoded) {
           counters->finish_put(t, size, false);
           return;
         }
-        c->send_here(std::move(command), count_put(counters, t, size));
+        c->send_here(std::move(command), count_put(counters, t, size, std::move(receipt)));
       });
     } catch (...) {  // memory refused, or the executor's own failure: not stored
       counters_->finish_put(t, size, false);
@@ -231,6 +235,7 @@ class redis_store_state {
           command = std::make_shared<const std::string>(redis_set_command(*value, ttl));
         } catch (...) {  // memory refused: not stored
         }
+        std::shared_ptr<kv_store_receipt> receipt = value->receipt();
         value.reset();  // as above: before flush() may return
         if (!command) {
           counters->finish_put(t, size, false);
@@ -238,7 +243,7 @@ class redis_store_state {
         }
         try {
           std::vector<redis_cluster::routed> one;
-          one.push_back({slot, std::move(command), count_put(counters, t, size)});
+          one.push_back({slot, std::move(command), count_put(counters, t, size, std::move(receipt))});
           cluster->send(std::move(one));
         } catch (...) {  // memory refused: not sent
           counters->finish_put(t, size, false);

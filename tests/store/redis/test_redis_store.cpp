@@ -129,6 +129,27 @@ TEST_CASE("a prefix cache on a Redis store attaches its entries back exactly onc
   CHECK(s.entries == 0);  // Redis owns eviction: not counted here
 }
 
+TEST_CASE("a Redis store's entries are stored events of the store tier, REDIS, once the server has them") {
+  fixture_options o;
+  SECTION("a server") {}
+  SECTION("no server: the puts fail, and the tier stays empty") { o.server = false; }
+  redis_fixture f(o);
+  CHECK(f.store->medium() == "REDIS");
+  event_log log;
+  f.cache->set_event_handler(log.handler());
+  const std::vector<token_id> ids = prompt();
+  f.insert_flushed(ids);  // every reply read: its receipt told
+  const event_mirror m(f.cache->dump());
+  CHECK(m.count(kv_prefix_tier::ram) == 4);
+  CHECK(m.count(kv_prefix_tier::store) == (o.server ? 4 : 0));
+  if (o.server) {
+    const std::vector<kv_block_hash> h = f.cache->block_hashes(ids);
+    CHECK(m.at(h[3], kv_prefix_tier::store).parent == h[2]);
+    CHECK(m.at(h[3], kv_prefix_tier::store) == m.at(h[3]));
+  }
+  CHECK(replay_onto(log, {}).entries == m.entries);
+}
+
 TEST_CASE("entries are Redis strings under ghostlink:v1:<hash hex>, with the TTL asked for") {
   fixture_options o;
   std::optional<std::uint64_t> ttl;
