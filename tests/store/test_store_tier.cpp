@@ -10,6 +10,8 @@
 #include "common/prefix_support.hpp"
 #include "common/store_fixture.hpp"
 
+#include "store/entry.hpp"
+
 #include <algorithm>
 #include <cstddef>
 #include <filesystem>
