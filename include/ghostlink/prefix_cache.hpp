@@ -431,12 +431,16 @@ class basic_kv_prefix_cache {
 
   /// Reports every later change to `handler`: `stored` for every entry
   /// added, in block order with its parent; `removed` for every entry
-  /// evicted; `cleared` once per `clear()`. `sequence` numbers the events
-  /// delivered to this handler from 1 without gaps. Called synchronously,
-  /// one call at a time and in `sequence` order, possibly under the cache's
-  /// lock and inside an actor's drain (a removed event): it must be quick,
-  /// must not throw and must not call the prefix cache. An empty handler
-  /// turns events off (the default, and then free).
+  /// evicted; `cleared` once per `clear()`. With a store that tells
+  /// (`kv_store_receipt`), the same for the entries of its tier
+  /// (`kv_prefix_event::tier`). `sequence` numbers the events delivered
+  /// to this handler from 1 without gaps. Called synchronously, one call
+  /// at a time and in `sequence` order, possibly under the cache's lock,
+  /// inside an actor's drain (a removed event) or on a store's thread,
+  /// under its lock (a store-tier event): it must be quick, must not throw
+  /// and must not call the prefix cache or its store. An empty handler
+  /// turns events off (the default, and then free; a cache with a store
+  /// still keeps its store tier, for `dump()` and a handler set later).
   /// @throws std::bad_alloc if the handler cannot be stored.
   void set_event_handler(kv_prefix_event_handler handler) {
     detail::prefix_set_event_handler(*index_, std::move(handler));
