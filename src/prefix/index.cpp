@@ -688,19 +688,19 @@ kv_prefix_dump prefix_index::dump() const {
     size = entries_.size() + stored_.size();
   }
   d.entries.reserve(size + 512);  // outside the lock
-  const std::size_t bt = config_.block_tokens;
   copy_chunked(mutex_, entries_, d.entries, [&](const auto& kv, kv_prefix_dump::entry& out) {
     const prefix_entry& e = *kv.second;
+    const std::span<const token_id> tokens = tokens_of(e);
     out.hash = e.hash;
     out.parent = parent_of(e);
-    if (e.tokens) out.token_ids.assign(e.tokens.get(), e.tokens.get() + bt);
+    out.token_ids.assign(tokens.begin(), tokens.end());
     out.priority = e.priority;
   });
   copy_chunked(mutex_, stored_, d.entries, [&](const auto& kv, kv_prefix_dump::entry& out) {
     out.hash = kv.first;
     out.tier = kv_prefix_tier::store;
     out.parent = kv.second.parent;
-    if (kv.second.tokens) out.token_ids.assign(kv.second.tokens.get(), kv.second.tokens.get() + bt);
+    out.token_ids = kv.second.tokens;
   });
   return d;
 }

@@ -321,7 +321,7 @@ class prefix_index final : public reclaimer {
   /// The store holds `hash` (a receipt's stored()): a store-tier stored
   /// event if no receipt held it yet.
   void store_has(const kv_block_hash& hash, const std::optional<kv_block_hash>& parent,
-                 std::span<const token_id> tokens) noexcept;
+                 std::vector<token_id> tokens) noexcept;
   /// The store let go of a value of `hash` it held (a receipt's removed()):
   /// a store-tier removed event once no receipt holds it.
   void store_lost(const kv_block_hash& hash) noexcept;
@@ -444,10 +444,13 @@ class prefix_index final : public reclaimer {
   /// holds (receipts: the store's values of the hash it has not let go of).
   struct stored_entry {
     std::optional<kv_block_hash> parent;
-    std::unique_ptr<token_id[]> tokens;  // block_tokens of them, or null
+    std::vector<token_id> tokens;  // block_tokens of them (its receipt's), or none
     std::size_t receipts = 0;
   };
-  std::unordered_map<kv_block_hash, stored_entry, block_hash_hasher> stored_;
+  using stored_map = std::unordered_map<kv_block_hash, stored_entry, block_hash_hasher>;
+  stored_map stored_;
+  /// Under mutex_: erases the store tier's entry `it` (a removed event).
+  void forget_stored(stored_map::iterator it) noexcept;
   const std::shared_ptr<store_link> link_;  // what this index's receipts hold: cut first when it goes
   std::vector<const std::byte*> halves_;  // a write-back's, two per layer: eviction allocates no room for them
 

@@ -7,6 +7,8 @@
 #include <new>
 #include <optional>
 #include <span>
+#include <utility>
+#include <vector>
 #include "ghostlink/detail/flavour.hpp"
 
 #include "prefix/index.hpp"
@@ -16,7 +18,8 @@ GHOSTLINK_NAMESPACE_BEGIN
 namespace detail {
 
 void entry_receipt::stored() noexcept {
-  link_->with([this](prefix_index& p) { p.store_has(hash_, parent_, tokens_); });
+  // At most once: the ids move to the index (no copy under the store's lock).
+  link_->with([this](prefix_index& p) { p.store_has(hash_, parent_, std::move(tokens_)); });
 }
 
 void entry_receipt::removed() noexcept {
@@ -43,35 +46,32 @@ std::shared_ptr<kv_store_receipt> prefix_index::receipt(std::span<const kv_block
 }
 
 void prefix_index::store_has(const kv_block_hash& hash, const std::optional<kv_block_hash>& parent,
-                             std::span<const token_id> tokens) noexcept {
+                             std::vector<token_id> tokens) noexcept {
+  std::lock_guard lock(mutex_);
   try {
-    std::unique_ptr<token_id[]> own;  // allocated outside the lock
-    if (tokens.size() == config_.block_tokens) {
-      own = std::make_unique_for_overwrite<token_id[]>(tokens.size());
-      std::ranges::copy(tokens, own.get());
-    }
-    std::lock_guard lock(mutex_);
     stored_entry& s = stored_.try_emplace(hash).first->second;  // a throw changes nothing
     if (s.receipts++ != 0) return;
     s.parent = parent;
-    s.tokens = std::move(own);
-    emit(kv_prefix_event::kind::stored, hash, parent ? &*parent : nullptr, kv_retention::default_value, s.tokens.get(),
-         kv_prefix_tier::store);
+    s.tokens = std::move(tokens);
+    emit(kv_prefix_event::kind::stored, hash, parent ? &*parent : nullptr, kv_retention::default_value,
+         s.tokens.empty() ? nullptr : s.tokens.data(), kv_prefix_tier::store);
   } catch (const std::bad_alloc&) {  // not known to be there: a router misses it, never sees one not there
   }
 }
 
 void prefix_index::store_lost(const kv_block_hash& hash) noexcept {
   std::lock_guard lock(mutex_);
-  auto it = stored_.find(hash);
-  if (it == stored_.end() || --it->second.receipts != 0) return;
-  stored_.erase(it);
-  emit(kv_prefix_event::kind::removed, hash, nullptr, kv_retention::default_value, nullptr, kv_prefix_tier::store);
+  if (auto it = stored_.find(hash); it != stored_.end() && --it->second.receipts == 0) forget_stored(it);
 }
 
 void prefix_index::store_missed(const kv_block_hash& hash) noexcept {
   std::lock_guard lock(mutex_);
-  if (stored_.erase(hash) == 0) return;
+  if (auto it = stored_.find(hash); it != stored_.end()) forget_stored(it);
+}
+
+void prefix_index::forget_stored(stored_map::iterator it) noexcept {
+  const kv_block_hash hash = it->first;
+  stored_.erase(it);
   emit(kv_prefix_event::kind::removed, hash, nullptr, kv_retention::default_value, nullptr, kv_prefix_tier::store);
 }
 
