@@ -32,7 +32,7 @@ json wire_parent(const std::optional<kv_block_hash>& parent, kv_wire_hash form) 
 /// vLLM's BlockStored: fields without a default are always written (nil
 /// for None); those with one (extra_keys, group_idx, kv_cache_spec_kind,
 /// kv_cache_spec_sliding_window) are left out, as msgspec's omit_defaults does.
-json block_stored(json hashes, json parent, std::span<const token_id> tokens, const std::string& medium,
+json block_stored(json hashes, json parent, std::span<const token_id> tokens, kv_prefix_tier tier,
                   const wire_format& f) {
   json e = json::object();
   e["type"] = "BlockStored";
@@ -42,16 +42,16 @@ json block_stored(json hashes, json parent, std::span<const token_id> tokens, co
   for (const token_id t : tokens) e["token_ids"].push_back(t);
   e["block_size"] = f.block_size;
   e["lora_id"] = nullptr;
-  e["medium"] = medium;
+  e["medium"] = f.medium_of(tier);
   e["lora_name"] = nullptr;
   return e;
 }
 
-json block_removed(json hashes, const std::string& medium) {
+json block_removed(json hashes, kv_prefix_tier tier, const wire_format& f) {
   json e = json::object();
   e["type"] = "BlockRemoved";
   e["block_hashes"] = std::move(hashes);
-  e["medium"] = medium;
+  e["medium"] = f.medium_of(tier);
   return e;
 }
 
@@ -94,14 +94,14 @@ std::string encode_batch(const queued_batch& batch, const wire_format& f, double
         for (std::size_t k = i; k < j; ++k) hashes.push_back(wire_hash(in[k].hash, f.hashes));
         const std::size_t size = in[j - 1].tokens_at + in[j - 1].tokens_size - e.tokens_at;
         events.push_back(block_stored(std::move(hashes), wire_parent(e.parent, f.hashes),
-                                      tokens.subspan(e.tokens_at, size), f.medium_of(e.tier), f));
+                                      tokens.subspan(e.tokens_at, size), e.tier, f));
         break;
       }
       case kv_prefix_event::kind::removed: {
         while (j < in.size() && in[j].what == e.what && in[j].tier == e.tier) ++j;
         json hashes = json::array();
         for (std::size_t k = i; k < j; ++k) hashes.push_back(wire_hash(in[k].hash, f.hashes));
-        events.push_back(block_removed(std::move(hashes), f.medium_of(e.tier)));
+        events.push_back(block_removed(std::move(hashes), e.tier, f));
         break;
       }
       case kv_prefix_event::kind::cleared: events.push_back(json{{"type", "AllBlocksCleared"}}); break;
@@ -116,8 +116,7 @@ std::string encode_dump(std::span<const kv_prefix_dump::entry> entries, const wi
   for (const kv_prefix_dump::entry& e : entries) {
     json hashes = json::array();
     hashes.push_back(wire_hash(e.hash, f.hashes));
-    events.push_back(
-        block_stored(std::move(hashes), wire_parent(e.parent, f.hashes), e.token_ids, f.medium_of(e.tier), f));
+    events.push_back(block_stored(std::move(hashes), wire_parent(e.parent, f.hashes), e.token_ids, e.tier, f));
   }
   return envelope(events, f, ts);
 }
