@@ -10,25 +10,55 @@
 int main(int argc, char** argv) {
   using namespace ghostlink::bench;
   const options opts = parse_options(argc, argv);
-  const std::map<std::string, void (*)(const options&, report&)> scenarios {
-    {"read_under_write", read_under_write}, {"attention_read", attention_read}, {"attend", attend_kernel},
-        {"attend_memory", attend_memory}, {"attend_window", attend_window}, {"write_single", write_single},
-        {"write_concurrent", write_concurrent}, {"decode_step", decode_step},
-        {"decode_layer_order", decode_layer_order}, {"decode_pending", decode_pending}, {"batched_step", batched_step},
-        {"decode_hybrid", decode_hybrid}, {"decode_speculative", decode_speculative},
-        {"decode_with_offloader", decode_with_offloader}, {"memory", memory}, {"layout_memory", layout_memory},
-        {"latent_memory", latent_memory}, {"attend_latent", attend_latent}, {"quantized_memory", quantized_memory},
-        {"attend_quantized", attend_quantized}, {"write_quantized", write_quantized}, {"fork", fork},
-        {"prefill", prefill}, {"memory_waste", memory_waste}, {"storage_16bit", storage_16bit},
-        {"prefix_attach", prefix_attach}, {"prefix_hash", prefix_hash}, {"prefix_match", prefix_match},
-        {"prefix_eviction", prefix_eviction}, {"prefix_workload", prefix_workload},
-        {"prefix_workload_hybrid", prefix_workload_hybrid}, {"retention", retention}, {"save_load", save_load},
-        {"decode_with_offload", decode_with_offload}, {"attach_from_disk", attach_from_disk},
-        {"redis_store", redis_store}, {"redis_store_tls", redis_store_tls}, {"attach_from_redis", attach_from_redis},
+  // One scenario a line: the #if below stops clang-format from laying the list out.
+  // clang-format off
+  const std::map<std::string, void (*)(const options&, report&)> scenarios{
+      {"read_under_write", read_under_write},
+      {"attention_read", attention_read},
+      {"attend", attend_kernel},
+      {"attend_memory", attend_memory},
+      {"attend_window", attend_window},
+      {"write_single", write_single},
+      {"write_concurrent", write_concurrent},
+      {"decode_step", decode_step},
+      {"decode_layer_order", decode_layer_order},
+      {"decode_pending", decode_pending},
+      {"batched_step", batched_step},
+      {"decode_hybrid", decode_hybrid},
+      {"decode_speculative", decode_speculative},
+      {"decode_with_offloader", decode_with_offloader},
+      {"memory", memory},
+      {"layout_memory", layout_memory},
+      {"latent_memory", latent_memory},
+      {"attend_latent", attend_latent},
+      {"quantized_memory", quantized_memory},
+      {"attend_quantized", attend_quantized},
+      {"write_quantized", write_quantized},
+      {"fork", fork},
+      {"prefill", prefill},
+      {"memory_waste", memory_waste},
+      {"storage_16bit", storage_16bit},
+      {"prefix_attach", prefix_attach},
+      {"prefix_hash", prefix_hash},
+      {"prefix_match", prefix_match},
+      {"prefix_eviction", prefix_eviction},
+      {"prefix_workload", prefix_workload},
+      {"prefix_workload_hybrid", prefix_workload_hybrid},
+      {"retention", retention},
+      {"save_load", save_load},
+      {"decode_with_offload", decode_with_offload},
+      {"attach_from_disk", attach_from_disk},
+      {"redis_store", redis_store},
+      {"redis_store_tls", redis_store_tls},
+      {"attach_from_redis", attach_from_redis},
 #if GHOSTLINK_BENCH_EVENTS
-        {"events_insert", events_insert}, {"events_rate", events_rate}, {"dump_pause", dump_pause},
+      {"events_insert", events_insert},
+      {"events_rate", events_rate},
+      {"dump_pause", dump_pause},
 #endif
   };
+  // clang-format on
+
   if (!opts.only.empty() && !scenarios.contains(opts.only)) {
     std::fprintf(stderr, "unknown scenario %s\n", opts.only.c_str());
     return 2;
