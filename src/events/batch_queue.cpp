@@ -70,22 +70,31 @@ std::deque<queued_batch> batch_queue::take() noexcept {
   return std::exchange(batches_, {});
 }
 
+namespace {
+
+/// The first of `batches` (spans or queued batches, in order) that ends
+/// after `event`; null if none does.
+template <class Range>
+const auto* first_ending_after(const Range& batches, std::uint64_t event) noexcept {
+  for (const auto& b : batches)
+    if (b.last_event > event) return &b;
+  return static_cast<const typename Range::value_type*>(nullptr);
+}
+
+}  // namespace
+
 std::optional<std::uint64_t> batch_queue::first_after(std::uint64_t event) noexcept {
   std::lock_guard lock(mutex_);
   open_ = false;
   // Every event is in some batch, in order: the first batch recorded that
   // ends after `event` starts right after it, unless the batch between was
   // never recorded (older than the spans kept, or memory refused).
-  const auto first = [&](std::uint64_t seq, std::uint64_t first_event,
-                         std::uint64_t last_event) -> std::optional<std::optional<std::uint64_t>> {
-    if (last_event <= event) return std::nullopt;
-    if (first_event > event + 1) return std::optional<std::uint64_t>();
-    return std::optional<std::uint64_t>(seq);
+  const auto starts_after = [&](const auto& b) -> std::optional<std::uint64_t> {
+    if (b.first_event > event + 1) return std::nullopt;
+    return b.seq;
   };
-  for (const span& s : spans_)
-    if (const auto r = first(s.seq, s.first_event, s.last_event)) return *r;
-  for (const queued_batch& b : batches_)
-    if (const auto r = first(b.seq, b.first_event, b.last_event)) return *r;
+  if (const auto* s = first_ending_after(spans_, event)) return starts_after(*s);
+  if (const auto* b = first_ending_after(batches_, event)) return starts_after(*b);
   if (last_event_ > event) return std::nullopt;  // in the newest batch, unrecorded
   return next_seq_;
 }
