@@ -23,8 +23,10 @@ namespace {
 
 constexpr std::size_t bt = 4;  // config().block_tokens
 
-/// What a cache-aware router keeps from the events alone: the cached hashes.
-struct event_mirror {
+/// What a cache-aware router keeps from the events alone: the cached
+/// hashes, each event checked against what came before it (the shared
+/// event_mirror keeps entries, unchecked).
+struct checked_mirror {
   std::set<kv_block_hash> hashes;
   std::string error;  // the first event that did not fit what came before
   void apply(const kv_prefix_event& e) {
@@ -453,7 +455,7 @@ TEST_CASE("events: stored with parents in block order, removed tail first; a mir
       {kind::stored, hp[0]},  {kind::stored, hp[1]},  {kind::stored, hp[2]}, {kind::removed, hp[2]},
       {kind::removed, hp[1]}, {kind::removed, hp[0]}, {kind::stored, hq[0]}, {kind::stored, hq[1]},
       {kind::stored, hq[2]},  {kind::cleared, {}}};
-  event_mirror mirror;
+  checked_mirror mirror;
   for (std::size_t i = 0; i < expected.size(); ++i) {
     INFO("event " << i);
     const kv_prefix_event& e = log.events[i];
